@@ -1,0 +1,5 @@
+import sys
+
+from hybridrec.cli import main
+
+sys.exit(main())
