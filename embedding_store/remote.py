@@ -1,0 +1,377 @@
+"""Remote shards: the `Shard` protocol over Arrow Flight, and server address lists.
+
+`connect(addresses, tables)` asks every server which shards it hosts, checks that
+together they host each of `num_shards` exactly once with the same table configs,
+and returns one `RemoteShard` per shard index in order. Hand them to the store
+and nothing else changes: routing stays `route_hash(id) % num_shards` in the
+client, and every shard request is one Flight call carrying all its tables.
+
+Example:
+    shards = connect("10.0.0.5:7001,10.0.0.6:7001", tables, token=secret)
+    store = EmbeddingStore(tables, num_shards=len(shards), shards=shards)
+
+Faults: a call that cannot reach its server is retried with exponential backoff
+until `retry_timeout` seconds have passed, then fails with `ServerUnavailableError`
+naming the address. Updates carry (client id, sequence number), so an update whose
+reply was lost is applied once when retried. When a server comes back as a new
+process (restarted from its last checkpoint), the client notices the new
+incarnation, logs what was lost and carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow.flight as flight
+
+from embedding_store import _wire
+from embedding_store.server import AUTH_HEADER, TOKEN_ENV, table_fingerprint
+from hybridrec.errors import UserError
+
+SERVERS_ENV = "HYBRIDREC_EMBEDDING_SERVERS"
+DEFAULT_RETRY_TIMEOUT = 60.0
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "the server is not there right now"; anything else is an answer.
+_RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError, ConnectionError)
+
+
+class RemoteShardError(UserError):
+    """A server refused a request, or the servers do not form a valid shard set."""
+
+
+class ServerUnavailableError(RemoteShardError):
+    """A server did not answer within the retry timeout."""
+
+
+def parse_addresses(value: str | Sequence[str]) -> list[str]:
+    """Normalizes "h1:p1,h2:p2" or a list of "host:port" / "grpc://host:port" strings.
+
+    Returns:
+        Flight URIs ("grpc://host:port"), in the given order.
+    """
+    items = value.split(",") if isinstance(value, str) else list(value)
+    addresses = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        uri = item if "://" in item else f"grpc://{item}"
+        host_port = uri.split("://", 1)[1]
+        host, sep, port = host_port.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise RemoteShardError(f"embedding server address {item!r} is not host:port")
+        addresses.append(uri)
+    if not addresses:
+        raise RemoteShardError("the embedding server address list is empty")
+    if len(set(addresses)) != len(addresses):
+        raise RemoteShardError(f"embedding server address list repeats an address: {value!r}")
+    return addresses
+
+
+def resolve_addresses(value: str | Sequence[str] | None = None) -> list[str] | None:
+    """The address list from `value` (flag or config), else $HYBRIDREC_EMBEDDING_SERVERS.
+
+    Returns None when neither is set: the store then uses in-process shards.
+    """
+    if value:
+        return parse_addresses(value)
+    env = os.environ.get(SERVERS_ENV, "").strip()
+    return parse_addresses(env) if env else None
+
+
+class ServerConnection:
+    """One Flight client to one server, shared by the RemoteShards it hosts.
+
+    Args:
+        address: "grpc://host:port".
+        token: shared secret, or None.
+        retry_timeout: seconds to keep retrying an unreachable server before failing.
+        call_timeout: seconds one attempt may take before it is abandoned and retried.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
+        call_timeout: float = 120.0,
+    ):
+        self.address = address
+        self.retry_timeout = retry_timeout
+        headers = [(AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token else []
+        self._options = flight.FlightCallOptions(timeout=call_timeout, headers=headers)
+        self._client = flight.FlightClient(address)
+        self._client_id = uuid.uuid4().hex
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.health: dict[str, Any] = {}
+        self.restarts = 0
+
+    def next_seq(self) -> int:
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
+    def call(self, attempt, what: str):
+        """Runs `attempt(client, options)`, retrying while the server is unreachable."""
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.05
+        failed = False
+        while True:
+            try:
+                if failed:
+                    self._check_incarnation()
+                return attempt(self._client, self._options)
+            except _RETRYABLE as error:
+                failed = True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ServerUnavailableError(
+                        f"embedding server {self.address} did not answer {what} for "
+                        f"{self.retry_timeout:g} s (retry_timeout): {_first_line(error)}"
+                    ) from None
+                log.debug("%s: %s failed (%s); retrying", self.address, what, error)
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 2.0)
+            except flight.FlightUnauthenticatedError:
+                raise RemoteShardError(
+                    f"embedding server {self.address} refused the token "
+                    f"(set the same secret on both sides, e.g. ${TOKEN_ENV})"
+                ) from None
+            except flight.FlightError as error:
+                raise RemoteShardError(
+                    f"embedding server {self.address}: {what}: {_first_line(error)}"
+                ) from None
+
+    def action(self, kind: str, body: Mapping[str, Any] | None = None, *, retry: bool = True):
+        payload = json.dumps(body or {}).encode()
+
+        def attempt(client, options):
+            results = list(client.do_action(flight.Action(kind, payload), options))
+            return json.loads(results[0].body.to_pybytes()) if results else None
+
+        if not retry:
+            return attempt(self._client, self._options)
+        return self.call(attempt, kind)
+
+    def handshake(self) -> dict[str, Any]:
+        self.health = self.call(
+            lambda client, options: json.loads(
+                next(
+                    iter(client.do_action(flight.Action("health", b""), options))
+                ).body.to_pybytes()
+            ),
+            "health",
+        )
+        return self.health
+
+    def _check_incarnation(self) -> None:
+        """After a failure: if the server is a new process, say what that means and go on."""
+        before = self.health
+        health = self.action("health", retry=False)
+        if before and health.get("incarnation") != before.get("incarnation"):
+            self.restarts += 1
+            if health.get("shards") != before.get("shards") or health.get(
+                "fingerprint"
+            ) != before.get("fingerprint"):
+                raise RemoteShardError(
+                    f"embedding server {self.address} restarted with different shards or "
+                    f"tables: {health.get('shards')} {health.get('fingerprint')} vs "
+                    f"{before.get('shards')} {before.get('fingerprint')}"
+                )
+            restored = health.get("restored_step")
+            log.warning(
+                "embedding server %s restarted %s; updates to shards %s since then are lost",
+                self.address,
+                f"from its checkpoint at step {restored}"
+                if restored is not None
+                else "with no checkpoint (its rows start from their initial values)",
+                health.get("shards"),
+            )
+        self.health = health
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+class RemoteShard:
+    """One shard index hosted by a server, implementing the store's Shard protocol.
+
+    Args:
+        connection: the server's connection (shared with its other shards).
+        index: global shard index.
+        table_dims: table name -> dim, to shape lookup results.
+    """
+
+    def __init__(self, connection: ServerConnection, index: int, table_dims: Mapping[str, int]):
+        self.connection = connection
+        self.index = index
+        self.table_dims = dict(table_dims)
+
+    @property
+    def address(self) -> str:
+        return self.connection.address
+
+    def lookup(self, requests: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Rows for each table's ids, in one call: table -> [n, dim] float32 (read-only)."""
+        if not requests:
+            return {}
+        header = _wire.encode_header(_wire.Header(op=_wire.LOOKUP, shard=self.index))
+        descriptor = flight.FlightDescriptor.for_command(header)
+        batches = list(_wire.lookup_batches(requests))
+
+        def attempt(client, options):
+            writer, reader = client.do_exchange(descriptor, options)
+            try:
+                writer.begin(_wire.IDS_SCHEMA)
+                for batch, table in batches:
+                    writer.write_with_metadata(batch, table)
+                writer.done_writing()
+                rows = {}
+                for table, ids in requests.items():
+                    chunk = reader.read_chunk()
+                    rows[table] = _wire.decode_values(
+                        chunk.data, chunk.app_metadata, table, len(ids), self.table_dims[table]
+                    )
+                return rows
+            finally:
+                writer.close()
+
+        return self.connection.call(attempt, f"lookup on shard {self.index}")
+
+    def apply_gradients(self, updates: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Sends every table's (ids [n], grads [n, dim]) in one call; returns once applied."""
+        if not updates:
+            return
+        header = _wire.Header(
+            op=_wire.APPLY,
+            shard=self.index,
+            client=self.connection._client_id,
+            seq=self.connection.next_seq(),
+        )
+        descriptor = flight.FlightDescriptor.for_command(_wire.encode_header(header))
+        batches = list(_wire.apply_batches(updates))
+
+        def attempt(client, options):
+            writer, reader = client.do_exchange(descriptor, options)
+            try:
+                writer.begin(_wire.APPLY_SCHEMA)
+                for batch, table in batches:
+                    writer.write_with_metadata(batch, table)
+                writer.done_writing()
+                chunk = reader.read_chunk()
+                return _wire.decode_json(chunk.app_metadata, "apply reply")
+            finally:
+                writer.close()
+
+        self.connection.call(attempt, f"update on shard {self.index}")
+
+    def set_step(self, step: int) -> None:
+        self.connection.action("set_step", {"step": int(step)})
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.connection.action("stats")
+        shard = dict(stats["shards"].get(str(self.index), {}))
+        shard["server"] = {
+            key: stats[key]
+            for key in ("latency", "pending_updates", "oldest_pending_update_ms", "counters")
+        }
+        shard["server"]["address"] = self.address
+        return shard
+
+    def write_checkpoint(self, url: str, step: int, shard_index: int) -> dict[str, Any]:
+        if shard_index != self.index:
+            raise RemoteShardError(
+                f"shard {self.index} at {self.address} asked to write part {shard_index}"
+            )
+        return self.connection.action(
+            "checkpoint", {"url": url, "step": int(step), "shard": self.index}
+        )
+
+    def close(self) -> None:
+        """Closes the client side only; the server keeps its rows for the next trainer."""
+        self.connection.close()
+
+
+def connect(
+    addresses: str | Sequence[str] | None,
+    tables: Sequence[Any],
+    *,
+    token: str | None = None,
+    retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
+) -> list[RemoteShard]:
+    """Connects to shard servers and returns their shards ordered by global index.
+
+    Args:
+        addresses: "host:port,..." or a list; None reads $HYBRIDREC_EMBEDDING_SERVERS.
+        tables: the TableConfigs the client uses; every server must host the same.
+        token: shared secret; None reads $HYBRIDREC_EMBEDDING_TOKEN (unset: no token).
+        retry_timeout: seconds to wait for an unreachable server (also at startup).
+
+    Raises:
+        RemoteShardError: no addresses; a server unreachable within `retry_timeout`;
+            servers disagreeing on the table configs or the shard count; a shard
+            hosted twice or by no server.
+    """
+    uris = resolve_addresses(addresses)
+    if uris is None:
+        raise RemoteShardError(f"no embedding server addresses (flag, config or ${SERVERS_ENV})")
+    token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+    expected_fingerprint = table_fingerprint(tables)
+    table_dims = {table.name: int(table.dim) for table in tables}
+    connections = [ServerConnection(uri, token=token, retry_timeout=retry_timeout) for uri in uris]
+    owner: dict[int, ServerConnection] = {}
+    num_shards = None
+    try:
+        for connection in connections:
+            health = connection.handshake()
+            where = f"embedding server {connection.address}"
+            if health.get("fingerprint") != expected_fingerprint:
+                raise RemoteShardError(
+                    f"{where} hosts different table configs (fingerprint "
+                    f"{health.get('fingerprint')}, tables {health.get('tables')}) than this "
+                    f"client (fingerprint {expected_fingerprint}, tables {table_dims})"
+                )
+            if num_shards is None:
+                num_shards = health["num_shards"]
+            elif health["num_shards"] != num_shards:
+                raise RemoteShardError(
+                    f"{where} says num_shards={health['num_shards']}, "
+                    f"{connections[0].address} says {num_shards}"
+                )
+            for index in health["shards"]:
+                if index in owner:
+                    raise RemoteShardError(
+                        f"shard {index} is hosted by both {owner[index].address} and "
+                        f"{connection.address}"
+                    )
+                owner[index] = connection
+        missing = sorted(set(range(num_shards)) - set(owner))
+        if missing:
+            raise RemoteShardError(
+                f"no server in {', '.join(uris)} hosts shard(s) {missing} of {num_shards}"
+            )
+    except BaseException:
+        for connection in connections:
+            connection.close()
+        raise
+    return [RemoteShard(owner[index], index, table_dims) for index in range(num_shards)]
