@@ -1,0 +1,383 @@
+"""Streaming, resumable training input from the Parquet shards of `hybridrec preprocess`.
+
+Each reader walks its share of the files one row group at a time, never a whole
+split. Shuffling is exact and resumable without saving any buffered rows:
+
+* every epoch permutes the reader's row groups with `rng(seed, epoch)`;
+* consecutive row groups are gathered into *windows* of at least `shuffle_buffer`
+  rows, and each window's rows are permuted with `rng(seed, epoch, window)`;
+* batches are cut from the concatenation of the permuted windows.
+
+So the position after any batch is just `(epoch, window, offset)`: on resume the
+reader re-reads that window's row groups, recomputes its permutation and skips
+`offset` rows. Memory is bounded by one window (plus one batch).
+
+Batches have a static shape (the jitted step compiles once): training drops the
+last partial batch of an epoch, evaluation pads it and marks the padding rows
+invalid. Every reader of one job yields the same number of batches, so processes
+of a multi-host job always call the collective step the same number of times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from hybridrec.errors import UserError
+
+try:  # the store's ragged id type, when the embedding store is installed
+    from embedding_store import RaggedIds
+except ImportError:  # pragma: no cover - only while the store is absent
+
+    @dataclasses.dataclass(frozen=True)
+    class RaggedIds:  # type: ignore[no-redef]
+        values: np.ndarray
+        offsets: np.ndarray
+
+
+FeatureIds = np.ndarray | RaggedIds
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+    """Where a reader resumes: the next row is row `offset` of window `window` of `epoch`."""
+
+    epoch: int = 0  # epoch of the next row
+    window: int = 0  # index of the shuffle window in this epoch's order
+    offset: int = 0  # rows of that window already consumed
+    batches: int = 0  # batches produced since the start of training
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DataPosition:
+        return cls(**{f.name: int(data[f.name]) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass
+class Batch:
+    """One local batch.
+
+    Attributes:
+        dense: [batch, num_dense] float32.
+        labels: [batch] float32.
+        ids: feature name -> [batch] uint64 (single-valued) or RaggedIds with
+            `batch + 1` offsets (multi-valued).
+        valid: [batch] bool; False marks padding rows (evaluation only).
+        position: the reader position after this batch (what a checkpoint saves).
+    """
+
+    dense: np.ndarray
+    labels: np.ndarray
+    ids: dict[str, FeatureIds]
+    valid: np.ndarray
+    position: DataPosition
+
+    @property
+    def size(self) -> int:
+        return int(self.labels.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    label: str
+    dense: tuple[str, ...]
+    single: tuple[str, ...]
+    multi: tuple[str, ...]
+
+    @property
+    def all(self) -> list[str]:
+        return [self.label, *self.dense, *self.single, *self.multi]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowGroup:
+    file: int
+    index: int
+    rows: int
+
+
+# Tables of rows in memory: label [n], dense [n, d], ids name -> array | (values, offsets).
+_Rows = dict[str, Any]
+
+
+def _ragged_take(values: np.ndarray, offsets: np.ndarray, index: np.ndarray) -> RaggedIds:
+    lengths = (offsets[1:] - offsets[:-1])[index]
+    new_offsets = np.zeros(len(index) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new_offsets[1:])
+    starts = offsets[:-1][index]
+    # position of every output value in `values`: start of its row + rank inside the row
+    gather = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
+    return RaggedIds(values=values[gather], offsets=new_offsets)
+
+
+def _ragged_concat(parts: Sequence[RaggedIds]) -> RaggedIds:
+    values = np.concatenate([p.values for p in parts])
+    offsets = [np.zeros(1, dtype=np.int64)]
+    base = 0
+    for part in parts:
+        offsets.append(part.offsets[1:] + base)
+        base += int(part.offsets[-1])
+    return RaggedIds(values=values, offsets=np.concatenate(offsets))
+
+
+def _take(rows: _Rows, index: np.ndarray) -> _Rows:
+    out: _Rows = {"label": rows["label"][index], "dense": rows["dense"][index], "ids": {}}
+    for name, ids in rows["ids"].items():
+        out["ids"][name] = (
+            ids[index]
+            if isinstance(ids, np.ndarray)
+            else _ragged_take(ids.values, ids.offsets, index)
+        )
+    return out
+
+
+def _concat(parts: Sequence[_Rows]) -> _Rows:
+    if len(parts) == 1:
+        return parts[0]
+    out: _Rows = {
+        "label": np.concatenate([p["label"] for p in parts]),
+        "dense": np.concatenate([p["dense"] for p in parts]),
+        "ids": {},
+    }
+    for name, first in parts[0]["ids"].items():
+        chunks = [p["ids"][name] for p in parts]
+        out["ids"][name] = (
+            np.concatenate(chunks) if isinstance(first, np.ndarray) else _ragged_concat(chunks)
+        )
+    return out
+
+
+def _padding(columns: _Columns, rows: int) -> _Rows:
+    ids: dict[str, FeatureIds] = {name: np.zeros(rows, np.uint64) for name in columns.single}
+    for name in columns.multi:
+        ids[name] = RaggedIds(values=np.zeros(0, np.uint64), offsets=np.zeros(rows + 1, np.int64))
+    return {
+        "label": np.zeros(rows, np.float32),
+        "dense": np.zeros((rows, len(columns.dense)), np.float32),
+        "ids": ids,
+    }
+
+
+def _rows_from_arrow(table: pa.Table, columns: _Columns, where: str) -> _Rows:
+    try:
+        dense = (
+            np.stack(
+                [
+                    table.column(name).to_numpy().astype(np.float32, copy=False)
+                    for name in columns.dense
+                ],
+                axis=1,
+            )
+            if columns.dense
+            else np.zeros((table.num_rows, 0), np.float32)
+        )
+        ids: dict[str, FeatureIds] = {}
+        for name in columns.single:
+            ids[name] = table.column(name).to_numpy().astype(np.uint64, copy=False)
+        for name in columns.multi:
+            array = table.column(name).combine_chunks()
+            lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
+            offsets = np.zeros(len(lengths) + 1, np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            values = array.flatten().to_numpy().astype(np.uint64, copy=False)
+            ids[name] = RaggedIds(values=values, offsets=offsets)
+        label = table.column(columns.label).to_numpy().astype(np.float32, copy=False)
+    except (KeyError, pa.ArrowInvalid, ValueError) as error:
+        raise UserError(f"{where}: unexpected column layout: {error}") from None
+    return {"label": label, "dense": dense, "ids": ids}
+
+
+class ParquetReader:
+    """Yields static-shape batches from a share of a split's Parquet files.
+
+    Example:
+        reader = ParquetReader(files, label="label", dense=["I1"], single=["C1"],
+                               batch_size=512, seed=0, shard_index=jax.process_index(),
+                               shard_count=jax.process_count())
+        for batch in reader.batches(num_batches=reader.batches_per_epoch * 2):
+            ...
+
+    Args:
+        files: every file of the split (all readers get the same list).
+        label, dense, single, multi: column names (multi = list<uint64> columns).
+        batch_size: rows per batch of this reader.
+        seed: shuffling seed; equal seeds give equal streams.
+        shuffle_buffer: minimum rows per shuffle window; 0 disables shuffling.
+        shard_index, shard_count: this reader reads files[shard_index::shard_count].
+        pad_final: pad the last partial batch (evaluation) instead of dropping it.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str | Path],
+        *,
+        label: str,
+        dense: Sequence[str],
+        single: Sequence[str],
+        multi: Sequence[str] = (),
+        batch_size: int,
+        seed: int = 0,
+        shuffle_buffer: int = 0,
+        shard_index: int = 0,
+        shard_count: int = 1,
+        pad_final: bool = False,
+    ):
+        if batch_size <= 0:
+            raise UserError(f"batch size must be positive, got {batch_size}")
+        all_files = [Path(f) for f in files]
+        if len(all_files) < shard_count:
+            raise UserError(
+                f"{len(all_files)} data files cannot be shared by {shard_count} readers; "
+                "write at least one file per process (preprocess --num-shards)"
+            )
+        self.columns = _Columns(label, tuple(dense), tuple(single), tuple(multi))
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer
+        self.pad_final = pad_final
+        self.files = all_files[shard_index::shard_count]
+        rows_per_shard = []
+        self._row_groups: list[_RowGroup] = []
+        for shard in range(shard_count):
+            shard_groups = []
+            for position, path in enumerate(all_files[shard::shard_count]):
+                try:
+                    metadata = pq.ParquetFile(path).metadata
+                except (OSError, pa.ArrowInvalid) as error:
+                    raise UserError(f"{path}: cannot read Parquet footer: {error}") from None
+                shard_groups += [
+                    _RowGroup(position, i, metadata.row_group(i).num_rows)
+                    for i in range(metadata.num_row_groups)
+                ]
+            rows_per_shard.append(sum(g.rows for g in shard_groups))
+            if shard == shard_index:
+                self._row_groups = [g for g in shard_groups if g.rows > 0]
+        self.rows = rows_per_shard[shard_index]
+        # Every reader of the job yields the same number of batches per epoch.
+        if pad_final:
+            self.batches_per_epoch = max(-(-r // batch_size) for r in rows_per_shard)
+        else:
+            self.batches_per_epoch = min(r // batch_size for r in rows_per_shard)
+        if self.batches_per_epoch == 0:
+            raise UserError(
+                f"split has fewer rows per reader ({min(rows_per_shard)}) than one batch "
+                f"({batch_size}); lower data.batch_size or add data"
+            )
+        self._handles: dict[int, pq.ParquetFile] = {}
+        self._lock = threading.Lock()
+
+    def _epoch_windows(self, epoch: int) -> list[list[_RowGroup]]:
+        groups = list(self._row_groups)
+        if self.shuffle_buffer > 0:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(groups))
+            groups = [groups[i] for i in order]
+        windows: list[list[_RowGroup]] = []
+        current: list[_RowGroup] = []
+        rows = 0
+        for group in groups:
+            current.append(group)
+            rows += group.rows
+            if rows >= self.shuffle_buffer:
+                windows.append(current)
+                current, rows = [], 0
+        if current:
+            windows.append(current)
+        return windows
+
+    def _read_group(self, group: _RowGroup) -> _Rows:
+        path = self.files[group.file]
+        with self._lock:
+            handle = self._handles.get(group.file)
+            if handle is None:
+                handle = self._handles[group.file] = pq.ParquetFile(path)
+        try:
+            table = handle.read_row_group(group.index, columns=self.columns.all)
+        except (OSError, pa.ArrowInvalid) as error:
+            raise UserError(f"{path}: row group {group.index}: {error}") from None
+        return _rows_from_arrow(table, self.columns, f"{path} row group {group.index}")
+
+    def _read_window(self, epoch: int, index: int, groups: list[_RowGroup]) -> _Rows:
+        rows = _concat([self._read_group(g) for g in groups])
+        if self.shuffle_buffer > 0:
+            count = len(rows["label"])
+            rows = _take(rows, np.random.default_rng([self.seed, epoch, index]).permutation(count))
+        return rows
+
+    def batches(
+        self, num_batches: int | None = None, position: DataPosition | None = None
+    ) -> Iterator[Batch]:
+        """Yields batches from `position` (default: the start) until `num_batches` in total.
+
+        `num_batches` counts from the start of training (position.batches), so a
+        resumed stream ends where the uninterrupted one would. None: one epoch.
+        """
+        position = position or DataPosition()
+        if num_batches is None:
+            num_batches = self.batches_per_epoch
+        epoch, window, offset, produced = (
+            position.epoch,
+            position.window,
+            position.offset,
+            position.batches,
+        )
+        in_epoch = produced - epoch * self.batches_per_epoch if self.batches_per_epoch else 0
+        pending: list[_Rows] = []
+        pending_rows = 0
+        while produced < num_batches:
+            if in_epoch >= self.batches_per_epoch:
+                epoch, window, offset, in_epoch = epoch + 1, 0, 0, 0
+                pending, pending_rows = [], 0  # leftover rows of an epoch are dropped
+                continue
+            windows = self._epoch_windows(epoch)
+            if window >= len(windows):  # epoch's rows exhausted: pad (eval) the last batch
+                missing = self.batch_size - pending_rows
+                rows = _concat([*pending, _padding(self.columns, missing)])
+                valid = np.arange(self.batch_size) < pending_rows
+                pending, pending_rows = [], 0
+                produced += 1
+                in_epoch += 1
+                yield self._batch(rows, valid, DataPosition(epoch, window, 0, produced))
+                continue
+            rows = self._read_window(epoch, window, windows[window])
+            count = len(rows["label"])
+            while offset < count and produced < num_batches:
+                take = min(self.batch_size - pending_rows, count - offset)
+                pending.append(_take(rows, np.arange(offset, offset + take)))
+                pending_rows += take
+                offset += take
+                if pending_rows == self.batch_size:
+                    batch_rows = _concat(pending)
+                    pending, pending_rows = [], 0
+                    produced += 1
+                    in_epoch += 1
+                    next_window, next_offset = (
+                        (window, offset) if offset < count else (window + 1, 0)
+                    )
+                    yield self._batch(
+                        batch_rows,
+                        np.ones(self.batch_size, bool),
+                        DataPosition(epoch, next_window, next_offset, produced),
+                    )
+                    if in_epoch >= self.batches_per_epoch:
+                        break
+            if in_epoch < self.batches_per_epoch and offset >= count:
+                window, offset = window + 1, 0
+
+    def _batch(self, rows: _Rows, valid: np.ndarray, position: DataPosition) -> Batch:
+        return Batch(
+            dense=np.ascontiguousarray(rows["dense"], np.float32),
+            labels=np.ascontiguousarray(rows["label"], np.float32),
+            ids=dict(rows["ids"]),
+            valid=valid,
+            position=position,
+        )

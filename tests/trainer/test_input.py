@@ -1,0 +1,104 @@
+"""The Parquet input stream: exact coverage, shuffling by seed, static shapes, exact resume."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hybridrec.errors import UserError
+from model.input import ParquetReader
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """3 files, 3411 rows; row r has label r, C1 = r and a multi-valued M = [r] * (r % 3)."""
+    directory = tmp_path_factory.mktemp("parquet")
+    paths, start = [], 0
+    for index, rows in enumerate((1000, 1137, 1274)):
+        values = np.arange(start, start + rows)
+        table = pa.table(
+            {
+                "label": values.astype(np.float32),
+                "I1": (values * 0.5).astype(np.float32),
+                "C1": values.astype(np.uint64),
+                "M": pa.array([[v] * (v % 3) for v in values], type=pa.list_(pa.uint64())),
+            }
+        )
+        path = directory / f"part-{index}.parquet"
+        pq.write_table(table, path, row_group_size=300)
+        paths.append(path)
+        start += rows
+    return paths
+
+
+def _reader(files, **kwargs):
+    defaults = dict(label="label", dense=["I1"], single=["C1"], multi=["M"], batch_size=64)
+    return ParquetReader(files, **{**defaults, **kwargs})
+
+
+def _check_rows(batch):
+    assert batch.dense.shape == (64, 1) and batch.labels.shape == (64,)
+    assert batch.dense.dtype == np.float32 and batch.ids["C1"].dtype == np.uint64
+    np.testing.assert_array_equal(batch.ids["C1"].astype(np.float32), batch.labels)
+    np.testing.assert_array_equal(batch.dense[:, 0], batch.labels * 0.5)
+    ragged = batch.ids["M"]
+    lengths = np.diff(ragged.offsets)
+    np.testing.assert_array_equal(lengths, batch.labels.astype(int) % 3)
+    np.testing.assert_array_equal(
+        ragged.values.astype(np.float32), np.repeat(batch.labels, lengths)
+    )
+
+
+def test_epoch_is_a_shuffled_permutation_without_repeats(files):
+    reader = _reader(files, seed=1, shuffle_buffer=500)
+    assert reader.rows == 3411 and reader.batches_per_epoch == 3411 // 64
+    batches = list(reader.batches())
+    for batch in batches:
+        _check_rows(batch)
+    labels = np.concatenate([b.labels for b in batches])
+    assert len(np.unique(labels)) == len(labels) == 53 * 64
+    assert not np.all(np.diff(labels) > 0)  # shuffled
+    again = np.concatenate([b.labels for b in _reader(files, seed=1, shuffle_buffer=500).batches()])
+    other = np.concatenate([b.labels for b in _reader(files, seed=2, shuffle_buffer=500).batches()])
+    np.testing.assert_array_equal(labels, again)
+    assert not np.array_equal(labels, other)
+
+
+@pytest.mark.parametrize("cut", [1, 7, 52, 53, 70])
+def test_resume_from_any_position_continues_the_same_stream(files, cut):
+    reader = _reader(files, seed=3, shuffle_buffer=700)
+    total = reader.batches_per_epoch * 2
+    stream = list(reader.batches(num_batches=total))
+    assert len(stream) == total
+    resumed = list(
+        _reader(files, seed=3, shuffle_buffer=700).batches(total, stream[cut - 1].position)
+    )
+    assert len(resumed) == total - cut
+    for expected, got in zip(stream[cut:], resumed, strict=True):
+        np.testing.assert_array_equal(expected.labels, got.labels)
+        np.testing.assert_array_equal(expected.ids["M"].values, got.ids["M"].values)
+    # the second epoch is a different order of the same rows
+    first = np.concatenate([b.labels for b in stream[:53]])
+    second = np.concatenate([b.labels for b in stream[53:]])
+    assert not np.array_equal(first, second)
+
+
+def test_sharded_eval_readers_pad_and_cover_every_row_once(files):
+    readers = [_reader(files, pad_final=True, shard_index=i, shard_count=2) for i in range(2)]
+    assert readers[0].batches_per_epoch == readers[1].batches_per_epoch
+    seen = []
+    for reader in readers:
+        batches = list(reader.batches())
+        assert len(batches) == reader.batches_per_epoch
+        for batch in batches:
+            assert batch.labels.shape == (64,) and len(batch.ids["M"].offsets) == 65
+            seen.append(batch.labels[batch.valid])
+    seen = np.sort(np.concatenate(seen))
+    np.testing.assert_array_equal(seen, np.arange(3411))
+
+
+def test_too_few_rows_for_one_batch_is_a_user_error(files):
+    with pytest.raises(UserError, match="fewer rows"):
+        _reader(files[:1], batch_size=4096)
+    with pytest.raises(UserError, match="cannot be shared"):
+        _reader(files, shard_index=0, shard_count=4)
