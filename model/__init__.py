@@ -1,0 +1,66 @@
+"""Dense side of hybridrec: Flax towers and the synchronous sharded train step.
+
+Public API (see docs/model.md):
+    ModelConfig, DLRMConfig, DCNv2Config, MLPConfig, DenseOptimizerConfig, MeshConfig
+    make_mesh, maybe_initialize_distributed, make_global_batch, local_rows
+    create_train_state, abstract_train_state, TrainState
+    make_train_step, make_eval_step, train_step, eval_step, fetch_metrics, NonFiniteLossError
+    StreamingMetrics, build_tower, forward_flops_per_example
+"""
+
+from model.config import (
+    DATA_AXIS,
+    MODEL_AXIS,
+    DCNv2Config,
+    DenseOptimizerConfig,
+    DLRMConfig,
+    MeshConfig,
+    MLPConfig,
+    ModelConfig,
+)
+from model.distributed import local_rows, make_global_batch, maybe_initialize_distributed
+from model.metrics import StreamingMetrics
+from model.sharding import make_mesh
+from model.towers import build_tower, forward_flops_per_example
+from model.train_step import (
+    NonFiniteLossError,
+    ShardedStep,
+    TrainState,
+    abstract_train_state,
+    create_train_state,
+    eval_step,
+    fetch_metrics,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+    train_step,
+)
+
+__all__ = [
+    "DATA_AXIS",
+    "MODEL_AXIS",
+    "DCNv2Config",
+    "DLRMConfig",
+    "DenseOptimizerConfig",
+    "MLPConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "NonFiniteLossError",
+    "ShardedStep",
+    "StreamingMetrics",
+    "TrainState",
+    "abstract_train_state",
+    "build_tower",
+    "create_train_state",
+    "eval_step",
+    "fetch_metrics",
+    "forward_flops_per_example",
+    "local_rows",
+    "make_eval_step",
+    "make_global_batch",
+    "make_mesh",
+    "make_optimizer",
+    "make_train_step",
+    "maybe_initialize_distributed",
+    "train_step",
+]

@@ -1,0 +1,183 @@
+"""Configs of the dense side: tower shape, dense optimizer, device mesh.
+
+All are frozen keyword-only dataclasses read with `hybridrec.config.from_dict` /
+`hybridrec.config.load`; every field says what it does and its unit.
+
+Example (TOML):
+    [model]
+    tower = "dlrm"
+    compute_dtype = "bfloat16"
+    [model.dlrm]
+    bottom_mlp = [512, 256, 64, 16]
+    top_mlp = [512, 256]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+TowerName = Literal["dlrm", "dcnv2", "mlp"]
+
+# The mesh axis names; every mesh has DATA_AXIS, MODEL_AXIS is optional.
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+
+
+def _check_widths(name: str, widths: tuple[int, ...], *, allow_empty: bool = False) -> None:
+    if not widths and not allow_empty:
+        raise ValueError(f"{name} must list at least one layer width")
+    if any(width <= 0 for width in widths):
+        raise ValueError(f"{name} widths must be positive, got {list(widths)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DLRMConfig:
+    """DLRM: bottom MLP over dense features, pairwise dot interaction, top MLP."""
+
+    # widths of the bottom MLP over the dense features; the last must equal the embedding dim
+    bottom_mlp: tuple[int, ...] = (512, 256, 64, 16)
+    # hidden widths of the top MLP; a 1-unit logit layer always follows ("512-256-1" = [512, 256])
+    top_mlp: tuple[int, ...] = (512, 256)
+    # also feed each vector's dot product with itself into the top MLP (DLRM's self-interaction)
+    self_interaction: bool = False
+
+    def __post_init__(self):
+        _check_widths("dlrm.bottom_mlp", self.bottom_mlp)
+        _check_widths("dlrm.top_mlp", self.top_mlp, allow_empty=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DCNv2Config:
+    """DCN-V2 (Wang et al. 2021): cross layers x0 * (W x + b) + x beside or before a deep MLP."""
+
+    # number of cross layers
+    num_cross_layers: int = 3
+    # rank r of each cross layer's W = U V^T (d*r*2 weights instead of d*d); 0 = full rank
+    low_rank: int = 0
+    # "stacked": cross layers then the deep MLP; "parallel": both on the input, concatenated
+    structure: Literal["stacked", "parallel"] = "stacked"
+    # hidden widths of the deep MLP; a 1-unit logit layer always follows the tower
+    deep_mlp: tuple[int, ...] = (512, 256)
+
+    def __post_init__(self):
+        if self.num_cross_layers < 0:
+            raise ValueError(f"dcnv2.num_cross_layers must be >= 0, got {self.num_cross_layers}")
+        if self.low_rank < 0:
+            raise ValueError(f"dcnv2.low_rank must be >= 0 (0 = full rank), got {self.low_rank}")
+        _check_widths("dcnv2.deep_mlp", self.deep_mlp, allow_empty=True)
+        if self.num_cross_layers == 0 and not self.deep_mlp:
+            raise ValueError("dcnv2 needs at least one cross layer or one deep_mlp layer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLPConfig:
+    """A plain MLP over [dense features, flattened embeddings] (PERSIA's benchmark tower)."""
+
+    # hidden widths; a 1-unit logit layer always follows
+    hidden: tuple[int, ...] = (4096, 2048, 1024, 512, 256)
+
+    def __post_init__(self):
+        _check_widths("mlp.hidden", self.hidden)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which dense tower, its sizes, its precision and how its parameters are sharded."""
+
+    # the tower architecture; only the matching sub-table below is used
+    tower: TowerName = "dlrm"
+    # DLRM sizes (used when tower = "dlrm")
+    dlrm: DLRMConfig = dataclasses.field(default_factory=DLRMConfig)
+    # DCN-V2 sizes (used when tower = "dcnv2")
+    dcnv2: DCNv2Config = dataclasses.field(default_factory=DCNv2Config)
+    # plain MLP sizes (used when tower = "mlp")
+    mlp: MLPConfig = dataclasses.field(default_factory=MLPConfig)
+    # dtype of activations and matmuls; parameters and optimizer state are always float32
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    # logical axis name used by the layers -> mesh axis; names missing here or mapped to an
+    # axis the mesh lacks are replicated ("mlp": hidden MLP widths, "cross": DCN cross width)
+    partition_rules: tuple[tuple[str, str], ...] = (("mlp", "model"), ("cross", "model"))
+    # a parameter dimension is sharded over its mesh axis only if it has at least this many
+    # entries and divides evenly by the axis size (so only the widest layers are split)
+    min_sharded_width: int = 1024
+
+    def __post_init__(self):
+        if self.min_sharded_width < 1:
+            raise ValueError(f"min_sharded_width must be >= 1, got {self.min_sharded_width}")
+        names = [name for name, _ in self.partition_rules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"partition_rules name a logical axis twice: {names}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DenseOptimizerConfig:
+    """Optax optimizer and learning-rate schedule for the dense parameters."""
+
+    # optimizer: "sgd" (with optional momentum), "adagrad" or "adam"
+    name: Literal["sgd", "adagrad", "adam"] = "adam"
+    # peak learning rate, reached at the end of warmup (per step, unitless)
+    learning_rate: float = 1e-3
+    # steps of linear warmup from 0 to learning_rate
+    warmup_steps: int = 0
+    # schedule after warmup: "constant", or "cosine"/"linear" decay over decay_steps
+    decay: Literal["constant", "cosine", "linear"] = "constant"
+    # steps of decay after warmup (required > 0 unless decay = "constant")
+    decay_steps: int = 0
+    # learning rate at the end of decay as a fraction of learning_rate
+    final_learning_rate_factor: float = 0.0
+    # sgd momentum (0 = plain sgd)
+    momentum: float = 0.0
+    # adam first-moment decay
+    beta1: float = 0.9
+    # adam second-moment decay
+    beta2: float = 0.999
+    # adam/adagrad epsilon added to the denominator
+    epsilon: float = 1e-8
+    # adagrad initial accumulator value
+    initial_accumulator: float = 0.1
+    # clip the dense gradient to this global L2 norm before the update; 0 = no clipping
+    gradient_clip_norm: float = 0.0
+
+    def __post_init__(self):
+        if not self.learning_rate > 0 or not math.isfinite(self.learning_rate):
+            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay != "constant" and self.decay_steps <= 0:
+            raise ValueError(f"decay = {self.decay!r} needs decay_steps > 0")
+        if not 0.0 <= self.final_learning_rate_factor <= 1.0:
+            raise ValueError("final_learning_rate_factor must be within [0, 1]")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be within [0, 1), got {self.momentum}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be within [0, 1)")
+        if self.epsilon <= 0 or self.initial_accumulator < 0 or self.gradient_clip_norm < 0:
+            raise ValueError("epsilon must be > 0; initial_accumulator, gradient_clip_norm >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """The device mesh of the dense step: a data axis and an optional model axis."""
+
+    # devices per axis; -1 on one axis = all remaining devices (e.g. [-1] or [-1, 2])
+    shape: tuple[int, ...] = (-1,)
+    # axis names, ["data"] or ["data", "model"]
+    axis_names: tuple[str, ...] = (DATA_AXIS,)
+
+    def __post_init__(self):
+        if len(self.shape) != len(self.axis_names):
+            raise ValueError(
+                f"mesh shape {list(self.shape)} and axis_names {list(self.axis_names)} differ in length"
+            )
+        if self.axis_names not in ((DATA_AXIS,), (DATA_AXIS, MODEL_AXIS)):
+            raise ValueError(
+                f"mesh axis_names must be [{DATA_AXIS!r}] or [{DATA_AXIS!r}, {MODEL_AXIS!r}], "
+                f"got {list(self.axis_names)}"
+            )
+        if any(size == 0 or size < -1 for size in self.shape) or list(self.shape).count(-1) > 1:
+            raise ValueError(
+                f"mesh shape entries must be positive, with at most one -1, got {list(self.shape)}"
+            )

@@ -1,0 +1,157 @@
+"""Multi-process plumbing: one-time distributed init, global batches, this host's rows.
+
+Every process runs the same program. Each reads only its own slice of the data
+(`local_batch`, `global_batch / process_count` rows), `make_global_batch` turns the
+slices into one global array split over the mesh's data axis, and `local_rows`
+hands back this process's rows of a step output (e.g. the embedding gradients it
+must push to the store) in the order the process supplied them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from hybridrec.errors import UserError
+from model import sharding as sharding_lib
+
+log = logging.getLogger(__name__)
+
+# Environment variables read when the arguments are not given.
+COORDINATOR_ENV = "HYBRIDREC_COORDINATOR"  # host:port of process 0's coordinator service
+NUM_PROCESSES_ENV = "HYBRIDREC_NUM_PROCESSES"  # total number of processes
+PROCESS_ID_ENV = "HYBRIDREC_PROCESS_ID"  # this process' index in [0, num_processes)
+
+_initialized = False
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _detected_cluster() -> str | None:
+    """A multi-process launcher JAX can read the process layout from, if any."""
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(name in os.environ for name in slurm) and int(os.environ["SLURM_NTASKS"]) > 1:
+        return "slurm"
+    if (
+        "OMPI_MCA_orte_hnp_uri" in os.environ
+        and int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+    ):
+        return "ompi"
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return "jax environment"
+    return None
+
+
+def maybe_initialize_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    cpu_collectives: str = "gloo",
+    initialization_timeout: int = 300,
+) -> bool:
+    """Joins the multi-process JAX runtime once; returns True if running multi-process.
+
+    The layout comes from the arguments, else from HYBRIDREC_COORDINATOR /
+    HYBRIDREC_NUM_PROCESSES / HYBRIDREC_PROCESS_ID, else from a launcher JAX detects
+    by itself (Slurm, Open MPI, JAX_COORDINATOR_ADDRESS). With none of these (or a
+    single process) nothing is initialized. Calling it again is a no-op. It must run
+    before anything touches a JAX device.
+
+    Args:
+        coordinator: "host:port" of the coordinator service (run by process 0).
+        num_processes: total number of processes.
+        process_id: this process' index.
+        cpu_collectives: cross-process collectives of the CPU backend ("gloo"); other
+            backends (GPU, TPU) bring their own.
+        initialization_timeout: seconds to wait for every process to join.
+    """
+    global _initialized
+    if _initialized or jax.distributed.is_initialized():
+        _initialized = True
+        return jax.process_count() > 1
+    coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or None
+    num_processes = num_processes if num_processes is not None else _env_int(NUM_PROCESSES_ENV)
+    process_id = process_id if process_id is not None else _env_int(PROCESS_ID_ENV)
+    explicit = coordinator is not None or num_processes is not None or process_id is not None
+    if explicit:
+        if coordinator is None or num_processes is None or process_id is None:
+            raise UserError(
+                "multi-process run needs coordinator, num_processes and process_id together "
+                f"(flags or {COORDINATOR_ENV}, {NUM_PROCESSES_ENV}, {PROCESS_ID_ENV}); got "
+                f"coordinator={coordinator!r}, num_processes={num_processes}, process_id={process_id}"
+            )
+        if not 0 <= process_id < num_processes:
+            raise UserError(f"process_id {process_id} is not within [0, {num_processes})")
+        if num_processes == 1:
+            _initialized = True
+            return False
+    else:
+        cluster = _detected_cluster()
+        if cluster is None:
+            _initialized = True
+            return False
+        log.info("initializing JAX distributed runtime from the %s environment", cluster)
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=initialization_timeout,
+    )
+    _initialized = True
+    return jax.process_count() > 1
+
+
+def make_global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Assembles every process's local rows into global arrays split over the data axis.
+
+    Args:
+        local_batch: this process's rows, e.g. `embeddings` [b, F, D] f32, `dense`
+            [b, n_dense] f32, `labels` [b] f32; the same b on every process.
+        mesh: the step's mesh.
+
+    Returns:
+        The same keys as global `jax.Array`s with leading dim b * process_count, rows of
+        process p at [p*b, (p+1)*b) when each process holds a contiguous block of the data
+        axis (always true for meshes from `make_mesh`).
+    """
+    data_size = sharding_lib.data_parallel_size(mesh)
+    global_batch = {}
+    for key, array in local_batch.items():
+        array = np.asarray(array)
+        rows = array.shape[0] * jax.process_count()
+        if rows % data_size:
+            raise UserError(
+                f"global batch of {rows} rows ({key}) does not divide by the mesh's data axis "
+                f"({data_size} devices); pick a batch size that is a multiple of it"
+            )
+        sharding = sharding_lib.batch_sharding(mesh, array.ndim)
+        global_batch[key] = jax.make_array_from_process_local_data(sharding, array)
+    return global_batch
+
+
+def local_rows(global_array: jax.Array) -> np.ndarray:
+    """This process's rows of a data-split global array, in its local-batch order (host copy).
+
+    Shards replicated over the model axis are taken once.
+    """
+    shards = {}
+    for shard in global_array.addressable_shards:
+        start = (shard.index[0].start or 0) if shard.index else 0
+        shards.setdefault(start, shard)
+    ordered = [shards[start] for start in sorted(shards)]
+    return np.concatenate([np.asarray(jax.device_get(shard.data)) for shard in ordered], axis=0)
