@@ -1,0 +1,315 @@
+"""Input chunks: listing, reading in line-aligned blocks, and processing one chunk.
+
+An uncompressed file is cut into byte ranges of `chunk_bytes`; a line belongs
+to the chunk holding its first byte. A compressed file (.gz) is one chunk. Each
+chunk is read in blocks of about `block_bytes` that end on a line boundary, so
+memory per worker stays bounded whatever the file size.
+
+Everything here is independent of Beam: the Beam job (`pipeline.job`) and the
+single-process benchmark baseline call the same functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import zlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+
+from hybridrec.errors import UserError
+from pipeline import hashing
+from pipeline._parse import BlockParser
+from pipeline.spec import FeatureSpec
+from pipeline.stats import PartialStats
+
+ROW_GROUP_ROWS = 65_536
+INPUT_ERROR_MARK = "hybridrec-input-error"
+
+
+class InputError(UserError):
+    """Input that stops the job (truncated gzip, header mismatch); names file and line."""
+
+    def __init__(self, message: str):
+        # The marker lets the launcher recover the message from a runner's wrapped error.
+        super().__init__(f"[{INPUT_ERROR_MARK}] {message} [/{INPUT_ERROR_MARK}]")
+        self.plain = message
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A piece of one input file; `end` < 0 means to the end of the file."""
+
+    file_index: int
+    path: str
+    chunk_index: int
+    start: int
+    end: int
+    size: int  # bytes of the file (compressed size for .gz)
+
+    @property
+    def key(self) -> str:
+        return f"{self.file_index:05d}-{self.chunk_index:05d}"
+
+    @property
+    def compressed(self) -> bool:
+        return self.path.endswith(".gz")
+
+
+def list_chunks(patterns: Sequence[str], chunk_bytes: int) -> list[Chunk]:
+    """Expands paths/globs (local or any Beam filesystem) into chunks, in input order.
+
+    Raises:
+        UserError: a pattern matches nothing, or a path is a directory.
+    """
+    chunks: list[Chunk] = []
+    file_index = 0
+    for pattern in patterns:
+        try:
+            matches = FileSystems.match([pattern])[0].metadata_list
+        except Exception as error:  # a filesystem's own error type; report the pattern
+            raise UserError(f"input {pattern}: {error}") from None
+        if not matches:
+            raise UserError(f"input {pattern}: no such file (or the glob matches nothing)")
+        for metadata in sorted(matches, key=lambda m: m.path):
+            path, size = metadata.path, metadata.size_in_bytes
+            if path.endswith(".gz") or size <= chunk_bytes:
+                chunks.append(Chunk(file_index, path, 0, 0, -1, size))
+            else:
+                starts = range(0, size, chunk_bytes)
+                for index, start in enumerate(starts):
+                    end = min(start + chunk_bytes, size)
+                    chunks.append(Chunk(file_index, path, index, start, end, size))
+            file_index += 1
+    return chunks
+
+
+def _line_aligned(reads: Iterator[bytes]) -> Iterator[bytes]:
+    carry = b""
+    for data in reads:
+        if carry:
+            data = carry + data
+        cut = data.rfind(b"\n") + 1
+        carry = data[cut:]
+        if cut:
+            yield data[:cut]
+    if carry:
+        yield carry
+
+
+def _plain_reads(chunk: Chunk, block_bytes: int, position: list[int]) -> Iterator[bytes]:
+    with FileSystems.open(chunk.path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
+        if chunk.start > 0:
+            handle.seek(chunk.start - 1)
+            if handle.read(1) != b"\n":
+                handle.readline()  # that line belongs to the previous chunk
+        pos = handle.tell()
+        end = chunk.size if chunk.end < 0 else chunk.end
+        last = b"\n"
+        while pos < end:
+            data = handle.read(min(block_bytes, end - pos))
+            if not data:
+                break
+            pos += len(data)
+            position[0] = pos
+            last = data[-1:]
+            yield data
+        if last != b"\n":
+            yield handle.readline()  # finish the line that started inside the range
+
+
+def _gzip_reads(chunk: Chunk, block_bytes: int, position: list[int]) -> Iterator[bytes]:
+    with FileSystems.open(chunk.path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+        stream = gzip.GzipFile(fileobj=raw, mode="rb")
+        lines = 0
+        while True:
+            try:
+                data = stream.read(block_bytes)
+            except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as error:
+                raise InputError(
+                    f"{chunk.path}: line {lines + 1}: compressed data is truncated or corrupt "
+                    f"({error}); re-download or remove the file"
+                ) from None
+            if not data:
+                return
+            lines += data.count(b"\n")
+            position[0] = raw.tell()
+            yield data
+
+
+def read_blocks(chunk: Chunk, block_bytes: int, position: list[int] | None = None):
+    """Yields line-aligned blocks of `chunk`; `position[0]` tracks input bytes consumed."""
+    position = position if position is not None else [0]
+    reads = _gzip_reads if chunk.compressed else _plain_reads
+    return _line_aligned(reads(chunk, block_bytes, position))
+
+
+def count_lines(chunk: Chunk, block_bytes: int) -> int:
+    """Lines in `chunk` (a last line without newline counts)."""
+    return sum(
+        block.count(b"\n") + (not block.endswith(b"\n"))
+        for block in read_blocks(chunk, block_bytes)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRule:
+    """Train/eval assignment.
+
+    `position`: the last `eval_fraction` of input lines (over all files, in input
+    order) is eval. `hash`: a line is eval when splitmix64(hash of its bytes) falls
+    in the first `eval_fraction` of the 64-bit range.
+    """
+
+    mode: str
+    eval_fraction: float
+    eval_start_line: int  # position mode: first global line index of eval
+
+    def is_eval(self, global_lines: np.ndarray, row_hashes: np.ndarray) -> np.ndarray:
+        if self.mode == "position":
+            return global_lines >= self.eval_start_line
+        threshold = np.uint64(min(int(self.eval_fraction * 2.0**64), 2**64 - 1))
+        return hashing.splitmix64(row_hashes) < threshold
+
+
+class _SplitWriter:
+    """Streams one split of one chunk into a Parquet file with ~ROW_GROUP_ROWS row groups."""
+
+    def __init__(self, path: str, schema: pa.Schema, compression: str):
+        self.path, self.schema, self.compression = path, schema, compression
+        self.pending: list[pa.Table] = []
+        self.pending_rows = 0
+        self.rows = 0
+        self.writer: pq.ParquetWriter | None = None
+
+    def write(self, table: pa.Table, final: bool = False) -> None:
+        if table.num_rows:
+            self.pending.append(table)
+            self.pending_rows += table.num_rows
+        if self.pending_rows >= ROW_GROUP_ROWS or (final and self.pending_rows):
+            merged = pa.concat_tables(self.pending).combine_chunks()
+            cut = merged.num_rows if final else merged.num_rows // ROW_GROUP_ROWS * ROW_GROUP_ROWS
+            if self.writer is None:
+                self.handle = FileSystems.create(self.path)
+                self.writer = pq.ParquetWriter(
+                    self.handle, self.schema, compression=self.compression
+                )
+            self.writer.write_table(merged.slice(0, cut), row_group_size=ROW_GROUP_ROWS)
+            self.rows += cut
+            rest = merged.slice(cut)
+            self.pending, self.pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
+
+    def close(self) -> int:
+        self.write(pa.Table.from_batches([], self.schema), final=True)
+        if self.writer is not None:
+            self.writer.close()
+            self.handle.close()
+        return self.rows
+
+
+def process_chunk(
+    chunk: Chunk,
+    *,
+    spec: FeatureSpec,
+    parser: BlockParser,
+    first_line: int,
+    global_first_line: int,
+    split: SplitRule,
+    temp_dir: str,
+    block_bytes: int,
+    compression: str = "zstd",
+    progress_path: str | None = None,
+) -> tuple[PartialStats, list[str]]:
+    """Parses, validates, hashes, splits and writes one chunk.
+
+    Args:
+        first_line: 0-based line index of the chunk's first line within its file.
+        global_first_line: the same, counted over all input files in order.
+        temp_dir: where the chunk's Parquet files go (`<split>/chunk-<key>.parquet`).
+        progress_path: optional local file updated with {"bytes", "rows"} after each block.
+
+    Returns:
+        (partial statistics, rejected rows as JSON lines).
+    """
+    stats = PartialStats()
+    rejected: list[str] = []
+    writers = {
+        name: _SplitWriter(
+            FileSystems.join(temp_dir, name, f"chunk-{chunk.key}.parquet"),
+            parser.schema,
+            compression,
+        )
+        for name in ("train", "eval")
+    }
+    position = [0]
+    line = first_line
+    header_pending = spec.header and first_line == 0
+    for block in read_blocks(chunk, block_bytes, position):
+        block_first = line
+        if header_pending:
+            header_pending = False
+            block = _strip_header(block, spec, chunk.path)
+            line += 1
+            block_first = line
+        parsed = parser.parse(block, row_hashes=split.mode == "hash")
+        line += parsed.lines
+        stats.rows_read += parsed.lines
+        stats.crlf_lines += parsed.crlf_lines
+        for offset, reason, detail, text in parsed.rejected:
+            stats.rejected_by_reason[reason] = stats.rejected_by_reason.get(reason, 0) + 1
+            rejected.append(
+                json.dumps(
+                    {
+                        "file": chunk.path,
+                        "line": block_first + offset + 1,
+                        "reason": reason,
+                        "detail": detail,
+                        "text": text,
+                    }
+                )
+            )
+        global_lines = global_first_line + (block_first - first_line) + parsed.line_offsets
+        is_eval = split.is_eval(global_lines, parsed.row_hashes)
+        for name, mask in (("train", ~is_eval), ("eval", is_eval)):
+            part = parsed.table.filter(pa.array(mask)) if not mask.all() else parsed.table
+            stats.rows_by_split[name] += part.num_rows
+            writers[name].write(part)
+            if name == "train":
+                stats.add_table(part, spec)
+        if progress_path is not None:
+            consumed = position[0] - (0 if chunk.compressed else chunk.start)
+            _write_progress(progress_path, consumed, line - first_line)
+    if line == 0 and chunk.chunk_index == 0:
+        stats.empty_files.append(chunk.path)
+    for name, writer in writers.items():
+        rows = writer.close()
+        if rows:
+            stats.files.append((name, chunk.key, rows))
+    return stats, rejected
+
+
+def _strip_header(block: bytes, spec: FeatureSpec, path: str) -> bytes:
+    end = block.find(b"\n")
+    end = len(block) if end < 0 else end
+    header = block[:end].rstrip(b"\r").decode("utf-8", errors="backslashreplace")
+    expected = spec.delimiter.join(spec.columns)
+    if header != expected:
+        raise InputError(
+            f"{path}: line 1: header {header[:200]!r} does not match spec {spec.name!r} "
+            f"columns {expected[:200]!r}"
+        )
+    return block[end + 1 :]
+
+
+def _write_progress(path: str, consumed: int, lines: int) -> None:
+    temp = f"{path}.tmp"
+    with open(temp, "w") as handle:
+        json.dump({"bytes": consumed, "lines": lines}, handle)
+    os.replace(temp, path)

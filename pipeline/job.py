@@ -1,0 +1,413 @@
+"""The preprocessing job (`hybridrec preprocess`): raw click logs -> sharded Parquet.
+
+    ListChunks -> CountLines (side input: line offsets for line numbers and the split)
+               -> ParseHashWrite (batched numpy/pyarrow per block; Parquet per chunk and split)
+                    |-> rejected rows -> OUT/rejected/*.jsonl
+                    '-> partial statistics -> CombineStats (CombineFn) -> OUT/_temporary/stats.json
+    then, on the launcher: rename chunk files to part-NNNNN-of-MMMMM.parquet in input
+    order, write metadata.json, and write _SUCCESS last.
+
+Runs on the DirectRunner with one worker process per core by default; any other
+runner (Dataflow, Flink, Spark) through standard Beam pipeline options, which are
+passed through untouched (see docs/pipeline.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import threading
+from collections.abc import Sequence
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics import Metrics
+from apache_beam.options.pipeline_options import (
+    DirectOptions,
+    PipelineOptions,
+    SdkHarnessOptions,
+    StandardOptions,
+)
+
+from hybridrec.errors import UserError
+from hybridrec.progress import Progress
+from pipeline import _chunks, hashing, metadata
+from pipeline._parse import BlockParser
+from pipeline.spec import FeatureSpec, load_spec
+from pipeline.stats import DatasetStatsFn, PartialStats
+
+TEMP_DIR = "_temporary"
+
+
+class _CountLinesFn(beam.DoFn):
+    def __init__(self, block_bytes: int):
+        self.block_bytes = block_bytes
+
+    def process(self, chunk: _chunks.Chunk):
+        yield chunk.key, _chunks.count_lines(chunk, self.block_bytes)
+
+
+class _ProcessChunkFn(beam.DoFn):
+    """Parses, validates, hashes, splits and writes one chunk; emits its statistics."""
+
+    def __init__(
+        self, spec, *, split_mode, eval_fraction, temp_dir, block_bytes, compression, progress_dir
+    ):
+        self.spec = spec
+        self.split_mode = split_mode
+        self.eval_fraction = eval_fraction
+        self.temp_dir = temp_dir
+        self.block_bytes = block_bytes
+        self.compression = compression
+        self.progress_dir = progress_dir
+        self.rows_read = Metrics.counter("preprocess", "rows_read")
+        self.rows_written = Metrics.counter("preprocess", "rows_written")
+        self.rows_rejected = Metrics.counter("preprocess", "rows_rejected")
+
+    def setup(self):
+        self.parser = BlockParser(self.spec)
+
+    def process(self, chunk: _chunks.Chunk, line_counts: dict):
+        file_lines: dict[int, int] = {}
+        before_in_file = 0
+        for key, lines in line_counts.items():
+            file_index, chunk_index = (int(part) for part in key.split("-"))
+            file_lines[file_index] = file_lines.get(file_index, 0) + lines
+            if file_index == chunk.file_index and chunk_index < chunk.chunk_index:
+                before_in_file += lines
+        before_files = sum(n for index, n in file_lines.items() if index < chunk.file_index)
+        total = sum(file_lines.values())
+        split = _chunks.SplitRule(
+            self.split_mode,
+            self.eval_fraction,
+            eval_start_line=total - int(round(total * self.eval_fraction)),
+        )
+        progress_path = (
+            os.path.join(self.progress_dir, f"chunk-{chunk.key}.json")
+            if self.progress_dir
+            else None
+        )
+        stats, rejected = _chunks.process_chunk(
+            chunk,
+            spec=self.spec,
+            parser=self.parser,
+            first_line=before_in_file,
+            global_first_line=before_files + before_in_file,
+            split=split,
+            temp_dir=self.temp_dir,
+            block_bytes=self.block_bytes,
+            compression=self.compression,
+            progress_path=progress_path,
+        )
+        self.rows_read.inc(stats.rows_read)
+        self.rows_written.inc(sum(stats.rows_by_split.values()))
+        self.rows_rejected.inc(len(rejected))
+        for line in rejected:
+            yield beam.pvalue.TaggedOutput("rejected", line)
+        yield stats
+
+
+class Preprocess(beam.PTransform):
+    """Chunks -> Parquet files under `temp_dir` + rejected rows + one combined PartialStats.
+
+    Returns:
+        {"stats": PCollection of one PartialStats, "rejected": PCollection of JSON lines}.
+    """
+
+    def __init__(
+        self,
+        spec: FeatureSpec,
+        *,
+        split_mode,
+        eval_fraction,
+        temp_dir,
+        block_bytes,
+        compression="zstd",
+        progress_dir=None,
+    ):
+        super().__init__()
+        self.spec = spec
+        self.block_bytes = block_bytes
+        self.process_fn = _ProcessChunkFn(
+            spec,
+            split_mode=split_mode,
+            eval_fraction=eval_fraction,
+            temp_dir=temp_dir,
+            block_bytes=block_bytes,
+            compression=compression,
+            progress_dir=progress_dir,
+        )
+
+    def expand(self, chunks):
+        line_counts = chunks | "CountLines" >> beam.ParDo(_CountLinesFn(self.block_bytes))
+        results = chunks | "ParseHashWrite" >> beam.ParDo(
+            self.process_fn, line_counts=beam.pvalue.AsDict(line_counts)
+        ).with_outputs("rejected", main="stats")
+        stats = results.stats | "CombineStats" >> beam.CombineGlobally(DatasetStatsFn())
+        return {"stats": stats, "rejected": results.rejected}
+
+
+def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="hybridrec preprocess",
+        description=(
+            "Raw click logs (TSV/CSV, .gz, globs) -> sharded Parquet + metadata.json. "
+            "Arguments not listed here are Beam pipeline options (e.g. --runner DataflowRunner "
+            "--project P --region R --temp_location gs://...), passed through untouched."
+        ),
+    )
+    parser.add_argument(
+        "--input", "-i", nargs="+", required=True, help="input files or globs, in order"
+    )
+    parser.add_argument(
+        "--output", "-o", required=True, help="output directory (local or gs://, s3://)"
+    )
+    parser.add_argument("--spec", default="criteo", help="built-in spec name or spec TOML file")
+    parser.add_argument("--split", choices=("position", "hash"), default="position",
+                        help="position: last --eval-fraction of input lines is eval; hash: by row hash")  # fmt: skip
+    parser.add_argument(
+        "--eval-fraction", type=float, default=0.1, help="fraction of rows for eval"
+    )
+    parser.add_argument("--chunk-mb", type=float, default=32.0,
+                        help="uncompressed input is cut into chunks of this size (MB); .gz files are one chunk each")  # fmt: skip
+    parser.add_argument("--block-mb", type=float, default=16.0, help="bytes parsed per batch (MB)")
+    parser.add_argument(
+        "--compression", choices=("zstd", "snappy"), default="zstd", help="Parquet codec"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a complete output directory"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    args, beam_args = parser.parse_known_args(list(argv))
+    if not 0.0 <= args.eval_fraction < 1.0:
+        raise UserError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    if args.chunk_mb <= 0 or args.block_mb <= 0:
+        raise UserError("--chunk-mb and --block-mb must be positive")
+    return args, beam_args
+
+
+def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
+    """Beam options from the pass-through flags; DirectRunner with all cores by default."""
+    options = PipelineOptions(list(beam_args))
+    standard = options.view_as(StandardOptions)
+    if standard.runner in (None, "DirectRunner", "direct"):
+        standard.runner = standard.runner or "DirectRunner"
+        direct = options.view_as(DirectOptions)
+        if not any(arg.startswith("--direct_running_mode") for arg in beam_args):
+            direct.direct_running_mode = "multi_processing"
+        if not any(arg.startswith("--direct_num_workers") for arg in beam_args):
+            direct.direct_num_workers = os.cpu_count() or 1
+    harness = options.view_as(SdkHarnessOptions)
+    if not any(arg.startswith("--default_sdk_harness_log_level") for arg in beam_args):
+        harness.default_sdk_harness_log_level = "WARNING"
+    return options
+
+
+def _exists(path: str) -> bool:
+    return FileSystems.exists(path)
+
+
+def _prepare_output(out: str, overwrite: bool) -> None:
+    success = FileSystems.join(out, metadata.SUCCESS_FILE)
+    if _exists(success):
+        if not overwrite:
+            raise UserError(
+                f"{out} already holds a complete dataset; pass --overwrite to replace it"
+            )
+        FileSystems.delete([success])  # from here on the directory is clearly incomplete
+    stale = [
+        FileSystems.join(out, name)
+        for name in ("metadata.json", "train", "eval", "rejected", TEMP_DIR)
+    ]
+    stale = [path for path in stale if _exists(path)]
+    if stale:
+        FileSystems.delete(stale)
+    if "://" not in out:
+        os.makedirs(out, exist_ok=True)
+
+
+def _run_with_progress(
+    pipeline: beam.Pipeline, progress_dir: str | None, total_bytes: int, quiet: bool
+):
+    """Runs the pipeline; on a local output, shows progress from the workers' progress files."""
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            pipeline.run().wait_until_finish()
+        except BaseException as error:  # re-raised on the calling thread
+            failure.append(error)
+
+    thread = threading.Thread(target=run, name="beam-pipeline", daemon=True)
+    thread.start()
+    progress = Progress("preprocess", total=max(total_bytes // 2**20, 1), unit="MB")
+    done_mb = 0
+    while thread.is_alive():
+        thread.join(timeout=1.0)
+        if progress_dir and not quiet and os.path.isdir(progress_dir):
+            consumed, lines = 0, 0
+            for name in os.listdir(progress_dir):
+                try:
+                    with open(os.path.join(progress_dir, name)) as handle:
+                        state = json.load(handle)
+                except (OSError, ValueError):
+                    continue
+                consumed += state["bytes"]
+                lines += state["lines"]
+            mb = consumed // 2**20
+            progress.update(mb - done_mb, lines=lines)
+            done_mb = mb
+    if failure:
+        error = failure[0]
+        match = re.search(
+            rf"\[{_chunks.INPUT_ERROR_MARK}\] (.*?) \[/{_chunks.INPUT_ERROR_MARK}\]",
+            str(error),
+            re.S,
+        )
+        if match:
+            raise UserError(match.group(1)) from None
+        raise error
+    return progress
+
+
+def _finalize(
+    out: str, temp_dir: str, spec: FeatureSpec, stats: PartialStats, args, options
+) -> dict:
+    """Renames chunk files into their final names, writes metadata.json, then _SUCCESS."""
+    splits = {}
+    for split in ("train", "eval"):
+        files = sorted((key, rows) for name, key, rows in stats.files if name == split)
+        sources, targets, relative = [], [], []
+        for index, (key, _) in enumerate(files):
+            name = f"{split}/part-{index:05d}-of-{len(files):05d}.parquet"
+            sources.append(FileSystems.join(temp_dir, split, f"chunk-{key}.parquet"))
+            targets.append(FileSystems.join(out, name))
+            relative.append(name)
+        if sources:
+            if "://" not in out:
+                os.makedirs(os.path.join(out, split), exist_ok=True)
+            FileSystems.rename(sources, targets)
+        splits[split] = {"rows": sum(rows for _, rows in files), "files": relative}
+    summary = stats.to_json(spec)
+    meta = {
+        "format_version": metadata.FORMAT_VERSION,
+        "hash_scheme": hashing.hash_scheme(spec.prefix_bits),
+        "spec": spec.to_json(),
+        "splits": splits,
+        "split_rule": {"mode": args.split, "eval_fraction": args.eval_fraction},
+        "inputs": list(args.input),
+        **summary,
+        "rejected_files": sorted(
+            "rejected/" + m.path.rsplit("/", 1)[-1]
+            for m in FileSystems.match([FileSystems.join(out, "rejected", "*")])[0].metadata_list
+        ),
+        "runner": options.view_as(StandardOptions).runner,
+    }
+    with FileSystems.create(FileSystems.join(out, metadata.METADATA_FILE)) as handle:
+        handle.write(json.dumps(meta, indent=1).encode())
+    FileSystems.delete([temp_dir])
+    with FileSystems.create(FileSystems.join(out, metadata.SUCCESS_FILE)) as handle:
+        handle.write(b"")
+    return meta
+
+
+def run(argv: Sequence[str] | None = None) -> dict:
+    """Runs the whole job; returns the metadata it wrote.
+
+    Raises:
+        UserError: bad flags, unknown spec, missing input, input that stops the job
+            (truncated .gz, header mismatch), an existing complete output without
+            --overwrite, or no valid rows at all. No `_SUCCESS` is written then.
+    """
+    args, beam_args = _parse_args(argv or [])
+    spec = load_spec(args.spec)
+    chunks = _chunks.list_chunks(args.input, int(args.chunk_mb * 2**20))
+    out = args.output.rstrip("/")
+    _prepare_output(out, args.overwrite)
+    temp_dir = FileSystems.join(out, TEMP_DIR)
+    local = "://" not in out
+    progress_dir = os.path.join(temp_dir, "progress") if local else None
+    if progress_dir:
+        os.makedirs(progress_dir, exist_ok=True)
+    options = pipeline_options(beam_args)
+    stats_prefix = FileSystems.join(temp_dir, "stats")
+
+    pipeline = beam.Pipeline(options=options)
+    outputs = (
+        pipeline
+        | "ListChunks" >> beam.Create(chunks)
+        | "Preprocess"
+        >> Preprocess(
+            spec,
+            split_mode=args.split,
+            eval_fraction=args.eval_fraction,
+            temp_dir=temp_dir,
+            block_bytes=int(args.block_mb * 2**20),
+            compression=args.compression,
+            progress_dir=progress_dir,
+        )
+    )
+    _ = (
+        outputs["stats"]
+        | "EncodeStats" >> beam.Map(lambda stats: _encode_stats(stats))
+        | "WriteStats"
+        >> beam.io.WriteToText(stats_prefix, shard_name_template="", file_name_suffix=".b64")
+    )
+    _ = outputs["rejected"] | "WriteRejected" >> beam.io.WriteToText(
+        FileSystems.join(out, "rejected", "rejected"), file_name_suffix=".jsonl"
+    )
+    total_bytes = sum(chunk.size if chunk.end < 0 else chunk.end - chunk.start for chunk in chunks)
+    progress = _run_with_progress(pipeline, progress_dir, total_bytes, args.quiet)
+
+    with FileSystems.open(f"{stats_prefix}.b64") as handle:
+        stats = _decode_stats(handle.read())
+    if stats.rows_read == 0:
+        raise UserError(f"no input rows: every input file is empty ({', '.join(args.input)})")
+    if not sum(stats.rows_by_split.values()):
+        raise UserError(f"every input row was rejected; see {FileSystems.join(out, 'rejected')}")
+    meta = _finalize(out, temp_dir, spec, stats, args, options)
+    counts = meta["counts"]
+    progress.close(rows=counts["rows_read"])
+    _print_summary(out, meta, progress.elapsed)
+    return meta
+
+
+def _encode_stats(stats: PartialStats) -> str:
+    import base64
+    import pickle
+
+    return base64.b64encode(pickle.dumps(stats)).decode()
+
+
+def _decode_stats(data: bytes) -> PartialStats:
+    import base64
+    import pickle
+
+    return pickle.loads(base64.b64decode(data.strip()))
+
+
+def _print_summary(out: str, meta: dict, seconds: float) -> None:
+    counts = meta["counts"]
+    rate = counts["rows_read"] / max(seconds, 1e-9)
+    rejected = ", ".join(f"{k}={v}" for k, v in counts["rejected_by_reason"].items()) or "none"
+    lines = [
+        f"preprocessed {counts['rows_read']:,} rows in {seconds:.1f}s ({rate:,.0f} rows/s)",
+        f"  written:  train {meta['splits']['train']['rows']:,} rows in "
+        f"{len(meta['splits']['train']['files'])} files, eval {meta['splits']['eval']['rows']:,} rows in "
+        f"{len(meta['splits']['eval']['files'])} files",
+        f"  rejected: {counts['rows_rejected']:,} ({rejected})",
+        f"  label rate (train): {meta['stats']['label_rate']:.4f}",
+    ]
+    if counts["crlf_lines_accepted"]:
+        lines.append(f"  note: {counts['crlf_lines_accepted']:,} lines ended in CRLF (accepted)")
+    if counts["empty_files"]:
+        lines.append(f"  note: empty input files: {', '.join(counts['empty_files'])}")
+    lines.append(f"  output:   {out}/ (metadata.json, train/, eval/, rejected/, _SUCCESS)")
+    print("\n".join(lines))
+
+
+def main(argv: list[str]) -> int:
+    run(argv)
+    return 0

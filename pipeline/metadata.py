@@ -1,0 +1,92 @@
+"""metadata.json of a preprocessed dataset, and the reader the trainer uses.
+
+A dataset directory is complete only when `_SUCCESS` exists; it is written after
+everything else, so a reader never sees a half-written dataset as complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from hybridrec.errors import UserError
+
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+SUCCESS_FILE = "_SUCCESS"
+
+
+@dataclasses.dataclass(frozen=True)
+class CategoricalFeature:
+    """A categorical column of the output: its name, embedding table and kind."""
+
+    name: str
+    table: str
+    multi_valued: bool
+    separator: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetMetadata:
+    """What a preprocessed dataset holds; read with `read_metadata`."""
+
+    root: Path
+    label_column: str
+    dense_columns: tuple[str, ...]
+    categorical: tuple[CategoricalFeature, ...]
+    raw: dict  # the whole metadata.json
+
+    def split_files(self, split: str) -> list[Path]:
+        """Parquet files of `split` ("train" or "eval"), in input order."""
+        return [self.root / name for name in self._split(split)["files"]]
+
+    def split_rows(self, split: str) -> int:
+        return int(self._split(split)["rows"])
+
+    def _split(self, split: str) -> dict:
+        splits = self.raw["splits"]
+        if split not in splits:
+            raise UserError(f"{self.root}: no split {split!r} (have {', '.join(splits)})")
+        return splits[split]
+
+
+def read_metadata(out_dir: str | Path) -> DatasetMetadata:
+    """Reads a complete dataset directory written by `hybridrec preprocess`.
+
+    Raises:
+        UserError: `_SUCCESS` is missing (incomplete or not a dataset), or
+            metadata.json is unreadable or of an unknown format version.
+    """
+    root = Path(out_dir)
+    if not (root / SUCCESS_FILE).exists():
+        raise UserError(
+            f"incomplete dataset directory {root}: no {SUCCESS_FILE} marker "
+            "(preprocessing did not finish; re-run `hybridrec preprocess`)"
+        )
+    path = root / METADATA_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(f"{path}: cannot read dataset metadata: {error}") from None
+    if raw.get("format_version") != FORMAT_VERSION:
+        raise UserError(
+            f"{path}: format_version {raw.get('format_version')!r} is not supported "
+            f"(this hybridrec reads {FORMAT_VERSION})"
+        )
+    spec = raw["spec"]
+    return DatasetMetadata(
+        root=root,
+        label_column=spec["label"],
+        dense_columns=tuple(spec["dense"]),
+        categorical=tuple(
+            CategoricalFeature(
+                name=c["name"],
+                table=c["table"],
+                multi_valued=bool(c["multi_valued"]),
+                separator=c.get("separator", ""),
+            )
+            for c in spec["categorical"]
+        ),
+        raw=raw,
+    )
