@@ -1,0 +1,59 @@
+"""Sharded embedding store: huge tables off the accelerators, async lookups and updates.
+
+Public surface:
+    TableConfig (+ InitializerConfig, SparseOptimizerConfig, AdmissionConfig,
+        EvictionConfig, TieringConfig): what a table is.
+    EmbeddingStore: the client (lookup, apply_gradients, lookup_features,
+        apply_pooled_gradients, set_step, flush, stats, checkpoint, restore, close).
+    RaggedIds, PooledLookup: multi-valued feature input and pooled lookup results.
+    Shard, LocalShard: the shard backend protocol and the in-process shard.
+    route_hash, shard_of: how ids map to shards.
+    latest_checkpoint_step: newest committed checkpoint under a URL.
+"""
+
+from embedding_store._pooling import FeatureIds, PooledLookup, RaggedIds
+from embedding_store.config import (
+    AdmissionConfig,
+    EvictionConfig,
+    InitializerConfig,
+    SparseOptimizerConfig,
+    TableConfig,
+    TieringConfig,
+)
+from embedding_store.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    EmbeddingStoreError,
+    IncompatibleCheckpointError,
+    InvalidInputError,
+    UnknownTableError,
+)
+from embedding_store.routing import route_hash, shard_of
+from embedding_store.shard import LocalShard, Shard
+from embedding_store.store import EmbeddingStore, latest_checkpoint_step
+
+__all__ = [
+    "AdmissionConfig",
+    "CheckpointCorruptedError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "EmbeddingStore",
+    "EmbeddingStoreError",
+    "EvictionConfig",
+    "FeatureIds",
+    "IncompatibleCheckpointError",
+    "InitializerConfig",
+    "InvalidInputError",
+    "LocalShard",
+    "PooledLookup",
+    "RaggedIds",
+    "Shard",
+    "SparseOptimizerConfig",
+    "TableConfig",
+    "TieringConfig",
+    "UnknownTableError",
+    "latest_checkpoint_step",
+    "route_hash",
+    "shard_of",
+]

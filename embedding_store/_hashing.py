@@ -1,0 +1,35 @@
+"""Counter-based 64-bit mixing (splitmix64 finalizer), vectorized over numpy arrays.
+
+Different salts give independent hash families: shard routing, in-shard slot
+probing, initial values and admission draws must not be correlated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
+_MUL2 = np.uint64(0x94D049BB133111EB)
+
+SALT_ROUTE = 0x5A17_0001
+SALT_SLOT = 0x5A17_0002
+SALT_INIT = 0x5A17_0003
+SALT_ADMIT = 0x5A17_0004
+
+
+def mix64(values: np.ndarray, salt: int) -> np.ndarray:
+    """splitmix64 of `values + (salt + 1) * golden`; uint64 in, new uint64 array out."""
+    offset = np.uint64(((salt + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+    z = np.add(values, offset, dtype=np.uint64)
+    z ^= z >> np.uint64(30)
+    z *= _MUL1
+    z ^= z >> np.uint64(27)
+    z *= _MUL2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def unit_float(bits: np.ndarray) -> np.ndarray:
+    """Top 53 bits of uint64 -> float64 uniform in [0, 1)."""
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))

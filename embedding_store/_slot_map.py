@@ -1,0 +1,112 @@
+"""A collisionless, growable id -> slot map: open addressing, linear probing, numpy-vectorized.
+
+Every operation probes all its ids at once, one vectorized round per probe step
+(at load <= 0.5 nearly all ids finish in the first two rounds); there is no per-id
+Python loop. Keys and slots sit side by side in one [capacity, 2] uint64 array so a
+probe touches one cache line. A slot value of EMPTY ends a probe chain; TOMBSTONE
+marks a removed entry (skipped by lookups, dropped on the next rebuild).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from embedding_store._hashing import SALT_SLOT, mix64
+
+EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
+TOMBSTONE = np.uint64(0xFFFFFFFFFFFFFFFE)
+
+
+class SlotMap:
+    """Maps uint64 ids to int64 slots; not thread-safe (the owning table locks)."""
+
+    def __init__(self, initial_capacity: int = 1024, max_load: float = 0.5):
+        capacity = 1 << max(4, int(initial_capacity - 1).bit_length())
+        self._max_load = max_load
+        self._entries = np.full((capacity, 2), EMPTY, np.uint64)
+        self._live = 0
+        self._used = 0  # live + tombstones
+
+    def __len__(self) -> int:
+        return self._live
+
+    @property
+    def nbytes(self) -> int:
+        return self._entries.nbytes
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """ids: [n] uint64 -> [n] int64 slots, -1 where absent."""
+        entries = self._entries
+        mask = np.uint64(len(entries) - 1)
+        result = np.full(len(ids), -1, np.int64)
+        position = (mix64(ids, SALT_SLOT) & mask).astype(np.intp)
+        pending = np.arange(len(ids))
+        keys = ids
+        while len(pending):
+            probe = entries[position]
+            slots = probe[:, 1]
+            hit = (probe[:, 0] == keys) & (slots < TOMBSTONE)
+            if hit.any():
+                result[pending[hit]] = slots[hit].astype(np.int64)
+            go_on = ~hit & (slots != EMPTY)
+            pending, keys = pending[go_on], keys[go_on]
+            position = (position[go_on] + 1) & int(mask)
+        return result
+
+    def insert(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Adds ids (unique and absent from the map) with their slots: [n] uint64, [n] int64."""
+        if not len(ids):
+            return
+        if (self._used + len(ids)) > self._max_load * len(self._entries):
+            self._rebuild(self._live + len(ids))
+        self._place(ids, slots.astype(np.uint64))
+        self._live += len(ids)
+        self._used += len(ids)
+
+    def remove(self, ids: np.ndarray) -> None:
+        """Removes present ids: [n] uint64 (absent ones are ignored)."""
+        entries = self._entries
+        mask = len(entries) - 1
+        position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
+        keys = ids
+        removed = 0
+        while len(keys):
+            probe = entries[position]
+            slots = probe[:, 1]
+            hit = (probe[:, 0] == keys) & (slots < TOMBSTONE)
+            if hit.any():
+                entries[position[hit], 1] = TOMBSTONE
+                removed += int(hit.sum())
+            go_on = ~hit & (slots != EMPTY)
+            keys, position = keys[go_on], (position[go_on] + 1) & mask
+        self._live -= removed
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """All live (ids [n] uint64, slots [n] int64)."""
+        live = self._entries[:, 1] < TOMBSTONE
+        return self._entries[live, 0].copy(), self._entries[live, 1].astype(np.int64)
+
+    def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        entries = self._entries
+        mask = len(entries) - 1
+        position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
+        while len(ids):
+            free = entries[position, 1] == EMPTY
+            where = position[free]
+            # Several ids may race for one empty entry: the last write wins, the rest probe on.
+            entries[where, 0] = ids[free]
+            entries[where, 1] = slots[free]
+            placed = np.zeros(len(ids), bool)
+            placed[np.flatnonzero(free)[entries[where, 1] == slots[free]]] = True
+            keep = ~placed
+            ids, slots = ids[keep], slots[keep]
+            position = (position[keep] + 1) & mask
+
+    def _rebuild(self, live_needed: int) -> None:
+        ids, slots = self.items()
+        capacity = len(self._entries)
+        while live_needed > self._max_load * capacity * 0.75:
+            capacity *= 2
+        self._entries = np.full((capacity, 2), EMPTY, np.uint64)
+        self._used = self._live = len(ids)
+        self._place(ids, slots.astype(np.uint64))

@@ -1,0 +1,409 @@
+"""One table's rows on one shard: slot map, row storage, admission, eviction, optimizer.
+
+All mutations happen under the table's lock; the numpy work inside releases the GIL
+for large arrays, so other tables and shards proceed in parallel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import tensorstore as ts
+
+from embedding_store import _optimizers
+from embedding_store._hashing import SALT_ADMIT, mix64, unit_float
+from embedding_store._initializers import initial_rows
+from embedding_store._slot_map import SlotMap
+from embedding_store._storage import RamRows, TieredRows
+from embedding_store.config import TableConfig
+
+
+@dataclasses.dataclass
+class RowBlock:
+    """Rows of one table in id order of capture: what checkpoints write and restores load."""
+
+    ids: np.ndarray  # [n] uint64
+    values: np.ndarray  # [n, dim] float32
+    state: np.ndarray  # [n, state_width] float32
+    last_step: np.ndarray  # [n] int64
+    deleted: np.ndarray  # [m] uint64 ids removed since the previous snapshot
+    counter_ids: np.ndarray  # [c] uint64 ids seen but not admitted yet
+    counter_counts: np.ndarray  # [c] int64 their sightings
+
+
+def combine_duplicates(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sums the gradients of repeated ids. Returns (unique sorted ids [u], grads [u, dim])."""
+    if len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1])):
+        return ids, grads
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.concatenate([[True], sorted_ids[1:] != sorted_ids[:-1]]))
+    return sorted_ids[starts], np.add.reduceat(grads[order], starts, axis=0)
+
+
+class _Counters:
+    """Sightings of not-yet-admitted ids (growable, vectorized)."""
+
+    def __init__(self):
+        self._map = SlotMap(1024)
+        self._counts = np.zeros(1024, np.int64)
+        self._ids = np.zeros(1024, np.uint64)
+        self._next = 0
+        self._free = np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def add(self, ids: np.ndarray, increments: np.ndarray) -> np.ndarray:
+        """ids: [u] unique uint64; returns their total sightings [u] int64."""
+        index = self._map.find(ids)
+        new = index < 0
+        if new.any():
+            index[new] = self._allocate(int(new.sum()))
+            self._map.insert(ids[new], index[new])
+            self._ids[index[new]] = ids[new]
+            self._counts[index[new]] = 0
+        self._counts[index] += increments
+        return self._counts[index]
+
+    def remove(self, ids: np.ndarray) -> None:
+        index = self._map.find(ids)
+        index = index[index >= 0]
+        self._map.remove(self._ids[index])
+        self._free = np.concatenate([self._free, index])
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        ids, index = self._map.items()
+        return ids, self._counts[index]
+
+    def _allocate(self, count: int) -> np.ndarray:
+        reuse = self._free[:count]
+        self._free = self._free[count:]
+        fresh = np.arange(self._next, self._next + count - len(reuse), dtype=np.int64)
+        self._next += len(fresh)
+        if self._next > len(self._counts):
+            size = max(self._next, 2 * len(self._counts))
+            self._counts = np.resize(self._counts, size)
+            self._ids = np.resize(self._ids, size)
+        return np.concatenate([reuse, fresh])
+
+    @property
+    def nbytes(self) -> int:
+        return self._map.nbytes + self._counts.nbytes + self._ids.nbytes
+
+
+class ShardTable:
+    """Rows of `config` owned by one shard (at most `config.shard_capacity(num_shards)`)."""
+
+    def __init__(
+        self,
+        config: TableConfig,
+        *,
+        shard_index: int,
+        num_shards: int,
+        context: ts.Context,
+    ):
+        self.config = config
+        self.capacity = config.shard_capacity(num_shards)
+        self._state_width = config.optimizer.state_width(config.dim)
+        self._lock = threading.RLock()
+        initial = min(self.capacity, 4096)
+        self._map = SlotMap(2 * initial)
+        if config.tiering.enabled:
+            location = config.tiering.path
+            if location:
+                location = f"{location.rstrip('/')}/{config.name}/shard-{shard_index:05d}"
+            self._rows = TieredRows(
+                config.dim,
+                self._state_width,
+                config.storage_dtype,
+                ram_rows=config.shard_ram_rows(num_shards),
+                max_slots=self.capacity,
+                location=location,
+                chunk_rows=config.tiering.chunk_rows,
+                evict_fraction=config.tiering.evict_fraction,
+                context=context,
+            )
+        else:
+            self._rows = RamRows(config.dim, self._state_width, config.storage_dtype, initial)
+        self._slot_ids = np.zeros(initial, np.uint64)
+        self._live = np.zeros(initial, bool)
+        self._last_step = np.zeros(initial, np.int64)
+        self._modified = np.zeros(initial, np.int64)  # sequence number of the last change
+        self._high_water = 0
+        self._free = np.zeros(0, np.int64)
+        self._counters = _Counters()
+        self._step = 0
+        self._last_sweep = 0
+        self._sequence = 1
+        self._committed = 0  # rows modified after this sequence are not in the last checkpoint
+        self._deleted: list[tuple[int, np.ndarray]] = []
+        self._stats = dict.fromkeys(
+            (
+                "lookups",
+                "hits",
+                "misses",
+                "admitted",
+                "rejected",
+                "capacity_rejected",
+                "evicted_lru",
+                "evicted_ttl",
+                "updates",
+                "updates_unadmitted",
+                "nonfinite_skipped",
+            ),
+            0,
+        )
+
+    # ----------------------------------------------------------------- reads / writes
+
+    def lookup(self, ids: np.ndarray, *, train: bool = True) -> np.ndarray:
+        """ids: [n] uint64 -> [n, dim] float32; unadmitted ids read as zeros."""
+        config = self.config
+        with self._lock:
+            slots = self._map.find(ids)
+            missing = slots < 0
+            if missing.any() and train:
+                slots[missing] = self._admit(ids[missing], protect=slots[~missing])
+            hit = slots >= 0
+            stats = self._stats
+            stats["lookups"] += len(ids)
+            hits = int(np.count_nonzero(~missing))
+            stats["hits"] += hits
+            stats["misses"] += len(ids) - hits
+            if hit.all():
+                lines = self._rows.lines(slots)
+                if train:
+                    self._last_step[slots] = self._step
+                return self._rows.values[lines].astype(np.float32, copy=False)
+            stats["rejected"] += int(np.count_nonzero(~hit)) if train else 0
+            out = np.zeros((len(ids), config.dim), np.float32)
+            present = slots[hit]
+            out[hit] = self._rows.values[self._rows.lines(present)]
+            if train:
+                self._last_step[present] = self._step
+            elif config.admission.admits_all:
+                # Evaluation never creates rows; an id training would admit reads its initial value.
+                out[~hit] = initial_rows(config.initializer, ids[~hit], config.dim)
+            return out
+
+    def apply_gradients(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        """ids: [n] uint64, grads: [n, dim] float32; duplicates summed; non-finite rows skipped."""
+        ids, grads = combine_duplicates(ids, grads)
+        finite = np.isfinite(grads).all(axis=1)
+        with self._lock:
+            if not finite.all():
+                self._stats["nonfinite_skipped"] += int(np.count_nonzero(~finite))
+                ids, grads = ids[finite], grads[finite]
+            slots = self._map.find(ids)
+            missing = slots < 0
+            if missing.any() and self.config.admission.admits_all:
+                # The row was evicted (or never looked up); admit it as a lookup would.
+                slots[missing] = self._admit(ids[missing], protect=slots[~missing])
+            present = slots >= 0
+            if not present.all():
+                self._stats["updates_unadmitted"] += int(np.count_nonzero(~present))
+                slots, grads = slots[present], grads[present]
+            lines = self._rows.lines(slots)
+            values = self._rows.values
+            weights, state = _optimizers.apply(
+                self.config.optimizer,
+                values[lines].astype(np.float32, copy=False),
+                self._rows.state[lines],
+                grads,
+            )
+            values[lines] = weights
+            self._rows.state[lines] = state
+            self._rows.mark_dirty(lines)
+            self._modified[slots] = self._sequence
+            self._last_step[slots] = self._step
+            self._stats["updates"] += len(slots)
+
+    # ----------------------------------------------------------------- admission / eviction
+
+    def _admit(self, ids: np.ndarray, protect: np.ndarray) -> np.ndarray:
+        """Missing ids [n] (may repeat) -> slots [n], -1 where not admitted."""
+        unique, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        admission = self.config.admission
+        if admission.admits_all:
+            chosen = np.ones(len(unique), bool)
+        else:
+            totals = self._counters.add(unique, counts)
+            chosen = totals >= admission.min_count
+            if admission.probability < 1.0:
+                draw = mix64(unique ^ totals.astype(np.uint64), SALT_ADMIT + admission.seed)
+                chosen &= unit_float(draw) < admission.probability
+        slots = np.full(len(unique), -1, np.int64)
+        admitted = np.flatnonzero(chosen)
+        new_slots = self._allocate(len(admitted), protect)
+        admitted = admitted[: len(new_slots)]
+        self._stats["capacity_rejected"] += int(np.count_nonzero(chosen)) - len(admitted)
+        if len(admitted):
+            new_ids = unique[admitted]
+            self._create_rows(new_ids, new_slots)
+            slots[admitted] = new_slots
+            if not admission.admits_all:
+                self._counters.remove(new_ids)
+        self._stats["admitted"] += len(admitted)
+        return slots[inverse]
+
+    def _create_rows(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        config = self.config
+        self._map.insert(ids, slots)
+        self._slot_ids[slots] = ids
+        self._live[slots] = True
+        self._last_step[slots] = self._step
+        self._modified[slots] = self._sequence
+        self._rows.write_rows(
+            slots,
+            initial_rows(config.initializer, ids, config.dim),
+            _optimizers.initial_state(config.optimizer, len(ids), config.dim),
+        )
+
+    def _allocate(self, count: int, protect: np.ndarray) -> np.ndarray:
+        """Up to `count` free slots, evicting least-recently-used rows when the shard is full."""
+        room = self.capacity - len(self._map)
+        if room < count and self.config.eviction.policy == "lru":
+            batch = int(self.capacity * self.config.eviction.lru_batch_fraction)
+            self._evict_lru(max(count - room, batch), protect)
+            room = self.capacity - len(self._map)
+        count = max(0, min(count, room))
+        reuse = self._free[:count]
+        self._free = self._free[count:]
+        fresh = np.arange(self._high_water, self._high_water + count - len(reuse), dtype=np.int64)
+        self._high_water += len(fresh)
+        if self._high_water > len(self._slot_ids):
+            size = min(max(self._high_water, 2 * len(self._slot_ids)), self.capacity)
+            size = max(size, self._high_water)
+            for name in ("_slot_ids", "_live", "_last_step", "_modified"):
+                old = getattr(self, name)
+                grown = np.zeros(size, old.dtype)
+                grown[: len(old)] = old
+                setattr(self, name, grown)
+            self._rows.reserve(size)
+        return np.concatenate([reuse, fresh])
+
+    def _evict_lru(self, count: int, protect: np.ndarray) -> None:
+        live = np.flatnonzero(self._live[: self._high_water])
+        age = self._last_step[live].copy()
+        protected = np.isin(live, protect)
+        age[protected] = np.iinfo(np.int64).max
+        count = min(count, len(live) - int(protected.sum()))
+        if count <= 0:
+            return
+        victims = live[np.argpartition(age, count - 1)[:count]]
+        self._drop(victims)
+        self._stats["evicted_lru"] += len(victims)
+
+    def _drop(self, slots: np.ndarray) -> None:
+        ids = self._slot_ids[slots]
+        self._map.remove(ids)
+        self._rows.release(slots)
+        self._live[slots] = False
+        self._free = np.concatenate([self._free, slots])
+        self._deleted.append((self._sequence, ids))
+
+    def set_step(self, step: int) -> None:
+        with self._lock:
+            self._step = step
+            ttl = self.config.eviction.ttl_steps
+            if ttl and step - self._last_sweep >= self.config.eviction.sweep_interval:
+                self._last_sweep = step
+                live = np.flatnonzero(self._live[: self._high_water])
+                expired = live[step - self._last_step[live] > ttl]
+                if len(expired):
+                    self._drop(expired)
+                    self._stats["evicted_ttl"] += len(expired)
+
+    # ----------------------------------------------------------------- snapshots
+
+    def snapshot(self, *, full: bool) -> tuple[RowBlock, int]:
+        """Rows changed since the last committed snapshot (all rows if `full`) + capture mark."""
+        with self._lock:
+            live = self._live[: self._high_water]
+            if not full:
+                live = live & (self._modified[: self._high_water] > self._committed)
+            slots = np.flatnonzero(live)
+            values, state = self._rows.read_rows(slots)
+            deleted = [ids for sequence, ids in self._deleted if sequence > self._committed]
+            counter_ids, counter_counts = self._counters.items()
+            block = RowBlock(
+                ids=self._slot_ids[slots].copy(),
+                values=values,
+                state=state,
+                last_step=self._last_step[slots].copy(),
+                deleted=np.concatenate(deleted) if deleted and not full else np.zeros(0, np.uint64),
+                counter_ids=counter_ids,
+                counter_counts=counter_counts,
+            )
+            capture = self._sequence
+            self._sequence += 1
+            return block, capture
+
+    def commit_snapshot(self, capture: int) -> None:
+        """Marks everything up to `capture` as saved: the next delta starts after it."""
+        with self._lock:
+            self._committed = max(self._committed, capture)
+            self._deleted = [(s, ids) for s, ids in self._deleted if s > self._committed]
+
+    def load(self, block: RowBlock, keep: np.ndarray | None = None) -> None:
+        """Applies a snapshot part: deletions, then rows (upsert), then admission counters.
+
+        `keep` is an optional [n] bool mask of the rows (and counters) this shard owns.
+        Loaded rows count as saved (not dirty).
+        """
+        with self._lock:
+            if len(block.deleted):
+                slots = self._map.find(block.deleted)
+                slots = slots[slots >= 0]
+                if len(slots):
+                    self._map.remove(self._slot_ids[slots])
+                    self._rows.release(slots)
+                    self._live[slots] = False
+                    self._free = np.concatenate([self._free, slots])
+            ids, rows = block.ids, slice(None)
+            if keep is not None:
+                rows = np.flatnonzero(keep)
+                ids = ids[rows]
+            slots = self._map.find(ids)
+            new = slots < 0
+            if new.any():
+                saved_capacity, self.capacity = (
+                    self.capacity,
+                    max(self.capacity, len(self._map) + int(new.sum())),
+                )
+                slots[new] = self._allocate(int(new.sum()), np.zeros(0, np.int64))
+                self.capacity = saved_capacity
+                self._map.insert(ids[new], slots[new])
+                self._slot_ids[slots[new]] = ids[new]
+                self._live[slots[new]] = True
+            self._rows.write_rows(slots, block.values[rows], block.state[rows])
+            self._last_step[slots] = block.last_step[rows]
+            self._modified[slots] = 0
+
+    def load_counters(self, ids: np.ndarray, counts: np.ndarray) -> None:
+        with self._lock:
+            self._counters = _Counters()
+            if len(ids):
+                self._counters.add(ids, counts.astype(np.int64))
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            storage = self._rows.stats()
+            metadata = sum(
+                a.nbytes for a in (self._slot_ids, self._live, self._last_step, self._modified)
+            )
+            return {
+                "rows": len(self._map),
+                "capacity": self.capacity,
+                **self._stats,
+                **storage,
+                "bytes": storage["bytes"] + self._map.nbytes + metadata + self._counters.nbytes,
+                "pending_admission": len(self._counters),
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            self._rows.close()

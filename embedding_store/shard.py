@@ -1,0 +1,161 @@
+"""The shard backend protocol and the in-process shard.
+
+A shard hosts the rows routed to it (`routing.shard_of(id, num_shards) == index`)
+of every table of the store. Every call is batched over tables, so a client sends
+one request per shard per step. A remote shard implements the same protocol by
+forwarding these calls to a `LocalShard` in a server process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from embedding_store import checkpoint as _checkpoint
+from embedding_store._table import ShardTable
+from embedding_store.config import TableConfig
+from embedding_store.errors import UnknownTableError
+from embedding_store.routing import shard_of
+
+
+@runtime_checkable
+class Shard(Protocol):
+    """What the store needs from a shard, local or remote.
+
+    Ids are [n] uint64 arrays; rows and gradients are [n, dim] float32 arrays.
+    """
+
+    def lookup(
+        self, requests: Mapping[str, np.ndarray], *, train: bool = True
+    ) -> dict[str, np.ndarray]:
+        """{table: ids [n]} -> {table: rows [n, dim] float32}.
+
+        With `train`, unseen ids count towards admission and admitted ids get rows;
+        otherwise nothing changes. Unadmitted ids read as zeros.
+        """
+        ...
+
+    def apply_gradients(self, updates: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """{table: (ids [n], grads [n, dim])}: duplicates summed, non-finite rows skipped."""
+        ...
+
+    def set_step(self, step: int) -> None:
+        """The training step: last-access time for LRU/TTL eviction."""
+        ...
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """{table: counters} (rows, hits, misses, admitted, evictions, bytes, ...)."""
+        ...
+
+    def write_checkpoint(
+        self, url: str, step: int, shard_index: int, *, num_shards: int, full: bool
+    ) -> dict[str, dict[str, Any]]:
+        """Writes this shard's part of snapshot `step` under `url`: {table: manifest entry}.
+
+        `full=False` writes only rows changed (and ids deleted) since the last
+        committed snapshot. Nothing counts as saved until `commit_checkpoint(step)`.
+        """
+        ...
+
+    def commit_checkpoint(self, step: int) -> None:
+        """Called after the manifest of `step` is committed; later deltas start from it."""
+        ...
+
+    def load_checkpoint(
+        self, url: str, manifest: Mapping[str, Any], shard_index: int, num_shards: int
+    ) -> dict[str, int]:
+        """Loads the rows of `manifest` that route to `shard_index` of `num_shards`: {table: rows}."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalShard:
+    """An in-process shard: one `ShardTable` per table, each with its own lock."""
+
+    def __init__(self, tables: Sequence[TableConfig], *, shard_index: int = 0, num_shards: int = 1):
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self._tables = {
+            config.name: ShardTable(
+                config,
+                shard_index=shard_index,
+                num_shards=num_shards,
+                context=_checkpoint.context(),
+            )
+            for config in tables
+        }
+        self._captures: dict[int, dict[str, int]] = {}
+
+    def _table(self, name: str) -> ShardTable:
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise UnknownTableError(
+                f"unknown embedding table {name!r}; tables: {', '.join(self._tables)}"
+            ) from None
+
+    def lookup(
+        self, requests: Mapping[str, np.ndarray], *, train: bool = True
+    ) -> dict[str, np.ndarray]:
+        return {name: self._table(name).lookup(ids, train=train) for name, ids in requests.items()}
+
+    def apply_gradients(self, updates: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        for name, (ids, grads) in updates.items():
+            self._table(name).apply_gradients(ids, grads)
+
+    def set_step(self, step: int) -> None:
+        for table in self._tables.values():
+            table.set_step(step)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {name: table.stats() for name, table in self._tables.items()}
+
+    def write_checkpoint(
+        self, url: str, step: int, shard_index: int, *, num_shards: int, full: bool
+    ) -> dict[str, dict[str, Any]]:
+        entries, captures = {}, {}
+        for name, table in self._tables.items():
+            block, captures[name] = table.snapshot(full=full)
+            path = _checkpoint.part_path(step, name, shard_index, num_shards)
+            entries[name] = _checkpoint.write_part(url, path, block)
+        self._captures[step] = captures
+        return entries
+
+    def commit_checkpoint(self, step: int) -> None:
+        for name, capture in self._captures.pop(step, {}).items():
+            self._tables[name].commit_snapshot(capture)
+        self._captures.clear()  # older uncommitted attempts are superseded
+
+    def load_checkpoint(
+        self, url: str, manifest: Mapping[str, Any], shard_index: int, num_shards: int
+    ) -> dict[str, int]:
+        loaded = {}
+        for name, table in self._tables.items():
+            groups = manifest["tables"][name]["chain"]
+            for position, group in enumerate(groups):
+                counters = []
+                for entry in group["parts"]:
+                    block = _checkpoint.read_part(url, entry)
+                    mine = shard_of(block.ids, num_shards) == shard_index
+                    if len(block.deleted):
+                        block.deleted = block.deleted[
+                            shard_of(block.deleted, num_shards) == shard_index
+                        ]
+                    table.load(block, keep=mine)
+                    if position == len(groups) - 1:
+                        keep = shard_of(block.counter_ids, num_shards) == shard_index
+                        counters.append((block.counter_ids[keep], block.counter_counts[keep]))
+                if position == len(groups) - 1 and counters:
+                    table.load_counters(
+                        np.concatenate([c[0] for c in counters]),
+                        np.concatenate([c[1] for c in counters]),
+                    )
+            loaded[name] = table.stats()["rows"]
+        return loaded
+
+    def close(self) -> None:
+        for table in self._tables.values():
+            table.close()

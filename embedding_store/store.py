@@ -1,0 +1,492 @@
+"""The embedding store client: validation, dedupe, routing, futures, checkpoints.
+
+Calls return `concurrent.futures.Future`s. Each shard has one worker thread that
+runs its requests in submission order, so calls made one after another from one
+thread reach every shard in that order, while different shards work in parallel
+(numpy releases the GIL for large gathers and scatters).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from embedding_store import _pooling
+from embedding_store import checkpoint as _checkpoint
+from embedding_store._pooling import FeatureIds, PooledLookup
+from embedding_store.config import TableConfig
+from embedding_store.errors import (
+    CheckpointError,
+    IncompatibleCheckpointError,
+    InvalidInputError,
+    UnknownTableError,
+)
+from embedding_store.routing import partition
+from embedding_store.shard import LocalShard, Shard
+from hybridrec import config as _config
+from hybridrec.errors import UserError
+
+MAX_CHAIN = 16  # snapshot groups in one manifest chain before a full snapshot is forced
+
+
+def _when_all(futures: Sequence[Future], combine: Callable[[list], Any], pool) -> Future:
+    """A future for `combine([results])`, computed on `pool` once every input is done."""
+    result: Future = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def finish():
+        try:
+            result.set_result(combine([f.result() for f in futures]))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's future
+            result.set_exception(error)
+
+    def done(_):
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            result.set_exception(errors[0])
+        else:
+            try:
+                pool.submit(finish)
+            except RuntimeError:  # pool shut down: finish here
+                finish()
+
+    if not futures:
+        pool.submit(finish)
+    for future in futures:
+        future.add_done_callback(done)
+    return result
+
+
+class EmbeddingStore:
+    """Sharded embedding tables with async lookups and sparse optimizer updates.
+
+    Args:
+        tables: the tables' configs (unique names).
+        num_shards: number of in-process shards (ignored when `shards` is given).
+        shards: shard backends (e.g. remote shards); shard i must own the ids with
+            `routing.shard_of(id, len(shards)) == i`.
+        num_workers: client threads that combine shard results and pool features.
+
+    Example:
+        store = EmbeddingStore([TableConfig(name="ads", dim=16, capacity=10**6)], num_shards=4)
+        rows = store.lookup("ads", ids).result()            # [n, 16] float32
+        store.apply_gradients("ads", ids, grads).result()
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        *,
+        num_shards: int = 1,
+        shards: Sequence[Shard] | None = None,
+        num_workers: int = 2,
+    ):
+        tables = tuple(tables)
+        if not tables:
+            raise InvalidInputError("an embedding store needs at least one table")
+        for table in tables:
+            if not isinstance(table, TableConfig):
+                raise InvalidInputError(f"tables must be TableConfig objects, got {table!r}")
+        self._configs = {table.name: table for table in tables}
+        if len(self._configs) != len(tables):
+            raise InvalidInputError(f"duplicate table names in {[t.name for t in tables]}")
+        if shards is not None:
+            shards = list(shards)
+            num_shards = len(shards)
+        if num_shards < 1:
+            raise InvalidInputError(f"num_shards must be >= 1, got {num_shards}")
+        if shards is None:
+            shards = [
+                LocalShard(tables, shard_index=i, num_shards=num_shards) for i in range(num_shards)
+            ]
+        self._shards: list[Shard] = shards
+        self._executors = [
+            ThreadPoolExecutor(1, thread_name_prefix=f"embedding-shard-{i}")
+            for i in range(num_shards)
+        ]
+        self._pool = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="embedding-client")
+        self._background: list[Future] = []
+        self._step = 0
+        self._chain: tuple[str, int] | None = None  # (url, step) this store's rows extend
+        self._closed = False
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._shards)
+
+    @property
+    def tables(self) -> dict[str, TableConfig]:
+        return dict(self._configs)
+
+    # ----------------------------------------------------------------- validation
+
+    def _config(self, table: str) -> TableConfig:
+        if self._closed:
+            raise UserError("the embedding store is closed")
+        try:
+            return self._configs[table]
+        except KeyError:
+            raise UnknownTableError(
+                f"unknown embedding table {table!r}; tables: {', '.join(self._configs)}"
+            ) from None
+
+    def _grads(self, table: TableConfig, grads: object, rows: int) -> np.ndarray:
+        if not isinstance(grads, np.ndarray) or grads.dtype.kind != "f":
+            described = (
+                f"{grads.dtype} array" if isinstance(grads, np.ndarray) else type(grads).__name__
+            )
+            raise InvalidInputError(
+                f"table {table.name!r}: gradients must be a float numpy array, got {described}"
+            )
+        if grads.shape != (rows, table.dim):
+            raise InvalidInputError(
+                f"table {table.name!r}: gradients must have shape [{rows}, {table.dim}] "
+                f"(one row per id), got {list(grads.shape)}"
+            )
+        return grads.astype(np.float32, copy=False)
+
+    # ----------------------------------------------------------------- routing
+
+    def _route(self, ids: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
+        """[(shard, positions)] for the shards that receive any of `ids`."""
+        if self.num_shards == 1:
+            return [(0, slice(None))]
+        order, bounds = partition(ids, self.num_shards)
+        return [
+            (shard, order[bounds[shard] : bounds[shard + 1]])
+            for shard in range(self.num_shards)
+            if bounds[shard + 1] > bounds[shard]
+        ]
+
+    def _submit(self, shard: int, method: str, *args, **kwargs) -> Future:
+        return self._executors[shard].submit(getattr(self._shards[shard], method), *args, **kwargs)
+
+    # ----------------------------------------------------------------- single table
+
+    def lookup(self, table: str, ids: np.ndarray, *, train: bool = True) -> Future:
+        """Rows of `ids`: a future of [n, dim] float32.
+
+        Args:
+            table: table name.
+            ids: [n] uint64 (duplicates allowed).
+            train: count sightings for admission and create admitted rows; with False
+                (evaluation) nothing changes and unknown ids read as their initial value
+                (or zeros when admission is restricted).
+        """
+        config = self._config(table)
+        ids = _pooling._check_ids(f"table {table!r}", ids).copy()
+        routes = self._route(ids)
+        futures = [
+            self._submit(shard, "lookup", {table: ids[where]}, train=train)
+            for shard, where in routes
+        ]
+
+        def combine(results):
+            if len(results) == 1 and isinstance(routes[0][1], slice):
+                return results[0][table]
+            out = np.empty((len(ids), config.dim), np.float32)
+            for (_, where), result in zip(routes, results, strict=True):
+                out[where] = result[table]
+            return out
+
+        return _when_all(futures, combine, self._pool)
+
+    def apply_gradients(self, table: str, ids: np.ndarray, grads: np.ndarray) -> Future:
+        """Applies the table's optimizer; a future of None.
+
+        Args:
+            table: table name.
+            ids: [n] uint64; gradients of repeated ids are summed before the step.
+            grads: [n, dim] float (cast to float32); rows with NaN/inf are skipped and counted.
+        """
+        config = self._config(table)
+        ids = _pooling._check_ids(f"table {table!r}", ids).copy()
+        grads = self._grads(config, grads, len(ids)).copy()
+        futures = [
+            self._submit(shard, "apply_gradients", {table: (ids[where], grads[where])})
+            for shard, where in self._route(ids)
+        ]
+        return _when_all(futures, lambda _: None, self._pool)
+
+    # ----------------------------------------------------------------- pooled features
+
+    def lookup_features(
+        self,
+        features: Mapping[str, FeatureIds],
+        *,
+        feature_tables: Mapping[str, str],
+        pooling: str = "sum",
+        train: bool = True,
+    ) -> Future:
+        """Pooled embeddings of a batch: a future of `PooledLookup` ([batch, features, dim]).
+
+        Args:
+            features: {feature: ids}; ids are [batch] uint64 (single-valued) or RaggedIds.
+            feature_tables: {feature: table}; several features may share a table.
+            pooling: how a multi-valued bag combines its rows: sum, mean or sqrtn.
+            train: as in `lookup`.
+
+        Ids are deduplicated per table across all features: one request per shard.
+        """
+        if self._closed:
+            raise UserError("the embedding store is closed")
+        dims = {name: config.dim for name, config in self._configs.items()}
+        planned, tables, batch, dim = _pooling.plan(features, feature_tables, dims, pooling)
+        requests: dict[int, dict[str, np.ndarray]] = {}
+        for table, ids in tables.items():
+            order, bounds = partition(ids.unique, self.num_shards)
+            ids.route_order, ids.route_bounds = order, bounds
+            for shard in range(self.num_shards):
+                if bounds[shard + 1] > bounds[shard]:
+                    requests.setdefault(shard, {})[table] = ids.unique[
+                        order[bounds[shard] : bounds[shard + 1]]
+                    ]
+        shards = sorted(requests)
+        futures = [self._submit(s, "lookup", requests[s], train=train) for s in shards]
+
+        def combine(results):
+            rows = {}
+            for table, ids in tables.items():
+                unique_rows = np.empty((len(ids.unique), dim), np.float32)
+                for shard, result in zip(shards, results, strict=True):
+                    if table in result:
+                        bounds = ids.route_bounds
+                        unique_rows[ids.route_order[bounds[shard] : bounds[shard + 1]]] = result[
+                            table
+                        ]
+                rows[table] = unique_rows
+            embeddings = _pooling.pool(planned, tables, rows, batch, dim, pooling)
+            return PooledLookup(embeddings, tuple(features), pooling, planned, tables)
+
+        return _when_all(futures, combine, self._pool)
+
+    def apply_pooled_gradients(self, lookup: PooledLookup, grads: np.ndarray) -> Future:
+        """Backward of `lookup_features`: a future of None.
+
+        Args:
+            lookup: the PooledLookup these gradients belong to.
+            grads: [batch, features, dim] dL/d(embeddings), as returned by the train step.
+        """
+        if not isinstance(lookup, PooledLookup):
+            raise InvalidInputError(f"expected the PooledLookup of a batch, got {type(lookup)}")
+        if not isinstance(grads, np.ndarray) or grads.dtype.kind != "f":
+            raise InvalidInputError("pooled gradients must be a float numpy array")
+        if grads.shape != lookup.embeddings.shape:
+            raise InvalidInputError(
+                f"pooled gradients must have the embeddings' shape {list(lookup.embeddings.shape)}, "
+                f"got {list(grads.shape)}"
+            )
+        per_table = _pooling.unpool(lookup, grads.astype(np.float32, copy=False))
+        requests: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+        for table, table_grads in per_table.items():
+            ids = lookup._tables[table]
+            order, bounds = ids.route_order, ids.route_bounds
+            for shard in range(self.num_shards):
+                if bounds[shard + 1] > bounds[shard]:
+                    where = order[bounds[shard] : bounds[shard + 1]]
+                    requests.setdefault(shard, {})[table] = (ids.unique[where], table_grads[where])
+        futures = [self._submit(s, "apply_gradients", r) for s, r in sorted(requests.items())]
+        return _when_all(futures, lambda _: None, self._pool)
+
+    # ----------------------------------------------------------------- control
+
+    def set_step(self, step: int) -> None:
+        """Sets the training step (last-access time for LRU/TTL eviction)."""
+        self._step = int(step)
+        self._background = [f for f in self._background if not f.done() or f.exception()]
+        self._background += [
+            self._submit(s, "set_step", self._step) for s in range(self.num_shards)
+        ]
+
+    def flush(self) -> None:
+        """Waits until every call submitted so far has been applied on every shard."""
+        for executor in self._executors:
+            executor.submit(lambda: None).result()
+        background, self._background = self._background, []
+        for future in background:
+            future.result()
+
+    def _on_all_shards(self, method: str, *args_per_shard) -> list:
+        futures = [
+            self._submit(s, method, *(a[s] for a in args_per_shard)) for s in range(self.num_shards)
+        ]
+        return [f.result() for f in futures]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters per table (summed over shards) and totals."""
+        per_shard = [f.result() for f in [self._submit(s, "stats") for s in range(self.num_shards)]]
+        tables: dict[str, dict[str, int]] = {}
+        for shard_stats in per_shard:
+            for table, counters in shard_stats.items():
+                merged = tables.setdefault(table, {})
+                for key, value in counters.items():
+                    merged[key] = merged.get(key, 0) + value
+        totals: dict[str, int] = {}
+        for counters in tables.values():
+            for key, value in counters.items():
+                totals[key] = totals.get(key, 0) + value
+        return {"step": self._step, "num_shards": self.num_shards, **totals, "tables": tables}
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def checkpoint(self, url: str, step: int, *, full: bool | None = None) -> dict[str, Any]:
+        """Snapshots every table at `step` under `url` (local path or tensorstore kvstore URL).
+
+        Atomic: the manifest is written only after every shard wrote its part.
+        Incremental: when `url` holds the checkpoint this store last wrote or was
+        restored from, only rows changed since then are written (unless `full`).
+
+        Returns:
+            {"step", "url", "full", "rows_written", "ids_deleted", "bytes_written", "seconds"}
+        """
+        start = time.perf_counter()
+        self.flush()
+        latest = _checkpoint.latest_checkpoint_step(url)
+        if latest is not None and step <= latest:
+            raise CheckpointError(
+                f"{url}: step {step} is not after the latest committed step {latest}"
+            )
+        previous = _checkpoint.read_manifest(url, latest) if latest is not None else None
+        incremental = (
+            not full
+            and previous is not None
+            and self._chain == (url, latest)
+            and all(
+                len(previous["tables"].get(t, {}).get("chain", ())) < MAX_CHAIN
+                for t in self._configs
+            )
+            and set(previous["tables"]) == set(self._configs)
+        )
+        n = self.num_shards
+        futures = [
+            self._submit(s, "write_checkpoint", url, step, s, num_shards=n, full=not incremental)
+            for s in range(n)
+        ]
+        parts, failures = [], []
+        for shard, future in enumerate(futures):
+            try:
+                parts.append(future.result())
+            except Exception as error:  # noqa: BLE001 - reported below, nothing committed
+                failures.append(f"shard {shard}: {error}")
+        if failures:
+            raise CheckpointError(
+                f"{url}: checkpoint of step {step} not committed; {'; '.join(failures)}"
+            )
+        group_of = {
+            name: {"step": step, "full": not incremental, "parts": [p[name] for p in parts]}
+            for name in self._configs
+        }
+        manifest = {
+            "format_version": _checkpoint.FORMAT_VERSION,
+            "step": step,
+            "num_shards": n,
+            "tables": {
+                name: {
+                    "config": _config.to_dict(config),
+                    "chain": (previous["tables"][name]["chain"] if incremental else [])
+                    + [group_of[name]],
+                }
+                for name, config in self._configs.items()
+            },
+        }
+        _checkpoint.write_manifest(url, step, manifest)
+        self._on_all_shards("commit_checkpoint", [step] * n)
+        self._chain = (url, step)
+        groups = group_of.values()
+        return {
+            "step": step,
+            "url": url,
+            "full": not incremental,
+            "rows_written": sum(p["rows"] for g in groups for p in g["parts"]),
+            "ids_deleted": sum(p["deleted"] for g in groups for p in g["parts"]),
+            "bytes_written": sum(p["bytes"] for g in groups for p in g["parts"]),
+            "seconds": time.perf_counter() - start,
+        }
+
+    @classmethod
+    def restore(
+        cls,
+        url: str,
+        tables: Sequence[TableConfig],
+        *,
+        step: int | None = None,
+        num_shards: int = 1,
+        shards: Sequence[Shard] | None = None,
+        num_workers: int = 2,
+    ) -> EmbeddingStore:
+        """Builds a store from the checkpoint of `step` (default: latest) under `url`.
+
+        The shard count may differ from the one that wrote the checkpoint. Hyper-
+        parameters (learning rate, admission, eviction, capacity) may change; what the
+        stored rows depend on (dim, optimizer, table set) must match.
+        """
+        manifest = _checkpoint.read_manifest(url, step)
+        _check_compatible(url, manifest, tables)
+        store = cls(tables, num_shards=num_shards, shards=shards, num_workers=num_workers)
+        try:
+            n = store.num_shards
+            store._on_all_shards("load_checkpoint", [url] * n, [manifest] * n, range(n), [n] * n)
+        except BaseException:
+            store.close()
+            raise
+        store._chain = (url, manifest["step"])
+        store._step = manifest["step"]
+        store.set_step(manifest["step"])
+        return store
+
+    def close(self) -> None:
+        """Waits for pending calls, then releases shards and threads."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            for executor in self._executors:
+                executor.shutdown(wait=True)
+            self._pool.shutdown(wait=True)
+            for shard in self._shards:
+                shard.close()
+
+    def __enter__(self) -> EmbeddingStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_compatible(url: str, manifest: Mapping[str, Any], tables: Sequence[TableConfig]):
+    stored = manifest["tables"]
+    names = {t.name for t in tables}
+    if names != set(stored):
+        raise IncompatibleCheckpointError(
+            f"{url}: checkpoint has tables {sorted(stored)}, the store was given {sorted(names)}"
+        )
+    for table in tables:
+        saved = stored[table.name]["config"]
+        if saved["dim"] != table.dim:
+            raise IncompatibleCheckpointError(
+                f"{url}: table {table.name!r} was saved with dim {saved['dim']}, "
+                f"the config says dim {table.dim}"
+            )
+        if saved["optimizer"]["name"] != table.optimizer.name:
+            raise IncompatibleCheckpointError(
+                f"{url}: table {table.name!r} was saved with optimizer "
+                f"{saved['optimizer']['name']!r}, the config says {table.optimizer.name!r} "
+                "(optimizer state is not convertible)"
+            )
+
+
+def latest_checkpoint_step(url: str) -> int | None:
+    """The newest committed embedding checkpoint step under `url`, or None."""
+    return _checkpoint.latest_checkpoint_step(url)

@@ -1,0 +1,60 @@
+"""The public API end to end on a small store: lookups, updates, pooling, stats."""
+
+import numpy as np
+import pytest
+
+from embedding_store import EmbeddingStore, RaggedIds, SparseOptimizerConfig, TableConfig
+
+
+def _table(**overrides):
+    settings = {
+        "name": "ads",
+        "dim": 4,
+        "capacity": 1000,
+        "optimizer": SparseOptimizerConfig(name="sgd", learning_rate=0.5),
+    }
+    return TableConfig(**{**settings, **overrides})
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_lookup_apply_round_trip(num_shards):
+    with EmbeddingStore([_table()], num_shards=num_shards) as store:
+        ids = np.array([5, 7, 5, 11], np.uint64)
+        before = store.lookup("ads", ids).result()
+        assert before.shape == (4, 4) and before.dtype == np.float32
+        np.testing.assert_array_equal(before[0], before[2])
+        grads = np.ones((4, 4), np.float32)
+        store.apply_gradients("ads", ids, grads).result()
+        after = store.lookup("ads", ids).result()
+        # id 5 appears twice: its gradients are summed before the SGD step.
+        np.testing.assert_allclose(after[0], before[0] - 0.5 * 2, rtol=1e-6)
+        np.testing.assert_allclose(after[1], before[1] - 0.5, rtol=1e-6)
+        stats = store.stats()
+        assert stats["rows"] == 3 and stats["tables"]["ads"]["admitted"] == 3
+        assert stats["num_shards"] == num_shards
+
+
+def test_lookup_features_one_request_per_shard():
+    calls = []
+
+    class CountingStore(EmbeddingStore):
+        def _submit(self, shard, method, *args, **kwargs):
+            calls.append((shard, method))
+            return super()._submit(shard, method, *args, **kwargs)
+
+    with CountingStore([_table(), _table(name="users")], num_shards=2) as store:
+        features = {
+            "a": np.array([1, 2, 3], np.uint64),
+            "b": RaggedIds(
+                values=np.array([1, 4, 9, 2], np.uint64), offsets=np.array([0, 2, 2, 4])
+            ),
+            "c": np.array([8, 8, 9], np.uint64),
+        }
+        result = store.lookup_features(
+            features, feature_tables={"a": "ads", "b": "ads", "c": "users"}
+        ).result()
+        assert result.embeddings.shape == (3, 3, 4)
+        assert sorted(calls) == [(0, "lookup"), (1, "lookup")]
+        calls.clear()
+        store.apply_pooled_gradients(result, np.ones((3, 3, 4), np.float32)).result()
+        assert sorted(calls) == [(0, "apply_gradients"), (1, "apply_gradients")]
