@@ -1,0 +1,151 @@
+"""Checkpoints of a hybrid run: dense state, data position and embeddings at ONE step.
+
+Layout under `RUN_DIR/checkpoints/`:
+
+    dense/<step>/            Orbax checkpoint of the dense train state (every process)
+    positions/<step>/process_<i>.json   each process's input position + counters
+    embeddings/              the embedding store's own checkpoints (store.checkpoint)
+    LAST                     {"step": N}: the newest *complete* checkpoint
+
+Each part is written atomically by its owner (Orbax renames a finished temporary
+directory; the store commits a manifest last; position files are renamed into
+place). `LAST` is replaced (write temporary, fsync, rename) only after all three
+parts of step N exist, so a process killed at any moment leaves `LAST` naming a
+complete checkpoint; parts of a newer, unfinished step are ignored and removed on
+resume (`discard_after`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from embedding_store import checkpoint as store_checkpoint
+from hybridrec.errors import UserError
+
+CHECKPOINT_DIR = "checkpoints"
+LAST_FILE = "LAST"
+
+
+def make_checkpoint_manager(directory: str | Path, *, keep: int) -> ocp.CheckpointManager:
+    """The one place that builds the Orbax manager for dense state (synchronous saves)."""
+    options = ocp.CheckpointManagerOptions(
+        # one more than asked: the step LAST points to must survive the next save
+        max_to_keep=keep + 1 if keep > 0 else None,
+        create=True,
+        enable_async_checkpointing=False,
+    )
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + f".tmp{os.getpid()}")
+    with temporary.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+class RunCheckpoints:
+    """Saves and finds complete checkpoints of one run directory.
+
+    Args:
+        run_dir: the run directory.
+        keep: complete checkpoints to keep (older dense/position parts are removed).
+    """
+
+    def __init__(self, run_dir: str | Path, *, keep: int = 2):
+        self.root = Path(run_dir).absolute() / CHECKPOINT_DIR
+        self.keep = keep
+        self.embeddings_url = str(self.root / "embeddings")
+        self._manager: ocp.CheckpointManager | None = None
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            self._manager = make_checkpoint_manager(self.root / "dense", keep=self.keep)
+        return self._manager
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint, or None."""
+        path = self.root / LAST_FILE
+        if not path.exists():
+            return None
+        try:
+            return int(json.loads(path.read_text())["step"])
+        except (ValueError, KeyError) as error:
+            raise UserError(f"{path}: unreadable checkpoint pointer: {error}") from None
+
+    def save_dense(self, step: int, state: Any) -> None:
+        """Saves the dense state (call on every process; returns when written)."""
+        if step in self.manager.all_steps():
+            self.manager.delete(step)  # left over from a run killed before its LAST
+        self.manager.save(step, args=ocp.args.StandardSave(state))
+        self.manager.wait_until_finished()
+
+    def save_position(self, step: int, process_index: int, position: dict[str, Any]) -> None:
+        directory = self.root / "positions" / f"{step:010d}"
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write(directory / f"process_{process_index}.json", json.dumps(position))
+
+    def commit(self, step: int) -> None:
+        """Marks step complete (process 0 only, after every part of every process exists)."""
+        _atomic_write(self.root / LAST_FILE, json.dumps({"step": int(step)}))
+        positions = sorted((self.root / "positions").glob("*"))
+        for old in positions[: -self.keep] if self.keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def read_position(self, step: int, process_index: int) -> dict[str, Any]:
+        path = self.root / "positions" / f"{step:010d}" / f"process_{process_index}.json"
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(
+                f"{path}: missing; the checkpoint was written by a job with a different "
+                "number of processes"
+            ) from None
+
+    def restore_dense(self, step: int, like: Any) -> Any:
+        """Restores the dense state of `step` with the shapes, dtypes and shardings of `like`."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        try:
+            return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        except FileNotFoundError as error:
+            raise UserError(
+                f"{self.root / 'dense'}: no dense checkpoint at step {step}: {error}"
+            ) from None
+
+    def discard_after(self, step: int, *, chief: bool) -> None:
+        """Removes every part newer than the complete `step` (a run killed mid-checkpoint).
+
+        Call on every process (Orbax coordinates its deletes); files are removed by the chief.
+        """
+        for newer in [s for s in self.manager.all_steps() if s > step]:
+            self.manager.delete(newer)
+        if not chief:
+            return
+        for directory in (self.root / "positions").glob("*"):
+            if directory.name.isdigit() and int(directory.name) > step:
+                shutil.rmtree(directory, ignore_errors=True)
+        embeddings = Path(self.embeddings_url)
+        for newer in [s for s in store_checkpoint.committed_steps(self.embeddings_url) if s > step]:
+            # the manifest is the store's commit point: remove it first, then the parts
+            (embeddings / store_checkpoint.manifest_key(newer)).unlink(missing_ok=True)
+            shutil.rmtree(embeddings / f"step-{newer:012d}", ignore_errors=True)
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None

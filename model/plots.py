@@ -1,0 +1,74 @@
+"""`hybridrec plot RUN_DIR`: PNG training curves from a run's metrics.jsonl.
+
+Writes `RUN_DIR/plots/curves.png`: training loss, eval AUC, samples/s and measured
+staleness (mean and max per log interval, with the configured bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from hybridrec.errors import UserError
+from model._run_log import read_records
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draws the curves of `run_dir`; returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = list(read_records(run_dir))
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    if not train:
+        raise UserError(f"{run_dir}: no training records in metrics.jsonl to plot")
+    bound = None
+    config_path = run_dir / "config.json"
+    if config_path.exists():
+        bound = json.loads(config_path.read_text()).get("hybrid", {}).get("staleness")
+
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    steps = [r["step"] for r in train]
+    loss_axis, auc_axis, speed_axis, stale_axis = axes.flat
+    loss_axis.plot(steps, [r["loss"] for r in train], color="tab:blue")
+    loss_axis.set(title="training loss (mean per log interval)", xlabel="step", ylabel="logloss")
+    if evals:
+        auc_axis.plot(
+            [r["step"] for r in evals], [r.get("auc") for r in evals], "o-", color="tab:green"
+        )
+    auc_axis.set(title="eval AUC", xlabel="step", ylabel="AUC")
+    speed_axis.plot(steps, [r["samples_per_s"] for r in train], color="tab:orange")
+    speed_axis.set(title="throughput", xlabel="step", ylabel="samples/s")
+    speed_axis.set_ylim(bottom=0)
+    stale_axis.plot(steps, [r["staleness_mean"] for r in train], label="mean", color="tab:purple")
+    stale_axis.plot(
+        steps, [r["staleness_max"] for r in train], label="max", color="tab:red", alpha=0.7
+    )
+    if bound is not None:
+        stale_axis.axhline(bound, color="gray", linestyle="--", label=f"bound k={bound}")
+    stale_axis.set(title="embedding staleness at lookup", xlabel="step", ylabel="pending updates")
+    stale_axis.set_ylim(bottom=-0.1, top=max(1, (bound or 0) + 0.5))
+    stale_axis.legend(loc="lower right")
+    figure.suptitle(f"hybridrec run {run_dir.name}")
+    out = Path(out) if out else run_dir / "plots" / "curves.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """`hybridrec plot`."""
+    parser = argparse.ArgumentParser(
+        prog="hybridrec plot", description="Write PNG training curves for a run directory."
+    )
+    parser.add_argument("run_dir", help="run directory written by `hybridrec train`")
+    parser.add_argument("--out", help="PNG path (default RUN_DIR/plots/curves.png)")
+    args = parser.parse_args(argv)
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
+    return 0

@@ -1,0 +1,149 @@
+"""The configuration of a hybrid training run (`hybridrec train --config PRESET --set a.b=c`).
+
+Presets live in `hybridrec/configs/` (`criteo_dlrm`, `quickstart`, ...); every key
+can be overridden on the command line, and an unknown key is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from embedding_store import (
+    AdmissionConfig,
+    EvictionConfig,
+    InitializerConfig,
+    SparseOptimizerConfig,
+    TableConfig,
+)
+from model.config import DenseOptimizerConfig, MeshConfig, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Which preprocessed data, in which batches and order."""
+
+    path: str = ""  # directory written by `hybridrec preprocess` (holds metadata.json)
+    train_split: str = "train"  # split to train on
+    eval_split: str = "eval"  # split to evaluate on
+    batch_size: int = 4096  # global batch: rows per training step over all processes
+    eval_batch_size: int = 0  # global rows per evaluation step; 0 = batch_size
+    shuffle_buffer: int = 131072  # minimum rows per shuffle window; 0 = read in file order
+    epochs: int = 1  # passes over the training split (when max_steps = 0)
+    max_steps: int = 0  # stop after this many steps; 0 = run `epochs` epochs
+    prefetch: int = 4  # batches decoded ahead by the input thread
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.eval_batch_size < 0:
+            raise ValueError("data.batch_size must be >= 1 and eval_batch_size >= 0")
+        if self.epochs < 1 or self.max_steps < 0 or self.shuffle_buffer < 0 or self.prefetch < 1:
+            raise ValueError(
+                "data.epochs and prefetch must be >= 1; max_steps, shuffle_buffer >= 0"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EmbeddingConfig:
+    """The embedding tables (one per table named in the dataset's feature spec) and their store."""
+
+    dim: int = 16  # values per embedding row (all tables; the dense tower sees [B, F, dim])
+    capacity: int = 4_000_000  # maximum rows per table across all shards
+    pooling: Literal["sum", "mean", "sqrtn"] = "sum"  # how multi-valued features are pooled
+    initializer: InitializerConfig = dataclasses.field(
+        default_factory=InitializerConfig
+    )  # new rows
+    optimizer: SparseOptimizerConfig = dataclasses.field(
+        default_factory=SparseOptimizerConfig
+    )  # per-row sparse optimizer
+    admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)  # new ids
+    eviction: EvictionConfig = dataclasses.field(default_factory=EvictionConfig)  # dropping rows
+    storage_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # stored value dtype
+    num_shards: int = 4  # in-process shards (ignored with servers: the servers decide)
+    # remote shard servers "host:port" (`hybridrec serve-embeddings`); empty = in-process shards
+    servers: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.dim < 1 or self.capacity < 1 or self.num_shards < 1:
+            raise ValueError("embedding.dim, capacity and num_shards must be >= 1")
+
+    def table(self, name: str) -> TableConfig:
+        return TableConfig(
+            name=name,
+            dim=self.dim,
+            capacity=self.capacity,
+            initializer=self.initializer,
+            optimizer=self.optimizer,
+            admission=self.admission,
+            eviction=self.eviction,
+            storage_dtype=self.storage_dtype,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridConfig:
+    """PERSIA's hybrid schedule: embeddings async with bounded staleness, dense sync."""
+
+    # k: at most k batches looked up whose gradients are not yet applied when a new lookup is
+    # issued (the lookup of batch t may miss the updates of batches t-k..t-1); 0 = synchronous
+    staleness: int = 4
+
+    def __post_init__(self):
+        if self.staleness < 0:
+            raise ValueError(f"hybrid.staleness must be >= 0, got {self.staleness}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Evaluation on the eval split."""
+
+    every_steps: int = 0  # evaluate every this many steps; 0 = only at the end
+    max_batches: int = (
+        0  # batches per periodic evaluation; 0 = the whole split (final: always whole)
+    )
+
+    def __post_init__(self):
+        if self.every_steps < 0 or self.max_batches < 0:
+            raise ValueError("eval.every_steps and eval.max_batches must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Checkpoints of dense state, data position and embeddings at one step."""
+
+    every_steps: int = 0  # checkpoint every this many steps; 0 = only at the end
+    keep: int = 2  # complete checkpoints kept
+
+    def __post_init__(self):
+        if self.every_steps < 0 or self.keep < 1:
+            raise ValueError("checkpoint.every_steps must be >= 0 and keep >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """Metrics and progress output."""
+
+    every_steps: int = 50  # fetch metrics from the devices and write a record every this many steps
+    tensorboard: bool = True  # also write TensorBoard event files
+    progress_interval: float = 2.0  # seconds between progress lines
+
+    def __post_init__(self):
+        if self.every_steps < 1 or self.progress_interval < 0:
+            raise ValueError("log.every_steps must be >= 1 and progress_interval >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a training run needs besides the data files themselves."""
+
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)  # input
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # dense tower
+    optimizer: DenseOptimizerConfig = dataclasses.field(
+        default_factory=DenseOptimizerConfig
+    )  # dense optimizer
+    embedding: EmbeddingConfig = dataclasses.field(default_factory=EmbeddingConfig)  # tables
+    hybrid: HybridConfig = dataclasses.field(default_factory=HybridConfig)  # staleness bound
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)  # device mesh
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # evaluation schedule
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)  # saves
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)  # metrics output
+    seed: int = 0  # dense initialization and data order
