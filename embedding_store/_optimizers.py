@@ -49,8 +49,9 @@ def apply(
     # adam, as optax.scale_by_adam with eps_root = 0
     dim = weights.shape[1]
     b1, b2 = np.float32(config.beta1), np.float32(config.beta2)
-    mu = (1 - b1) * grads + b1 * state[:, :dim]
-    nu = (1 - b2) * (grads * grads) + b2 * state[:, dim : 2 * dim]
+    # 1 - beta in float64 first, as optax does with Python-float betas (1 - f32(0.999) is off by 1e-5).
+    mu = np.float32(1 - config.beta1) * grads + b1 * state[:, :dim]
+    nu = np.float32(1 - config.beta2) * (grads * grads) + b2 * state[:, dim : 2 * dim]
     count = state[:, 2 * dim :] + np.float32(1)
     mu_hat = mu / (1 - b1**count)
     nu_hat = nu / (1 - b2**count)

@@ -46,6 +46,10 @@ class RamRows:
     def lines(self, slots: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
         return slots
 
+    def gather(self, slots: np.ndarray) -> np.ndarray:
+        """Rows of `slots` as float32 [n, dim]."""
+        return self.values[slots].astype(np.float32, copy=False)
+
     def mark_dirty(self, lines: np.ndarray) -> None:
         pass
 
@@ -150,6 +154,12 @@ class TieredRows:
             lines = self._line_of_slot[slots]
         self._tick += 1
         return lines
+
+    def gather(self, slots: np.ndarray) -> np.ndarray:
+        """Rows of `slots` as float32 [n, dim]; cached in RAM when they fit the budget."""
+        if len(slots) > self._ram_rows and len(np.unique(slots)) > self._ram_rows:
+            return self.read_rows(slots)[0]  # a scan larger than RAM (evaluation): no caching
+        return self.values[self.lines(slots)].astype(np.float32, copy=False)
 
     def _take_lines(self, count: int) -> np.ndarray:
         if count > self._ram_rows:

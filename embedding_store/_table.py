@@ -128,6 +128,7 @@ class ShardTable:
             )
         else:
             self._rows = RamRows(config.dim, self._state_width, config.storage_dtype, initial)
+        self._rows.reserve(initial)
         self._slot_ids = np.zeros(initial, np.uint64)
         self._live = np.zeros(initial, bool)
         self._last_step = np.zeros(initial, np.int64)
@@ -174,14 +175,13 @@ class ShardTable:
             stats["hits"] += hits
             stats["misses"] += len(ids) - hits
             if hit.all():
-                lines = self._rows.lines(slots)
                 if train:
                     self._last_step[slots] = self._step
-                return self._rows.values[lines].astype(np.float32, copy=False)
+                return self._rows.gather(slots)
             stats["rejected"] += int(np.count_nonzero(~hit)) if train else 0
             out = np.zeros((len(ids), config.dim), np.float32)
             present = slots[hit]
-            out[hit] = self._rows.values[self._rows.lines(present)]
+            out[hit] = self._rows.gather(present)
             if train:
                 self._last_step[present] = self._step
             elif config.admission.admits_all:
