@@ -83,6 +83,8 @@ def _gather_strings(buffer: np.ndarray, starts: np.ndarray, lengths: np.ndarray)
 
 def _parse_ints(buffer, starts, lengths):
     """Parses integer cells. Returns (values int64, missing, non_numeric, overflow), all [n, d]."""
+    # Column selections can be Fortran-ordered; the flat views below must alias the arrays.
+    starts, lengths = np.ascontiguousarray(starts), np.ascontiguousarray(lengths)
     missing = lengths == 0
     first = buffer[np.minimum(starts, len(buffer) - 1)]
     signed = ~missing & ((first == ord("-")) | (first == ord("+")))
@@ -92,12 +94,18 @@ def _parse_ints(buffer, starts, lengths):
     non_numeric = ~missing & (digits <= 0)
     long_cells = digits >= 19
     values = np.zeros(starts.shape, np.int64)
-    max_digits = int(min(digits.max(initial=0), 18))
-    for k in range(max_digits):
-        active = (digits > k) & ~long_cells
-        digit = buffer[np.where(active, digit_starts + k, 0)].astype(np.int64) - ord("0")
-        non_numeric |= active & ((digit < 0) | (digit > 9))
-        values = np.where(active, values * 10 + digit, values)
+    flat_values, flat_bad = values.reshape(-1), non_numeric.reshape(-1)
+    flat_starts, flat_digits = digit_starts.reshape(-1), digits.reshape(-1)
+    # Work only on the cells that still have a k-th digit: cost ~ total digits, not cells * 18.
+    active = np.flatnonzero((flat_digits > 0) & ~long_cells.reshape(-1))
+    for k in range(18):
+        if k:
+            active = active[flat_digits[active] > k]
+        if not len(active):
+            break
+        digit = buffer[flat_starts[active] + k].astype(np.int64) - ord("0")
+        flat_bad[active[(digit < 0) | (digit > 9)]] = True
+        flat_values[active] = flat_values[active] * 10 + digit
     values = np.where(negative, -values, values)
     overflow = np.zeros(starts.shape, bool)
     for index in zip(*np.nonzero(long_cells & ~non_numeric), strict=True):

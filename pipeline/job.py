@@ -27,8 +27,8 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import (
     DirectOptions,
     PipelineOptions,
-    SdkHarnessOptions,
     StandardOptions,
+    WorkerOptions,
 )
 
 from hybridrec.errors import UserError
@@ -199,7 +199,7 @@ def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
             direct.direct_running_mode = "multi_processing"
         if not any(arg.startswith("--direct_num_workers") for arg in beam_args):
             direct.direct_num_workers = os.cpu_count() or 1
-    harness = options.view_as(SdkHarnessOptions)
+    harness = options.view_as(WorkerOptions)
     if not any(arg.startswith("--default_sdk_harness_log_level") for arg in beam_args):
         harness.default_sdk_harness_log_level = "WARNING"
     return options

@@ -1,0 +1,123 @@
+"""Benchmark: rows/s of the Beam preprocessing job vs a single-process baseline.
+
+Both do the same work on the same input: count lines (for line numbers and the
+position split), parse + validate, hash categoricals, transform dense, split,
+write zstd Parquet with 64k-row groups, and compute the statistics. The baseline
+calls the library functions in a plain loop in this process, no Beam; the Beam
+job runs on the DirectRunner in multi_processing mode with one worker per core
+(the `hybridrec preprocess` default) and, for comparison, in in_memory mode.
+
+    python scripts/bench_preprocess.py                 # 1M generated rows (+ the real sample if present)
+    python scripts/bench_preprocess.py --rows 2000000
+
+The last line of output is one JSON object:
+{"beam_rows_per_s": ..., "baseline_rows_per_s": ..., "ratio": ...} for the
+generated data with the default (multi_processing) runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline import _chunks, job, synthetic
+from pipeline._parse import BlockParser
+from pipeline.spec import load_spec
+from pipeline.stats import PartialStats
+
+REAL_SAMPLE = (
+    Path(__file__).resolve().parents[1].parent / "shared/data/criteo_kaggle_sample/train.tsv.gz"
+)
+
+
+def baseline(path: Path, out: Path, chunk_mb: float = 32.0, block_mb: float = 16.0) -> float:
+    """Single process, no Beam: the same per-chunk functions in a loop. Returns seconds."""
+    start = time.perf_counter()
+    spec = load_spec("criteo")
+    parser = BlockParser(spec)
+    chunks = _chunks.list_chunks([str(path)], int(chunk_mb * 2**20))
+    block_bytes = int(block_mb * 2**20)
+    counts = [_chunks.count_lines(chunk, block_bytes) for chunk in chunks]
+    total = sum(counts)
+    split = _chunks.SplitRule("position", 0.1, total - round(total * 0.1))
+    stats = PartialStats()
+    first = 0
+    for chunk, lines in zip(chunks, counts, strict=True):
+        partial, _ = _chunks.process_chunk(
+            chunk,
+            spec=spec,
+            parser=parser,
+            first_line=first,
+            global_first_line=first,
+            split=split,
+            temp_dir=str(out),
+            block_bytes=block_bytes,
+        )
+        stats.merge(partial)
+        first += lines
+    stats.to_json(spec)
+    return time.perf_counter() - start
+
+
+def beam_run(path: Path, out: Path, mode: str) -> float:
+    argv = ["-i", str(path), "-o", str(out), "--overwrite", "--quiet"]
+    argv += [f"--direct_running_mode={mode}"]
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        job.run(argv)
+    return time.perf_counter() - start
+
+
+def measure(path: Path, rows: int, work: Path, label: str) -> dict:
+    shutil.rmtree(work / "base", ignore_errors=True)
+    base_seconds = baseline(path, work / "base")
+    result = {"input": label, "rows": rows, "baseline_rows_per_s": rows / base_seconds}
+    for mode in ("multi_processing", "in_memory"):
+        seconds = beam_run(path, work / f"beam-{mode}", mode)
+        result[f"beam_{mode}_rows_per_s"] = rows / seconds
+    result["ratio_multi_processing"] = (
+        result["beam_multi_processing_rows_per_s"] / result["baseline_rows_per_s"]
+    )
+    result["ratio_in_memory"] = result["beam_in_memory_rows_per_s"] / result["baseline_rows_per_s"]
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1_000_000, help="generated rows")
+    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_preprocess_"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"cores={os.cpu_count()} workdir={work}")
+    data = work / "generated.tsv"
+    if not data.exists():
+        synthetic.generate(data, args.rows, seed=0)
+    generated = measure(data, args.rows, work, f"generated {args.rows} rows (uncompressed TSV)")
+    if REAL_SAMPLE.exists():
+        measure(REAL_SAMPLE, 137_139, work, "real Criteo sample (one .gz file)")
+    if args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    beam = generated["beam_multi_processing_rows_per_s"]
+    base = generated["baseline_rows_per_s"]
+    print(
+        json.dumps(
+            {
+                "beam_rows_per_s": round(beam),
+                "baseline_rows_per_s": round(base),
+                "ratio": round(beam / base, 3),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
