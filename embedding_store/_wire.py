@@ -16,8 +16,8 @@ Streams (version 1):
                                                                 each list exactly dim long
     apply response    metadata only: JSON {"applied": rows, "duplicate": bool}
 
-Control calls (health, handshake, stats, set_step, checkpoint, restore) are Flight
-actions whose bodies and results are small JSON objects.
+Control calls (health, stats, set_step, checkpoint, commit_checkpoint,
+load_checkpoint) are Flight actions whose bodies and results are small JSON objects.
 
 Decoding validates everything a peer controls (header fields, schema, table
 names, sizes, list offsets, nulls) and raises `WireError` before any state is
@@ -67,12 +67,14 @@ class Header:
         shard: global shard index the request is for.
         client: identity of the sending client (random per client object).
         seq: per-client sequence number; (client, seq) makes an apply idempotent.
+        train: lookup only: count sightings and admit new ids (False for evaluation).
     """
 
     op: str
     shard: int
     client: str = ""
     seq: int = 0
+    train: bool = True
 
 
 def encode_header(header: Header) -> bytes:
@@ -83,6 +85,7 @@ def encode_header(header: Header) -> bytes:
             "shard": header.shard,
             "client": header.client,
             "seq": header.seq,
+            "train": header.train,
         }
     ).encode()
 
@@ -120,8 +123,12 @@ def decode_header(raw: bytes | pa.Buffer | None) -> Header:
     client = data.get("client", "")
     if not isinstance(client, str) or len(client) > MAX_CLIENT_ID_CHARS:
         raise WireError("request header: 'client' must be a short string")
+    train = data.get("train", True)
+    if not isinstance(train, bool):
+        raise WireError("request header: 'train' must be true or false")
     return Header(
         op=op,
+        train=train,
         shard=_int_field(data, "shard", "request header"),
         client=client,
         seq=_int_field(data, "seq", "request header"),

@@ -109,10 +109,12 @@ class ServerConnection:
     ):
         self.address = address
         self.retry_timeout = retry_timeout
-        headers = [(AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token else []
-        self._options = flight.FlightCallOptions(timeout=call_timeout, headers=headers)
+        self._headers = [(AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token else []
+        self._options = flight.FlightCallOptions(timeout=call_timeout, headers=self._headers)
+        # Checkpoint writes and loads take as long as the shard is big: no per-attempt limit.
+        self._slow_options = flight.FlightCallOptions(headers=self._headers)
         self._client = flight.FlightClient(address)
-        self._client_id = uuid.uuid4().hex
+        self.client_id = uuid.uuid4().hex
         self._seq = 0
         self._lock = threading.Lock()
         self.health: dict[str, Any] = {}
@@ -154,10 +156,19 @@ class ServerConnection:
                     f"embedding server {self.address}: {what}: {_first_line(error)}"
                 ) from None
 
-    def action(self, kind: str, body: Mapping[str, Any] | None = None, *, retry: bool = True):
+    def action(
+        self,
+        kind: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        retry: bool = True,
+        slow: bool = False,
+    ):
+        """Runs a control action; its JSON result."""
         payload = json.dumps(body or {}).encode()
 
         def attempt(client, options):
+            options = self._slow_options if slow else options
             results = list(client.do_action(flight.Action(kind, payload), options))
             return json.loads(results[0].body.to_pybytes()) if results else None
 
@@ -231,12 +242,14 @@ class RemoteShard:
     def address(self) -> str:
         return self.connection.address
 
-    def lookup(self, requests: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def lookup(
+        self, requests: Mapping[str, np.ndarray], *, train: bool = True
+    ) -> dict[str, np.ndarray]:
         """Rows for each table's ids, in one call: table -> [n, dim] float32 (read-only)."""
         if not requests:
             return {}
-        header = _wire.encode_header(_wire.Header(op=_wire.LOOKUP, shard=self.index))
-        descriptor = flight.FlightDescriptor.for_command(header)
+        header = _wire.Header(op=_wire.LOOKUP, shard=self.index, train=bool(train))
+        descriptor = flight.FlightDescriptor.for_command(_wire.encode_header(header))
         batches = list(_wire.lookup_batches(requests))
 
         def attempt(client, options):
@@ -265,7 +278,7 @@ class RemoteShard:
         header = _wire.Header(
             op=_wire.APPLY,
             shard=self.index,
-            client=self.connection._client_id,
+            client=self.connection.client_id,
             seq=self.connection.next_seq(),
         )
         descriptor = flight.FlightDescriptor.for_command(_wire.encode_header(header))
@@ -286,26 +299,51 @@ class RemoteShard:
         self.connection.call(attempt, f"update on shard {self.index}")
 
     def set_step(self, step: int) -> None:
-        self.connection.action("set_step", {"step": int(step)})
+        self.connection.action("set_step", {"shard": self.index, "step": int(step)})
 
-    def stats(self) -> dict[str, Any]:
-        stats = self.connection.action("stats")
-        shard = dict(stats["shards"].get(str(self.index), {}))
-        shard["server"] = {
-            key: stats[key]
-            for key in ("latency", "pending_updates", "oldest_pending_update_ms", "counters")
+    def stats(self) -> dict[str, dict[str, int]]:
+        """{table: counters} of this shard, as the in-process shard reports them."""
+        return self.connection.action("shard_stats", {"shard": self.index})
+
+    def server_stats(self) -> dict[str, Any]:
+        """The whole server's stats: rows, latency p50/p99, pending updates, counters."""
+        return self.connection.action("stats")
+
+    def write_checkpoint(
+        self, url: str, step: int, shard_index: int, *, num_shards: int, full: bool
+    ) -> dict[str, dict[str, Any]]:
+        """The server writes this shard's part of `step` straight to `url`."""
+        self._check_index(shard_index)
+        body = {
+            "shard": self.index,
+            "url": url,
+            "step": int(step),
+            "num_shards": int(num_shards),
+            "full": bool(full),
         }
-        shard["server"]["address"] = self.address
-        return shard
+        return self.connection.action("checkpoint", body, slow=True)
 
-    def write_checkpoint(self, url: str, step: int, shard_index: int) -> dict[str, Any]:
+    def commit_checkpoint(self, step: int) -> None:
+        self.connection.action("commit_checkpoint", {"shard": self.index, "step": int(step)})
+
+    def load_checkpoint(
+        self, url: str, manifest: Mapping[str, Any], shard_index: int, num_shards: int
+    ) -> dict[str, int]:
+        """The server resets this shard and loads its rows of the checkpoint from `url`."""
+        self._check_index(shard_index)
+        body = {
+            "shard": self.index,
+            "url": url,
+            "step": int(manifest["step"]),
+            "num_shards": int(num_shards),
+        }
+        return self.connection.action("load_checkpoint", body, slow=True)
+
+    def _check_index(self, shard_index: int) -> None:
         if shard_index != self.index:
             raise RemoteShardError(
-                f"shard {self.index} at {self.address} asked to write part {shard_index}"
+                f"shard {self.index} at {self.address} was asked about shard {shard_index}"
             )
-        return self.connection.action(
-            "checkpoint", {"url": url, "step": int(step), "shard": self.index}
-        )
 
     def close(self) -> None:
         """Closes the client side only; the server keeps its rows for the next trainer."""

@@ -12,21 +12,37 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import collections
 import hashlib
 import hmac
 import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.flight as flight
 
 from embedding_store import _wire
+from embedding_store.checkpoint import latest_checkpoint_step, read_manifest
+from embedding_store.config import TableConfig
+from embedding_store.errors import EmbeddingStoreError
+from embedding_store.shard import LocalShard
+from embedding_store.store import _check_compatible
+from hybridrec import config
 from hybridrec.errors import UserError
+from hybridrec.progress import Progress
 
 TOKEN_ENV = "HYBRIDREC_EMBEDDING_TOKEN"
 AUTH_HEADER = "authorization"
@@ -75,39 +91,47 @@ class ShardServer(flight.FlightServerBase):
     """An Arrow Flight server hosting some shards of one table set.
 
     Args:
-        shards: global shard index -> Shard (the in-process backend) hosted here.
+        tables: the table configs (every client must use the same).
+        shard_indices: global indices of the shards hosted here.
         num_shards: total shards of the table set across all servers.
-        table_dims: table name -> embedding dim.
-        fingerprint: digest of the table configs; clients refuse a mismatch.
         location: e.g. "grpc://127.0.0.1:0" (port 0 picks a free port).
         token: shared secret every call must present, or None for no check.
         max_request_bytes / max_request_rows: per-request limits; larger requests
             are rejected before any state is touched.
-        restored_step: checkpoint step the shards were restored from, if any.
+        restore: checkpoint URL to load the hosted shards from at start (the
+            latest step, or `restore_step`); a URL without a checkpoint starts empty.
+        restore_step: the step to restore instead of the latest.
     """
 
     def __init__(
         self,
-        shards: Mapping[int, Any],
+        tables: Sequence[TableConfig],
+        shard_indices: Sequence[int],
         *,
         num_shards: int,
-        table_dims: Mapping[str, int],
-        fingerprint: str,
         location: str = "grpc://127.0.0.1:0",
         token: str | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS,
-        restored_step: int | None = None,
+        restore: str | None = None,
+        restore_step: int | None = None,
     ):
-        middleware = {"token": _TokenMiddlewareFactory(token)} if token else None
-        super().__init__(location, middleware=middleware)
-        self.shards = dict(shards)
+        self.tables = tuple(tables)
         self.num_shards = num_shards
-        self.table_dims = dict(table_dims)
-        self.fingerprint = fingerprint
+        self.table_dims = {table.name: int(table.dim) for table in self.tables}
+        self.fingerprint = table_fingerprint(self.tables)
+        self.shards = {index: self._new_shard(index) for index in sorted(set(shard_indices))}
+        self.restored_step = None
+        if restore is not None:
+            step = restore_step if restore_step is not None else latest_checkpoint_step(restore)
+            if step is not None:
+                for index in self.shards:
+                    self._load(index, restore, step)
+                self.restored_step = step
+            elif restore_step is not None:
+                raise UserError(f"{restore}: no committed checkpoint for step {restore_step}")
         self.max_request_bytes = max_request_bytes
         self.max_request_rows = max_request_rows
-        self.restored_step = restored_step
         self.incarnation = uuid.uuid4().hex
         self.started = time.time()
         self._draining = threading.Event()
@@ -119,8 +143,32 @@ class ShardServer(flight.FlightServerBase):
             collections.OrderedDict()
         )
         self._latency = {op: _Latency() for op in _wire.OPERATIONS}
-        self._counters = collections.Counter()
+        self._counters: collections.Counter[str] = collections.Counter()
         self._step = 0
+        middleware = {"token": _TokenMiddlewareFactory(token)} if token else None
+        super().__init__(location, middleware=middleware)  # serving starts here
+
+    def _new_shard(self, index: int) -> LocalShard:
+        return LocalShard(self.tables, shard_index=index, num_shards=self.num_shards)
+
+    def _load(self, index: int, url: str, step: int) -> dict[str, int]:
+        """Replaces shard `index` by a fresh one holding its rows of checkpoint `step`."""
+        manifest = read_manifest(url, step)
+        _check_compatible(url, manifest, self.tables)
+        shard = self._new_shard(index)
+        try:
+            loaded = shard.load_checkpoint(url, manifest, index, self.num_shards)
+        except BaseException:
+            shard.close()
+            raise
+        old, self.shards[index] = self.shards.get(index), shard
+        if old is not None:
+            old.close()
+        return loaded
+
+    def _count(self, key: str, value: int = 1) -> None:
+        with self._lock:
+            self._counters[key] += value
 
     # --- data path --------------------------------------------------------------------
 
@@ -130,43 +178,50 @@ class ShardServer(flight.FlightServerBase):
             if self._draining.is_set():
                 raise flight.FlightUnavailableError("embedding server is shutting down")
             header = _wire.decode_header(descriptor.command)
-            shard = self.shards.get(header.shard)
-            if shard is None:
-                raise _wire.WireError(
-                    f"shard {header.shard} is not hosted here (hosted: {sorted(self.shards)})"
-                )
+            shard = self._shard(header.shard)
             limits = _wire.RequestLimits(
                 max_rows=self.max_request_rows, max_bytes=self.max_request_bytes
             )
             chunks = ((chunk.data, chunk.app_metadata) for chunk in reader)
             if header.op == _wire.LOOKUP:
                 requests = _wire.decode_lookup(chunks, reader.schema, self.table_dims, limits)
-                rows = shard.lookup(requests)
+                rows = shard.lookup(requests, train=header.train)
                 writer.begin(_wire.VALUES_SCHEMA)
                 for table in requests:
                     writer.write_with_metadata(_wire.values_batch(rows[table]), table.encode())
-                self._counters["rows_looked_up"] += limits.rows
+                self._count("rows_looked_up", limits.rows)
             else:
                 updates = _wire.decode_apply(chunks, reader.schema, self.table_dims, limits)
                 duplicate = self._apply_once(shard, header, updates)
-                reply = {"applied": 0 if duplicate else limits.rows, "duplicate": duplicate}
-                writer.write_metadata(json.dumps(reply).encode())
-                self._counters["rows_applied"] += 0 if duplicate else limits.rows
-        except _wire.WireError as error:
-            self._counters["rejected"] += 1
+                applied = 0 if duplicate else limits.rows
+                writer.write_metadata(
+                    json.dumps({"applied": applied, "duplicate": duplicate}).encode()
+                )
+                self._count("rows_applied", applied)
+        except (_wire.WireError, EmbeddingStoreError) as error:
+            self._count("rejected")
             raise flight.FlightServerError(f"rejected: {error}") from None
         except flight.FlightError:
-            self._counters["rejected"] += 1
+            self._count("rejected")
             raise
-        self._counters[f"{header.op}_requests"] += 1
+        self._count(f"{header.op}_requests")
         self._latency[header.op].add(time.perf_counter() - start)
+
+    def _shard(self, index: Any) -> LocalShard:
+        shard = self.shards.get(index) if isinstance(index, int) else None
+        if shard is None:
+            raise _wire.WireError(
+                f"shard {index!r} is not hosted here (hosted: {sorted(self.shards)})"
+            )
+        return shard
 
     def _apply_once(self, shard, header: _wire.Header, updates) -> bool:
         """Applies `updates` unless (client, seq) was applied already; True for a duplicate."""
         key = (header.client, header.seq)
         with self._lock:
             done = self._applied.get(key) if header.client else None
-            if done is None:
+            duplicate = done is not None
+            if not duplicate:
                 done = threading.Event()
                 if header.client:
                     self._applied[key] = done
@@ -175,12 +230,9 @@ class ShardServer(flight.FlightServerBase):
                 token = self._next_pending
                 self._next_pending += 1
                 self._pending[token] = time.monotonic()
-                duplicate = False
-            else:
-                duplicate = True
         if duplicate:
             done.wait()
-            self._counters["duplicates"] += 1
+            self._count("duplicates")
             return True
         try:
             shard.apply_gradients(updates)
@@ -202,16 +254,19 @@ class ShardServer(flight.FlightServerBase):
         return [
             ("health", "readiness, hosted shards, table fingerprint (JSON)"),
             ("stats", "rows, latency p50/p99, pending updates (JSON)"),
-            ("set_step", '{"step": int} for every hosted shard'),
-            ("checkpoint", '{"url": str, "step": int, "shard": int}: write one shard part'),
+            ("shard_stats", '{"shard"}: the shard\'s per-table counters'),
+            ("set_step", '{"shard", "step"}'),
+            ("checkpoint", '{"shard", "url", "step", "num_shards", "full"}: write a part'),
+            ("commit_checkpoint", '{"shard", "step"}: the manifest of step is committed'),
+            ("load_checkpoint", '{"shard", "url", "step", "num_shards"}: reset, then load'),
         ]
 
     def do_action(self, context, action):
         try:
             body = _wire.decode_json(action.body, f"action {action.type!r}")
             result = self._action(action.type, body)
-        except _wire.WireError as error:
-            self._counters["rejected"] += 1
+        except (_wire.WireError, EmbeddingStoreError) as error:
+            self._count("rejected")
             raise flight.FlightServerError(f"rejected: {error}") from None
         return [json.dumps(result, default=_json_default).encode()]
 
@@ -222,28 +277,38 @@ class ShardServer(flight.FlightServerBase):
             return self.stats()
         if self._draining.is_set():
             raise flight.FlightUnavailableError("embedding server is shutting down")
+        if kind == "shard_stats":
+            return self._shard(body.get("shard")).stats()
         if kind == "set_step":
-            step = body.get("step")
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise _wire.WireError(f"set_step: 'step' must be an integer >= 0, got {step!r}")
+            step = _field(body, "step", int)
             self._step = step
-            for shard in self.shards.values():
-                shard.set_step(step)
+            self._shard(body.get("shard")).set_step(step)
             return {"step": step}
         if kind == "checkpoint":
-            url, step, index = body.get("url"), body.get("step"), body.get("shard")
-            if not isinstance(url, str) or not url:
-                raise _wire.WireError("checkpoint: 'url' must be a non-empty string")
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise _wire.WireError("checkpoint: 'step' must be an integer >= 0")
-            if index not in self.shards:
-                raise _wire.WireError(f"checkpoint: shard {index!r} is not hosted here")
+            index = body.get("shard")
+            shard = self._shard(index)
+            url, step = _field(body, "url", str), _field(body, "step", int)
+            self._check_num_shards(_field(body, "num_shards", int))
             self.wait_idle()
-            try:
-                return self.shards[index].write_checkpoint(url, step, index)
-            except UserError as error:
-                raise flight.FlightServerError(f"checkpoint failed: {error}") from None
+            return shard.write_checkpoint(
+                url, step, index, num_shards=self.num_shards, full=_field(body, "full", bool)
+            )
+        if kind == "commit_checkpoint":
+            self._shard(body.get("shard")).commit_checkpoint(_field(body, "step", int))
+            return {}
+        if kind == "load_checkpoint":
+            index = body.get("shard")
+            self._shard(index)
+            self._check_num_shards(_field(body, "num_shards", int))
+            self.wait_idle()
+            return self._load(index, _field(body, "url", str), _field(body, "step", int))
         raise _wire.WireError(f"unknown action {kind!r}")
+
+    def _check_num_shards(self, num_shards: int) -> None:
+        if num_shards != self.num_shards:
+            raise _wire.WireError(
+                f"client has {num_shards} shards, this server is one of {self.num_shards}"
+            )
 
     def health(self) -> dict[str, Any]:
         return {
@@ -261,18 +326,23 @@ class ShardServer(flight.FlightServerBase):
         with self._lock:
             pending = len(self._pending)
             oldest = min(self._pending.values(), default=None)
+            counters = dict(self._counters)
         shard_stats = {str(index): shard.stats() for index, shard in self.shards.items()}
         return {
             "incarnation": self.incarnation,
             "uptime_s": time.time() - self.started,
             "step": self._step,
-            "rows": sum(int(s.get("rows", 0)) for s in shard_stats.values()),
+            "rows": sum(
+                int(table.get("rows", 0))
+                for shard in shard_stats.values()
+                for table in shard.values()
+            ),
             "latency": {op: latency.summary() for op, latency in self._latency.items()},
             "pending_updates": pending,
             "oldest_pending_update_ms": 0.0
             if oldest is None
             else (time.monotonic() - oldest) * 1e3,
-            "counters": dict(self._counters),
+            "counters": counters,
             "shards": shard_stats,
         }
 
@@ -292,6 +362,18 @@ class ShardServer(flight.FlightServerBase):
             shard.close()
 
 
+def _field(body: Mapping[str, Any], key: str, kind: type) -> Any:
+    value = body.get(key)
+    valid = isinstance(value, kind) and (kind is not int or not isinstance(value, bool))
+    if kind is int:
+        valid = valid and value >= 0
+    if kind is str:
+        valid = valid and bool(value)
+    if not valid:
+        raise _wire.WireError(f"field {key!r} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
@@ -300,9 +382,412 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def table_fingerprint(tables: Sequence[Any]) -> str:
-    """A short digest of the table configs that clients and servers must agree on."""
-    from hybridrec import config
-
-    text = json.dumps([config.to_dict(table) for table in tables], sort_keys=True, default=str)
+def table_fingerprint(tables: Sequence[TableConfig]) -> str:
+    """A short digest of the table configs clients and servers must agree on (any order)."""
+    configs = sorted((config.to_dict(table) for table in tables), key=lambda t: t["name"])
+    text = json.dumps(configs, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# --- command line -------------------------------------------------------------------------
+
+
+def parse_shard_list(text: str, num_shards: int) -> list[int]:
+    """ "0,1,5" or "0-3" or "0-3,8" -> sorted shard indices, each in [0, num_shards)."""
+    indices: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        first, sep, last = part.partition("-")
+        try:
+            span = range(int(first), int(last) + 1) if sep else range(int(first), int(first) + 1)
+        except ValueError:
+            raise UserError(f"--shards: {part!r} is not an index or a range like 0-3") from None
+        if not span:
+            raise UserError(f"--shards: empty range {part!r}")
+        indices.update(span)
+    if not indices:
+        raise UserError("--shards: no shard index given")
+    bad = sorted(i for i in indices if not 0 <= i < num_shards)
+    if bad:
+        raise UserError(f"--shards: {bad} outside 0..{num_shards - 1} (--num-shards {num_shards})")
+    return sorted(indices)
+
+
+def contiguous_shards(server_index: int, num_servers: int, num_shards: int) -> list[int]:
+    """The shards server `server_index` of `num_servers` hosts: a contiguous, balanced range."""
+    if not 0 <= server_index < num_servers:
+        raise UserError(f"--server-index {server_index} outside 0..{num_servers - 1}")
+    if num_servers > num_shards:
+        raise UserError(f"{num_servers} servers for {num_shards} shards: some would host none")
+    start = server_index * num_shards // num_servers
+    stop = (server_index + 1) * num_shards // num_servers
+    return list(range(start, stop))
+
+
+def _server_index(text: str) -> int:
+    """An integer, or "auto": $HYBRIDREC_SERVER_INDEX, else the hostname's trailing ordinal
+    (a Kubernetes StatefulSet pod is named <set>-<ordinal>)."""
+    if text != "auto":
+        try:
+            return int(text)
+        except ValueError:
+            raise UserError(f"--server-index: {text!r} is not an integer or 'auto'") from None
+    env = os.environ.get("HYBRIDREC_SERVER_INDEX", "")
+    if env.isdigit():
+        return int(env)
+    hostname = socket.gethostname()
+    ordinal = hostname.rsplit("-", 1)[-1]
+    if not ordinal.isdigit():
+        raise UserError(
+            f"--server-index auto: $HYBRIDREC_SERVER_INDEX is unset and hostname {hostname!r} "
+            "does not end in -<ordinal>"
+        )
+    return int(ordinal)
+
+
+def _read_token(path: str | None) -> str | None:
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as error:
+            raise UserError(f"--token-file {path}: {error.strerror}") from None
+        if not token:
+            raise UserError(f"--token-file {path} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridrec serve-embeddings",
+        description="Host embedding shards behind an Arrow Flight server.",
+    )
+    parser.add_argument(
+        "--tables",
+        help="table configs: a TOML or JSON file (or preset name) with a list of tables",
+    )
+    parser.add_argument("--num-shards", type=int, help="total shards across all servers")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--shards", help='shard indices hosted here: "0,1" or "0-3"')
+    which.add_argument(
+        "--server-index",
+        help='this server\'s index for a contiguous split ("auto": env or StatefulSet ordinal)',
+    )
+    parser.add_argument("--num-servers", type=int, help="servers sharing --num-shards")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (0.0.0.0 to accept remote clients)"
+    )
+    parser.add_argument("--port", type=int, default=0, help="port to bind (0: pick a free one)")
+    parser.add_argument(
+        "--token-file", help=f"file holding the shared secret (default: ${TOKEN_ENV}, else none)"
+    )
+    parser.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=DEFAULT_MAX_REQUEST_BYTES / 2**20,
+        help="largest request body accepted, MiB",
+    )
+    parser.add_argument(
+        "--max-request-rows",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_ROWS,
+        help="most ids in one request",
+    )
+    parser.add_argument(
+        "--restore",
+        metavar="URL",
+        help="checkpoint URL to load the hosted shards from (latest step; none yet: start empty)",
+    )
+    parser.add_argument("--restore-step", type=int, help="restore this step instead of latest")
+    parser.add_argument(
+        "--ready-file", help="write {address, pid, shards} as JSON here once serving"
+    )
+    parser.add_argument(
+        "--stats-interval", type=float, default=30.0, help="seconds between stats lines"
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="on SIGTERM, seconds to wait for in-flight updates before stopping",
+    )
+    parser.add_argument(
+        "--check",
+        metavar="ADDRESS",
+        help="probe a running server (host:port): exit 0 if ready, 1 if not",
+    )
+    return parser
+
+
+def _check(address: str, token: str | None) -> int:
+    from embedding_store.remote import ServerConnection, parse_addresses
+
+    connection = ServerConnection(parse_addresses(address)[0], token=token, retry_timeout=0.0)
+    try:
+        health = connection.action("health", retry=False)
+    except flight.FlightError as error:
+        print(f"not ready: {error}", file=sys.stderr)
+        return 1
+    finally:
+        connection.close()
+    print(json.dumps(health))
+    return 0 if health.get("ready") else 1
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    token = _read_token(args.token_file)
+    if args.check:
+        return _check(args.check, token)
+    if not args.tables or not args.num_shards:
+        raise UserError("--tables and --num-shards are required (or --check ADDRESS)")
+    if args.num_shards < 1:
+        raise UserError(f"--num-shards must be >= 1, got {args.num_shards}")
+    if args.shards:
+        indices = parse_shard_list(args.shards, args.num_shards)
+    elif args.server_index is not None:
+        if not args.num_servers:
+            raise UserError("--server-index needs --num-servers")
+        indices = contiguous_shards(
+            _server_index(args.server_index), args.num_servers, args.num_shards
+        )
+    else:
+        indices = list(range(args.num_shards))
+    tables = load_tables(args.tables)
+    server = ShardServer(
+        tables,
+        indices,
+        num_shards=args.num_shards,
+        location=f"grpc://{args.host}:{args.port}",
+        token=token,
+        max_request_bytes=int(args.max_request_mb * 2**20),
+        max_request_rows=args.max_request_rows,
+        restore=args.restore,
+        restore_step=args.restore_step,
+    )
+    return _serve(server, args)
+
+
+def _serve(server: ShardServer, args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    # A wildcard bind is reachable on loopback; that is what local launchers connect to.
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    address = f"{host}:{server.port}"
+    restored = (
+        f", restored from step {server.restored_step}" if server.restored_step is not None else ""
+    )
+    print(
+        f"[serve-embeddings] serving shards {sorted(server.shards)} of {server.num_shards} "
+        f"on {address}{restored}; token {'required' if args.token_file or os.environ.get(TOKEN_ENV) else 'off'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    if args.ready_file:
+        ready = Path(args.ready_file)
+        temporary = ready.with_name(ready.name + ".tmp")
+        temporary.write_text(
+            json.dumps({"address": address, "pid": os.getpid(), "shards": sorted(server.shards)})
+        )
+        temporary.replace(ready)  # atomic: a reader never sees half a file
+    progress = Progress("serve-embeddings", unit="requests", interval=0.0)
+    seen = 0
+    while not stop.wait(args.stats_interval):
+        stats = server.stats()
+        requests = sum(latency["count"] for latency in stats["latency"].values())
+        progress.update(
+            requests - seen,
+            rows=stats["rows"],
+            lookup_p99_ms=stats["latency"]["lookup"]["p99_ms"],
+            apply_p99_ms=stats["latency"]["apply"]["p99_ms"],
+            pending=stats["pending_updates"],
+        )
+        seen = requests
+    print("[serve-embeddings] stopping: finishing in-flight updates", file=sys.stderr, flush=True)
+    server.drain_and_stop(args.drain_timeout)
+    stats = server.stats()
+    progress.close(rows=stats["rows"], rejected=stats["counters"].get("rejected", 0))
+    return 0
+
+
+def load_tables(source: str | Path) -> list[Any]:
+    """Reads TableConfigs from a TOML/JSON file or preset name.
+
+    The file holds a list of tables either at the top level (`[[tables]]`) or in a
+    section (`[[embedding.tables]]`, e.g. a whole training preset).
+    """
+    path = Path(source)
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{path}: no such table config file") from None
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path}: invalid JSON: {error}") from None
+    else:
+        path = config.resolve_preset(source)
+        data = config.read_toml(path)
+    found = [("tables", data.get("tables"))] if isinstance(data, dict) else []
+    if isinstance(data, dict):
+        found += [
+            (f"{key}.tables", value["tables"])
+            for key, value in data.items()
+            if isinstance(value, dict) and "tables" in value
+        ]
+    found = [(where, value) for where, value in found if value is not None]
+    if isinstance(data, list):
+        found = [("", data)]
+    if len(found) != 1 or not isinstance(found[0][1], list) or not found[0][1]:
+        raise UserError(
+            f"{path}: expected exactly one non-empty list of tables "
+            "(`[[tables]]` or `[[<section>.tables]]`)"
+        )
+    where, items = found[0]
+    tables = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise UserError(f"{path}: {where}[{i}] is not a table")
+        try:
+            tables.append(config.from_dict(TableConfig, item, where=f"{where}[{i}]"))
+        except UserError as error:
+            raise UserError(f"{path}: {error}") from None
+    names = [table.name for table in tables]
+    if len(set(names)) != len(names):
+        raise UserError(f"{path}: table names repeat: {names}")
+    return tables
+
+
+class ServerProcess:
+    """A `serve-embeddings` subprocess started by `start_server_process`.
+
+    Attributes:
+        address: "host:port" clients connect to.
+        process: the `subprocess.Popen`.
+        shards: the shard indices it hosts.
+    """
+
+    def __init__(self, process: subprocess.Popen, address: str, shards: list[int]):
+        self.process = process
+        self.address = address
+        self.shards = shards
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (drains in-flight updates), then SIGKILL after `timeout`; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                return self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: the fault case (no drain, no goodbye)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def start_server_process(
+    tables: str | Path,
+    *,
+    num_shards: int,
+    shards: Sequence[int] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    restore: str | None = None,
+    extra_args: Sequence[str] = (),
+    log_path: str | Path | None = None,
+    ready_timeout: float = 120.0,
+) -> ServerProcess:
+    """Starts `hybridrec serve-embeddings` in a subprocess and waits until it is ready.
+
+    Args:
+        tables: table-config file (TOML/JSON) or preset holding the tables.
+        num_shards: total shards across all servers.
+        shards: indices this server hosts (default: all).
+        host / port: bind address; port 0 picks a free port (see `.address`).
+        token: shared secret, passed through the environment (never on the command line).
+        restore: checkpoint URL to restore from (latest step; starts empty if none).
+        extra_args: more `serve-embeddings` flags, e.g. ["--max-request-mb", "64"].
+        log_path: file for the server's stdout/stderr (default: inherit).
+        ready_timeout: seconds to wait for readiness.
+
+    Returns:
+        A ServerProcess; call `.stop()` (graceful) or `.kill()` when done.
+
+    Raises:
+        UserError: the server exited or did not become ready in time (with its log tail).
+    """
+    ready_dir = Path(tempfile.mkdtemp(prefix="hybridrec-serve-"))
+    ready_file = ready_dir / "ready.json"
+    command = [
+        sys.executable,
+        "-m",
+        "hybridrec",
+        "serve-embeddings",
+        "--tables",
+        str(tables),
+        "--num-shards",
+        str(num_shards),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--ready-file",
+        str(ready_file),
+    ]
+    if shards is not None:
+        command += ["--shards", ",".join(str(index) for index in shards)]
+    if restore:
+        command += ["--restore", restore]
+    command += list(extra_args)
+    environment = dict(os.environ)
+    environment.pop(TOKEN_ENV, None)
+    if token:
+        environment[TOKEN_ENV] = token
+    log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (lives with the process)
+    try:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT if log else None, env=environment
+        )
+    finally:
+        if log:
+            log.close()
+    deadline = time.monotonic() + ready_timeout
+    try:
+        while not ready_file.exists():
+            if process.poll() is not None:
+                raise UserError(
+                    f"embedding server exited with status {process.returncode} before it was "
+                    f"ready{_log_tail(log_path)}"
+                )
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"embedding server not ready after {ready_timeout:g} s{_log_tail(log_path)}"
+                )
+            time.sleep(0.05)
+        info = json.loads(ready_file.read_text())
+    except BaseException:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        raise
+    finally:
+        shutil.rmtree(ready_dir, ignore_errors=True)
+    return ServerProcess(process, info["address"], info["shards"])
+
+
+def _log_tail(log_path: str | Path | None, lines: int = 20) -> str:
+    if not log_path or not Path(log_path).exists():
+        return ""
+    tail = Path(log_path).read_text(errors="replace").splitlines()[-lines:]
+    return "; server log:\n" + "\n".join(tail)
