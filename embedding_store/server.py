@@ -135,6 +135,7 @@ class ShardServer(flight.FlightServerBase):
         self.incarnation = uuid.uuid4().hex
         self.started = time.time()
         self._draining = threading.Event()
+        self._stopped = False
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending: dict[int, float] = {}  # in-flight update id -> start time
@@ -354,7 +355,14 @@ class ShardServer(flight.FlightServerBase):
             return self._idle.wait_for(lambda: not self._pending, timeout=timeout)
 
     def drain_and_stop(self, timeout: float = 60.0) -> None:
-        """Refuses new requests, finishes in-flight ones, stops serving, closes shards."""
+        """Refuses new requests, finishes in-flight ones, stops serving, closes shards.
+
+        Idempotent; `timeout` bounds the wait for in-flight updates.
+        """
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
         self._draining.set()
         self.wait_idle(timeout)
         self.shutdown()  # blocks until the requests still running have returned
@@ -609,6 +617,7 @@ def _serve(server: ShardServer, args: argparse.Namespace) -> int:
     print("[serve-embeddings] stopping: finishing in-flight updates", file=sys.stderr, flush=True)
     server.drain_and_stop(args.drain_timeout)
     stats = server.stats()
+    progress.count = sum(latency["count"] for latency in stats["latency"].values())
     progress.close(rows=stats["rows"], rejected=stats["counters"].get("rejected", 0))
     return 0
 

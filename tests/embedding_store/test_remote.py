@@ -1,0 +1,315 @@
+"""Remote shards over Arrow Flight, with servers in this process (real gRPC on loopback).
+
+Same results as the in-process store, checkpoints written by the servers, restore onto
+another number of servers, the handshake's misconfiguration errors, the token, and
+malformed or oversized requests that must leave the server serving and its rows intact.
+"""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from embedding_store import (
+    EmbeddingStore,
+    RaggedIds,
+    SparseOptimizerConfig,
+    TableConfig,
+    shard_of,
+)
+from embedding_store import _wire as wire
+from embedding_store.remote import (
+    SERVERS_ENV,
+    RemoteShardError,
+    ServerUnavailableError,
+    connect,
+    parse_addresses,
+    resolve_addresses,
+)
+from embedding_store.server import ShardServer, contiguous_shards, parse_shard_list
+
+TABLES = [
+    TableConfig(name="ads", dim=4, capacity=2000, optimizer=SparseOptimizerConfig(name="adagrad")),
+    TableConfig(
+        name="users",
+        dim=8,
+        capacity=2000,
+        optimizer=SparseOptimizerConfig(name="adam", learning_rate=0.05),
+    ),
+]
+
+
+@pytest.fixture
+def start_servers():
+    """start_servers([[0, 1], [2]], num_shards=3, **kwargs) -> servers; stopped at teardown."""
+    started = []
+
+    def start(layout, *, num_shards, tables=TABLES, **kwargs):
+        servers = [
+            ShardServer(tables, shards, num_shards=num_shards, **kwargs) for shards in layout
+        ]
+        started.extend(servers)
+        return servers
+
+    yield start
+    for server in started:
+        server.drain_and_stop(timeout=5)
+
+
+def _addresses(servers):
+    return [f"127.0.0.1:{server.port}" for server in servers]
+
+
+def _same_calls(stores, rng, steps=4):
+    """Runs one random sequence of every store call on each store; checks equal results."""
+    for step in range(steps):
+        ids = rng.integers(0, 300, size=64).astype(np.uint64)
+        grads = rng.normal(size=(64, 4)).astype(np.float32)
+        features = {
+            "f1": ids[:16],
+            "f2": RaggedIds(
+                ids[:40], np.array([0, 3, 3, 10, 12, 20, 25, 31, 33, 35, 36] + [40] * 6)
+            ),
+        }
+        pooled_grads = rng.normal(size=(16, 2, 8)).astype(np.float32)
+        results = []
+        for store in stores:
+            store.set_step(step)
+            rows = store.lookup("ads", ids).result().copy()
+            store.apply_gradients("ads", ids, grads).result()
+            pooled = store.lookup_features(
+                features, feature_tables={"f1": "users", "f2": "users"}, pooling="sqrtn"
+            ).result()
+            store.apply_pooled_gradients(pooled, pooled_grads).result()
+            results.append((rows, pooled.embeddings.copy()))
+        for rows, embeddings in results[1:]:
+            np.testing.assert_array_equal(rows, results[0][0])
+            np.testing.assert_array_equal(embeddings, results[0][1])
+
+
+def _all_rows(store, table, universe=300):
+    return store.lookup(table, np.arange(universe, dtype=np.uint64), train=False).result()
+
+
+def test_remote_matches_in_process_and_checkpoints(start_servers, tmp_path):
+    servers = start_servers([[0, 1], [2]], num_shards=3)
+    local = EmbeddingStore(TABLES, num_shards=3)
+    remote = EmbeddingStore(TABLES, shards=connect(_addresses(servers)[::-1], TABLES))
+    assert remote.num_shards == 3
+    _same_calls([local, remote], np.random.default_rng(0))
+    for table in ("ads", "users"):
+        np.testing.assert_array_equal(_all_rows(remote, table), _all_rows(local, table))
+    remote_stats, local_stats = remote.stats(), local.stats()
+    assert remote_stats == local_stats and remote_stats["rows"] > 0
+
+    # Each server writes its own shards' parts; the client commits the manifest.
+    url = str(tmp_path / "embeddings")
+    full = remote.checkpoint(url, 10)
+    _same_calls([local, remote], np.random.default_rng(1), steps=2)
+    delta = remote.checkpoint(url, 12)
+    assert full["full"] and not delta["full"] and 0 < delta["rows_written"] < full["rows_written"]
+
+    # Restore onto another number of servers and shards (2 servers, 2 shards) and in-process.
+    other = start_servers([[0], [1]], num_shards=2)
+    restored_remote = EmbeddingStore.restore(url, TABLES, shards=connect(_addresses(other), TABLES))
+    restored_local = EmbeddingStore.restore(url, TABLES, num_shards=1)
+    for table in ("ads", "users"):
+        expected = _all_rows(local, table)
+        np.testing.assert_array_equal(_all_rows(restored_remote, table), expected)
+        np.testing.assert_array_equal(_all_rows(restored_local, table), expected)
+    _same_calls([local, restored_remote, restored_local], np.random.default_rng(2), steps=2)
+
+    # The trainer goes away: the servers keep the rows, a new client reattaches.
+    expected = _all_rows(remote, "users")
+    remote.close()
+    again = EmbeddingStore(TABLES, shards=connect(_addresses(servers), TABLES))
+    np.testing.assert_array_equal(_all_rows(again, "users"), expected)
+    stats = again._shards[0].server_stats()
+    assert stats["latency"]["lookup"]["count"] > 0 and stats["latency"]["lookup"]["p99_ms"] > 0
+    assert stats["pending_updates"] == 0 and stats["rows"] > 0
+    for store in (local, restored_remote, restored_local, again):
+        store.close()
+
+
+def test_handshake_rejects_a_misconfigured_server_set(start_servers):
+    gap = start_servers([[0], [2]], num_shards=3)
+    with pytest.raises(RemoteShardError, match=r"hosts shard\(s\) \[1\] of 3"):
+        connect(_addresses(gap), TABLES)
+    overlap = start_servers([[0, 1], [1]], num_shards=2)
+    with pytest.raises(RemoteShardError, match="shard 1 is hosted by both"):
+        connect(_addresses(overlap), TABLES)
+    other_tables = [TABLES[0], TableConfig(name="users", dim=16, capacity=2000)]
+    mismatch = start_servers([[0]], num_shards=1, tables=other_tables)
+    with pytest.raises(RemoteShardError, match="different table configs"):
+        connect(_addresses(mismatch), TABLES)
+    with pytest.raises(RemoteShardError, match="says num_shards"):
+        connect([_addresses(gap)[0], _addresses(overlap)[1]], TABLES)
+
+
+def test_addresses_from_flag_or_environment(monkeypatch):
+    assert parse_addresses("a:1, grpc://b:2") == ["grpc://a:1", "grpc://b:2"]
+    for bad in ("a", "a:port", "a:1,a:1", ""):
+        with pytest.raises(RemoteShardError):
+            parse_addresses(bad)
+    monkeypatch.delenv(SERVERS_ENV, raising=False)
+    assert resolve_addresses(None) is None
+    monkeypatch.setenv(SERVERS_ENV, "h:7001,h:7002")
+    assert resolve_addresses(None) == ["grpc://h:7001", "grpc://h:7002"]
+    assert resolve_addresses(["x:1"]) == ["grpc://x:1"]
+    assert parse_shard_list("0-2,5", 8) == [0, 1, 2, 5]
+    assert [contiguous_shards(i, 3, 8) for i in range(3)] == [[0, 1], [2, 3, 4], [5, 6, 7]]
+
+
+def test_unreachable_server_fails_with_its_address(start_servers):
+    (server,) = start_servers([[0]], num_shards=1)
+    shards = connect(_addresses([server]), TABLES, retry_timeout=0.5)
+    server.drain_and_stop(timeout=5)
+    with pytest.raises(ServerUnavailableError, match=f"127.0.0.1:{server.port}.*lookup on shard 0"):
+        shards[0].lookup({"ads": np.arange(3, dtype=np.uint64)})
+
+
+def test_token_is_enforced(start_servers):
+    (server,) = start_servers([[0]], num_shards=1, token="s3cret")
+    address = _addresses([server])
+    with pytest.raises(RemoteShardError, match="refused the token"):
+        connect(address, TABLES, token="wrong", retry_timeout=1)
+    with pytest.raises(RemoteShardError, match="refused the token"):
+        connect(address, TABLES, token="", retry_timeout=1)
+    client = flight.FlightClient(f"grpc://{address[0]}")
+    with pytest.raises(flight.FlightUnauthenticatedError):
+        list(client.do_action(flight.Action("health", b"")))
+    (shard,) = connect(address, TABLES, token="s3cret")
+    assert shard.lookup({"ads": np.arange(3, dtype=np.uint64)})["ads"].shape == (3, 4)
+
+
+def _exchange(client, header, schema, batches):
+    """Sends one raw DoExchange; returns the server's reply chunks or raises its error."""
+    command = header if isinstance(header, bytes) else json.dumps(header).encode()
+    writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(command))
+    try:
+        writer.begin(schema)
+        for batch, metadata in batches:
+            if metadata is None:
+                writer.write_batch(batch)
+            else:
+                writer.write_with_metadata(batch, metadata)
+        writer.done_writing()
+        return list(reader)
+    finally:
+        writer.close()
+
+
+def _header(op="apply", shard=0, **extra):
+    return {"v": 1, "op": op, "shard": shard, "client": "raw", "seq": 1, **extra}
+
+
+def _apply_batch(ids, grads, dim):
+    offsets = pa.array(np.arange(len(ids) + 1, dtype=np.int32) * dim)
+    lists = pa.ListArray.from_arrays(offsets, pa.array(grads.reshape(-1)))
+    return pa.record_batch([pa.array(ids, pa.uint64()), lists], schema=wire.APPLY_SCHEMA)
+
+
+def test_malformed_and_oversized_requests_leave_the_server_intact(start_servers):
+    (server,) = start_servers([[0]], num_shards=1, max_request_rows=100, max_request_bytes=2048)
+    (shard,) = connect(_addresses([server]), TABLES)
+    ids = np.arange(20, dtype=np.uint64)
+    shard.apply_gradients({"ads": (ids, np.ones((20, 4), np.float32))})
+    before = shard.lookup({"ads": ids, "users": ids}, train=False)
+    before = {table: rows.copy() for table, rows in before.items()}
+    client = flight.FlightClient(f"grpc://127.0.0.1:{server.port}")
+    good_ids = pa.record_batch([pa.array(ids[:3], pa.uint64())], schema=wire.IDS_SCHEMA)
+    ones = np.ones((3, 4), np.float32)
+    wide = _apply_batch(ids[:3], np.ones((3, 5), np.float32), 5)  # users-width mismatch for ads
+    ragged = pa.record_batch(
+        [
+            pa.array(ids[:2], pa.uint64()),
+            pa.ListArray.from_arrays(pa.array([0, 3, 8], pa.int32()), pa.array(np.ones(8, "f4"))),
+        ],
+        schema=wire.APPLY_SCHEMA,
+    )
+    null_ids = pa.record_batch(
+        [pa.array([1, None, 3], pa.uint64()), pa.array([[0.0] * 4] * 3, pa.list_(pa.float32()))],
+        schema=pa.schema([("ids", pa.uint64()), ("grads", pa.list_(pa.float32()))]),
+    )
+    float_ids = pa.record_batch([pa.array([1.0, 2.0])], names=["ids"])
+    cases = {
+        "not json": (b"\xff\x00garbage", wire.IDS_SCHEMA, [(good_ids, b"ads")]),
+        "json list": (b"[1, 2]", wire.IDS_SCHEMA, [(good_ids, b"ads")]),
+        "wire version": ({**_header("lookup"), "v": 99}, wire.IDS_SCHEMA, [(good_ids, b"ads")]),
+        "unknown op": (_header("drop_table"), wire.IDS_SCHEMA, [(good_ids, b"ads")]),
+        "shard not hosted": (_header("lookup", shard=7), wire.IDS_SCHEMA, [(good_ids, b"ads")]),
+        "negative shard": (_header("lookup", shard=-1), wire.IDS_SCHEMA, [(good_ids, b"ads")]),
+        "float ids": (_header("lookup"), float_ids.schema, [(float_ids, b"ads")]),
+        "unknown table": (_header("lookup"), wire.IDS_SCHEMA, [(good_ids, b"nope")]),
+        "no table name": (_header("lookup"), wire.IDS_SCHEMA, [(good_ids, None)]),
+        "table twice": (
+            _header(),
+            wire.APPLY_SCHEMA,
+            [(_apply_batch(ids[:3], ones, 4), b"ads")] * 2,
+        ),
+        "wrong grad width": (_header(), wire.APPLY_SCHEMA, [(wide, b"ads")]),
+        "ragged grads": (_header(), wire.APPLY_SCHEMA, [(ragged, b"ads")]),
+        "null ids": (_header(), null_ids.schema, [(null_ids, b"ads")]),
+        "lookup schema for apply": (_header(), wire.IDS_SCHEMA, [(good_ids, b"ads")]),
+        "too many ids": (
+            _header(),
+            wire.APPLY_SCHEMA,
+            [(_apply_batch(np.arange(101, dtype=np.uint64), np.ones((101, 4), "f4"), 4), b"ads")],
+        ),
+        "too many bytes": (
+            _header(),
+            wire.APPLY_SCHEMA,
+            [(_apply_batch(np.arange(90, dtype=np.uint64), np.ones((90, 4), "f4"), 4), b"ads")],
+        ),
+        # A valid first table followed by a bad second one: nothing may be applied.
+        "good then bad": (
+            _header(),
+            wire.APPLY_SCHEMA,
+            [(_apply_batch(ids[:3], ones, 4), b"ads"), (wide, b"users")],
+        ),
+    }
+    for name, (header, schema, batches) in cases.items():
+        with pytest.raises(flight.FlightError) as error:
+            _exchange(client, header, schema, batches)
+        assert "rejected: " in str(error.value), name
+        assert ("request too large" in str(error.value)) == name.startswith("too many"), name
+    for kind, body in [
+        ("checkpoint", b"{not json"),
+        ("set_step", json.dumps({"shard": 0, "step": -5}).encode()),
+        ("load_checkpoint", json.dumps({"shard": 0, "url": "", "step": 1}).encode()),
+        ("no_such_action", b"{}"),
+        ("set_step", b"x" * (wire.MAX_HEADER_BYTES + 1)),
+    ]:
+        with pytest.raises(flight.FlightServerError, match="rejected"):
+            list(client.do_action(flight.Action(kind, body)))
+    after = shard.lookup({"ads": ids, "users": ids}, train=False)
+    for table in before:
+        np.testing.assert_array_equal(after[table], before[table])
+    stats = shard.server_stats()
+    assert stats["counters"]["rejected"] >= len(cases) and stats["counters"]["rows_applied"] == 20
+    assert json.loads(next(iter(client.do_action(flight.Action("health", b"")))).body.to_pybytes())[
+        "ready"
+    ]
+
+
+def test_retried_update_is_applied_once(start_servers):
+    (server,) = start_servers([[0]], num_shards=1)
+    client = flight.FlightClient(f"grpc://127.0.0.1:{server.port}")
+    ids = np.array([3, 4], np.uint64)
+    batch = _apply_batch(ids, np.ones((2, 4), np.float32), 4)
+    (shard,) = connect(_addresses([server]), TABLES)
+    before = shard.lookup({"ads": ids})["ads"].copy()
+    header = _header(client="trainer-1", seq=42)
+    first = _exchange(client, header, wire.APPLY_SCHEMA, [(batch, b"ads")])
+    again = _exchange(client, header, wire.APPLY_SCHEMA, [(batch, b"ads")])
+    assert json.loads(first[0].app_metadata.to_pybytes()) == {"applied": 2, "duplicate": False}
+    assert json.loads(again[0].app_metadata.to_pybytes())["duplicate"] is True
+    once = shard.lookup({"ads": ids})["ads"]
+    reference = EmbeddingStore(TABLES[:1])
+    reference.lookup("ads", ids).result()
+    reference.apply_gradients("ads", ids, np.ones((2, 4), np.float32)).result()
+    np.testing.assert_array_equal(once, reference.lookup("ads", ids).result())
+    assert not np.array_equal(once, before)
+    assert shard_of(ids, 1).tolist() == [0, 0]
