@@ -12,7 +12,6 @@ single-process benchmark baseline call the same functions.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import os
 import zlib
@@ -38,9 +37,14 @@ class InputError(UserError):
     """Input that stops the job (truncated gzip, header mismatch); names file and line."""
 
     def __init__(self, message: str):
-        # The marker lets the launcher recover the message from a runner's wrapped error.
-        super().__init__(f"[{INPUT_ERROR_MARK}] {message} [/{INPUT_ERROR_MARK}]")
-        self.plain = message
+        # The marker lets the launcher recover the message from a runner's wrapped error
+        # (runners re-raise with extra text appended, sometimes through this constructor).
+        if INPUT_ERROR_MARK not in message:
+            message = f"[{INPUT_ERROR_MARK}] {message} [/{INPUT_ERROR_MARK}]"
+        super().__init__(message)
+        self.plain = message.split(f"[{INPUT_ERROR_MARK}] ", 1)[-1].split(
+            f" [/{INPUT_ERROR_MARK}]"
+        )[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,22 +130,44 @@ def _plain_reads(chunk: Chunk, block_bytes: int, position: list[int]) -> Iterato
 
 
 def _gzip_reads(chunk: Chunk, block_bytes: int, position: list[int]) -> Iterator[bytes]:
+    """Decompresses incrementally, so a truncated or corrupt file is reported at its line."""
+    lines = 0
+    pending: list[bytes] = []
+    pending_bytes = 0
+
+    def fail(problem: str) -> InputError:
+        line = lines + sum(part.count(b"\n") for part in pending) + 1
+        return InputError(f"{chunk.path}: line {line}: {problem}; re-download or remove the file")
+
+    # Small reads keep the reported line of corrupt data close to the damage.
+
     with FileSystems.open(chunk.path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
-        stream = gzip.GzipFile(fileobj=raw, mode="rb")
-        lines = 0
-        while True:
-            try:
-                data = stream.read(block_bytes)
-            except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as error:
-                raise InputError(
-                    f"{chunk.path}: line {lines + 1}: compressed data is truncated or corrupt "
-                    f"({error}); re-download or remove the file"
-                ) from None
-            if not data:
-                return
-            lines += data.count(b"\n")
-            position[0] = raw.tell()
-            yield data
+        decompressor = zlib.decompressobj(wbits=31)
+        in_member = False
+        while compressed := raw.read(1 << 16):
+            position[0] += len(compressed)
+            while compressed:
+                in_member = True
+                try:
+                    data = decompressor.decompress(compressed)
+                except zlib.error as error:
+                    raise fail(f"corrupt gzip data at or after this line ({error})") from None
+                pending.append(data)
+                pending_bytes += len(data)
+                compressed = b""
+                if decompressor.eof:  # a member ended; another may follow (or zero padding)
+                    compressed = decompressor.unused_data.lstrip(b"\0")
+                    decompressor = zlib.decompressobj(wbits=31)
+                    in_member = False
+            if pending_bytes >= block_bytes:
+                block = b"".join(pending)
+                pending, pending_bytes = [], 0
+                lines += block.count(b"\n")
+                yield block
+        if in_member:
+            raise fail("compressed data is truncated (the gzip stream ends early)")
+        if pending:
+            yield b"".join(pending)
 
 
 def read_blocks(chunk: Chunk, block_bytes: int, position: list[int] | None = None):

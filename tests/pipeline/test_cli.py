@@ -1,0 +1,238 @@
+"""`hybridrec generate` / `hybridrec preprocess` end to end, and every input that stops the job."""
+
+import gzip
+import json
+import zlib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hybridrec import cli
+from hybridrec.errors import UserError
+from pipeline import read_metadata
+
+from .reference import GOOD_ROW, row
+
+IN_MEMORY = ["--direct_running_mode=in_memory", "--direct_num_workers=1", "--quiet"]
+
+
+def preprocess(*args):
+    return cli.main(["preprocess", *map(str, args)])
+
+
+def read_all(meta, split):
+    return pa.concat_tables([pq.read_table(path) for path in meta.split_files(split)])
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    assert (
+        cli.main(["generate", "-o", str(root / "day_0.tsv"), "--rows", "30000", "--seed", "5"]) == 0
+    )
+    bad_lines = [
+        GOOD_ROW,
+        row(fields=3),
+        row(label="x"),
+        "caf\xe9".join([GOOD_ROW[:20], GOOD_ROW[20:]]),
+    ]
+    with gzip.open(root / "day_1.tsv.gz", "wb") as handle:
+        handle.write(("\n".join(bad_lines) + "\n").encode("latin-1"))
+    return root
+
+
+def test_end_to_end_multi_process_and_worker_invariance(inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    # default runner: DirectRunner, multi_processing, one worker per core
+    assert (
+        preprocess("-i", inputs / "day_*", "-o", out, "--chunk-mb", "1", "--eval-fraction", "0.2")
+        == 0
+    )
+    summary = capsys.readouterr().out
+    assert "preprocessed 30,004 rows" in summary and "rejected: 3" in summary
+    meta = read_metadata(out)
+    assert meta.dense_columns == tuple(f"I{i}" for i in range(1, 14))
+    assert [c.name for c in meta.categorical] == [f"C{i}" for i in range(1, 27)]
+    assert meta.label_column == "label" and not meta.categorical[0].multi_valued
+    assert meta.split_rows("train") + meta.split_rows("eval") == 30_001
+    assert len(meta.split_files("train")) > 2  # 1 MB chunks -> several shards
+    raw = meta.raw
+    assert raw["format_version"] == 1
+    assert raw["hash_scheme"] == {"name": "hybridrec-wordmix64", "version": 1, "prefix_bits": 8}
+    assert raw["counts"]["rows_rejected"] == 3
+    assert raw["counts"]["rejected_by_reason"] == {
+        "bad_label": 1,
+        "invalid_utf8": 1,
+        "wrong_field_count": 1,
+    }
+    assert 0.2 < raw["stats"]["label_rate"] < 0.3
+    assert set(raw["stats"]["dense"]["I1"]) >= {"mean", "std", "min", "max"}
+    assert raw["stats"]["categorical"]["C3"]["distinct_estimate"] > 1000
+    train = read_all(meta, "train")
+    assert train.num_rows == meta.split_rows("train")
+    assert train.schema.field("C26").type == pa.uint64()
+    assert all(train.column(name).null_count == 0 for name in train.column_names)
+    metadata = pq.ParquetFile(meta.split_files("train")[0]).metadata
+    assert metadata.num_rows > 0 and metadata.row_group(0).num_rows <= 65_536
+    rejected = [
+        json.loads(line)
+        for f in (out / "rejected").glob("*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
+    assert sorted((r["file"].rsplit("/", 1)[-1], r["line"], r["reason"]) for r in rejected) == [
+        ("day_1.tsv.gz", 2, "wrong_field_count"),
+        ("day_1.tsv.gz", 3, "bad_label"),
+        ("day_1.tsv.gz", 4, "invalid_utf8"),
+    ]
+
+    # A complete directory is not overwritten by accident.
+    assert preprocess("-i", inputs / "day_0.tsv", "-o", out, *IN_MEMORY) == 2
+    assert "already holds a complete dataset; pass --overwrite" in capsys.readouterr().err
+    assert read_metadata(out).split_rows("train") == meta.split_rows("train")
+
+    # One in-process worker and one big chunk give byte-identical ids, values and split.
+    other = tmp_path / "other"
+    assert (
+        preprocess(
+            "-i",
+            inputs / "day_0.tsv",
+            inputs / "day_1.tsv.gz",
+            "-o",
+            other,
+            "--eval-fraction",
+            "0.2",
+            *IN_MEMORY,
+        )
+        == 0
+    )
+    other_meta = read_metadata(other)
+    assert len(other_meta.split_files("train")) < len(meta.split_files("train"))
+    for split in ("train", "eval"):
+        assert read_all(other_meta, split).equals(read_all(meta, split))
+
+
+def test_overwrite_replaces_a_complete_directory(inputs, tmp_path):
+    out = tmp_path / "out"
+    assert (
+        preprocess("-i", inputs / "day_1.tsv.gz", "-o", out, *IN_MEMORY, "--eval-fraction", "0")
+        == 0
+    )
+    assert read_metadata(out).split_rows("train") == 1
+    assert (
+        preprocess(
+            "-i",
+            inputs / "day_1.tsv.gz",
+            "-o",
+            out,
+            *IN_MEMORY,
+            "--overwrite",
+            "--eval-fraction",
+            "0.5",
+        )
+        == 0
+    )
+    assert read_metadata(out).raw["split_rule"]["eval_fraction"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-i", "{root}/nope.tsv"], "input {root}/nope.tsv: no such file"),
+        (["-i", "{root}/*.csv"], "no such file (or the glob matches nothing)"),
+        (["-i", "{root}/day_0.tsv", "--spec", "criteo_v2"], "unknown spec 'criteo_v2'"),
+        (["-i", "{root}/day_0.tsv", "--eval-fraction", "1.5"], "--eval-fraction must be in [0, 1)"),
+    ],
+)
+def test_errors_before_the_job_starts(inputs, tmp_path, capsys, args, message):
+    out = tmp_path / "out"
+    argv = [a.format(root=inputs) for a in args]
+    assert preprocess(*argv, "-o", out, *IN_MEMORY) == 2
+    err = capsys.readouterr().err
+    assert message.format(root=inputs) in err and "Traceback" not in err
+    assert not (out / "_SUCCESS").exists()
+
+
+def test_truncated_gzip_names_file_and_line(tmp_path, capsys):
+    good = ("\n".join([GOOD_ROW] * 20000) + "\n").encode()
+    data = gzip.compress(good)
+    path = tmp_path / "cut.tsv.gz"
+    path.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out"
+    assert preprocess("-i", path, "-o", out, *IN_MEMORY) == 2
+    err = capsys.readouterr().err
+    complete_lines = zlib.decompressobj(wbits=31).decompress(data[: len(data) // 2]).count(b"\n")
+    assert f"{path}: line {complete_lines + 1}: compressed data is truncated" in err
+    assert "Traceback" not in err and "hybridrec-input-error" not in err
+    assert not (out / "_SUCCESS").exists()
+    with pytest.raises(UserError, match="incomplete dataset directory"):
+        read_metadata(out)
+
+
+def test_empty_files(tmp_path, capsys):
+    empty = tmp_path / "empty.tsv"
+    empty.write_bytes(b"")
+    out = tmp_path / "out"
+    assert preprocess("-i", empty, "-o", out, *IN_MEMORY) == 2
+    assert "no input rows: every input file is empty" in capsys.readouterr().err
+    assert not (out / "_SUCCESS").exists()
+    data = tmp_path / "data.tsv"
+    data.write_text(GOOD_ROW + "\n" + row(label="0") + "\n")
+    assert preprocess("-i", empty, data, "-o", out, *IN_MEMORY, "--eval-fraction", "0.5") == 0
+    meta = read_metadata(out)
+    assert meta.raw["counts"]["empty_files"] == [str(empty)]
+    assert "note: empty input files" in capsys.readouterr().out
+    assert (meta.split_rows("train"), meta.split_rows("eval")) == (1, 1)
+
+
+def test_crlf_file_is_accepted_and_counted(tmp_path):
+    path = tmp_path / "windows.tsv"
+    path.write_bytes(("\r\n".join([GOOD_ROW] * 10) + "\r\n").encode())
+    out = tmp_path / "out"
+    assert preprocess("-i", path, "-o", out, *IN_MEMORY, "--eval-fraction", "0") == 0
+    meta = read_metadata(out)
+    assert meta.raw["counts"]["crlf_lines_accepted"] == 10
+    assert read_all(meta, "train").column("C1").to_pylist() == [0x01AFD2EA734B8E1A] * 10
+
+
+def test_every_row_rejected_is_an_error(tmp_path, capsys):
+    path = tmp_path / "bad.tsv"
+    path.write_text("a\tb\n" * 5)
+    out = tmp_path / "out"
+    assert preprocess("-i", path, "-o", out, *IN_MEMORY) == 2
+    assert "every input row was rejected" in capsys.readouterr().err
+    assert not (out / "_SUCCESS").exists()
+    assert len((out / "rejected" / "rejected-00000-of-00001.jsonl").read_text().splitlines()) == 5
+
+
+def test_header_spec_checks_the_header(tmp_path, capsys):
+    columns = "id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,app_category,device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,C16,C17,C18,C19,C20,C21"
+    values = "1000009418151094273,0,14102100,1005,0,1fbe01fe,f3845767,28905ebd,ecad2386,7801e8d9,07d7df22,a99f214a,ddd2926e,44956a24,1,2,15706,320,50,1722,0,35,-1,79"
+    path = tmp_path / "avazu.csv"
+    path.write_text(f"{columns}\n{values}\n{values}\n")
+    out = tmp_path / "out"
+    assert (
+        preprocess("-i", path, "-o", out, "--spec", "avazu", "--eval-fraction", "0", *IN_MEMORY)
+        == 0
+    )
+    table = read_all(read_metadata(out), "train")
+    assert table.num_rows == 2 and table.column("click").to_pylist() == [0.0, 0.0]
+    assert "id" not in table.column_names and len(table.column_names) == 23
+    wrong = tmp_path / "wrong.csv"
+    wrong.write_text(f"{columns.replace('click', 'clicked')}\n{values}\n")
+    assert preprocess("-i", wrong, "-o", tmp_path / "w", "--spec", "avazu", *IN_MEMORY) == 2
+    assert f"{wrong}: line 1: header" in capsys.readouterr().err
+
+
+def test_real_criteo_sample(criteo_sample, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert preprocess("-i", criteo_sample, "-o", out) == 0
+    meta = read_metadata(out)
+    counts = meta.raw["counts"]
+    assert counts["rows_read"] == 137_139
+    assert counts["rows_written"] + counts["rows_rejected"] == 137_139
+    assert meta.split_rows("eval") == pytest.approx(13_714, abs=counts["rows_rejected"] + 1)
+    assert meta.raw["stats"]["label_rate"] == pytest.approx(0.2568, abs=0.01)
+    eval_table = read_all(meta, "eval")
+    assert np.all(eval_table.column("I1").to_numpy() >= 0)
