@@ -98,7 +98,7 @@ def param_specs(abstract_params: nnx.State, config: ModelConfig, mesh: Mesh) -> 
     def walk(node):
         if isinstance(node, nnx.Variable):
             metadata = node.get_metadata()
-            return logical_to_spec(metadata.get(LOGICAL_AXES), node.value.shape, config, mesh)
+            return logical_to_spec(metadata.get(LOGICAL_AXES), node.get_value().shape, config, mesh)
         return {key: walk(child) for key, child in node.items()}
 
     return walk(abstract_params)

@@ -263,9 +263,9 @@ def forward_flops_per_example(
         )
     )
     flops = 0
-    for _, module in tower.iter_modules():
+    for _, module in nnx.iter_modules(tower):
         if isinstance(module, nnx.Linear):
-            flops += 2 * int(np.prod(module.kernel.value.shape))
+            flops += 2 * int(np.prod(module.kernel.get_value().shape))
     if isinstance(tower, DLRM):
         flops += 2 * (num_features + 1) ** 2 * embedding_dim  # the full Gram matrix
     if isinstance(tower, DCNv2):

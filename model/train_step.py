@@ -200,7 +200,14 @@ def create_train_state(
         in_shardings=sharding_lib.replicated(mesh),  # rng: the same key on every device
         out_shardings=shardings,  # state: born in its final sharded layout
     )
-    return init(rng)
+    lowered = init.lower(rng)
+    # The initializer runs once; on CPU its compile time dominates, so skip the expensive
+    # backend optimizations there (3-4x faster to compile, same values).
+    options = _FAST_COMPILE if mesh.devices.flat[0].platform == "cpu" else None
+    return lowered.compile(compiler_options=options)(rng)
+
+
+_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def state_sharding(state: TrainState) -> TrainState:
@@ -248,7 +255,7 @@ def train_step(
     )
     updates, opt_state = state.tx.update(param_grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.global_norm(param_grads)
+    grad_norm = optax.tree.norm(param_grads)
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,

@@ -1,0 +1,53 @@
+"""Shared fixtures of the dense-model tests: tiny configs and deterministic batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig
+
+NUM_DENSE = 5
+NUM_FEATURES = 3
+EMBEDDING_DIM = 8
+
+
+def tiny_model_config(tower: str, **overrides) -> ModelConfig:
+    """Small towers whose hidden widths shard over a model axis of size 2."""
+    return ModelConfig(
+        tower=tower,
+        dlrm=DLRMConfig(bottom_mlp=(16, EMBEDDING_DIM), top_mlp=(32, 16)),
+        dcnv2=DCNv2Config(num_cross_layers=2, low_rank=0, deep_mlp=(32, 16)),
+        mlp=MLPConfig(hidden=(32, 16, 8)),
+        min_sharded_width=8,
+        **overrides,
+    )
+
+
+def make_batch(seed: int, rows: int, *, num_features: int = NUM_FEATURES) -> dict[str, np.ndarray]:
+    """A host batch: embeddings [rows, F, D], dense [rows, NUM_DENSE], labels [rows]."""
+    rng = np.random.default_rng(seed)
+    return {
+        "embeddings": rng.normal(scale=0.5, size=(rows, num_features, EMBEDDING_DIM)).astype(
+            np.float32
+        ),
+        "dense": rng.normal(size=(rows, NUM_DENSE)).astype(np.float32),
+        "labels": (rng.random(rows) < 0.3).astype(np.float32),
+    }
+
+
+@pytest.fixture
+def dims() -> dict[str, int]:
+    return {"num_dense": NUM_DENSE, "num_features": NUM_FEATURES, "embedding_dim": EMBEDDING_DIM}
+
+
+@pytest.fixture
+def tiny_config():
+    """`tiny_config(tower, **overrides) -> ModelConfig`."""
+    return tiny_model_config
+
+
+@pytest.fixture
+def batch_factory():
+    """`batch_factory(seed, rows) -> dict of host arrays`."""
+    return make_batch
