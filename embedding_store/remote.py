@@ -37,6 +37,7 @@ from embedding_store.server import AUTH_HEADER, TOKEN_ENV, table_fingerprint
 from hybridrec.errors import UserError
 
 SERVERS_ENV = "HYBRIDREC_EMBEDDING_SERVERS"
+RETRY_TIMEOUT_ENV = "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT"
 DEFAULT_RETRY_TIMEOUT = 60.0
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class ServerConnection:
         self._seq = 0
         self._lock = threading.Lock()
         self.health: dict[str, Any] = {}
+        self._health_lock = threading.Lock()
         self.restarts = 0
 
     def next_seq(self) -> int:
@@ -189,6 +191,10 @@ class ServerConnection:
 
     def _check_incarnation(self) -> None:
         """After a failure: if the server is a new process, say what that means and go on."""
+        with self._health_lock:  # shards of one server may all notice at once: report once
+            self._check_incarnation_locked()
+
+    def _check_incarnation_locked(self) -> None:
         before = self.health
         health = self.action("health", retry=False)
         if before and health.get("incarnation") != before.get("incarnation"):
@@ -355,7 +361,7 @@ def connect(
     tables: Sequence[Any],
     *,
     token: str | None = None,
-    retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
+    retry_timeout: float | None = None,
 ) -> list[RemoteShard]:
     """Connects to shard servers and returns their shards ordered by global index.
 
@@ -363,7 +369,8 @@ def connect(
         addresses: "host:port,..." or a list; None reads $HYBRIDREC_EMBEDDING_SERVERS.
         tables: the TableConfigs the client uses; every server must host the same.
         token: shared secret; None reads $HYBRIDREC_EMBEDDING_TOKEN (unset: no token).
-        retry_timeout: seconds to wait for an unreachable server (also at startup).
+        retry_timeout: seconds to wait for an unreachable server (also at startup); None
+            reads $HYBRIDREC_EMBEDDING_RETRY_TIMEOUT, else 60.
 
     Raises:
         RemoteShardError: no addresses; a server unreachable within `retry_timeout`;
@@ -374,6 +381,12 @@ def connect(
     if uris is None:
         raise RemoteShardError(f"no embedding server addresses (flag, config or ${SERVERS_ENV})")
     token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+    if retry_timeout is None:
+        text = os.environ.get(RETRY_TIMEOUT_ENV, "").strip()
+        try:
+            retry_timeout = float(text) if text else DEFAULT_RETRY_TIMEOUT
+        except ValueError:
+            raise RemoteShardError(f"${RETRY_TIMEOUT_ENV}={text!r} is not a number") from None
     expected_fingerprint = table_fingerprint(tables)
     table_dims = {table.name: int(table.dim) for table in tables}
     connections = [ServerConnection(uri, token=token, retry_timeout=retry_timeout) for uri in uris]

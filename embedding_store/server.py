@@ -476,6 +476,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--tables",
         help="table configs: a TOML or JSON file (or preset name) with a list of tables",
     )
+    parser.add_argument(
+        "--config",
+        help="or: the training preset (with --data): the tables `hybridrec train` would build",
+    )
+    parser.add_argument("--data", help="with --config: preprocessed data dir (its feature spec)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --config: a training config override, e.g. embedding.dim=32",
+    )
     parser.add_argument("--num-shards", type=int, help="total shards across all servers")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--shards", help='shard indices hosted here: "0,1" or "0-3"')
@@ -549,8 +562,10 @@ def main(argv: list[str]) -> int:
     token = _read_token(args.token_file)
     if args.check:
         return _check(args.check, token)
-    if not args.tables or not args.num_shards:
-        raise UserError("--tables and --num-shards are required (or --check ADDRESS)")
+    if bool(args.tables) == bool(args.config) or not args.num_shards:
+        raise UserError(
+            "give --num-shards and one of --tables FILE or --config PRESET (or --check ADDRESS)"
+        )
     if args.num_shards < 1:
         raise UserError(f"--num-shards must be >= 1, got {args.num_shards}")
     if args.shards:
@@ -563,7 +578,10 @@ def main(argv: list[str]) -> int:
         )
     else:
         indices = list(range(args.num_shards))
-    tables = load_tables(args.tables)
+    if args.tables:
+        tables = load_tables(args.tables)
+    else:
+        tables = training_tables(args.config, args.data, args.overrides)
     server = ShardServer(
         tables,
         indices,
@@ -669,6 +687,23 @@ def load_tables(source: str | Path) -> list[Any]:
     return tables
 
 
+def training_tables(preset: str, data: str | None, overrides: Sequence[str]) -> list[TableConfig]:
+    """The TableConfigs `hybridrec train --config preset --data data` builds, in its order:
+    one per table named by the dataset's feature spec, from the `[embedding]` section."""
+    from model.train_config import TrainConfig
+    from pipeline import read_metadata
+
+    overrides = list(overrides)
+    if data:
+        overrides.append(f"data.path={json.dumps(str(data))}")
+    train_config = config.load(TrainConfig, preset, overrides)
+    if not train_config.data.path:
+        raise UserError("--config needs --data (or data.path in the preset): it names the tables")
+    metadata = read_metadata(train_config.data.path)
+    names = dict.fromkeys(feature.table for feature in metadata.categorical)
+    return [train_config.embedding.table(name) for name in names]
+
+
 class ServerProcess:
     """A `serve-embeddings` subprocess started by `start_server_process`.
 
@@ -705,10 +740,13 @@ class ServerProcess:
 
 
 def start_server_process(
-    tables: str | Path,
+    tables: str | Path | None = None,
     *,
     num_shards: int,
     shards: Sequence[int] | None = None,
+    config: str | Path | None = None,
+    data: str | Path | None = None,
+    overrides: Sequence[str] = (),
     host: str = "127.0.0.1",
     port: int = 0,
     token: str | None = None,
@@ -720,7 +758,9 @@ def start_server_process(
     """Starts `hybridrec serve-embeddings` in a subprocess and waits until it is ready.
 
     Args:
-        tables: table-config file (TOML/JSON) or preset holding the tables.
+        tables: table-config file (TOML/JSON) or preset holding the tables; or None and
+        config / data / overrides: the training preset, data directory and `--set`
+            overrides, to host exactly the tables `hybridrec train` builds from them.
         num_shards: total shards across all servers.
         shards: indices this server hosts (default: all).
         host / port: bind address; port 0 picks a free port (see `.address`).
@@ -743,8 +783,6 @@ def start_server_process(
         "-m",
         "hybridrec",
         "serve-embeddings",
-        "--tables",
-        str(tables),
         "--num-shards",
         str(num_shards),
         "--host",
@@ -754,6 +792,15 @@ def start_server_process(
         "--ready-file",
         str(ready_file),
     ]
+    if (tables is None) == (config is None):
+        raise UserError("start_server_process: give either tables or config")
+    if tables is not None:
+        command += ["--tables", str(tables)]
+    else:
+        command += ["--config", str(config)]
+        command += ["--data", str(data)] if data else []
+        for override in overrides:
+            command += ["--set", override]
     if shards is not None:
         command += ["--shards", ",".join(str(index) for index in shards)]
     if restore:
