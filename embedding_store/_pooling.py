@@ -8,6 +8,7 @@ from typing import Literal
 
 import numpy as np
 
+from embedding_store._arrays import group, segment_sum, take_rows, unique_inverse
 from embedding_store.errors import InvalidInputError
 
 Pooling = Literal["sum", "mean", "sqrtn"]
@@ -30,8 +31,8 @@ class _TableIds:
 
     unique: np.ndarray  # [u] uint64 sorted
     inverse: np.ndarray  # [total] int64: occurrence -> index in `unique`
-    permutation: np.ndarray  # [total] occurrences sorted by id (stable)
-    starts: np.ndarray  # [u] first position of each unique id in the sorted occurrences
+    order: np.ndarray | None = None  # [total] occurrences grouped by id (backward pass)
+    bounds: np.ndarray | None = None  # [u + 1] group boundaries in `order`
     route_order: np.ndarray | None = None  # [u] unique ids grouped by shard
     route_bounds: np.ndarray | None = None  # [num_shards + 1]
 
@@ -95,16 +96,8 @@ def _check_feature(name: str, ids: FeatureIds) -> tuple[np.ndarray, np.ndarray |
 
 def dedupe(ids: np.ndarray) -> _TableIds:
     """Sort-based unique with everything the backward pass needs."""
-    permutation = np.argsort(ids, kind="stable")
-    sorted_ids = ids[permutation]
-    first = np.empty(len(ids), bool)
-    if len(ids):
-        first[0] = True
-        np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
-    inverse = np.empty(len(ids), np.int64)
-    inverse[permutation] = np.cumsum(first) - 1
-    return _TableIds(sorted_ids[starts], inverse, permutation, starts)
+    unique, inverse = unique_inverse(ids)
+    return _TableIds(unique, inverse)
 
 
 def plan(
@@ -165,7 +158,7 @@ def pool(
     out = np.zeros((batch, len(features), dim), np.float32)
     for index, feature in enumerate(features):
         occurrences = tables[feature.table].inverse[feature.start : feature.stop]
-        gathered = rows[feature.table][occurrences]
+        gathered = take_rows(rows[feature.table], occurrences)
         if feature.counts is None:
             out[:, index] = gathered
             continue
@@ -196,8 +189,7 @@ def unpool(lookup: PooledLookup, grads: np.ndarray) -> dict[str, np.ndarray]:
     for table, parts in per_table.items():
         ids = lookup._tables[table]
         occurrences = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        if len(ids.unique):
-            result[table] = np.add.reduceat(occurrences[ids.permutation], ids.starts, axis=0)
-        else:
-            result[table] = np.zeros((0, grads.shape[2]), np.float32)
+        if ids.order is None:
+            _, ids.order, ids.bounds = group(ids.inverse)
+        result[table] = segment_sum(occurrences, ids.order, ids.bounds)
     return result

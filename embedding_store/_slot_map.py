@@ -20,15 +20,24 @@ TOMBSTONE = np.uint64(0xFFFFFFFFFFFFFFFE)
 class SlotMap:
     """Maps uint64 ids to int64 slots; not thread-safe (the owning table locks)."""
 
-    def __init__(self, initial_capacity: int = 1024, max_load: float = 0.5):
+    def __init__(self, initial_capacity: int = 1024, max_load: float = 0.6):
         capacity = 1 << max(4, int(initial_capacity - 1).bit_length())
         self._max_load = max_load
-        self._entries = np.full((capacity, 2), EMPTY, np.uint64)
+        self._set_entries(np.full((capacity, 2), EMPTY, np.uint64))
         self._live = 0
         self._used = 0  # live + tombstones
 
     def __len__(self) -> int:
         return self._live
+
+    def _set_entries(self, entries: np.ndarray) -> None:
+        self._entries = entries
+        # One 16-byte item per entry: gathering (key, slot) pairs this way is ~10x faster
+        # than entries[position] on the 2-D array.
+        self._pairs = entries.view(np.dtype((np.void, 16))).reshape(-1)
+
+    def _probe(self, position: np.ndarray) -> np.ndarray:
+        return self._pairs[position].view(np.uint64).reshape(-1, 2)
 
     @property
     def nbytes(self) -> int:
@@ -36,14 +45,13 @@ class SlotMap:
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """ids: [n] uint64 -> [n] int64 slots, -1 where absent."""
-        entries = self._entries
-        mask = np.uint64(len(entries) - 1)
+        mask = np.uint64(len(self._entries) - 1)
         result = np.full(len(ids), -1, np.int64)
         position = (mix64(ids, SALT_SLOT) & mask).astype(np.intp)
         pending = np.arange(len(ids))
         keys = ids
         while len(pending):
-            probe = entries[position]
+            probe = self._probe(position)
             slots = probe[:, 1]
             hit = (probe[:, 0] == keys) & (slots < TOMBSTONE)
             if hit.any():
@@ -71,7 +79,7 @@ class SlotMap:
         keys = ids
         removed = 0
         while len(keys):
-            probe = entries[position]
+            probe = self._probe(position)
             slots = probe[:, 1]
             hit = (probe[:, 0] == keys) & (slots < TOMBSTONE)
             if hit.any():
@@ -91,13 +99,13 @@ class SlotMap:
         mask = len(entries) - 1
         position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
         while len(ids):
-            free = entries[position, 1] == EMPTY
+            free = self._probe(position)[:, 1] == EMPTY
             where = position[free]
             # Several ids may race for one empty entry: the last write wins, the rest probe on.
-            entries[where, 0] = ids[free]
-            entries[where, 1] = slots[free]
+            pairs = np.stack([ids[free], slots[free]], axis=1)
+            self._pairs[where] = pairs.view(self._pairs.dtype).reshape(-1)
             placed = np.zeros(len(ids), bool)
-            placed[np.flatnonzero(free)[entries[where, 1] == slots[free]]] = True
+            placed[np.flatnonzero(free)[self._probe(where)[:, 1] == slots[free]]] = True
             keep = ~placed
             ids, slots = ids[keep], slots[keep]
             position = (position[keep] + 1) & mask
@@ -105,8 +113,8 @@ class SlotMap:
     def _rebuild(self, live_needed: int) -> None:
         ids, slots = self.items()
         capacity = len(self._entries)
-        while live_needed > self._max_load * capacity * 0.75:
+        while live_needed > self._max_load * capacity * 0.8:
             capacity *= 2
-        self._entries = np.full((capacity, 2), EMPTY, np.uint64)
+        self._set_entries(np.full((capacity, 2), EMPTY, np.uint64))
         self._used = self._live = len(ids)
         self._place(ids, slots.astype(np.uint64))

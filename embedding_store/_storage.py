@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
+from embedding_store._arrays import put_rows, take_rows
 from embedding_store.errors import EmbeddingStoreError
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -48,17 +49,17 @@ class RamRows:
 
     def gather(self, slots: np.ndarray) -> np.ndarray:
         """Rows of `slots` as float32 [n, dim]."""
-        return self.values[slots].astype(np.float32, copy=False)
+        return take_rows(self.values, slots).astype(np.float32, copy=False)
 
     def mark_dirty(self, lines: np.ndarray) -> None:
         pass
 
     def write_rows(self, slots: np.ndarray, values: np.ndarray, state: np.ndarray) -> None:
-        self.values[slots] = values
-        self.state[slots] = state
+        put_rows(self.values, slots, values)
+        put_rows(self.state, slots, state)
 
     def read_rows(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.values[slots].astype(np.float32), self.state[slots]
+        return take_rows(self.values, slots).astype(np.float32), take_rows(self.state, slots)
 
     def release(self, slots: np.ndarray) -> None:
         pass
@@ -159,7 +160,7 @@ class TieredRows:
         """Rows of `slots` as float32 [n, dim]; cached in RAM when they fit the budget."""
         if len(slots) > self._ram_rows and len(np.unique(slots)) > self._ram_rows:
             return self.read_rows(slots)[0]  # a scan larger than RAM (evaluation): no caching
-        return self.values[self.lines(slots)].astype(np.float32, copy=False)
+        return take_rows(self.values, self.lines(slots)).astype(np.float32, copy=False)
 
     def _take_lines(self, count: int) -> np.ndarray:
         if count > self._ram_rows:
@@ -208,8 +209,8 @@ class TieredRows:
 
     def write_rows(self, slots: np.ndarray, values: np.ndarray, state: np.ndarray) -> None:
         lines = self.lines(slots)
-        self.values[lines] = values
-        self.state[lines] = state
+        put_rows(self.values, lines, values)
+        put_rows(self.state, lines, state)
         self._dirty[lines] = True
 
     def read_rows(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

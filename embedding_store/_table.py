@@ -13,6 +13,7 @@ import numpy as np
 import tensorstore as ts
 
 from embedding_store import _optimizers
+from embedding_store._arrays import group, put_rows, segment_sum, take_rows, unique_inverse
 from embedding_store._hashing import SALT_ADMIT, mix64, unit_float
 from embedding_store._initializers import initial_rows
 from embedding_store._slot_map import SlotMap
@@ -31,16 +32,6 @@ class RowBlock:
     deleted: np.ndarray  # [m] uint64 ids removed since the previous snapshot
     counter_ids: np.ndarray  # [c] uint64 ids seen but not admitted yet
     counter_counts: np.ndarray  # [c] int64 their sightings
-
-
-def combine_duplicates(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sums the gradients of repeated ids. Returns (unique sorted ids [u], grads [u, dim])."""
-    if len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1])):
-        return ids, grads
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    starts = np.flatnonzero(np.concatenate([[True], sorted_ids[1:] != sorted_ids[:-1]]))
-    return sorted_ids[starts], np.add.reduceat(grads[order], starts, axis=0)
 
 
 class _Counters:
@@ -131,7 +122,7 @@ class ShardTable:
         self._rows.reserve(initial)
         self._slot_ids = np.zeros(initial, np.uint64)
         self._live = np.zeros(initial, bool)
-        self._last_step = np.zeros(initial, np.int64)
+        self._last_step = np.zeros(initial, np.int32)  # training step of the last access
         self._modified = np.zeros(initial, np.int64)  # sequence number of the last change
         self._high_water = 0
         self._free = np.zeros(0, np.int64)
@@ -175,47 +166,49 @@ class ShardTable:
             stats["hits"] += hits
             stats["misses"] += len(ids) - hits
             if hit.all():
-                if train:
-                    self._last_step[slots] = self._step
                 return self._rows.gather(slots)
             stats["rejected"] += int(np.count_nonzero(~hit)) if train else 0
             out = np.zeros((len(ids), config.dim), np.float32)
             present = slots[hit]
             out[hit] = self._rows.gather(present)
-            if train:
-                self._last_step[present] = self._step
-            elif config.admission.admits_all:
+            if not train and config.admission.admits_all:
                 # Evaluation never creates rows; an id training would admit reads its initial value.
                 out[~hit] = initial_rows(config.initializer, ids[~hit], config.dim)
             return out
 
     def apply_gradients(self, ids: np.ndarray, grads: np.ndarray) -> None:
-        """ids: [n] uint64, grads: [n, dim] float32; duplicates summed; non-finite rows skipped."""
-        ids, grads = combine_duplicates(ids, grads)
-        finite = np.isfinite(grads).all(axis=1)
+        """ids: [n] uint64, grads: [n, dim] float32; duplicates summed; non-finite rows skipped.
+
+        Gradients of a repeated id are summed in call order, so the result is the same
+        bits however the ids were spread over shards.
+        """
         with self._lock:
-            if not finite.all():
-                self._stats["nonfinite_skipped"] += int(np.count_nonzero(~finite))
-                ids, grads = ids[finite], grads[finite]
             slots = self._map.find(ids)
             missing = slots < 0
-            if missing.any() and self.config.admission.admits_all:
-                # The row was evicted (or never looked up); admit it as a lookup would.
-                slots[missing] = self._admit(ids[missing], protect=slots[~missing])
-            present = slots >= 0
-            if not present.all():
-                self._stats["updates_unadmitted"] += int(np.count_nonzero(~present))
-                slots, grads = slots[present], grads[present]
+            if missing.any():
+                if self.config.admission.admits_all:
+                    # The row was evicted (or never looked up); admit it as a lookup would.
+                    slots[missing] = self._admit(ids[missing], protect=slots[~missing])
+                present = slots >= 0
+                if not present.all():
+                    unadmitted = np.unique(ids[~present])
+                    self._stats["updates_unadmitted"] += len(unadmitted)
+                    slots, grads = slots[present], grads[present]
+            slots, order, bounds = group(slots)
+            grads = segment_sum(grads, order, bounds)
+            finite = np.isfinite(grads).all(axis=1)
+            if not finite.all():
+                self._stats["nonfinite_skipped"] += int(np.count_nonzero(~finite))
+                slots, grads = slots[finite], grads[finite]
             lines = self._rows.lines(slots)
-            values = self._rows.values
             weights, state = _optimizers.apply(
                 self.config.optimizer,
-                values[lines].astype(np.float32, copy=False),
-                self._rows.state[lines],
+                take_rows(self._rows.values, lines).astype(np.float32, copy=False),
+                take_rows(self._rows.state, lines),
                 grads,
             )
-            values[lines] = weights
-            self._rows.state[lines] = state
+            put_rows(self._rows.values, lines, weights)
+            put_rows(self._rows.state, lines, state)
             self._rows.mark_dirty(lines)
             self._modified[slots] = self._sequence
             self._last_step[slots] = self._step
@@ -225,7 +218,8 @@ class ShardTable:
 
     def _admit(self, ids: np.ndarray, protect: np.ndarray) -> np.ndarray:
         """Missing ids [n] (may repeat) -> slots [n], -1 where not admitted."""
-        unique, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        unique, inverse = unique_inverse(ids)
+        counts = np.bincount(inverse, minlength=len(unique))
         admission = self.config.admission
         if admission.admits_all:
             chosen = np.ones(len(unique), bool)
@@ -287,7 +281,7 @@ class ShardTable:
 
     def _evict_lru(self, count: int, protect: np.ndarray) -> None:
         live = np.flatnonzero(self._live[: self._high_water])
-        age = self._last_step[live].copy()
+        age = self._last_step[live].astype(np.int64)
         protected = np.isin(live, protect)
         age[protected] = np.iinfo(np.int64).max
         count = min(count, len(live) - int(protected.sum()))
@@ -333,7 +327,7 @@ class ShardTable:
                 ids=self._slot_ids[slots].copy(),
                 values=values,
                 state=state,
-                last_step=self._last_step[slots].copy(),
+                last_step=self._last_step[slots].astype(np.int64),
                 deleted=np.concatenate(deleted) if deleted and not full else np.zeros(0, np.uint64),
                 counter_ids=counter_ids,
                 counter_counts=counter_counts,

@@ -105,7 +105,7 @@ class EvictionConfig:
         "lru"  # at capacity: drop least-recently-used rows, or refuse new ids
     )
     lru_batch_fraction: float = 0.01  # share of a shard's capacity freed per LRU eviction round
-    ttl_steps: int = 0  # drop rows not accessed for more than this many training steps (0 = off)
+    ttl_steps: int = 0  # drop rows not updated for more than this many training steps (0 = off)
     ttl_sweep_every: int = 0  # steps between TTL sweeps; 0 = max(1, ttl_steps // 8)
 
     def __post_init__(self):

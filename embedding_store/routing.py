@@ -36,7 +36,8 @@ def partition(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray]
         bounds: [num_shards + 1] int64; shard s owns `order[bounds[s]:bounds[s + 1]]`.
     """
     shards = shard_of(ids, num_shards)
-    order = np.argsort(shards, kind="stable")
+    # Small integer keys: numpy's stable sort is a radix sort for 16-bit types.
+    order = np.argsort(shards.astype(np.uint16) if num_shards <= 65536 else shards, kind="stable")
     bounds = np.zeros(num_shards + 1, np.int64)
     np.cumsum(np.bincount(shards, minlength=num_shards), out=bounds[1:])
     return order, bounds

@@ -184,7 +184,9 @@ class EmbeddingStore:
                 (or zeros when admission is restricted).
         """
         config = self._config(table)
-        ids = _pooling._check_ids(f"table {table!r}", ids).copy()
+        ids = _pooling._check_ids(f"table {table!r}", ids)
+        if self.num_shards == 1:
+            ids = ids.copy()  # the caller may reuse its array before the lookup runs
         routes = self._route(ids)
         futures = [
             self._submit(shard, "lookup", {table: ids[where]}, train=train)
@@ -210,8 +212,10 @@ class EmbeddingStore:
             grads: [n, dim] float (cast to float32); rows with NaN/inf are skipped and counted.
         """
         config = self._config(table)
-        ids = _pooling._check_ids(f"table {table!r}", ids).copy()
-        grads = self._grads(config, grads, len(ids)).copy()
+        ids = _pooling._check_ids(f"table {table!r}", ids)
+        grads = self._grads(config, grads, len(ids))
+        if self.num_shards == 1:  # routing copies; otherwise copy: the caller may reuse them
+            ids, grads = ids.copy(), grads.copy()
         futures = [
             self._submit(shard, "apply_gradients", {table: (ids[where], grads[where])})
             for shard, where in self._route(ids)

@@ -117,6 +117,8 @@ def test_ttl_eviction_by_step():
         for step in range(1, 8):
             store.set_step(step)
             store.lookup("t", recent)
+            # Access time is creation or the last update (a training lookup is always updated).
+            store.apply_gradients("t", recent, np.zeros((10, 2), np.float32))
         store.flush()
         stats = store.stats()
         assert stats["evicted_ttl"] == 10 and stats["rows"] == 10
