@@ -7,6 +7,8 @@ Public surface:
         apply_pooled_gradients, set_step, flush, stats, checkpoint, restore, close).
     RaggedIds, PooledLookup: multi-valued feature input and pooled lookup results.
     Shard, LocalShard: the shard backend protocol and the in-process shard.
+    RemoteShard (+ RemoteShardError, ServerUnavailableError): a shard hosted by a
+        `hybridrec serve-embeddings` server; `embedding_store.remote.connect` builds them.
     route_hash, shard_of: how ids map to shards.
     latest_checkpoint_step: newest committed checkpoint under a URL.
 """
@@ -29,6 +31,7 @@ from embedding_store.errors import (
     InvalidInputError,
     UnknownTableError,
 )
+from embedding_store.remote import RemoteShard, RemoteShardError, ServerUnavailableError
 from embedding_store.routing import route_hash, shard_of
 from embedding_store.shard import LocalShard, Shard
 from embedding_store.store import EmbeddingStore, latest_checkpoint_step
@@ -48,6 +51,9 @@ __all__ = [
     "LocalShard",
     "PooledLookup",
     "RaggedIds",
+    "RemoteShard",
+    "RemoteShardError",
+    "ServerUnavailableError",
     "Shard",
     "SparseOptimizerConfig",
     "TableConfig",
