@@ -1,0 +1,78 @@
+"""Single-process behaviour of the multi-process helpers and of the loud failure paths."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from hybridrec.errors import UserError
+from model import (
+    DenseOptimizerConfig,
+    MeshConfig,
+    NonFiniteLossError,
+    create_train_state,
+    fetch_metrics,
+    local_rows,
+    make_global_batch,
+    make_mesh,
+    make_train_step,
+    maybe_initialize_distributed,
+)
+from model import distributed as distributed_lib
+
+
+def test_initialize_is_a_noop_without_a_cluster(monkeypatch):
+    for name in ("HYBRIDREC_COORDINATOR", "HYBRIDREC_NUM_PROCESSES", "HYBRIDREC_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(distributed_lib, "_initialized", False)
+    assert maybe_initialize_distributed() is False
+    assert maybe_initialize_distributed() is False  # idempotent
+    assert jax.process_count() == 1
+
+
+def test_initialize_rejects_a_partial_layout(monkeypatch):
+    monkeypatch.setattr(distributed_lib, "_initialized", False)
+    monkeypatch.setenv("HYBRIDREC_NUM_PROCESSES", "2")
+    monkeypatch.delenv("HYBRIDREC_COORDINATOR", raising=False)
+    monkeypatch.delenv("HYBRIDREC_PROCESS_ID", raising=False)
+    with pytest.raises(UserError, match="together"):
+        maybe_initialize_distributed()
+    with pytest.raises(UserError, match="process_id 5"):
+        maybe_initialize_distributed("127.0.0.1:1", 2, 5)
+
+
+def test_mesh_shape_is_checked():
+    with pytest.raises(UserError, match="needs 6 devices"):
+        make_mesh(MeshConfig(shape=(3, 2), axis_names=("data", "model")))
+    with pytest.raises(UserError, match="do not divide"):
+        make_mesh(MeshConfig(shape=(-1, 3), axis_names=("data", "model")))
+    mesh = make_mesh(MeshConfig(shape=(-1, 2), axis_names=("data", "model")))
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+
+
+def test_global_batch_round_trips_and_checks_divisibility(batch_factory):
+    mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
+    host = batch_factory(0, 16)
+    batch = make_global_batch(host, mesh)
+    assert batch["embeddings"].sharding.spec == jax.sharding.PartitionSpec("data", None, None)
+    for key, value in host.items():
+        np.testing.assert_array_equal(local_rows(batch[key]), value)
+    with pytest.raises(UserError, match="does not divide"):
+        make_global_batch(batch_factory(0, 6), mesh)
+
+
+def test_non_finite_loss_fails_loudly(tiny_config, dims, batch_factory):
+    mesh = make_mesh(MeshConfig(shape=(8,)))
+    config = tiny_config("mlp")
+    state = create_train_state(config, DenseOptimizerConfig(name="sgd"), mesh, 0, **dims)
+    step = make_train_step(config, mesh)
+    host = batch_factory(0, 16)
+    state, metrics, _ = step(state, make_global_batch(host, mesh))
+    assert np.isfinite(fetch_metrics(metrics, step=1)["loss"])
+    host["dense"][3, 0] = np.inf
+    _, metrics, _ = step(state, make_global_batch(host, mesh))
+    with pytest.raises(NonFiniteLossError, match="step 2"):
+        fetch_metrics(metrics, step=2)
