@@ -15,28 +15,42 @@ passed through untouched (see docs/pipeline.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Sequence
 
-import apache_beam as beam
-from apache_beam.io.filesystems import FileSystems
-from apache_beam.metrics import Metrics
-from apache_beam.options.pipeline_options import (
+
+class _DropImportNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "apitools not found" not in record.getMessage()
+
+
+# Beam's GCP module warns about optional client libraries at import; irrelevant here.
+_import_filter = _DropImportNoise()
+logging.getLogger().addFilter(_import_filter)
+import apache_beam as beam  # noqa: E402
+
+logging.getLogger().removeFilter(_import_filter)
+from apache_beam.io.filesystems import FileSystems  # noqa: E402
+from apache_beam.metrics import Metrics  # noqa: E402
+from apache_beam.options.pipeline_options import (  # noqa: E402
     DirectOptions,
     PipelineOptions,
     StandardOptions,
     WorkerOptions,
 )
 
-from hybridrec.errors import UserError
-from hybridrec.progress import Progress
-from pipeline import _chunks, hashing, metadata
-from pipeline._parse import BlockParser
-from pipeline.spec import FeatureSpec, load_spec
-from pipeline.stats import DatasetStatsFn, PartialStats
+from hybridrec.errors import UserError  # noqa: E402
+from hybridrec.progress import Progress  # noqa: E402
+from pipeline import _chunks, hashing, metadata  # noqa: E402
+from pipeline._parse import BlockParser  # noqa: E402
+from pipeline.spec import FeatureSpec, load_spec  # noqa: E402
+from pipeline.stats import DatasetStatsFn, PartialStats  # noqa: E402
 
 TEMP_DIR = "_temporary"
 
@@ -201,7 +215,7 @@ def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
             direct.direct_num_workers = os.cpu_count() or 1
     harness = options.view_as(WorkerOptions)
     if not any(arg.startswith("--default_sdk_harness_log_level") for arg in beam_args):
-        harness.default_sdk_harness_log_level = "WARNING"
+        harness.default_sdk_harness_log_level = "ERROR"
     return options
 
 
@@ -228,9 +242,33 @@ def _prepare_output(out: str, overwrite: bool) -> None:
         os.makedirs(out, exist_ok=True)
 
 
-def _run_with_progress(
-    pipeline: beam.Pipeline, progress_dir: str | None, total_bytes: int, quiet: bool
-):
+@contextlib.contextmanager
+def _stderr_to_file(path: str | None):
+    """Sends file descriptor 2 (inherited by DirectRunner worker processes) to `path`.
+
+    Beam's worker processes log start-up chatter to stderr; it goes to a log file so
+    the terminal shows only progress and the summary. Yields a stream to the real stderr.
+    """
+    if path is None:
+        yield sys.stderr
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+    terminal = os.fdopen(os.dup(saved), "w")
+    try:
+        yield terminal
+    finally:
+        terminal.flush()
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        terminal.close()
+
+
+def _run_with_progress(pipeline, progress_dir: str | None, total_bytes: int, quiet: bool, log_path):
     """Runs the pipeline; on a local output, shows progress from the workers' progress files."""
     failure: list[BaseException] = []
 
@@ -240,25 +278,21 @@ def _run_with_progress(
         except BaseException as error:  # re-raised on the calling thread
             failure.append(error)
 
-    thread = threading.Thread(target=run, name="beam-pipeline", daemon=True)
-    thread.start()
-    progress = Progress("preprocess", total=max(total_bytes // 2**20, 1), unit="MB")
-    done_mb = 0
-    while thread.is_alive():
-        thread.join(timeout=1.0)
-        if progress_dir and not quiet and os.path.isdir(progress_dir):
-            consumed, lines = 0, 0
-            for name in os.listdir(progress_dir):
-                try:
-                    with open(os.path.join(progress_dir, name)) as handle:
-                        state = json.load(handle)
-                except (OSError, ValueError):
-                    continue
-                consumed += state["bytes"]
-                lines += state["lines"]
-            mb = consumed // 2**20
-            progress.update(mb - done_mb, lines=lines)
-            done_mb = mb
+    with _stderr_to_file(log_path) as terminal:
+        stream = open(os.devnull, "w") if quiet else terminal  # noqa: SIM115
+        progress = Progress(
+            "preprocess", total=max(total_bytes // 2**20, 1), unit="MB", stream=stream
+        )
+        thread = threading.Thread(target=run, name="beam-pipeline", daemon=True)
+        thread.start()
+        done_mb = 0
+        while thread.is_alive():
+            thread.join(timeout=1.0)
+            if progress_dir and os.path.isdir(progress_dir):
+                consumed, lines = _read_progress(progress_dir)
+                mb = consumed // 2**20
+                progress.update(mb - done_mb, lines=lines)
+                done_mb = mb
     if failure:
         error = failure[0]
         match = re.search(
@@ -268,8 +302,24 @@ def _run_with_progress(
         )
         if match:
             raise UserError(match.group(1)) from None
+        if log_path:
+            print(f"hybridrec preprocess: Beam worker log: {log_path}", file=sys.stderr)
         raise error
+    progress.stream = sys.stderr if not quiet else progress.stream
     return progress
+
+
+def _read_progress(progress_dir: str) -> tuple[int, int]:
+    consumed, lines = 0, 0
+    for name in os.listdir(progress_dir):
+        try:
+            with open(os.path.join(progress_dir, name)) as handle:
+                state = json.load(handle)
+        except (OSError, ValueError):
+            continue  # being replaced right now
+        consumed += state["bytes"]
+        lines += state["lines"]
+    return consumed, lines
 
 
 def _finalize(
@@ -359,7 +409,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
         FileSystems.join(out, "rejected", "rejected"), file_name_suffix=".jsonl"
     )
     total_bytes = sum(chunk.size if chunk.end < 0 else chunk.end - chunk.start for chunk in chunks)
-    progress = _run_with_progress(pipeline, progress_dir, total_bytes, args.quiet)
+    direct = options.view_as(StandardOptions).runner in ("DirectRunner", "direct")
+    log_path = os.path.join(temp_dir, "beam-workers.log") if local and direct else None
+    progress = _run_with_progress(pipeline, progress_dir, total_bytes, args.quiet, log_path)
 
     with FileSystems.open(f"{stats_prefix}.b64") as handle:
         stats = _decode_stats(handle.read())
