@@ -71,15 +71,19 @@ def hash_fields(words: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> n
         uint64 [...] hashes (the `h` of the module docstring).
     """
     lengths = lengths.astype(np.int64, copy=False)
-    h = splitmix64(lengths.astype(np.uint64))
-    if h.size == 0:
-        return h
-    max_words = int((lengths.max() + 7) // 8)
+    if lengths.size == 0:
+        return np.zeros(lengths.shape, np.uint64)
+    max_length = int(lengths.max())
+    if max_length < 4096:  # the usual case: look the length hash up instead of mixing
+        h = splitmix64(np.arange(max_length + 1, dtype=np.uint64))[lengths]
+    else:
+        h = splitmix64(lengths.astype(np.uint64))
+    max_words = (max_length + 7) // 8
     for k in range(max_words):
         remaining = lengths - 8 * k
         active = remaining > 0
-        positions = np.where(active, starts + 8 * k, 0)
-        word = words[positions]
+        # inactive positions read a harmless word; their result is discarded below
+        word = words[np.minimum(starts + 8 * k, len(words) - 1)]
         partial = active & (remaining < 8)
         if partial.any():
             shift = (np.clip(remaining, 0, 8) * 8).astype(np.uint64)
