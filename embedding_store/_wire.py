@@ -7,6 +7,9 @@ id arrays are Arrow buffers end to end: numpy arrays are wrapped without copying
 on the sending side and viewed without copying on the receiving side. Nothing on
 the wire is pickled, and floats never pass through JSON.
 
+The header may carry the training step (`set_step` of the client), so that a step
+costs one call per shard for lookups and one for updates, nothing more.
+
 Streams (version 1):
 
     lookup request    schema {ids: uint64}                      one batch per table
@@ -68,6 +71,8 @@ class Header:
         client: identity of the sending client (random per client object).
         seq: per-client sequence number; (client, seq) makes an apply idempotent.
         train: lookup only: count sightings and admit new ids (False for evaluation).
+        step: the training step to set on the shard before this request, or -1 for none
+            (`set_step` rides on the next data request instead of costing a call).
     """
 
     op: str
@@ -75,6 +80,7 @@ class Header:
     client: str = ""
     seq: int = 0
     train: bool = True
+    step: int = -1
 
 
 def encode_header(header: Header) -> bytes:
@@ -86,6 +92,7 @@ def encode_header(header: Header) -> bytes:
             "client": header.client,
             "seq": header.seq,
             "train": header.train,
+            "step": header.step,
         }
     ).encode()
 
@@ -132,6 +139,7 @@ def decode_header(raw: bytes | pa.Buffer | None) -> Header:
         shard=_int_field(data, "shard", "request header"),
         client=client,
         seq=_int_field(data, "seq", "request header"),
+        step=_int_field(data, "step", "request header", minimum=-1) if "step" in data else -1,
     )
 
 
@@ -279,7 +287,11 @@ def decode_apply(
 def decode_values(
     batch: pa.RecordBatch, metadata: pa.Buffer | None, table: str, n: int, dim: int
 ) -> np.ndarray:
-    """Views one lookup-response batch as rows [n, dim] float32 (read-only, no copy)."""
+    """One lookup-response batch as rows [n, dim] float32.
+
+    A view of the received buffer (no copy): read-only. Callers that hand the rows
+    on as their own result copy them.
+    """
     if metadata is None or bytes(metadata).decode("utf-8", "replace") != table:
         raise WireError(f"lookup response out of order: expected table {table!r}")
     if not batch.schema.equals(VALUES_SCHEMA) or batch.num_rows != n * dim:

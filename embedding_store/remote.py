@@ -243,6 +243,7 @@ class RemoteShard:
         self.connection = connection
         self.index = index
         self.table_dims = dict(table_dims)
+        self._step = -1  # the client's training step, sent with every request (-1: unset)
 
     @property
     def address(self) -> str:
@@ -251,10 +252,10 @@ class RemoteShard:
     def lookup(
         self, requests: Mapping[str, np.ndarray], *, train: bool = True
     ) -> dict[str, np.ndarray]:
-        """Rows for each table's ids, in one call: table -> [n, dim] float32 (read-only)."""
+        """Rows for each table's ids, in one call: table -> [n, dim] float32."""
         if not requests:
             return {}
-        header = _wire.Header(op=_wire.LOOKUP, shard=self.index, train=bool(train))
+        header = _wire.Header(op=_wire.LOOKUP, shard=self.index, train=bool(train), step=self._step)
         descriptor = flight.FlightDescriptor.for_command(_wire.encode_header(header))
         batches = list(_wire.lookup_batches(requests))
 
@@ -268,9 +269,12 @@ class RemoteShard:
                 rows = {}
                 for table, ids in requests.items():
                     chunk = reader.read_chunk()
-                    rows[table] = _wire.decode_values(
+                    view = _wire.decode_values(
                         chunk.data, chunk.app_metadata, table, len(ids), self.table_dims[table]
                     )
+                    # Writable, like the in-process shard's rows (one memcpy; the receive
+                    # buffer itself is immutable).
+                    rows[table] = view.copy()
                 return rows
             finally:
                 writer.close()
@@ -286,6 +290,7 @@ class RemoteShard:
             shard=self.index,
             client=self.connection.client_id,
             seq=self.connection.next_seq(),
+            step=self._step,
         )
         descriptor = flight.FlightDescriptor.for_command(_wire.encode_header(header))
         batches = list(_wire.apply_batches(updates))
@@ -305,11 +310,16 @@ class RemoteShard:
         self.connection.call(attempt, f"update on shard {self.index}")
 
     def set_step(self, step: int) -> None:
-        self.connection.action("set_step", {"shard": self.index, "step": int(step)})
+        """Remembers the step; every later request of this shard carries it (no extra call).
+
+        The server applies it when it differs from the shard's current step, so a server
+        restarted in the meantime learns the step from the next request.
+        """
+        self._step = int(step)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """{table: counters} of this shard, as the in-process shard reports them."""
-        return self.connection.action("shard_stats", {"shard": self.index})
+        return self.connection.action("shard_stats", {"shard": self.index, "step": self._step})
 
     def server_stats(self) -> dict[str, Any]:
         """The whole server's stats: rows, latency p50/p99, pending updates, counters."""
@@ -326,6 +336,7 @@ class RemoteShard:
             "step": int(step),
             "num_shards": int(num_shards),
             "full": bool(full),
+            "step_now": self._step,
         }
         return self.connection.action("checkpoint", body, slow=True)
 

@@ -146,6 +146,7 @@ class ShardServer(flight.FlightServerBase):
         self._latency = {op: _Latency() for op in _wire.OPERATIONS}
         self._counters: collections.Counter[str] = collections.Counter()
         self._step = 0
+        self._shard_steps: dict[int, int] = {}
         middleware = {"token": _TokenMiddlewareFactory(token)} if token else None
         super().__init__(location, middleware=middleware)  # serving starts here
 
@@ -180,6 +181,8 @@ class ShardServer(flight.FlightServerBase):
                 raise flight.FlightUnavailableError("embedding server is shutting down")
             header = _wire.decode_header(descriptor.command)
             shard = self._shard(header.shard)
+            if header.step >= 0:
+                self._set_step(header.shard, header.step)
             limits = _wire.RequestLimits(
                 max_rows=self.max_request_rows, max_bytes=self.max_request_bytes
             )
@@ -207,6 +210,23 @@ class ShardServer(flight.FlightServerBase):
             raise
         self._count(f"{header.op}_requests")
         self._latency[header.op].add(time.perf_counter() - start)
+
+    def _set_step(self, index: int, step: int) -> None:
+        """Sets shard `index`'s training step when it changed (LRU time, TTL sweeps)."""
+        with self._lock:
+            changed = self._shard_steps.get(index) != step
+            self._shard_steps[index] = step
+            self._step = max(self._step, step)
+        if changed:
+            self.shards[index].set_step(step)
+
+    def _step_from(self, index: int, body: Mapping[str, Any], key: str) -> None:
+        """Applies the client's current step carried by a control call, if any."""
+        step = body.get(key, -1)
+        if isinstance(step, bool) or not isinstance(step, int) or step < -1:
+            raise _wire.WireError(f"field {key!r} must be an integer >= -1, got {step!r}")
+        if step >= 0:
+            self._set_step(index, step)
 
     def _shard(self, index: Any) -> LocalShard:
         shard = self.shards.get(index) if isinstance(index, int) else None
@@ -279,17 +299,21 @@ class ShardServer(flight.FlightServerBase):
         if self._draining.is_set():
             raise flight.FlightUnavailableError("embedding server is shutting down")
         if kind == "shard_stats":
-            return self._shard(body.get("shard")).stats()
+            index = body.get("shard")
+            self._shard(index)
+            self._step_from(index, body, "step")
+            return self.shards[index].stats()
         if kind == "set_step":
-            step = _field(body, "step", int)
-            self._step = step
-            self._shard(body.get("shard")).set_step(step)
-            return {"step": step}
+            index = body.get("shard")
+            self._shard(index)
+            self._set_step(index, _field(body, "step", int))
+            return {}
         if kind == "checkpoint":
             index = body.get("shard")
             shard = self._shard(index)
             url, step = _field(body, "url", str), _field(body, "step", int)
             self._check_num_shards(_field(body, "num_shards", int))
+            self._step_from(index, body, "step_now")
             self.wait_idle()
             return shard.write_checkpoint(
                 url, step, index, num_shards=self.num_shards, full=_field(body, "full", bool)

@@ -14,6 +14,7 @@ import pytest
 
 from embedding_store import (
     EmbeddingStore,
+    EvictionConfig,
     RaggedIds,
     SparseOptimizerConfig,
     TableConfig,
@@ -31,7 +32,13 @@ from embedding_store.remote import (
 from embedding_store.server import ShardServer, contiguous_shards, parse_shard_list
 
 TABLES = [
-    TableConfig(name="ads", dim=4, capacity=2000, optimizer=SparseOptimizerConfig(name="adagrad")),
+    TableConfig(
+        name="ads",
+        dim=4,
+        capacity=2000,
+        optimizer=SparseOptimizerConfig(name="adagrad"),
+        eviction=EvictionConfig(ttl_steps=2, ttl_sweep_every=1),  # set_step matters
+    ),
     TableConfig(
         name="users",
         dim=8,
@@ -62,9 +69,9 @@ def _addresses(servers):
     return [f"127.0.0.1:{server.port}" for server in servers]
 
 
-def _same_calls(stores, rng, steps=4):
+def _same_calls(stores, rng, steps):
     """Runs one random sequence of every store call on each store; checks equal results."""
-    for step in range(steps):
+    for step in steps:
         ids = rng.integers(0, 300, size=64).astype(np.uint64)
         grads = rng.normal(size=(64, 4)).astype(np.float32)
         features = {
@@ -98,17 +105,18 @@ def test_remote_matches_in_process_and_checkpoints(start_servers, tmp_path):
     local = EmbeddingStore(TABLES, num_shards=3)
     remote = EmbeddingStore(TABLES, shards=connect(_addresses(servers)[::-1], TABLES))
     assert remote.num_shards == 3
-    _same_calls([local, remote], np.random.default_rng(0))
+    _same_calls([local, remote], np.random.default_rng(0), range(0, 4))
     for table in ("ads", "users"):
         np.testing.assert_array_equal(_all_rows(remote, table), _all_rows(local, table))
     remote_stats, local_stats = remote.stats(), local.stats()
     assert remote_stats == local_stats and remote_stats["rows"] > 0
+    assert remote_stats["evicted_ttl"] > 0  # the step reached the servers' shards
 
     # Each server writes its own shards' parts; the client commits the manifest.
     url = str(tmp_path / "embeddings")
-    full = remote.checkpoint(url, 10)
-    _same_calls([local, remote], np.random.default_rng(1), steps=2)
-    delta = remote.checkpoint(url, 12)
+    full = remote.checkpoint(url, 3)
+    _same_calls([local, remote], np.random.default_rng(1), range(4, 6))
+    delta = remote.checkpoint(url, 5)
     assert full["full"] and not delta["full"] and 0 < delta["rows_written"] < full["rows_written"]
 
     # Restore onto another number of servers and shards (2 servers, 2 shards) and in-process.
@@ -119,7 +127,7 @@ def test_remote_matches_in_process_and_checkpoints(start_servers, tmp_path):
         expected = _all_rows(local, table)
         np.testing.assert_array_equal(_all_rows(restored_remote, table), expected)
         np.testing.assert_array_equal(_all_rows(restored_local, table), expected)
-    _same_calls([local, restored_remote, restored_local], np.random.default_rng(2), steps=2)
+    _same_calls([local, restored_remote, restored_local], np.random.default_rng(2), range(6, 9))
 
     # The trainer goes away: the servers keep the rows, a new client reattaches.
     expected = _all_rows(remote, "users")
