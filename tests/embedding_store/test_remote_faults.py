@@ -1,6 +1,7 @@
 """Remote shard servers as real processes: SIGKILL and restart from a checkpoint in the
 middle of a training-like loop, graceful SIGTERM, the command line."""
 
+import json
 import logging
 import threading
 
@@ -183,3 +184,27 @@ def test_command_line_errors(tmp_path, capsys):
     assert "did you mean" in (tmp_path / "log").read_text()
     with pytest.raises(UserError, match="--shards"):
         main(["--tables", str(bad), "--num-shards", "2", "--shards", "0,5"])
+
+
+def test_tables_from_the_training_preset(tmp_path):
+    """`--config P --data D --set k=v`: one table per table of the feature spec, in order."""
+    from embedding_store.server import training_tables
+
+    data = tmp_path / "data"
+    data.mkdir()
+    spec = {
+        "label": "label",
+        "dense": ["I1"],
+        "categorical": [
+            {"name": "C1", "table": "ads", "multi_valued": False},
+            {"name": "C2", "table": "users", "multi_valued": True, "separator": ","},
+            {"name": "C3", "table": "ads", "multi_valued": False},
+        ],
+    }
+    (data / "metadata.json").write_text(json.dumps({"format_version": 1, "spec": spec}))
+    (data / "_SUCCESS").write_text("")
+    tables = training_tables("quickstart", str(data), ["embedding.dim=8"])
+    assert [(table.name, table.dim) for table in tables] == [("ads", 8), ("users", 8)]
+    assert tables[0].optimizer.name == "adagrad"  # from the preset's [embedding.optimizer]
+    with pytest.raises(UserError, match="unknown config key embedding.dimm"):
+        training_tables("quickstart", str(data), ["embedding.dimm=8"])
