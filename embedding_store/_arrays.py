@@ -34,15 +34,28 @@ def put_rows(array: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:
     view[index] = rows.view(view.dtype).reshape(-1)
 
 
-def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted distinct values [u] and, for each input, its index among them [n] int64."""
+def unique_counts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct values [u] and how often each occurs [u] int64."""
     ordered = np.sort(values)
     first = np.empty(len(values), bool)
     if len(values):
         first[0] = True
         np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    unique = ordered[first]
-    return unique, np.searchsorted(unique, values).astype(np.int64)
+    starts = np.flatnonzero(first)
+    return ordered[starts], np.diff(np.append(starts, len(values)))
+
+
+def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct values [u] and, for each input, its index among them [n] int64."""
+    order = np.argsort(values)  # searchsorted of n random needles is far slower for large n
+    ordered = values[order]
+    first = np.empty(len(values), bool)
+    if len(values):
+        first[0] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    inverse = np.empty(len(values), np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return ordered[first], inverse
 
 
 def group(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -3,8 +3,9 @@
 Every operation probes all its ids at once, one vectorized round per probe step
 (at load <= 0.5 nearly all ids finish in the first two rounds); there is no per-id
 Python loop. Keys and slots sit side by side in one [capacity, 2] uint64 array so a
-probe touches one cache line. A slot value of EMPTY ends a probe chain; TOMBSTONE
-marks a removed entry (skipped by lookups, dropped on the next rebuild).
+probe touches one cache line. Slots are stored plus one, so that an all-zero entry
+(np.zeros: lazily backed, no initial write) is EMPTY and ends a probe chain;
+TOMBSTONE marks a removed entry (skipped by lookups, dropped on the next rebuild).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import numpy as np
 
 from embedding_store._hashing import SALT_SLOT, mix64
 
-EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
-TOMBSTONE = np.uint64(0xFFFFFFFFFFFFFFFE)
+EMPTY = np.uint64(0)
+TOMBSTONE = np.uint64(0xFFFFFFFFFFFFFFFF)
+_ONE = np.uint64(1)
+_LIVE_LIMIT = np.uint64(0xFFFFFFFFFFFFFFFE)  # stored - 1 < this  <=>  live entry
 
 
 class SlotMap:
@@ -23,7 +26,7 @@ class SlotMap:
     def __init__(self, initial_capacity: int = 1024, max_load: float = 0.6):
         capacity = 1 << max(4, int(initial_capacity - 1).bit_length())
         self._max_load = max_load
-        self._set_entries(np.full((capacity, 2), EMPTY, np.uint64))
+        self._set_entries(np.zeros((capacity, 2), np.uint64))
         self._live = 0
         self._used = 0  # live + tombstones
 
@@ -52,11 +55,11 @@ class SlotMap:
         keys = ids
         while len(pending):
             probe = self._probe(position)
-            slots = probe[:, 1]
-            hit = (probe[:, 0] == keys) & (slots < TOMBSTONE)
+            slots = probe[:, 1] - _ONE  # EMPTY wraps to the maximum, TOMBSTONE to max - 1
+            hit = (probe[:, 0] == keys) & (slots < _LIVE_LIMIT)
             if hit.any():
                 result[pending[hit]] = slots[hit].astype(np.int64)
-            go_on = ~hit & (slots != EMPTY)
+            go_on = ~hit & (probe[:, 1] != EMPTY)
             pending, keys = pending[go_on], keys[go_on]
             position = (position[go_on] + 1) & int(mask)
         return result
@@ -67,7 +70,7 @@ class SlotMap:
             return
         if (self._used + len(ids)) > self._max_load * len(self._entries):
             self._rebuild(self._live + len(ids))
-        self._place(ids, slots.astype(np.uint64))
+        self._place(ids, slots.astype(np.uint64) + _ONE)
         self._live += len(ids)
         self._used += len(ids)
 
@@ -80,21 +83,21 @@ class SlotMap:
         removed = 0
         while len(keys):
             probe = self._probe(position)
-            slots = probe[:, 1]
-            hit = (probe[:, 0] == keys) & (slots < TOMBSTONE)
+            hit = (probe[:, 0] == keys) & (probe[:, 1] - _ONE < _LIVE_LIMIT)
             if hit.any():
                 entries[position[hit], 1] = TOMBSTONE
                 removed += int(hit.sum())
-            go_on = ~hit & (slots != EMPTY)
+            go_on = ~hit & (probe[:, 1] != EMPTY)
             keys, position = keys[go_on], (position[go_on] + 1) & mask
         self._live -= removed
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """All live (ids [n] uint64, slots [n] int64)."""
-        live = self._entries[:, 1] < TOMBSTONE
-        return self._entries[live, 0].copy(), self._entries[live, 1].astype(np.int64)
+        live = self._entries[:, 1] - _ONE < _LIVE_LIMIT
+        return self._entries[live, 0].copy(), (self._entries[live, 1] - _ONE).astype(np.int64)
 
     def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """ids [n] (unique, absent) with their stored slot values (slot + 1) [n] uint64."""
         entries = self._entries
         mask = len(entries) - 1
         position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
@@ -115,6 +118,6 @@ class SlotMap:
         capacity = len(self._entries)
         while live_needed > self._max_load * capacity * 0.8:
             capacity *= 2
-        self._set_entries(np.full((capacity, 2), EMPTY, np.uint64))
+        self._set_entries(np.zeros((capacity, 2), np.uint64))
         self._used = self._live = len(ids)
-        self._place(ids, slots.astype(np.uint64))
+        self._place(ids, slots.astype(np.uint64) + _ONE)

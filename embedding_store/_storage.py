@@ -26,7 +26,8 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.f
 def _grow(array: np.ndarray, rows: int, fill=0) -> np.ndarray:
     if rows <= len(array):
         return array
-    grown = np.full((max(rows, 2 * len(array)), *array.shape[1:]), fill, array.dtype)
+    shape = (rows, *array.shape[1:])
+    grown = np.zeros(shape, array.dtype) if fill == 0 else np.full(shape, fill, array.dtype)
     grown[: len(array)] = array
     return grown
 

@@ -13,7 +13,7 @@ import numpy as np
 import tensorstore as ts
 
 from embedding_store import _optimizers
-from embedding_store._arrays import group, put_rows, segment_sum, take_rows, unique_inverse
+from embedding_store._arrays import group, put_rows, segment_sum, take_rows, unique_counts
 from embedding_store._hashing import SALT_ADMIT, mix64, unit_float
 from embedding_store._initializers import initial_rows
 from embedding_store._slot_map import SlotMap
@@ -100,7 +100,10 @@ class ShardTable:
         self.capacity = config.shard_capacity(num_shards)
         self._state_width = config.optimizer.state_width(config.dim)
         self._lock = threading.RLock()
-        initial = min(self.capacity, 4096)
+        # Arrays up to 4 GiB are allocated at full capacity up front: np.zeros pages are
+        # only backed by memory once written, and nothing is copied when the table fills.
+        row_bytes = config.dim * 4 * 2 + self._state_width * 4 + 24
+        initial = self.capacity if self.capacity * row_bytes <= 4 << 30 else 4096
         self._map = SlotMap(2 * initial)
         if config.tiering.enabled:
             location = config.tiering.path
@@ -218,8 +221,7 @@ class ShardTable:
 
     def _admit(self, ids: np.ndarray, protect: np.ndarray) -> np.ndarray:
         """Missing ids [n] (may repeat) -> slots [n], -1 where not admitted."""
-        unique, inverse = unique_inverse(ids)
-        counts = np.bincount(inverse, minlength=len(unique))
+        unique, counts = unique_counts(ids)
         admission = self.config.admission
         if admission.admits_all:
             chosen = np.ones(len(unique), bool)
@@ -229,19 +231,18 @@ class ShardTable:
             if admission.probability < 1.0:
                 draw = mix64(unique ^ totals.astype(np.uint64), SALT_ADMIT + admission.seed)
                 chosen &= unit_float(draw) < admission.probability
-        slots = np.full(len(unique), -1, np.int64)
         admitted = np.flatnonzero(chosen)
         new_slots = self._allocate(len(admitted), protect)
         admitted = admitted[: len(new_slots)]
         self._stats["capacity_rejected"] += int(np.count_nonzero(chosen)) - len(admitted)
-        if len(admitted):
-            new_ids = unique[admitted]
-            self._create_rows(new_ids, new_slots)
-            slots[admitted] = new_slots
-            if not admission.admits_all:
-                self._counters.remove(new_ids)
+        if not len(admitted):
+            return np.full(len(ids), -1, np.int64)
+        new_ids = unique[admitted]
+        self._create_rows(new_ids, new_slots)
+        if not admission.admits_all:
+            self._counters.remove(new_ids)
         self._stats["admitted"] += len(admitted)
-        return slots[inverse]
+        return self._map.find(ids)
 
     def _create_rows(self, ids: np.ndarray, slots: np.ndarray) -> None:
         config = self.config

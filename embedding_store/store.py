@@ -18,6 +18,7 @@ import numpy as np
 
 from embedding_store import _pooling
 from embedding_store import checkpoint as _checkpoint
+from embedding_store._arrays import put_rows
 from embedding_store._pooling import FeatureIds, PooledLookup
 from embedding_store.config import TableConfig
 from embedding_store.errors import (
@@ -198,7 +199,7 @@ class EmbeddingStore:
                 return results[0][table]
             out = np.empty((len(ids), config.dim), np.float32)
             for (_, where), result in zip(routes, results, strict=True):
-                out[where] = result[table]
+                put_rows(out, where, result[table])
             return out
 
         return _when_all(futures, combine, self._pool)
@@ -265,9 +266,8 @@ class EmbeddingStore:
                 for shard, result in zip(shards, results, strict=True):
                     if table in result:
                         bounds = ids.route_bounds
-                        unique_rows[ids.route_order[bounds[shard] : bounds[shard + 1]]] = result[
-                            table
-                        ]
+                        where = ids.route_order[bounds[shard] : bounds[shard + 1]]
+                        put_rows(unique_rows, where, result[table])
                 rows[table] = unique_rows
             embeddings = _pooling.pool(planned, tables, rows, batch, dim, pooling)
             return PooledLookup(embeddings, tuple(features), pooling, planned, tables)
