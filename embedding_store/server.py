@@ -563,29 +563,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDRESS",
         help="probe a running server (host:port): exit 0 if ready, 1 if not",
     )
+    parser.add_argument(
+        "--stats",
+        metavar="ADDRESS",
+        help="print a running server's stats as JSON (rows, latency p50/p99, pending updates)",
+    )
     return parser
 
 
-def _check(address: str, token: str | None) -> int:
+def _probe(address: str, token: str | None, action: str) -> int:
+    """`--check` / `--stats`: one action against a running server, printed as JSON."""
     from embedding_store.remote import ServerConnection, parse_addresses
 
     connection = ServerConnection(parse_addresses(address)[0], token=token, retry_timeout=0.0)
     try:
-        health = connection.action("health", retry=False)
+        result = connection.action(action, retry=False)
     except flight.FlightError as error:
         print(f"not ready: {error}", file=sys.stderr)
         return 1
     finally:
         connection.close()
-    print(json.dumps(health))
-    return 0 if health.get("ready") else 1
+    print(json.dumps(result, indent=None if action == "health" else 1))
+    return 0 if action != "health" or result.get("ready") else 1
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     token = _read_token(args.token_file)
-    if args.check:
-        return _check(args.check, token)
+    if args.check or args.stats:
+        return _probe(args.check or args.stats, token, "health" if args.check else "stats")
     if bool(args.tables) == bool(args.config) or not args.num_shards:
         raise UserError(
             "give --num-shards and one of --tables FILE or --config PRESET (or --check ADDRESS)"

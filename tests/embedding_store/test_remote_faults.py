@@ -128,7 +128,9 @@ def test_killed_server_restarts_from_its_checkpoint_and_training_resumes(
     restored.close()
 
     # A health probe, then SIGTERM: the server drains and exits 0.
-    assert main(["--check", processes[1].address, "--token-file", str(_token(tmp_path))]) == 0
+    token_file = str(_token(tmp_path))
+    assert main(["--check", processes[1].address, "--token-file", token_file]) == 0
+    assert main(["--stats", processes[0].address, "--token-file", token_file]) == 0
     store.close()
     assert [server.stop() for server in processes] == [0, 0]
     assert "stopping: finishing in-flight updates" in (logs / "server1.log").read_text()
