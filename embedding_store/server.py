@@ -73,18 +73,21 @@ class _Latency:
 
     def __init__(self):
         self._samples: collections.deque[float] = collections.deque(maxlen=_LATENCY_WINDOW)
+        self._lock = threading.Lock()
         self.count = 0
 
     def add(self, seconds: float) -> None:
-        self._samples.append(seconds)
-        self.count += 1
+        with self._lock:
+            self._samples.append(seconds)
+            self.count += 1
 
     def summary(self) -> dict[str, float]:
-        if not self._samples:
-            return {"count": self.count, "p50_ms": 0.0, "p99_ms": 0.0}
-        samples = np.fromiter(self._samples, dtype=np.float64) * 1e3
+        with self._lock:
+            count, samples = self.count, np.array(self._samples, dtype=np.float64) * 1e3
+        if not len(samples):
+            return {"count": count, "p50_ms": 0.0, "p99_ms": 0.0}
         p50, p99 = np.percentile(samples, [50, 99])
-        return {"count": self.count, "p50_ms": float(p50), "p99_ms": float(p99)}
+        return {"count": count, "p50_ms": float(p50), "p99_ms": float(p99)}
 
 
 class ShardServer(flight.FlightServerBase):
@@ -121,15 +124,6 @@ class ShardServer(flight.FlightServerBase):
         self.table_dims = {table.name: int(table.dim) for table in self.tables}
         self.fingerprint = table_fingerprint(self.tables)
         self.shards = {index: self._new_shard(index) for index in sorted(set(shard_indices))}
-        self.restored_step = None
-        if restore is not None:
-            step = restore_step if restore_step is not None else latest_checkpoint_step(restore)
-            if step is not None:
-                for index in self.shards:
-                    self._load(index, restore, step)
-                self.restored_step = step
-            elif restore_step is not None:
-                raise UserError(f"{restore}: no committed checkpoint for step {restore_step}")
         self.max_request_bytes = max_request_bytes
         self.max_request_rows = max_request_rows
         self.incarnation = uuid.uuid4().hex
@@ -147,6 +141,16 @@ class ShardServer(flight.FlightServerBase):
         self._counters: collections.Counter[str] = collections.Counter()
         self._step = 0
         self._shard_steps: dict[int, int] = {}
+        self.restored_step = None
+        if restore is not None:
+            step = restore_step if restore_step is not None else latest_checkpoint_step(restore)
+            if step is not None:
+                for index in self.shards:
+                    self._load(index, restore, step)
+                self.restored_step = step
+            elif restore_step is not None:
+                raise UserError(f"{restore}: no committed checkpoint for step {restore_step}")
+        self.token_required = bool(token)
         middleware = {"token": _TokenMiddlewareFactory(token)} if token else None
         super().__init__(location, middleware=middleware)  # serving starts here
 
@@ -164,6 +168,8 @@ class ShardServer(flight.FlightServerBase):
             shard.close()
             raise
         old, self.shards[index] = self.shards.get(index), shard
+        with self._lock:
+            self._shard_steps.pop(index, None)  # the fresh shard has not seen a step yet
         if old is not None:
             old.close()
         return loaded
@@ -638,7 +644,7 @@ def _serve(server: ShardServer, args: argparse.Namespace) -> int:
     )
     print(
         f"[serve-embeddings] serving shards {sorted(server.shards)} of {server.num_shards} "
-        f"on {address}{restored}; token {'required' if args.token_file or os.environ.get(TOKEN_ENV) else 'off'}",
+        f"on {address}{restored}; token {'required' if server.token_required else 'off'}",
         file=sys.stderr,
         flush=True,
     )
@@ -652,7 +658,11 @@ def _serve(server: ShardServer, args: argparse.Namespace) -> int:
     progress = Progress("serve-embeddings", unit="requests", interval=0.0)
     seen = 0
     while not stop.wait(args.stats_interval):
-        stats = server.stats()
+        try:
+            stats = server.stats()
+        except Exception as error:  # noqa: BLE001 - a stats line must never stop the server
+            print(f"[serve-embeddings] stats unavailable: {error}", file=sys.stderr, flush=True)
+            continue
         requests = sum(latency["count"] for latency in stats["latency"].values())
         progress.update(
             requests - seen,
