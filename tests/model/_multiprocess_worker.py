@@ -12,7 +12,8 @@ import numpy as np
 
 GLOBAL_ROWS = 32
 STEPS = 3
-MESHES = {"8": ((8,), ("data",)), "4x2": ((4, 2), ("data", "model"))}
+# data split across the processes, the wide layers split over "model" within each
+MESHES = {"4x2": ((4, 2), ("data", "model"))}
 
 
 def global_batch_rows(step: int) -> dict[str, np.ndarray]:
@@ -42,10 +43,13 @@ def run() -> dict[str, np.ndarray]:
         make_train_step,
     )
 
+    # the tiny DLRM and optimizer of tests/model/conftest.py
     config = ModelConfig(
         tower="dlrm", dlrm=DLRMConfig(bottom_mlp=(16, 8), top_mlp=(32, 16)), min_sharded_width=8
     )
-    optimizer = DenseOptimizerConfig(name="adam", learning_rate=1e-2, warmup_steps=1)
+    optimizer = DenseOptimizerConfig(
+        name="adam", learning_rate=1e-2, warmup_steps=2, decay="cosine", decay_steps=10
+    )
     rows = GLOBAL_ROWS // jax.process_count()
     start = jax.process_index() * rows
     results = {}

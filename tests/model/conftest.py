@@ -5,11 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig
+from model import DCNv2Config, DenseOptimizerConfig, DLRMConfig, MLPConfig, ModelConfig
 
 NUM_DENSE = 5
 NUM_FEATURES = 3
 EMBEDDING_DIM = 8
+ROWS = 32  # global batch of most tests
+# Tests share one tower/optimizer/batch shape where they can, so JAX's compilation cache
+# serves later tests (the multi-process worker uses the same values).
+OPTIMIZER = DenseOptimizerConfig(
+    name="adam", learning_rate=1e-2, warmup_steps=2, decay="cosine", decay_steps=10
+)
 
 
 def tiny_model_config(tower: str, **overrides) -> ModelConfig:
@@ -51,3 +57,8 @@ def tiny_config():
 def batch_factory():
     """`batch_factory(seed, rows) -> dict of host arrays`."""
     return make_batch
+
+
+@pytest.fixture
+def optimizer() -> DenseOptimizerConfig:
+    return OPTIMIZER

@@ -8,7 +8,6 @@ import pytest
 
 from hybridrec.errors import UserError
 from model import (
-    DenseOptimizerConfig,
     MeshConfig,
     NonFiniteLossError,
     create_train_state,
@@ -55,7 +54,7 @@ def test_mesh_shape_is_checked():
 
 def test_global_batch_round_trips_and_checks_divisibility(batch_factory):
     mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
-    host = batch_factory(0, 16)
+    host = batch_factory(0, 32)
     batch = make_global_batch(host, mesh)
     assert batch["embeddings"].sharding.spec == jax.sharding.PartitionSpec("data", None, None)
     for key, value in host.items():
@@ -64,12 +63,12 @@ def test_global_batch_round_trips_and_checks_divisibility(batch_factory):
         make_global_batch(batch_factory(0, 6), mesh)
 
 
-def test_non_finite_loss_fails_loudly(tiny_config, dims, batch_factory):
-    mesh = make_mesh(MeshConfig(shape=(8,)))
-    config = tiny_config("mlp")
-    state = create_train_state(config, DenseOptimizerConfig(name="sgd"), mesh, 0, **dims)
+def test_non_finite_loss_fails_loudly(tiny_config, dims, batch_factory, optimizer):
+    mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
+    config = tiny_config("dlrm")
+    state = create_train_state(config, optimizer, mesh, 0, **dims)
     step = make_train_step(config, mesh)
-    host = batch_factory(0, 16)
+    host = batch_factory(0, 32)
     state, metrics, _ = step(state, make_global_batch(host, mesh))
     assert np.isfinite(fetch_metrics(metrics, step=1)["loss"])
     host["dense"][3, 0] = np.inf
