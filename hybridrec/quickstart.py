@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_ROWS = 200_000
+DEFAULT_ROWS = 1_000_000
 
 
 def _ensure_devices(count: int = 8) -> None:

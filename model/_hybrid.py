@@ -14,7 +14,9 @@ fully synchronous schedule.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -86,6 +88,7 @@ class LookaheadPipeline:
         prefetch: batches buffered between the input thread and the lookup thread.
         lookup_lock: held around every lookup issue; the trainer takes it to pause
             lookups (e.g. while a checkpoint is written).
+        nice: raise the input and lookup threads' nice value by this much (0 = leave).
     """
 
     def __init__(
@@ -97,8 +100,10 @@ class LookaheadPipeline:
         gate: StalenessGate,
         prefetch: int,
         lookup_lock: threading.Lock,
+        nice: int = 0,
     ):
         self._batches = batches
+        self._nice = nice
         self._first_step = first_step
         self._issue_lookup = issue_lookup
         self._gate = gate
@@ -130,7 +135,17 @@ class LookaheadPipeline:
                 continue
         return _END
 
+    def _lower_priority(self) -> None:
+        # The dense step must not wait for host threads: on a CPU-only host XLA's device
+        # threads share the cores with this work, and one preempted device thread stalls
+        # every collective. Threads started from here (the store's workers are created on
+        # their first request) inherit the lower priority.
+        if self._nice > 0 and hasattr(os, "setpriority"):
+            with contextlib.suppress(OSError):  # not permitted: keep the default priority
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+
     def _read(self) -> None:
+        self._lower_priority()
         try:
             for batch in self._batches:
                 if not self._put(self._input, batch):
@@ -140,6 +155,7 @@ class LookaheadPipeline:
             self._put(self._input, error)
 
     def _lookahead(self) -> None:
+        self._lower_priority()
         step = self._first_step
         try:
             while True:

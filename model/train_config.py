@@ -86,10 +86,17 @@ class HybridConfig:
     # k: at most k batches looked up whose gradients are not yet applied when a new lookup is
     # issued (the lookup of batch t may miss the updates of batches t-k..t-1); 0 = synchronous
     staleness: int = 4
+    # nice-value increment of the input and lookup threads (and the store workers they
+    # start), so host work yields the cores to the dense step on CPU hosts; 0 = unchanged
+    background_nice: int = 10
 
     def __post_init__(self):
         if self.staleness < 0:
             raise ValueError(f"hybrid.staleness must be >= 0, got {self.staleness}")
+        if not 0 <= self.background_nice <= 19:
+            raise ValueError(
+                f"hybrid.background_nice must be in [0, 19], got {self.background_nice}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -246,6 +246,26 @@ def evaluate(
     return {key: float(value) for key, value in metrics.result().items()}
 
 
+class _PhaseTimes:
+    """Where the trainer's main thread spends a step (milliseconds per step, per log interval)."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+        self.steps = 0
+
+    def add(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.totals[name] = self.totals.get(name, 0.0) + (now - since) * 1e3
+        if name == "wait_ms":
+            self.steps += 1
+        return now
+
+    def per_step(self) -> dict[str, float]:
+        out = {name: round(total / max(self.steps, 1), 2) for name, total in self.totals.items()}
+        self.totals, self.steps = {}, 0
+        return out
+
+
 class HybridTrainer:
     """Trains one run directory with the hybrid loop (see the module docstring).
 
@@ -366,6 +386,7 @@ class HybridTrainer:
             gate=self.gate,
             prefetch=config.data.prefetch,
             lookup_lock=self._lookup_lock,
+            nice=config.hybrid.background_nice,
         )
         eval_results: dict[str, float] = {}
         try:
@@ -395,6 +416,7 @@ class HybridTrainer:
         batch_size = config.data.batch_size
         local = self._rows
         pending_losses: list[Any] = []
+        phases = _PhaseTimes()
         interval_staleness: list[int] = []
         interval_start, interval_samples = time.perf_counter(), 0
         last_loss = float("nan")
@@ -402,6 +424,7 @@ class HybridTrainer:
         step = first_step - 1
         position = None
         while True:
+            clock = time.perf_counter()
             item = lookahead.next()
             if item is None:
                 break
@@ -409,6 +432,7 @@ class HybridTrainer:
             self.staleness_histogram[item.staleness] += 1
             interval_staleness.append(item.staleness)
             pooled = item.lookup.result()
+            clock = phases.add("wait_ms", clock)
             global_batch = make_global_batch(
                 {
                     "embeddings": pooled.embeddings[local]
@@ -419,12 +443,14 @@ class HybridTrainer:
                 },
                 context.mesh,
             )
+            clock = phases.add("to_device_ms", clock)
             with jax.transfer_guard("disallow"):
                 context.state, metrics, embedding_grads = train_step(context.state, global_batch)
             pending_losses.append(metrics["loss"])
             grads = local_rows(embedding_grads)
             if context.replicated_store:
                 grads = context.gather(grads)  # the global batch's gradients, on every replica
+            clock = phases.add("step_ms", clock)
             checkpoint_now = step == total_steps or (
                 config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0
             )
@@ -436,6 +462,7 @@ class HybridTrainer:
             )
             if self._apply_errors:
                 raise self._apply_errors[0]
+            phases.add("apply_ms", clock)
             interval_samples += batch_size
             counters["samples"] += batch_size
             if progress:
@@ -459,6 +486,7 @@ class HybridTrainer:
                     staleness_mean=float(np.mean(interval_staleness)),
                     staleness_max=int(np.max(interval_staleness)),
                     samples=counters["samples"],
+                    **phases.per_step(),
                 )
                 interval_start, interval_samples, interval_staleness = time.perf_counter(), 0, []
                 if progress:
