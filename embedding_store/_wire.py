@@ -52,6 +52,10 @@ APPLY_SCHEMA = pa.schema(
     ]
 )
 
+# The shared secret: its environment variable and the header that carries it.
+TOKEN_ENV = "HYBRIDREC_EMBEDDING_TOKEN"
+AUTH_HEADER = "authorization"
+
 # Upper bound on a JSON header or action body; real ones are a few hundred bytes.
 MAX_HEADER_BYTES = 64 * 1024
 MAX_CLIENT_ID_CHARS = 128

@@ -33,7 +33,8 @@ import numpy as np
 import pyarrow.flight as flight
 
 from embedding_store import _wire
-from embedding_store.server import AUTH_HEADER, TOKEN_ENV, table_fingerprint
+from embedding_store._wire import AUTH_HEADER, TOKEN_ENV
+from embedding_store.server import table_fingerprint
 from hybridrec.errors import UserError
 
 SERVERS_ENV = "HYBRIDREC_EMBEDDING_SERVERS"

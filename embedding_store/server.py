@@ -8,6 +8,9 @@ request limits, latency statistics and a graceful drain on SIGTERM.
 
 Example:
     hybridrec serve-embeddings --tables tables.toml --num-shards 4 --shards 0,1 --port 7001
+
+From Python, `start_server_process` / `start_servers` (re-exported from `_processes`)
+start servers as subprocesses and wait until they serve.
 """
 
 from __future__ import annotations
@@ -18,12 +21,9 @@ import hashlib
 import hmac
 import json
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -35,6 +35,14 @@ import numpy as np
 import pyarrow.flight as flight
 
 from embedding_store import _wire
+from embedding_store._processes import (
+    ServerProcess,
+    contiguous_shards,
+    start_server_process,
+    start_servers,
+    stop_servers,
+)
+from embedding_store._wire import AUTH_HEADER, TOKEN_ENV
 from embedding_store.checkpoint import latest_checkpoint_step, read_manifest
 from embedding_store.config import TableConfig
 from embedding_store.errors import EmbeddingStoreError
@@ -44,8 +52,20 @@ from hybridrec import config
 from hybridrec.errors import UserError
 from hybridrec.progress import Progress
 
-TOKEN_ENV = "HYBRIDREC_EMBEDDING_TOKEN"
-AUTH_HEADER = "authorization"
+__all__ = [
+    "ServerProcess",
+    "ShardServer",
+    "contiguous_shards",
+    "load_tables",
+    "main",
+    "parse_shard_list",
+    "start_server_process",
+    "start_servers",
+    "stop_servers",
+    "table_fingerprint",
+    "training_tables",
+]
+
 DEFAULT_MAX_REQUEST_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_REQUEST_ROWS = 16 * 1024 * 1024
 # Remembered (client, seq) pairs of applied updates, so a retried update is applied once.
@@ -453,17 +473,6 @@ def parse_shard_list(text: str, num_shards: int) -> list[int]:
     return sorted(indices)
 
 
-def contiguous_shards(server_index: int, num_servers: int, num_shards: int) -> list[int]:
-    """The shards server `server_index` of `num_servers` hosts: a contiguous, balanced range."""
-    if not 0 <= server_index < num_servers:
-        raise UserError(f"--server-index {server_index} outside 0..{num_servers - 1}")
-    if num_servers > num_shards:
-        raise UserError(f"{num_servers} servers for {num_shards} shards: some would host none")
-    start = server_index * num_shards // num_servers
-    stop = (server_index + 1) * num_shards // num_servers
-    return list(range(start, stop))
-
-
 def _server_index(text: str) -> int:
     """An integer, or "auto": $HYBRIDREC_SERVER_INDEX, else the hostname's trailing ordinal
     (a Kubernetes StatefulSet pod is named <set>-<ordinal>)."""
@@ -634,8 +643,16 @@ def main(argv: list[str]) -> int:
 
 def _serve(server: ShardServer, args: argparse.Namespace) -> int:
     stop = threading.Event()
+
+    def request_stop(*_):
+        stop.set()
+        # A second signal during the drain (or while the interpreter exits, when Python
+        # restores default handlers) must not kill the process half-way: ignore it.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, request_stop)
     # A wildcard bind is reachable on loopback; that is what local launchers connect to.
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     address = f"{host}:{server.port}"
@@ -742,148 +759,3 @@ def training_tables(preset: str, data: str | None, overrides: Sequence[str]) -> 
     metadata = read_metadata(train_config.data.path)
     names = dict.fromkeys(feature.table for feature in metadata.categorical)
     return [train_config.embedding.table(name) for name in names]
-
-
-class ServerProcess:
-    """A `serve-embeddings` subprocess started by `start_server_process`.
-
-    Attributes:
-        address: "host:port" clients connect to.
-        process: the `subprocess.Popen`.
-        shards: the shard indices it hosts.
-    """
-
-    def __init__(self, process: subprocess.Popen, address: str, shards: list[int]):
-        self.process = process
-        self.address = address
-        self.shards = shards
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM (drains in-flight updates), then SIGKILL after `timeout`; returns the exit code."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                return self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait()
-
-    def kill(self) -> None:
-        """SIGKILL: the fault case (no drain, no goodbye)."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-
-
-def start_server_process(
-    tables: str | Path | None = None,
-    *,
-    num_shards: int,
-    shards: Sequence[int] | None = None,
-    config: str | Path | None = None,
-    data: str | Path | None = None,
-    overrides: Sequence[str] = (),
-    host: str = "127.0.0.1",
-    port: int = 0,
-    token: str | None = None,
-    restore: str | None = None,
-    extra_args: Sequence[str] = (),
-    log_path: str | Path | None = None,
-    ready_timeout: float = 120.0,
-) -> ServerProcess:
-    """Starts `hybridrec serve-embeddings` in a subprocess and waits until it is ready.
-
-    Args:
-        tables: table-config file (TOML/JSON) or preset holding the tables; or None and
-        config / data / overrides: the training preset, data directory and `--set`
-            overrides, to host exactly the tables `hybridrec train` builds from them.
-        num_shards: total shards across all servers.
-        shards: indices this server hosts (default: all).
-        host / port: bind address; port 0 picks a free port (see `.address`).
-        token: shared secret, passed through the environment (never on the command line).
-        restore: checkpoint URL to restore from (latest step; starts empty if none).
-        extra_args: more `serve-embeddings` flags, e.g. ["--max-request-mb", "64"].
-        log_path: file for the server's stdout/stderr (default: inherit).
-        ready_timeout: seconds to wait for readiness.
-
-    Returns:
-        A ServerProcess; call `.stop()` (graceful) or `.kill()` when done.
-
-    Raises:
-        UserError: the server exited or did not become ready in time (with its log tail).
-    """
-    ready_dir = Path(tempfile.mkdtemp(prefix="hybridrec-serve-"))
-    ready_file = ready_dir / "ready.json"
-    command = [
-        sys.executable,
-        "-m",
-        "hybridrec",
-        "serve-embeddings",
-        "--num-shards",
-        str(num_shards),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--ready-file",
-        str(ready_file),
-    ]
-    if (tables is None) == (config is None):
-        raise UserError("start_server_process: give either tables or config")
-    if tables is not None:
-        command += ["--tables", str(tables)]
-    else:
-        command += ["--config", str(config)]
-        command += ["--data", str(data)] if data else []
-        for override in overrides:
-            command += ["--set", override]
-    if shards is not None:
-        command += ["--shards", ",".join(str(index) for index in shards)]
-    if restore:
-        command += ["--restore", restore]
-    command += list(extra_args)
-    environment = dict(os.environ)
-    environment.pop(TOKEN_ENV, None)
-    if token:
-        environment[TOKEN_ENV] = token
-    log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (lives with the process)
-    try:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT if log else None, env=environment
-        )
-    finally:
-        if log:
-            log.close()
-    deadline = time.monotonic() + ready_timeout
-    try:
-        while not ready_file.exists():
-            if process.poll() is not None:
-                raise UserError(
-                    f"embedding server exited with status {process.returncode} before it was "
-                    f"ready{_log_tail(log_path)}"
-                )
-            if time.monotonic() > deadline:
-                raise UserError(
-                    f"embedding server not ready after {ready_timeout:g} s{_log_tail(log_path)}"
-                )
-            time.sleep(0.05)
-        info = json.loads(ready_file.read_text())
-    except BaseException:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        raise
-    finally:
-        shutil.rmtree(ready_dir, ignore_errors=True)
-    return ServerProcess(process, info["address"], info["shards"])
-
-
-def _log_tail(log_path: str | Path | None, lines: int = 20) -> str:
-    if not log_path or not Path(log_path).exists():
-        return ""
-    tail = Path(log_path).read_text(errors="replace").splitlines()[-lines:]
-    return "; server log:\n" + "\n".join(tail)

@@ -10,7 +10,14 @@ import pytest
 
 from embedding_store import EmbeddingStore, RaggedIds, TableConfig, shard_of
 from embedding_store.remote import connect
-from embedding_store.server import ShardServer, load_tables, main, start_server_process
+from embedding_store.server import (
+    ShardServer,
+    load_tables,
+    main,
+    start_server_process,
+    start_servers,
+    stop_servers,
+)
 from hybridrec.errors import UserError
 
 TABLES_TOML = """
@@ -68,16 +75,10 @@ def test_killed_server_restarts_from_its_checkpoint_and_training_resumes(
     tables = load_tables(tables_file)
     logs = tmp_path / "logs"
     logs.mkdir()
-    for index in range(2):
-        processes.append(
-            start_server_process(
-                tables_file,
-                num_shards=2,
-                shards=[index],
-                token="t0ken",
-                log_path=logs / f"server{index}.log",
-            )
-        )
+    processes.extend(
+        start_servers(2, num_shards=2, tables=tables_file, token="t0ken", log_dir=logs)
+    )
+    assert [server.shards for server in processes] == [[0], [1]]
     addresses = [server.address for server in processes]
     store = EmbeddingStore(
         tables, shards=connect(addresses, tables, token="t0ken", retry_timeout=60)
@@ -132,8 +133,9 @@ def test_killed_server_restarts_from_its_checkpoint_and_training_resumes(
     assert main(["--check", processes[1].address, "--token-file", token_file]) == 0
     assert main(["--stats", processes[0].address, "--token-file", token_file]) == 0
     store.close()
-    assert [server.stop() for server in processes] == [0, 0]
-    assert "stopping: finishing in-flight updates" in (logs / "server1.log").read_text()
+    assert stop_servers(processes) == [0, 0]
+    log = (logs / "embedding-server-1.log").read_text()
+    assert "stopping: finishing in-flight updates" in log
     assert main(["--check", processes[1].address]) == 1
 
 
