@@ -172,3 +172,26 @@ def test_eval_probabilities_match_logits(tiny_config, dims, batch_factory):
     y = host["labels"]
     expected = -np.mean(y * np.log(p) + (1 - y) * np.log1p(-p))
     np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
+
+
+def test_orbax_restores_into_the_abstract_state(tmp_path, tiny_config, dims, batch_factory):
+    import orbax.checkpoint as ocp
+
+    from model import abstract_train_state
+
+    mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
+    config = tiny_config("dlrm")
+    state = create_train_state(config, OPTIMIZER, mesh, 0, **dims)
+    step = make_train_step(config, mesh)
+    state, _, _ = step(state, make_global_batch(batch_factory(0, BATCH), mesh))
+    saved = jax.device_get(state)
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(1, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+        target = abstract_train_state(config, OPTIMIZER, mesh, **dims)
+        restored = manager.restore(1, args=ocp.args.StandardRestore(target))
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), saved)
+    assert jax.tree.map(lambda a: a.sharding, restored) == jax.tree.map(lambda a: a.sharding, state)
+    step(restored, make_global_batch(batch_factory(1, BATCH), mesh))  # same executable
+    assert step.num_compilations() == 1

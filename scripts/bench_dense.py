@@ -1,0 +1,139 @@
+"""Throughput of the jitted dense train step on the Criteo DLRM shape.
+
+Runs the step on an 8-device CPU mesh and on 1 device, each in its own process
+(XLA's device count is fixed at start-up), and reports samples/s, model FLOPs per
+sample (analytic, and XLA's cost analysis) and achieved FLOP/s. The last line is
+one JSON object with `samples_per_s_mesh8`, `samples_per_s_1dev`, `gflops_per_s`.
+
+    python scripts/bench_dense.py [--batch 4096] [--steps 30] [--tower dlrm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    """Child process: times `args.steps` steps after `args.warmup` on all local devices."""
+    import jax
+    import numpy as np
+
+    from hybridrec import config as config_lib
+    from model import (
+        DenseOptimizerConfig,
+        MeshConfig,
+        ModelConfig,
+        create_train_state,
+        forward_flops_per_example,
+        make_global_batch,
+        make_mesh,
+        make_train_step,
+    )
+
+    dims = {"num_dense": 13, "num_features": 26, "embedding_dim": 16}
+    config = config_lib.from_dict(
+        ModelConfig, {"tower": args.tower, "compute_dtype": args.compute_dtype}
+    )
+    mesh = make_mesh(MeshConfig(shape=(-1,)))
+    state = create_train_state(config, DenseOptimizerConfig(name="adam"), mesh, 0, **dims)
+    step = make_train_step(config, mesh)
+    rng = np.random.default_rng(0)
+    batches = [
+        make_global_batch(
+            {
+                "embeddings": rng.normal(size=(args.batch, 26, 16)).astype(np.float32),
+                "dense": rng.random((args.batch, 13)).astype(np.float32),
+                "labels": (rng.random(args.batch) < 0.25).astype(np.float32),
+            },
+            mesh,
+        )
+        for _ in range(2)
+    ]
+    compiled = step.lower(state, batches[0]).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    xla_flops_per_step = float(cost.get("flops", float("nan"))) if cost else float("nan")
+    for index in range(args.warmup):
+        state, metrics, grads = step(state, batches[index % 2])
+    jax.block_until_ready((state, metrics, grads))
+    start = time.perf_counter()
+    for index in range(args.steps):
+        state, metrics, grads = step(state, batches[index % 2])
+    jax.block_until_ready((state, metrics, grads))
+    seconds = time.perf_counter() - start
+    samples_per_s = args.batch * args.steps / seconds
+    forward = forward_flops_per_example(config, **dims)
+    return {
+        "devices": jax.device_count(),
+        "samples_per_s": samples_per_s,
+        "step_ms": 1000 * seconds / args.steps,
+        "train_flops_per_sample_analytic": 3 * forward,
+        "xla_flops_per_sample": xla_flops_per_step / args.batch,
+        "gflops_per_s": 3 * forward * samples_per_s / 1e9,
+        "compilations": step.num_compilations(),
+    }
+
+
+def _child(devices: int, args: argparse.Namespace) -> dict:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, __file__, "--child", *sys.argv[1:]]
+    output = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4096, help="global batch size")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
+    parser.add_argument("--tower", default="dlrm", choices=["dlrm", "dcnv2", "mlp"])
+    parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(_measure(args)))
+        return 0
+    mesh8 = _child(8, args)
+    one = _child(1, args)
+    for name, result in (("8-device mesh", mesh8), ("1 device", one)):
+        print(
+            f"{name:>14}: {result['samples_per_s']:>10,.0f} samples/s  "
+            f"{result['step_ms']:7.1f} ms/step  {result['gflops_per_s']:6.1f} GFLOP/s  "
+            f"(compiled {result['compilations']}x)"
+        )
+    print(
+        f"train FLOPs/sample: analytic {mesh8['train_flops_per_sample_analytic']:,} "
+        f"(3 x forward), XLA cost analysis {mesh8['xla_flops_per_sample']:,.0f} "
+        f"(8-device program, per device) / {one['xla_flops_per_sample']:,.0f} (1 device)"
+    )
+    print(f"mesh8 / 1dev throughput ratio: {mesh8['samples_per_s'] / one['samples_per_s']:.2f}")
+    summary = {
+        "samples_per_s_mesh8": round(mesh8["samples_per_s"], 1),
+        "samples_per_s_1dev": round(one["samples_per_s"], 1),
+        "gflops_per_s": round(mesh8["gflops_per_s"], 2),
+        "gflops_per_s_1dev": round(one["gflops_per_s"], 2),
+        "train_flops_per_sample": mesh8["train_flops_per_sample_analytic"],
+        "xla_flops_per_sample_1dev": round(one["xla_flops_per_sample"]),
+        "batch": args.batch,
+        "tower": args.tower,
+        "compute_dtype": args.compute_dtype,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
