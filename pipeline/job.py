@@ -202,21 +202,45 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, beam_args
 
 
-def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
-    """Beam options from the pass-through flags; DirectRunner with all cores by default."""
+# Below this much input, starting one Beam worker process per core (several seconds of
+# CPU each) costs more than it saves; see docs/benchmarks.md.
+MULTI_PROCESS_MIN_BYTES = 256 * 2**20
+
+
+def pipeline_options(
+    beam_args: Sequence[str], chunks: Sequence[_chunks.Chunk] = ()
+) -> PipelineOptions:
+    """Beam options from the pass-through flags, with a DirectRunner default that fits the input.
+
+    Unless the flags say otherwise, the DirectRunner runs in `multi_processing` mode with
+    one worker per core (at most one per chunk) when the input has several chunks and at
+    least MULTI_PROCESS_MIN_BYTES, and `in_memory` with one worker otherwise.
+    """
     options = PipelineOptions(list(beam_args))
     standard = options.view_as(StandardOptions)
     if standard.runner in (None, "DirectRunner", "direct"):
         standard.runner = standard.runner or "DirectRunner"
         direct = options.view_as(DirectOptions)
+        total = sum(chunk.size if chunk.end < 0 else chunk.end - chunk.start for chunk in chunks)
+        parallel = len(chunks) > 1 and total >= MULTI_PROCESS_MIN_BYTES
         if not any(arg.startswith("--direct_running_mode") for arg in beam_args):
-            direct.direct_running_mode = "multi_processing"
+            direct.direct_running_mode = "multi_processing" if parallel else "in_memory"
         if not any(arg.startswith("--direct_num_workers") for arg in beam_args):
-            direct.direct_num_workers = os.cpu_count() or 1
+            cores = os.cpu_count() or 1
+            many = direct.direct_running_mode != "in_memory"
+            direct.direct_num_workers = max(1, min(cores, len(chunks))) if many else 1
     harness = options.view_as(WorkerOptions)
     if not any(arg.startswith("--default_sdk_harness_log_level") for arg in beam_args):
         harness.default_sdk_harness_log_level = "ERROR"
     return options
+
+
+def describe_runner(options: PipelineOptions) -> str:
+    runner = options.view_as(StandardOptions).runner
+    if runner in ("DirectRunner", "direct"):
+        direct = options.view_as(DirectOptions)
+        return f"{runner} ({direct.direct_running_mode}, {direct.direct_num_workers} worker(s))"
+    return str(runner)
 
 
 def _exists(path: str) -> bool:
@@ -353,7 +377,7 @@ def _finalize(
             "rejected/" + m.path.rsplit("/", 1)[-1]
             for m in FileSystems.match([FileSystems.join(out, "rejected", "*")])[0].metadata_list
         ),
-        "runner": options.view_as(StandardOptions).runner,
+        "runner": describe_runner(options),
     }
     with FileSystems.create(FileSystems.join(out, metadata.METADATA_FILE)) as handle:
         handle.write(json.dumps(meta, indent=1).encode())
@@ -381,7 +405,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     progress_dir = os.path.join(temp_dir, "progress") if local else None
     if progress_dir:
         os.makedirs(progress_dir, exist_ok=True)
-    options = pipeline_options(beam_args)
+    options = pipeline_options(beam_args, chunks)
     stats_prefix = FileSystems.join(temp_dir, "stats")
 
     pipeline = beam.Pipeline(options=options)
@@ -456,6 +480,7 @@ def _print_summary(out: str, meta: dict, seconds: float) -> None:
         lines.append(f"  note: {counts['crlf_lines_accepted']:,} lines ended in CRLF (accepted)")
     if counts["empty_files"]:
         lines.append(f"  note: empty input files: {', '.join(counts['empty_files'])}")
+    lines.append(f"  runner:   {meta['runner']}")
     lines.append(f"  output:   {out}/ (metadata.json, train/, eval/, rejected/, _SUCCESS)")
     print("\n".join(lines))
 

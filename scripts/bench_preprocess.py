@@ -22,6 +22,7 @@ import contextlib
 import io
 import json
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -75,17 +76,40 @@ def beam_run(path: Path, out: Path, mode: str) -> float:
     return time.perf_counter() - start
 
 
-def measure(path: Path, rows: int, work: Path, label: str) -> dict:
-    shutil.rmtree(work / "base", ignore_errors=True)
-    base_seconds = baseline(path, work / "base")
-    result = {"input": label, "rows": rows, "baseline_rows_per_s": rows / base_seconds}
-    for mode in ("multi_processing", "in_memory"):
-        seconds = beam_run(path, work / f"beam-{mode}", mode)
-        result[f"beam_{mode}_rows_per_s"] = rows / seconds
-    result["ratio_multi_processing"] = (
-        result["beam_multi_processing_rows_per_s"] / result["baseline_rows_per_s"]
+def _timed(function, *args) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process and its finished children)."""
+    before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall = time.perf_counter()
+    function(*args)
+    wall = time.perf_counter() - wall
+    after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = sum(
+        a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime
+        for a, b in zip(after, before, strict=True)
     )
-    result["ratio_in_memory"] = result["beam_in_memory_rows_per_s"] / result["baseline_rows_per_s"]
+    return wall, cpu
+
+
+def measure(path: Path, rows: int, work: Path, label: str, repeats: int) -> dict:
+    """Best of `repeats` runs of each variant (the CPU may be shared with other work)."""
+    variants = {
+        "baseline": lambda: baseline(path, work / "base"),
+        "beam_multi_processing": lambda: beam_run(path, work / "beam-mp", "multi_processing"),
+        "beam_multi_threading": lambda: beam_run(path, work / "beam-mt", "multi_threading"),
+        "beam_in_memory": lambda: beam_run(path, work / "beam-mem", "in_memory"),
+    }
+    result = {"input": label, "rows": rows}
+    for name, run in variants.items():
+        runs = []
+        for _ in range(repeats):
+            shutil.rmtree(work / "base", ignore_errors=True)
+            runs.append(_timed(run))
+        wall, cpu = min(runs)
+        result[f"{name}_rows_per_s"] = rows / wall
+        result[f"{name}_cpu_s"] = cpu
+        result[f"{name}_wall_s"] = wall
+    for mode in ("multi_processing", "multi_threading", "in_memory"):
+        result[f"ratio_{mode}"] = result[f"beam_{mode}_rows_per_s"] / result["baseline_rows_per_s"]
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
 
@@ -94,16 +118,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000, help="generated rows")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per variant; the best counts")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_preprocess_"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"cores={os.cpu_count()} workdir={work}")
+    print(f"cores={os.cpu_count()} load average={os.getloadavg()} workdir={work}")
     data = work / "generated.tsv"
     if not data.exists():
         synthetic.generate(data, args.rows, seed=0)
-    generated = measure(data, args.rows, work, f"generated {args.rows} rows (uncompressed TSV)")
+    generated = measure(data, args.rows, work, f"generated {args.rows} rows (TSV)", args.repeats)
     if REAL_SAMPLE.exists():
-        measure(REAL_SAMPLE, 137_139, work, "real Criteo sample (one .gz file)")
+        measure(REAL_SAMPLE, 137_139, work, "real Criteo sample (one .gz file)", args.repeats)
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     beam = generated["beam_multi_processing_rows_per_s"]

@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 import zlib
 
 import numpy as np
@@ -45,12 +46,12 @@ def inputs(tmp_path_factory):
 
 def test_end_to_end_multi_process_and_worker_invariance(inputs, tmp_path, capsys):
     out = tmp_path / "out"
-    # default runner: DirectRunner, multi_processing, one worker per core
-    assert (
-        preprocess("-i", inputs / "day_*", "-o", out, "--chunk-mb", "1", "--eval-fraction", "0.2")
-        == 0
-    )
+    # the DirectRunner with one worker process per core (the default for large inputs)
+    args = ["--chunk-mb", "1", "--eval-fraction", "0.2", "--direct_running_mode=multi_processing"]
+    assert preprocess("-i", inputs / "day_*", "-o", out, *args) == 0
     summary = capsys.readouterr().out
+    workers = min(os.cpu_count(), 8)
+    assert f"DirectRunner (multi_processing, {workers} worker(s))" in summary
     assert "preprocessed 30,004 rows" in summary and "rejected: 3" in summary
     meta = read_metadata(out)
     assert meta.dense_columns == tuple(f"I{i}" for i in range(1, 14))
@@ -236,3 +237,25 @@ def test_real_criteo_sample(criteo_sample, tmp_path, capsys):
     assert meta.raw["stats"]["label_rate"] == pytest.approx(0.2568, abs=0.01)
     eval_table = read_all(meta, "eval")
     assert np.all(eval_table.column("I1").to_numpy() >= 0)
+
+
+def test_direct_runner_defaults_follow_the_input_size():
+    from apache_beam.options.pipeline_options import DirectOptions
+
+    from pipeline import _chunks, job
+
+    def options(chunk_count, chunk_size, *flags):
+        chunks = [_chunks.Chunk(0, "f", i, 0, -1, chunk_size) for i in range(chunk_count)]
+        direct = job.pipeline_options(list(flags), chunks).view_as(DirectOptions)
+        return direct.direct_running_mode, direct.direct_num_workers
+
+    cores = os.cpu_count()
+    assert options(1, 10**6) == ("in_memory", 1)
+    assert options(1, 10**10) == ("in_memory", 1)  # one chunk: nothing to parallelize
+    assert options(64, 2**27) == ("multi_processing", cores)
+    assert options(64, 10, "--direct_running_mode=multi_processing") == ("multi_processing", cores)
+    assert options(64, 2**27, "--direct_num_workers=3") == ("multi_processing", 3)
+    flags = ["--runner=DataflowRunner", "--project=p", "--temp_location=gs://b/t"]
+    assert "direct_running_mode" not in job.pipeline_options(flags).get_all_options(
+        drop_default=True
+    )
