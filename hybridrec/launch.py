@@ -7,8 +7,14 @@ through HYBRIDREC_COORDINATOR / HYBRIDREC_NUM_PROCESSES / HYBRIDREC_PROCESS_ID, 
 `hybridrec train ...` command runs unchanged with those variables (or Slurm's own)
 set by the scheduler; see docs/training.md.
 
+With `--embedding-servers M` it first starts M `hybridrec serve-embeddings` processes
+hosting the tables the train command builds (same --config / --data / --set), passes
+their addresses to every process as `embedding.servers`, and stops them at the end:
+the PERSIA layout (shared embedding servers, data-parallel trainers) on one machine.
+
 Example:
     hybridrec launch -n 2 -- train --data runs/data --run-dir runs/two --config quickstart
+    hybridrec launch -n 2 --embedding-servers 2 -- train --data runs/data --run-dir runs/r2 ...
 """
 
 from __future__ import annotations
@@ -129,6 +135,54 @@ def launch(
     return status
 
 
+def _train_config_arguments(command: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """The --config, --data and overrides of a `train ...` command."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config")
+    parser.add_argument("--data")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    known, rest = parser.parse_known_args(command[1:])
+    overrides = [
+        *known.overrides,
+        *(item for item in rest if "=" in item and not item.startswith("-")),
+    ]
+    return known.config, known.data, overrides
+
+
+def launch_with_servers(
+    command: list[str],
+    *,
+    num_servers: int,
+    num_shards: int,
+    log_dir: str | None,
+    **launch_args,
+) -> int:
+    """Starts embedding servers for a `train` command, runs `launch`, then stops them."""
+    from embedding_store._processes import start_servers, stop_servers
+
+    if command[:1] != ["train"]:
+        raise UserError("--embedding-servers works with the train command")
+    preset, data, overrides = _train_config_arguments(command)
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    if preset is None:
+        raise UserError("--embedding-servers needs the train command's --config")
+    servers = start_servers(
+        num_servers,
+        num_shards=num_shards,
+        config=preset,
+        data=data,
+        overrides=overrides,
+        log_dir=log_dir,
+    )
+    try:
+        addresses = ", ".join(f'"{server.address}"' for server in servers)
+        print(f"hybridrec launch: embedding servers at {addresses}", file=sys.stderr, flush=True)
+        return launch([*command, "--set", f"embedding.servers=[{addresses}]"], **launch_args)
+    finally:
+        stop_servers(servers)
+
+
 def main(argv: list[str]) -> int:
     """`hybridrec launch`."""
     parser = argparse.ArgumentParser(
@@ -144,10 +198,32 @@ def main(argv: list[str]) -> int:
         help="CPU devices per process (default: 8 / num-processes, at least 1)",
     )
     parser.add_argument("--timeout", type=float, help="stop everything after this many seconds")
+    parser.add_argument(
+        "--embedding-servers",
+        type=int,
+        default=0,
+        help="start this many embedding shard servers for the train command (0: none)",
+    )
+    parser.add_argument(
+        "--embedding-shards",
+        type=int,
+        default=0,
+        help="shards over all servers (default 2 per server)",
+    )
+    parser.add_argument("--server-logs", help="directory for the servers' logs (default: inherit)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- <hybridrec command and args>")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     devices = args.devices_per_process or max(1, 8 // args.num_processes)
-    return launch(
-        command, num_processes=args.num_processes, devices_per_process=devices, timeout=args.timeout
+    launch_args = dict(
+        num_processes=args.num_processes, devices_per_process=devices, timeout=args.timeout
     )
+    if args.embedding_servers:
+        return launch_with_servers(
+            command,
+            num_servers=args.embedding_servers,
+            num_shards=args.embedding_shards or 2 * args.embedding_servers,
+            log_dir=args.server_logs,
+            **launch_args,
+        )
+    return launch(command, **launch_args)
