@@ -200,23 +200,28 @@ class ServerConnection:
         health = self.action("health", retry=False)
         if before and health.get("incarnation") != before.get("incarnation"):
             self.restarts += 1
-            if health.get("shards") != before.get("shards") or health.get(
-                "fingerprint"
-            ) != before.get("fingerprint"):
+            layout = ("shards", "num_shards", "fingerprint")
+            if any(health.get(key) != before.get(key) for key in layout):
                 raise RemoteShardError(
                     f"embedding server {self.address} restarted with different shards or "
-                    f"tables: {health.get('shards')} {health.get('fingerprint')} vs "
-                    f"{before.get('shards')} {before.get('fingerprint')}"
+                    f"tables: {[health.get(k) for k in layout]} vs {[before.get(k) for k in layout]}"
                 )
             restored = health.get("restored_step")
-            log.warning(
-                "embedding server %s restarted %s; updates to shards %s since then are lost",
-                self.address,
-                f"from its checkpoint at step {restored}"
-                if restored is not None
-                else "with no checkpoint (its rows start from their initial values)",
-                health.get("shards"),
-            )
+            if restored is None:
+                log.warning(
+                    "embedding server %s restarted without a checkpoint: every update to "
+                    "shards %s is lost (rows start again from their initial values)",
+                    self.address,
+                    health.get("shards"),
+                )
+            else:
+                log.warning(
+                    "embedding server %s restarted from its checkpoint at step %s; updates "
+                    "to shards %s since then are lost",
+                    self.address,
+                    restored,
+                    health.get("shards"),
+                )
         self.health = health
 
     def close(self) -> None:
