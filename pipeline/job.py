@@ -263,6 +263,8 @@ def _prepare_output(out: str, overwrite: bool) -> None:
     if stale:
         FileSystems.delete(stale)
     if "://" not in out:
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise UserError(f"--output {out} exists and is not a directory")
         os.makedirs(out, exist_ok=True)
 
 
