@@ -87,7 +87,8 @@ class HybridConfig:
     # issued (the lookup of batch t may miss the updates of batches t-k..t-1); 0 = synchronous
     staleness: int = 4
     # nice-value increment of the input and lookup threads (and the store workers they
-    # start), so host work yields the cores to the dense step on CPU hosts; 0 = unchanged
+    # start), so host work yields the cores to the dense step on CPU hosts; 0 = unchanged.
+    # Only with staleness > 0: with k = 0 the step waits for that work anyway
     background_nice: int = 10
 
     def __post_init__(self):

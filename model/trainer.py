@@ -295,6 +295,7 @@ class HybridTrainer:
         self.gate = StalenessGate(config.hybrid.staleness)
         self._apply_errors: list[BaseException] = []
         self._lookup_lock = threading.Lock()
+        self._lookups_paused = False
         self.staleness_histogram = np.zeros(config.hybrid.staleness + 1, np.int64)
 
     @property
@@ -386,7 +387,8 @@ class HybridTrainer:
             gate=self.gate,
             prefetch=config.data.prefetch,
             lookup_lock=self._lookup_lock,
-            nice=config.hybrid.background_nice,
+            # with k = 0 the step always waits for the store: nothing to yield to
+            nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
         )
         eval_results: dict[str, float] = {}
         try:
@@ -394,6 +396,9 @@ class HybridTrainer:
                 lookahead, train_step, eval_step, first_step, total_steps, counters, log, progress
             )
         finally:
+            if self._lookups_paused:  # an error between pausing and saving
+                self._lookups_paused = False
+                self._lookup_lock.release()
             lookahead.close()
             log.close()
         if progress:
@@ -457,6 +462,7 @@ class HybridTrainer:
             if checkpoint_now:
                 # no lookahead lookup may slip between this update and the snapshot
                 self._lookup_lock.acquire()
+                self._lookups_paused = True
             release_when_done(
                 context.store.apply_pooled_gradients(pooled, grads), self.gate, self._apply_errors
             )
@@ -496,6 +502,7 @@ class HybridTrainer:
                 try:
                     self._save(step, position, counters)
                 finally:
+                    self._lookups_paused = False
                     self._lookup_lock.release()
                 interval_start += time.perf_counter() - paused  # saving is not training time
             if step == total_steps or (
