@@ -1,5 +1,8 @@
 """Where a shard's rows live: all in RAM, or hot rows in RAM over a tensorstore cold tier.
 
+The cold tier is a zarr3 array [rows, dim + state] float32 on an OCDBT kvstore
+(local disk by default; any kvstore URL works), one row per slot.
+
 Both backends expose the same small interface to the table: `lines(slots)` gives
 indices into `values`/`state` (RAM arrays) for the rows about to be read or
 updated. In RAM that is the identity. When tiered, missing rows are fetched from
@@ -113,7 +116,9 @@ class TieredRows:
         self._cold = ts.open(
             {
                 "driver": "zarr3",
-                "kvstore": kvstore_spec(location),
+                # OCDBT packs chunk writes into large append-only files: a bulk write-back
+                # of scattered rows is a few sequential writes instead of one file per chunk.
+                "kvstore": {"driver": "ocdbt", "base": kvstore_spec(location)},
                 "metadata": {
                     "shape": [max_slots, width],
                     "data_type": "float32",

@@ -7,6 +7,7 @@ for large arrays, so other tables and shards proceed in parallel.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import numpy as np
@@ -85,6 +86,9 @@ class _Counters:
         return self._map.nbytes + self._counts.nbytes + self._ids.nbytes
 
 
+_PHYSICAL_MEMORY = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class ShardTable:
     """Rows of `config` owned by one shard (at most `config.shard_capacity(num_shards)`)."""
 
@@ -100,10 +104,10 @@ class ShardTable:
         self.capacity = config.shard_capacity(num_shards)
         self._state_width = config.optimizer.state_width(config.dim)
         self._lock = threading.RLock()
-        # Arrays up to 4 GiB are allocated at full capacity up front: np.zeros pages are
-        # only backed by memory once written, and nothing is copied when the table fills.
-        row_bytes = config.dim * 4 * 2 + self._state_width * 4 + 24
-        initial = self.capacity if self.capacity * row_bytes <= 4 << 30 else 4096
+        # Tables up to half the machine's memory get full-capacity arrays up front: np.zeros
+        # pages are only backed by memory once written, and nothing is copied as rows arrive.
+        row_bytes = config.dim * 4 + self._state_width * 4 + 21
+        initial = self.capacity if self.capacity * row_bytes <= _PHYSICAL_MEMORY // 2 else 4096
         self._map = SlotMap(2 * initial)
         if config.tiering.enabled:
             location = config.tiering.path

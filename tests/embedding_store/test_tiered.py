@@ -48,7 +48,7 @@ def test_tiered_table_matches_in_ram_table(tmp_path):
     assert stats["hot_rows"] <= 1000
     assert stats["cold_writes"] > 0 and stats["cold_reads"] > 0  # rows went out and came back
     np.testing.assert_array_equal(final, expected)
-    assert any((tmp_path / "cold").rglob("zarr.json"))
+    assert any((tmp_path / "cold").rglob("manifest.ocdbt"))  # the cold tier is on disk
     # A tiered table's checkpoint holds every row, hot or cold, and restores anywhere.
     assert checkpoint["rows_written"] == stats["rows"]
     with EmbeddingStore.restore("memory://tiered/", [in_ram], num_shards=3) as restored:
