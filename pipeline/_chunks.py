@@ -84,6 +84,8 @@ def list_chunks(patterns: Sequence[str], chunk_bytes: int) -> list[Chunk]:
             raise UserError(f"input {pattern}: no such file (or the glob matches nothing)")
         for metadata in sorted(matches, key=lambda m: m.path):
             path, size = metadata.path, metadata.size_in_bytes
+            if "://" not in path and os.path.isdir(path):
+                raise UserError(f"input {path} is a directory; pass its files or a glob ({path}/*)")
             if path.endswith(".gz") or size <= chunk_bytes:
                 chunks.append(Chunk(file_index, path, 0, 0, -1, size))
             else:
@@ -171,10 +173,19 @@ def _gzip_reads(chunk: Chunk, block_bytes: int, position: list[int]) -> Iterator
 
 
 def read_blocks(chunk: Chunk, block_bytes: int, position: list[int] | None = None):
-    """Yields line-aligned blocks of `chunk`; `position[0]` tracks input bytes consumed."""
+    """Yields line-aligned blocks of `chunk`; `position[0]` tracks input bytes consumed.
+
+    Raises:
+        InputError: the file cannot be read (vanished, permissions, truncated gzip).
+    """
     position = position if position is not None else [0]
     reads = _gzip_reads if chunk.compressed else _plain_reads
-    return _line_aligned(reads(chunk, block_bytes, position))
+    try:
+        yield from _line_aligned(reads(chunk, block_bytes, position))
+    except InputError:
+        raise
+    except OSError as error:
+        raise InputError(f"{chunk.path}: cannot read: {error}") from None
 
 
 def count_lines(chunk: Chunk, block_bytes: int) -> int:

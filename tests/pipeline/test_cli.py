@@ -143,6 +143,7 @@ def test_overwrite_replaces_a_complete_directory(inputs, tmp_path):
         (["-i", "{root}/nope.tsv"], "input {root}/nope.tsv: no such file"),
         (["-i", "{root}/*.csv"], "no such file (or the glob matches nothing)"),
         (["-i", "{root}/day_0.tsv", "--spec", "criteo_v2"], "unknown spec 'criteo_v2'"),
+        (["-i", "{root}"], "input {root} is a directory; pass its files or a glob"),
         (["-i", "{root}/day_0.tsv", "--eval-fraction", "1.5"], "--eval-fraction must be in [0, 1)"),
     ],
 )
