@@ -324,7 +324,9 @@ class ShardedStep:
         return self.jitted(state).lower(state, self._select(batch))
 
     def num_compilations(self) -> int:
-        """How many executables the jitted step holds (1 after any number of same-shape calls)."""
+        """Executables in the jit cache behind this step: it grows only when a call needs a
+        new compile (new shapes or layouts), never across same-shape calls. The cache is
+        JAX's, shared by every step built from the same config and mesh in this process."""
         return 0 if self._jitted is None else self._jitted._cache_size()
 
 
