@@ -131,7 +131,7 @@ class TieringConfig:
     path: str = (
         ""  # cold-tier location: local directory or kvstore URL ("" = a temporary directory)
     )
-    chunk_rows: int = 256  # rows per chunk of the cold-tier zarr3 array
+    chunk_rows: int = 4096  # rows per chunk of the cold-tier zarr3 array (per-chunk cost dominates)
     evict_fraction: float = 0.125  # share of the RAM rows written back per eviction round (bulk)
 
     def __post_init__(self):

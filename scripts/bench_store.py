@@ -86,24 +86,38 @@ def numpy_adagrad(table, accumulator, rows, grads, lr=0.01, eps=1e-7):
     table[unique] = table[unique] - lr * summed / np.sqrt(acc + eps)
 
 
-def _store_seconds(config, args, ids, grads) -> tuple[float, float]:
+def _interleaved_medians(functions: dict[str, Callable[[int], object]], batches: int) -> dict:
+    """Median seconds of each function, alternating them batch by batch.
+
+    On a shared machine the load drifts; alternating keeps the compared measurements
+    under the same conditions.
+    """
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for function in functions.values():
+        function(0)  # warm-up
+    for i in range(batches):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function(i)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _dim_seconds(config, args, ranks, grads) -> dict:
+    ids = [ids_of(r) for r in ranks]
     with EmbeddingStore([config], num_shards=args.shards) as store:
         fill(store, "t", args.distinct, f"dim {config.dim}")
-        lookup = median_seconds(lambda i: store.lookup("t", ids[i]).result(), args.batches)
-        apply = median_seconds(
-            lambda i: store.apply_gradients("t", ids[i], grads).result(), args.batches
+        table = np.full((args.distinct, config.dim), 0.01, np.float32)
+        accumulator = np.full((args.distinct, config.dim), 0.1, np.float32)
+        return _interleaved_medians(
+            {
+                "lookup": lambda i: store.lookup("t", ids[i]).result(),
+                "numpy_lookup": lambda i: table[ranks[i]],
+                "apply": lambda i: store.apply_gradients("t", ids[i], grads).result(),
+                "numpy_apply": lambda i: numpy_adagrad(table, accumulator, ranks[i], grads),
+            },
+            args.batches,
         )
-    return lookup, apply
-
-
-def _numpy_seconds(args, dim, ranks, grads) -> tuple[float, float]:
-    table = np.full((args.distinct, dim), 0.01, np.float32)
-    accumulator = np.full((args.distinct, dim), 0.1, np.float32)
-    lookup = median_seconds(lambda i: table[ranks[i]], args.batches)
-    apply = median_seconds(
-        lambda i: numpy_adagrad(table, accumulator, ranks[i], grads), args.batches
-    )
-    return lookup, apply
 
 
 def bench_dims(args, rng) -> dict:
@@ -117,12 +131,12 @@ def bench_dims(args, rng) -> dict:
         )
         ranks = [zipf_ranks(rng, args.distinct, BATCH) for _ in range(args.batches)]
         grads = rng.normal(size=(BATCH, dim)).astype(np.float32)
-        if not wait_for_memory(int(args.distinct * (dim * 8 + 80) * 1.3), f"dim {dim}"):
+        if not wait_for_memory(int(args.distinct * (dim * 16 + 80) * 1.3), f"dim {dim}"):
             continue
-        lookup, apply = _store_seconds(config, args, [ids_of(r) for r in ranks], grads)
+        seconds = _dim_seconds(config, args, ranks, grads)
         gc.collect()
-        numpy_lookup, numpy_apply = _numpy_seconds(args, dim, ranks, grads)
-        gc.collect()
+        lookup, apply = seconds["lookup"], seconds["apply"]
+        numpy_lookup, numpy_apply = seconds["numpy_lookup"], seconds["numpy_apply"]
         distinct_per_batch = int(np.mean([len(np.unique(r)) for r in ranks[:5]]))
         results[dim] = {
             "lookup_rows_per_s": BATCH / lookup,
@@ -164,15 +178,15 @@ def wait_for_memory(needed: int, what: str, patience: float = 300.0) -> bool:
     return True
 
 
-def lookup_apply_seconds(store, vocabulary, rng, batches, dim=16) -> float:
-    ids = [ids_of(zipf_ranks(rng, vocabulary, BATCH)) for _ in range(batches)]
+def lookup_apply_seconds(store, ranks, rng, dim=16) -> float:
+    ids = [ids_of(r) for r in ranks]
     grads = rng.normal(size=(BATCH, dim)).astype(np.float32)
 
     def step(i):
         store.lookup("t", ids[i]).result()
         store.apply_gradients("t", ids[i], grads).result()
 
-    return median_seconds(step, batches)
+    return median_seconds(step, len(ranks))
 
 
 def bench_scale(args, rng) -> dict:
@@ -188,11 +202,24 @@ def bench_scale(args, rng) -> dict:
             initializer=InitializerConfig(kind="zeros"),  # fill speed is not measured here
             optimizer=SparseOptimizerConfig(name="rowwise_adagrad"),
         )
+        ranks = [zipf_ranks(rng, capacity, BATCH) for _ in range(args.batches)]
         with EmbeddingStore([config], num_shards=args.shards) as store:
             fill(store, "t", capacity, f"capacity {capacity}")
-            seconds = lookup_apply_seconds(store, capacity, rng, args.batches)
+            seconds = lookup_apply_seconds(store, ranks, rng)
             stats = store.stats()
-        results[capacity] = {"rows_per_s": BATCH / seconds, "bytes": stats["bytes"]}
+        gc.collect()
+        # Context: how much numpy's own gather slows down on the same rows of a larger array.
+        table = np.full((capacity, 16), 0.01, np.float32)
+        numpy_lookup = median_seconds(
+            lambda i, table=table, ranks=ranks: table[ranks[i]], args.batches
+        )
+        del table
+        results[capacity] = {
+            "rows_per_s": BATCH / seconds,
+            "numpy_lookup_rows_per_s": BATCH / numpy_lookup,
+            "distinct_ids_per_batch": int(np.mean([len(np.unique(r)) for r in ranks[:5]])),
+            "bytes": stats["bytes"],
+        }
         print(f"capacity {capacity}: {json.dumps(_rounded(results[capacity]))}", file=sys.stderr)
         gc.collect()
     return results
@@ -210,17 +237,26 @@ def bench_tiered(args, rng) -> dict:
     if not wait_for_memory(rows * 300, "tiered"):
         return results
     with tempfile.TemporaryDirectory(prefix="bench-cold-") as cold:
-        tiered = dataclasses.replace(base, tiering=TieringConfig(ram_rows=rows // 2, path=cold))
+        tiering = TieringConfig(ram_rows=rows // 2, path=cold, chunk_rows=args.chunk_rows)
+        tiered = dataclasses.replace(base, tiering=tiering)
         for name, config in (("in_ram", base), ("tiered", tiered)):
             with EmbeddingStore([config], num_shards=args.shards) as store:
                 fill_seconds = fill(store, "t", rows, name, chunk=max(1, rows // 8))
-                seconds = lookup_apply_seconds(store, rows, np.random.default_rng(7), args.batches)
+                stream = np.random.default_rng(7)
+                ranks = [zipf_ranks(stream, rows, BATCH) for _ in range(args.batches)]
+                before = store.stats()
+                seconds = lookup_apply_seconds(store, ranks, stream)
                 stats = store.stats()
+            timed = args.batches + 1  # with the warm-up batch
             results[name] = {
                 "rows_per_s": BATCH / seconds,
                 "fill_seconds": fill_seconds,
-                "cold_reads": stats.get("cold_reads", 0),
-                "cold_writes": stats.get("cold_writes", 0),
+                "cold_reads_per_batch": (stats.get("cold_reads", 0) - before.get("cold_reads", 0))
+                / timed,
+                "cold_writes_per_batch": (
+                    stats.get("cold_writes", 0) - before.get("cold_writes", 0)
+                )
+                / timed,
             }
             print(f"tiered {name}: {json.dumps(_rounded(results[name]))}", file=sys.stderr)
             gc.collect()
@@ -241,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiered-rows", type=int, default=2_000_000, help="rows, RAM = half")
     parser.add_argument("--batches", type=int, default=15, help="timed batches per measurement")
     parser.add_argument("--shards", type=int, default=1, help="in-process shards")
+    parser.add_argument("--chunk-rows", type=int, default=4096, help="cold-tier chunk rows")
+    parser.add_argument(
+        "--only", choices=["dims", "scale", "tiered"], nargs="+", help="run only these parts"
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -252,9 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     rng = np.random.default_rng(0)
     start = time.perf_counter()
-    dims = bench_dims(args, rng)
-    scale = bench_scale(args, rng)
-    tiered = bench_tiered(args, rng)
+    parts = set(args.only or ["dims", "scale", "tiered"])
+    dims = bench_dims(args, rng) if "dims" in parts else {}
+    scale = bench_scale(args, rng) if "scale" in parts else {}
+    tiered = bench_tiered(args, rng) if "tiered" in parts else {}
     sizes = sorted(scale)
     summary = {
         "lookup_ratio": min((r["lookup_ratio"] for r in dims.values()), default=None),
