@@ -9,7 +9,9 @@
 gradient update returns it. So when a lookup is issued, at most k other batches are
 looked up but not yet applied — its *staleness*, which the gate records. With k = 0
 the lookup of batch t + 1 waits until the update of batch t is in the store: the
-fully synchronous schedule.
+fully synchronous schedule. Independently, `lookahead` limits how far ahead of the
+trainer lookups go: far enough to hide the store's latency, not further, so the
+staleness actually used stays below the bound when the bound is generous.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ class LookaheadPipeline:
         lookup_lock: held around every lookup issue; the trainer takes it to pause
             lookups (e.g. while a checkpoint is written).
         nice: raise the input and lookup threads' nice value by this much (0 = leave).
+        lookahead: lookups issued ahead of the batch being trained (0 = as many as the
+            staleness bound allows). Issuing them only as early as needed to hide the
+            store's latency keeps the staleness actually used below the bound.
     """
 
     def __init__(
@@ -101,7 +106,10 @@ class LookaheadPipeline:
         prefetch: int,
         lookup_lock: threading.Lock,
         nice: int = 0,
+        lookahead: int = 0,
     ):
+        # at most `lookahead` lookups issued for batches the trainer has not started on
+        self._ahead = threading.Semaphore(lookahead) if lookahead > 0 else None
         self._batches = batches
         self._nice = nice
         self._first_step = first_step
@@ -163,6 +171,10 @@ class LookaheadPipeline:
                 if item is _END or isinstance(item, BaseException):
                     self._put(self._ready, item)
                     return
+                if self._ahead is not None:
+                    while not self._ahead.acquire(timeout=0.05):
+                        if self._stop.is_set():
+                            return
                 staleness = self._gate.acquire(self._stop)
                 if staleness is None:
                     return
@@ -176,6 +188,8 @@ class LookaheadPipeline:
     def next(self) -> LookedUp | None:
         """The next looked-up batch, or None at the end of the stream."""
         item = self._get(self._ready)
+        if self._ahead is not None and isinstance(item, LookedUp):
+            self._ahead.release()  # the trainer starts on it: the next lookup may go out
         if item is _END:
             return None
         if isinstance(item, BaseException):

@@ -86,14 +86,17 @@ class HybridConfig:
     # k: at most k batches looked up whose gradients are not yet applied when a new lookup is
     # issued (the lookup of batch t may miss the updates of batches t-k..t-1); 0 = synchronous
     staleness: int = 4
+    # lookups issued ahead of the batch being trained (each still within the bound k):
+    # 1 hides the store's latency behind one dense step; 0 = as far ahead as k allows
+    lookahead: int = 1
     # nice-value increment of the input and lookup threads (and the store workers they
     # start), so host work yields the cores to the dense step on CPU hosts; 0 = unchanged.
     # Only with staleness > 0: with k = 0 the step waits for that work anyway
     background_nice: int = 10
 
     def __post_init__(self):
-        if self.staleness < 0:
-            raise ValueError(f"hybrid.staleness must be >= 0, got {self.staleness}")
+        if self.staleness < 0 or self.lookahead < 0:
+            raise ValueError("hybrid.staleness and hybrid.lookahead must be >= 0")
         if not 0 <= self.background_nice <= 19:
             raise ValueError(
                 f"hybrid.background_nice must be in [0, 19], got {self.background_nice}"

@@ -389,6 +389,7 @@ class HybridTrainer:
             lookup_lock=self._lookup_lock,
             # with k = 0 the step always waits for the store: nothing to yield to
             nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
+            lookahead=config.hybrid.lookahead,
         )
         eval_results: dict[str, float] = {}
         try:

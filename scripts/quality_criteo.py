@@ -82,19 +82,30 @@ def main(argv: list[str] | None = None) -> int:
                 f"{summary['samples_per_s']:,.0f} samples/s",
                 flush=True,
             )
+            histogram = summary["staleness_histogram"]
+            mean_staleness = sum(i * n for i, n in enumerate(histogram)) / max(sum(histogram), 1)
             results.setdefault(k, []).append(
-                {"seed": seed, **evaluation, "samples_per_s": summary["samples_per_s"]}
+                {
+                    "seed": seed,
+                    **evaluation,
+                    "samples_per_s": summary["samples_per_s"],
+                    "staleness_mean": mean_staleness,
+                }
             )
 
     base = statistics.mean(r["auc"] for r in results[args.staleness[0]])
-    print("\n| k | AUC | logloss | ΔAUC vs k=%d | samples/s |" % args.staleness[0])
-    print("|---|---|---|---|---|")
+    first = args.staleness[0]
+    print(f"\n| k | staleness used (mean) | AUC | logloss | ΔAUC vs k={first} | samples/s |")
+    print("|---|---|---|---|---|---|")
     table = {}
     for k, runs in results.items():
         auc = statistics.mean(r["auc"] for r in runs)
         logloss = statistics.mean(r["logloss"] for r in runs)
         speed = statistics.mean(r["samples_per_s"] for r in runs)
-        print(f"| {k} | {auc:.4f} | {logloss:.4f} | {auc - base:+.4f} | {speed:,.0f} |")
+        used = statistics.mean(r["staleness_mean"] for r in runs)
+        print(
+            f"| {k} | {used:.2f} | {auc:.4f} | {logloss:.4f} | {auc - base:+.4f} | {speed:,.0f} |"
+        )
         table[str(k)] = {"auc": auc, "logloss": logloss, "runs": runs}
     print(json.dumps({"batch": args.batch, "seeds": args.seeds, "results": table}))
     return 0
