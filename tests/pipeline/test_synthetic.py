@@ -39,7 +39,8 @@ def test_deterministic_and_prefix_stable(tmp_path):
 
 def test_realistic_and_learnable():
     text, clicks = synthetic.generate_block(0, 0, synthetic.BLOCK_ROWS)
-    rows = parse(text)
+    more, more_clicks = synthetic.generate_block(0, 1, synthetic.BLOCK_ROWS)
+    rows, clicks = parse(text + more), clicks + more_clicks
     labels = np.array([int(r[0]) for r in rows])
     assert clicks == labels.sum() and 0.22 < labels.mean() < 0.28
     distinct = [len({r[14 + j] for r in rows}) for j in range(26)]
@@ -50,15 +51,27 @@ def test_realistic_and_learnable():
     missing = [np.mean([r[14 + j] == "" for r in rows]) for j in range(26)]
     assert max(missing) > 0.4 and min(missing) == 0.0
     # Zipf-like: the most frequent C1 value is far more common than the median one
-    values, counts = np.unique([r[14] for r in rows], return_counts=True)
+    _, counts = np.unique([r[14] for r in rows], return_counts=True)
     assert counts.max() > 50 * np.median(counts)
-    # Per-value click rates of C1 learned on one half rank the other half: AUC clearly > 0.5
+    # Click rates learned on one half rank the other half (AUC clearly > 0.5), and the
+    # rate of each (C6, C14) pair beats the best additive use of C6 and C14: the label
+    # has interactions that a logistic regression cannot represent.
     half = len(rows) // 2
-    _, inverse = np.unique([r[14] for r in rows], return_inverse=True)
-    clicks_per_value = np.bincount(inverse[:half], weights=labels[:half], minlength=len(values))
-    seen_per_value = np.bincount(inverse[:half], minlength=len(values))
-    rate = (clicks_per_value + labels.mean()) / (seen_per_value + 1.0)
-    assert auc(rate[inverse[half:]], labels[half:]) > 0.55
+    c6 = np.unique([r[19] for r in rows], return_inverse=True)[1]
+    c14 = np.unique([r[27] for r in rows], return_inverse=True)[1]
+    pair = c6 * (c14.max() + 1) + c14
+
+    def rates(groups):
+        clicks = np.bincount(groups[:half], weights=labels[:half], minlength=groups.max() + 1)
+        seen = np.bincount(groups[:half], minlength=groups.max() + 1)
+        return ((clicks + 5 * labels.mean()) / (seen + 5.0))[groups[half:]]
+
+    def logit(p):
+        return np.log(p / (1 - p))
+
+    additive = auc(logit(rates(c6)) + logit(rates(c14)), labels[half:])
+    interacting = auc(rates(pair), labels[half:])
+    assert additive > 0.55 and interacting > additive + 0.02
 
 
 def auc(scores, labels):
