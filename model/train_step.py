@@ -315,6 +315,11 @@ class ShardedStep:
 
     def __call__(self, state: TrainState, batch: Mapping[str, jax.Array]):
         batch = self._select(batch)
+        # Executing with donated buffers crashes the CPU runtime instead of raising.
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+            raise ValueError(
+                "this state was donated to an earlier train step; pass the state it returned"
+            )
         jitted = self.jitted(state)
         with jax.transfer_guard("disallow"):
             return jitted(state, batch)

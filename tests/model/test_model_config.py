@@ -35,6 +35,13 @@ def test_persia_preset_shape_and_overrides():
     )
 
 
+def test_partition_rules_read_from_toml_lists():
+    config = config_lib.from_dict(ModelConfig, {"partition_rules": [["mlp", "model"]]})
+    assert config.partition_rules == (("mlp", "model"),)
+    with pytest.raises(ConfigError, match="twice"):
+        config_lib.from_dict(ModelConfig, {"partition_rules": [["mlp", "model"], ["mlp", "data"]]})
+
+
 def test_unknown_and_invalid_keys_are_errors():
     with pytest.raises(ConfigError, match=r"dlrm\.top_mpl.*did you mean dlrm\.top_mlp"):
         config_lib.from_dict(ModelConfig, {"dlrm": {"top_mpl": [1]}})

@@ -153,9 +153,11 @@ def test_state_is_donated_and_host_batches_are_refused(tiny_config, dims, batch_
     config = tiny_config("dlrm")
     state = create_train_state(config, OPTIMIZER, mesh, 0, **dims)
     step = make_train_step(config, mesh)
-    old_kernel = state.params["logit"]["kernel"]
+    old_state = state
     state, _, _ = step(state, make_global_batch(batch_factory(0, BATCH), mesh))
-    assert old_kernel.is_deleted()  # updated in place
+    assert old_state.params["logit"]["kernel"].is_deleted()  # updated in place
+    with pytest.raises(ValueError, match="donated"):
+        step(old_state, make_global_batch(batch_factory(1, BATCH), mesh))
     with pytest.raises(Exception, match="(?i)transfer"):
         step(state, batch_factory(1, BATCH))  # numpy: would be an implicit host->device copy
 
@@ -195,5 +197,11 @@ def test_orbax_restores_into_the_abstract_state(tmp_path, tiny_config, dims, bat
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), saved)
     assert jax.tree.map(lambda a: a.sharding, restored) == jax.tree.map(lambda a: a.sharding, state)
-    step(restored, make_global_batch(batch_factory(1, BATCH), mesh))
+    state, _, _ = step(restored, make_global_batch(batch_factory(1, BATCH), mesh))
     assert step.num_compilations() == executables  # the restored state reuses the executable
+    # a step given the target layout up front accepts the state as well
+    fixed = make_train_step(
+        config, mesh, state_shardings=jax.tree.map(lambda a: a.sharding, target)
+    )
+    _, metrics, _ = fixed(state, make_global_batch(batch_factory(2, BATCH), mesh))
+    assert np.isfinite(float(metrics["loss"]))
