@@ -56,6 +56,10 @@ DENSE_PROFILE = (
     (0.8, 1.0, 0.04), (0.2, 1.0, 0.77), (1.6, 1.2, 0.22),
 )  # fmt: skip
 _HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
+# For each byte value, its two hex digits as they lie in memory (a little-endian uint16).
+_HEX_PAIRS = _HEX[np.arange(256) >> 4].astype(np.uint16) | (
+    _HEX[np.arange(256) & 15].astype(np.uint16) << 8
+)
 # Features whose ids interact pairwise through latent vectors: C2, C5, C6, C14, C17.
 INTERACTING = (1, 4, 5, 13, 16)
 LATENT_DIM = 4
@@ -91,8 +95,8 @@ def _latent(feature: int, ranks: np.ndarray) -> np.ndarray:
 
 def _hex_column(values: np.ndarray, missing: np.ndarray) -> pa.Array:
     """8-hex-digit strings of the low 32 bits of `values`; null where missing."""
-    nibbles = (values[:, None] >> np.arange(28, -1, -4, dtype=np.uint64)[None, :]) & np.uint64(15)
-    data = _HEX[nibbles.astype(np.int64)].reshape(-1)
+    big_endian_bytes = values.astype(np.uint32).astype(">u4").view(np.uint8)
+    data = _HEX_PAIRS[big_endian_bytes].view(np.uint8)  # two ASCII digits per byte
     offsets = np.arange(0, 8 * len(values) + 1, 8, dtype=np.int32)
     validity = pa.array(~missing).buffers()[1]
     return pa.Array.from_buffers(
