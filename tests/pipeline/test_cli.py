@@ -260,3 +260,32 @@ def test_direct_runner_defaults_follow_the_input_size():
     assert "direct_running_mode" not in job.pipeline_options(flags).get_all_options(
         drop_default=True
     )
+
+
+def test_spec_file_with_multi_valued_feature(tmp_path):
+    spec = tmp_path / "clicks.toml"
+    spec.write_text(
+        'name = "clicks"\ndelimiter = ","\ncolumns = ["y", "price", "user", "tags"]\n'
+        'label = "y"\ndense = ["price"]\ndense_type = "float64"\n'
+        '[[categorical]]\nname = "user"\n'
+        '[[categorical]]\nname = "tags"\ntable = "tag"\nmulti_valued = true\nseparator = "|"\n'
+    )
+    data = tmp_path / "clicks.csv"
+    data.write_text("1,2.5,u1,a|b\n0,,u2,\n1,-4,,b\n0,x,u1,a\n")
+    out = tmp_path / "out"
+    assert (
+        preprocess("-i", data, "-o", out, "--spec", spec, "--eval-fraction", "0", *IN_MEMORY) == 0
+    )
+    meta = read_metadata(out)
+    assert [(c.name, c.table, c.multi_valued) for c in meta.categorical] == [
+        ("user", "user", False),
+        ("tags", "tag", True),
+    ]
+    table = read_all(meta, "train")
+    assert table.schema.field("tags").type == pa.list_(pa.uint64())
+    tags = table.column("tags").to_pylist()
+    assert [len(t) for t in tags] == [2, 1, 1] and tags[0][1] == tags[2][0]  # "b" == "b"
+    assert tags[1] == [2 << 56]  # the missing id of feature 2
+    assert table.column("price").to_pylist() == pytest.approx([np.log1p(2.5), 0.0, 0.0])
+    assert meta.raw["counts"]["rejected_by_reason"] == {"non_numeric_dense": 1}
+    assert meta.raw["stats"]["categorical"]["tags"]["distinct_estimate"] == 3  # a, b, missing
