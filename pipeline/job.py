@@ -15,10 +15,12 @@ passed through untouched (see docs/pipeline.md).
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import logging
 import os
+import pickle
 import re
 import sys
 import threading
@@ -348,9 +350,7 @@ def _read_progress(progress_dir: str) -> tuple[int, int]:
     return consumed, lines
 
 
-def _finalize(
-    out: str, temp_dir: str, spec: FeatureSpec, stats: PartialStats, args, options
-) -> dict:
+def _finalize(out: str, temp_dir: str, spec, stats: PartialStats, args, options, chunks) -> dict:
     """Renames chunk files into their final names, writes metadata.json, then _SUCCESS."""
     splits = {}
     for split in ("train", "eval"):
@@ -374,6 +374,7 @@ def _finalize(
         "splits": splits,
         "split_rule": {"mode": args.split, "eval_fraction": args.eval_fraction},
         "inputs": list(args.input),
+        "input_files": list(dict.fromkeys(chunk.path for chunk in chunks)),
         **summary,
         "rejected_files": sorted(
             "rejected/" + m.path.rsplit("/", 1)[-1]
@@ -445,7 +446,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         raise UserError(f"no input rows: every input file is empty ({', '.join(args.input)})")
     if not sum(stats.rows_by_split.values()):
         raise UserError(f"every input row was rejected; see {FileSystems.join(out, 'rejected')}")
-    meta = _finalize(out, temp_dir, spec, stats, args, options)
+    meta = _finalize(out, temp_dir, spec, stats, args, options, chunks)
     counts = meta["counts"]
     progress.close(rows=counts["rows_read"])
     _print_summary(out, meta, progress.elapsed)
@@ -453,16 +454,11 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
 
 def _encode_stats(stats: PartialStats) -> str:
-    import base64
-    import pickle
-
+    # The combined statistics travel from the workers to the launcher as one text line.
     return base64.b64encode(pickle.dumps(stats)).decode()
 
 
 def _decode_stats(data: bytes) -> PartialStats:
-    import base64
-    import pickle
-
     return pickle.loads(base64.b64decode(data.strip()))
 
 
