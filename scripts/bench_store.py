@@ -207,6 +207,7 @@ def bench_scale(args, rng) -> dict:
             fill(store, "t", capacity, f"capacity {capacity}")
             seconds = lookup_apply_seconds(store, ranks, rng)
             stats = store.stats()
+        del store  # closed; drop it before allocating the numpy reference
         gc.collect()
         # Context: how much numpy's own gather slows down on the same rows of a larger array.
         table = np.full((capacity, 16), 0.01, np.float32)
