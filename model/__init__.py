@@ -21,8 +21,7 @@ from model.config import (
 from model.distributed import local_rows, make_global_batch, maybe_initialize_distributed
 from model.metrics import StreamingMetrics
 from model.sharding import make_mesh
-from model.towers import build_tower, forward_flops_per_example
-from model.train_step import (
+from model.step import (
     NonFiniteLossError,
     ShardedStep,
     TrainState,
@@ -35,6 +34,7 @@ from model.train_step import (
     make_train_step,
     train_step,
 )
+from model.towers import build_tower, forward_flops_per_example
 
 __all__ = [
     "DATA_AXIS",

@@ -16,7 +16,7 @@ from model import (
     make_mesh,
     make_train_step,
 )
-from model.train_step import loss_fn
+from model.step import loss_fn
 
 ROWS = 32  # the shared test batch shape (compilation cache)
 
