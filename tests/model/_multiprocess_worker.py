@@ -1,7 +1,8 @@
 """One process of the multi-process test; also imported by the test for the 1-process run.
 
-Usage: python _multiprocess_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npz
-(the parent sets XLA_FLAGS so each process has 4 CPU devices).
+Usage: python _multiprocess_worker.py [COORDINATOR NUM_PROCESSES PROCESS_ID] OUT.npz
+(without the layout arguments it comes from the HYBRIDREC_* environment variables; the
+parent sets XLA_FLAGS so each process has 4 CPU devices).
 """
 
 from __future__ import annotations
@@ -77,10 +78,15 @@ def run() -> dict[str, np.ndarray]:
 
 
 def main(argv: list[str]) -> int:
-    coordinator, num_processes, process_id, out = argv
     from model import maybe_initialize_distributed
 
-    assert maybe_initialize_distributed(coordinator, int(num_processes), int(process_id))
+    if len(argv) == 1:  # layout from HYBRIDREC_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID
+        (out,) = argv
+        assert maybe_initialize_distributed()
+    else:
+        coordinator, num_processes, process_id, out = argv
+        assert maybe_initialize_distributed(coordinator, int(num_processes), int(process_id))
+    assert maybe_initialize_distributed()  # idempotent
     results = run()
     np.savez(out, **results)
     return 0

@@ -42,16 +42,30 @@ def test_two_processes_match_one(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     outputs = [tmp_path / f"process{index}.npz" for index in range(2)]
+    # process 0 gets its layout as arguments, process 1 from the environment
+    commands = [
+        [sys.executable, str(WORKER), coordinator, "2", "0", str(outputs[0])],
+        [sys.executable, str(WORKER), str(outputs[1])],
+    ]
+    envs = [
+        env,
+        {
+            **env,
+            "HYBRIDREC_COORDINATOR": coordinator,
+            "HYBRIDREC_NUM_PROCESSES": "2",
+            "HYBRIDREC_PROCESS_ID": "1",
+        },
+    ]
     processes = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), coordinator, "2", str(index), str(outputs[index])],
-            env=env,
+            command,
+            env=process_env,
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for index in range(2)
+        for command, process_env in zip(commands, envs, strict=True)
     ]
     # The single-process run overlaps with the children (the machine has few cores).
     worker = _load_worker()
