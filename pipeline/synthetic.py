@@ -165,8 +165,27 @@ def generate(path: str | Path, rows: int, *, seed: int = 0, compress: bool | Non
         raise UserError(f"--rows must be >= 0, got {rows}")
     path = Path(path)
     compress = path.suffix == ".gz" if compress is None else compress
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.open("wb").close()
+    except OSError as error:
+        raise UserError(f"--output {path}: cannot write: {error.strerror}") from None
     progress = Progress("generate", total=rows, unit="rows")
+    try:
+        clicks = _write_rows(path, rows, seed, compress, progress)
+    except OSError as error:  # disk full, file removed underneath, ...
+        raise UserError(f"--output {path}: write failed: {error}") from None
+    progress.close()
+    return {
+        "path": str(path),
+        "rows": rows,
+        "clicks": clicks,
+        "bytes": path.stat().st_size,
+        "seconds": progress.elapsed,
+    }
+
+
+def _write_rows(path: Path, rows: int, seed: int, compress: bool, progress: Progress) -> int:
     clicks = 0
     with contextlib.ExitStack() as stack:
         handle = stack.enter_context(open(path, "wb"))
@@ -177,18 +196,11 @@ def generate(path: str | Path, rows: int, *, seed: int = 0, compress: bool | Non
             text, block_clicks = generate_block(seed, block_index, BLOCK_ROWS)
             if count < BLOCK_ROWS:
                 text = text[: _nth_newline(text, count) + 1]
-                block_clicks = sum(1 for line in text.split(b"\n") if line.startswith(b"1\t"))
+                block_clicks = text.count(b"\n1\t") + text.startswith(b"1\t")
             handle.write(text)
             clicks += block_clicks
             progress.update(count)
-    progress.close()
-    return {
-        "path": str(path),
-        "rows": rows,
-        "clicks": clicks,
-        "bytes": path.stat().st_size,
-        "seconds": progress.elapsed,
-    }
+    return clicks
 
 
 def _nth_newline(text: bytes, n: int) -> int:
