@@ -23,8 +23,12 @@ same whatever the total row count.
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import contextlib
 import gzip
+import multiprocessing
+import os
 from pathlib import Path
 
 import numpy as np
@@ -155,8 +159,18 @@ def generate_block(seed: int, block_index: int, rows: int) -> tuple[bytes, int]:
     return lines.buffers()[2].to_pybytes()[first:last], int(labels.sum())
 
 
-def generate(path: str | Path, rows: int, *, seed: int = 0, compress: bool | None = None) -> dict:
+def generate(
+    path: str | Path,
+    rows: int,
+    *,
+    seed: int = 0,
+    compress: bool | None = None,
+    workers: int | None = None,
+) -> dict:
     """Writes `rows` synthetic rows to `path` (gzip when it ends with .gz or `compress`).
+
+    `workers` processes build blocks in parallel (default: one per core); the output does
+    not depend on it.
 
     Returns:
         {"path", "rows", "clicks", "bytes", "seconds"}.
@@ -170,9 +184,10 @@ def generate(path: str | Path, rows: int, *, seed: int = 0, compress: bool | Non
         path.open("wb").close()
     except OSError as error:
         raise UserError(f"--output {path}: cannot write: {error.strerror}") from None
+    workers = (os.cpu_count() or 1) if workers is None else workers
     progress = Progress("generate", total=rows, unit="rows")
     try:
-        clicks = _write_rows(path, rows, seed, compress, progress)
+        clicks = _write_rows(path, rows, seed, compress, progress, workers)
     except OSError as error:  # disk full, file removed underneath, ...
         raise UserError(f"--output {path}: write failed: {error}") from None
     progress.close()
@@ -185,15 +200,36 @@ def generate(path: str | Path, rows: int, *, seed: int = 0, compress: bool | Non
     }
 
 
-def _write_rows(path: Path, rows: int, seed: int, compress: bool, progress: Progress) -> int:
+def _blocks(rows: int, seed: int, workers: int):
+    """Yields (text, clicks) of every block in order; blocks are built `workers` at a time."""
+    starts = range(0, rows, BLOCK_ROWS)
+    if workers <= 1 or len(starts) <= 1:
+        for block_index, _ in enumerate(starts):
+            yield generate_block(seed, block_index, BLOCK_ROWS)
+        return
+    # Blocks are independent (seeded by their index): build them in worker processes,
+    # at most 2 per worker in flight so memory stays bounded, and write them in order.
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        pending: collections.deque = collections.deque()
+        for block_index, _ in enumerate(starts):
+            pending.append(pool.submit(generate_block, seed, block_index, BLOCK_ROWS))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _write_rows(path, rows: int, seed: int, compress: bool, progress, workers: int) -> int:
     clicks = 0
     with contextlib.ExitStack() as stack:
         handle = stack.enter_context(open(path, "wb"))
         if compress:
             handle = stack.enter_context(gzip.GzipFile(fileobj=handle, mode="wb", compresslevel=1))
-        for block_index, start in enumerate(range(0, rows, BLOCK_ROWS)):
+        for start, (text, block_clicks) in zip(
+            range(0, rows, BLOCK_ROWS), _blocks(rows, seed, workers), strict=True
+        ):
             count = min(BLOCK_ROWS, rows - start)
-            text, block_clicks = generate_block(seed, block_index, BLOCK_ROWS)
             if count < BLOCK_ROWS:
                 text = text[: _nth_newline(text, count) + 1]
                 block_clicks = text.count(b"\n1\t") + text.startswith(b"1\t")
@@ -217,8 +253,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rows", type=int, default=100_000, help="number of rows")
     parser.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file)")
     parser.add_argument("--gzip", action="store_true", help="gzip even without a .gz suffix")
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
     args = parser.parse_args(argv)
-    summary = generate(args.output, args.rows, seed=args.seed, compress=args.gzip or None)
+    summary = generate(
+        args.output, args.rows, seed=args.seed, compress=args.gzip or None, workers=args.workers
+    )
     rate = summary["rows"] / max(summary["seconds"], 1e-9)
     print(
         f"wrote {summary['rows']:,} rows ({summary['clicks'] / max(summary['rows'], 1):.1%} clicks, "

@@ -30,8 +30,8 @@ def test_deterministic_and_prefix_stable(tmp_path):
     b, _ = synthetic.generate_block(7, 0, 1000)
     c, _ = synthetic.generate_block(8, 0, 1000)
     assert a == b and a != c
-    synthetic.generate(tmp_path / "small.tsv", 100, seed=7)
-    synthetic.generate(tmp_path / "large.tsv", 70_000, seed=7)
+    synthetic.generate(tmp_path / "small.tsv", 100, seed=7, workers=1)
+    synthetic.generate(tmp_path / "large.tsv", 70_000, seed=7, workers=2)  # blocks in 2 processes
     small = (tmp_path / "small.tsv").read_bytes()
     assert (tmp_path / "large.tsv").read_bytes().startswith(small)
     assert small.count(b"\n") == 100
