@@ -61,9 +61,13 @@ def _assert_same(a, b):
         np.testing.assert_array_equal(a[table], b[table], err_msg=table)
 
 
-@pytest.mark.parametrize("url_kind", ["memory", "path"])
+@pytest.mark.parametrize("url_kind", ["memory", "path", "file"])
 def test_round_trip_and_reshard_4_to_3_then_training_continues_identically(tmp_path, url_kind):
-    url = f"memory://roundtrip-{url_kind}/" if url_kind == "memory" else str(tmp_path / "ckpt")
+    url = {
+        "memory": "memory://roundtrip/",
+        "path": str(tmp_path / "ckpt"),
+        "file": f"file://{tmp_path}/ckpt-url",
+    }[url_kind]
     with EmbeddingStore(_tables(), num_shards=4) as store:
         _train(store, 3, seed=0)
         info = store.checkpoint(url, step=3)
