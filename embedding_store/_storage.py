@@ -1,7 +1,7 @@
 """Where a shard's rows live: all in RAM, or hot rows in RAM over a tensorstore cold tier.
 
 The cold tier is a zarr3 array [rows, dim + state] float32 on an OCDBT kvstore
-(local disk by default; any kvstore URL works), one row per slot.
+(local disk by default; any kvstore URL works), written as an append-only log.
 
 Both backends expose the same small interface to the table: `lines(slots)` gives
 indices into `values`/`state` (RAM arrays) for the rows about to be read or
@@ -76,7 +76,13 @@ class RamRows:
 
 
 class TieredRows:
-    """`ram_rows` hot rows in RAM; every row also has a home in a cold zarr3 array by slot."""
+    """`ram_rows` hot rows in RAM over a log-structured cold tier (zarr3 on OCDBT).
+
+    Evicted dirty rows are appended to the cold array as one contiguous block (whole
+    chunks, no read-modify-write of old chunks); each slot remembers where its latest
+    cold copy is. When the log is full, live cold rows are copied, in position order,
+    into a fresh array (at most once per `max_slots` appended rows).
+    """
 
     tiered = True
 
@@ -94,6 +100,7 @@ class TieredRows:
         context: ts.Context,
     ):
         self._dim = dim
+        self._width = dim + state_width
         self._ram_rows = ram_rows
         self._evict_batch = max(1, int(ram_rows * evict_fraction))
         self.values = np.zeros((ram_rows, dim), DTYPES[dtype])
@@ -103,39 +110,58 @@ class TieredRows:
         self._dirty = np.zeros(ram_rows, bool)
         self._free_lines = np.arange(ram_rows - 1, -1, -1, dtype=np.int64)  # stack
         self._line_of_slot = np.full(1024, -1, np.int64)
-        self._in_cold = np.zeros(1024, bool)
+        self._cold_row = np.full(1024, -1, np.int64)  # position of a slot's cold copy
         self._tick = 1
-        self._counts = {"cold_reads": 0, "cold_writes": 0, "ram_evictions": 0}
+        self._counts = {"cold_reads": 0, "cold_writes": 0, "ram_evictions": 0, "compactions": 0}
         self._temporary = None
         if not location:
             self._temporary = tempfile.mkdtemp(prefix="hybridrec-cold-")
             location = self._temporary
+        self._location = location
+        self._context = context
+        self._chunk = max(1, min(chunk_rows, max_slots))
+        # Room for every slot twice over (plus chunk alignment): compaction is rare.
+        self._log_rows = 2 * (max_slots + self._evict_batch) + 2 * self._chunk
+        self._generation = 0
+        self._log_end = 0
+        self._cold = self._open_log()
+
+    def _open_log(self) -> ts.TensorStore:
         from embedding_store.checkpoint import kvstore_spec
 
-        width = dim + state_width
-        self._cold = ts.open(
+        return ts.open(
             {
                 "driver": "zarr3",
-                # OCDBT packs chunk writes into large append-only files: a bulk write-back
-                # of scattered rows is a few sequential writes instead of one file per chunk.
-                "kvstore": {"driver": "ocdbt", "base": kvstore_spec(location)},
+                # OCDBT packs chunk writes into large append-only files.
+                "kvstore": {
+                    "driver": "ocdbt",
+                    "base": kvstore_spec(self._location, f"log-{self._generation % 2}"),
+                },
                 "metadata": {
-                    "shape": [max_slots, width],
+                    "shape": [self._log_rows, self._width],
                     "data_type": "float32",
                     "chunk_grid": {
                         "name": "regular",
-                        "configuration": {"chunk_shape": [min(chunk_rows, max_slots), width]},
+                        "configuration": {"chunk_shape": [self._chunk, self._width]},
                     },
                 },
             },
             create=True,
             delete_existing=True,
-            context=context,
+            context=self._context,
         ).result()
 
     def reserve(self, slots: int) -> None:
         self._line_of_slot = _grow(self._line_of_slot, slots, -1)
-        self._in_cold = _grow(self._in_cold, slots, False)
+        self._cold_row = _grow(self._cold_row, slots, -1)
+
+    def _read_cold(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows at cold positions [m] -> (block [m, width] in the given order)."""
+        order = np.argsort(positions)  # chunk-local reads
+        block = np.empty((len(positions), self._width), np.float32)
+        block[order] = self._cold[positions[order]].read().result()
+        self._counts["cold_reads"] += len(positions)
+        return block
 
     def lines(self, slots: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
         lines = self._line_of_slot[slots]
@@ -145,26 +171,26 @@ class TieredRows:
             protected = self._line_of_slot[protect]
             self._line_tick[protected[protected >= 0]] = self._tick
         if not hot.all():
-            missing = np.unique(slots[~hot])
+            missing = _sorted_unique(slots[~hot])
             free = self._take_lines(len(missing))
             self._slot_of_line[free] = missing
             self._line_of_slot[missing] = free
             self._line_tick[free] = self._tick
             self._dirty[free] = False
-            cold = self._in_cold[missing]
+            positions = self._cold_row[missing]
+            cold = positions >= 0
             if cold.any():
-                # One bulk read for every miss of the call (sorted slots: chunk-local).
-                block = self._cold[missing[cold]].read().result()
-                self.values[free[cold]] = block[:, : self._dim]
-                self.state[free[cold]] = block[:, self._dim :]
-                self._counts["cold_reads"] += int(cold.sum())
+                # One bulk read for every miss of the call.
+                block = self._read_cold(positions[cold])
+                put_rows(self.values, free[cold], block[:, : self._dim])
+                put_rows(self.state, free[cold], block[:, self._dim :])
             lines = self._line_of_slot[slots]
         self._tick += 1
         return lines
 
     def gather(self, slots: np.ndarray) -> np.ndarray:
         """Rows of `slots` as float32 [n, dim]; cached in RAM when they fit the budget."""
-        if len(slots) > self._ram_rows and len(np.unique(slots)) > self._ram_rows:
+        if len(slots) > self._ram_rows and len(_sorted_unique(slots)) > self._ram_rows:
             return self.read_rows(slots)[0]  # a scan larger than RAM (evaluation): no caching
         return take_rows(self.values, self.lines(slots)).astype(np.float32, copy=False)
 
@@ -199,16 +225,39 @@ class TieredRows:
         self._counts["ram_evictions"] += len(victims)
 
     def _write_back(self, lines: np.ndarray) -> None:
+        """Appends the rows of `lines` to the log as one contiguous block."""
         if not len(lines):
             return
+        if self._log_end + len(lines) > self._log_rows:
+            self._compact()
         slots = self._slot_of_line[lines]
-        order = np.argsort(slots)
-        lines, slots = lines[order], slots[order]
-        block = np.concatenate([self.values[lines].astype(np.float32), self.state[lines]], axis=1)
-        self._cold[slots].write(block).result()
-        self._in_cold[slots] = True
+        block = np.concatenate(
+            [take_rows(self.values, lines).astype(np.float32), take_rows(self.state, lines)],
+            axis=1,
+        )
+        start = self._log_end
+        self._cold[start : start + len(lines)].write(block).result()
+        self._cold_row[slots] = np.arange(start, start + len(lines))
+        # The next block starts on a chunk boundary: no chunk is ever written twice.
+        self._log_end = -(-(start + len(lines)) // self._chunk) * self._chunk
         self._dirty[lines] = False
         self._counts["cold_writes"] += len(lines)
+
+    def _compact(self) -> None:
+        """Copies the live cold rows into a fresh log, in position order, in bulk blocks."""
+        live = np.flatnonzero(self._cold_row >= 0)
+        live = live[np.argsort(self._cold_row[live])]
+        old = self._cold
+        self._generation += 1
+        self._cold = self._open_log()
+        step = max(self._chunk, 1 << 20)
+        for start in range(0, len(live), step):
+            slots = live[start : start + step]
+            block = old[self._cold_row[slots]].read().result()
+            self._cold[start : start + len(slots)].write(block).result()
+            self._cold_row[slots] = np.arange(start, start + len(slots))
+        self._log_end = -(-len(live) // self._chunk) * self._chunk
+        self._counts["compactions"] += 1
 
     def mark_dirty(self, lines: np.ndarray) -> None:
         self._dirty[lines] = True
@@ -225,15 +274,13 @@ class TieredRows:
         state = np.zeros((len(slots), self.state.shape[1]), np.float32)
         lines = self._line_of_slot[slots]
         hot = lines >= 0
-        values[hot] = self.values[lines[hot]]
-        state[hot] = self.state[lines[hot]]
-        cold = ~hot & self._in_cold[slots]
+        values[hot] = take_rows(self.values, lines[hot])
+        state[hot] = take_rows(self.state, lines[hot])
+        cold = ~hot & (self._cold_row[slots] >= 0)
         if cold.any():
-            order = np.argsort(slots[cold])
-            block = self._cold[slots[cold][order]].read().result()
-            where = np.flatnonzero(cold)[order]
-            values[where] = block[:, : self._dim]
-            state[where] = block[:, self._dim :]
+            block = self._read_cold(self._cold_row[slots[cold]])
+            values[cold] = block[:, : self._dim]
+            state[cold] = block[:, self._dim :]
         return values, state
 
     def release(self, slots: np.ndarray) -> None:
@@ -243,11 +290,14 @@ class TieredRows:
         self._dirty[lines] = False
         self._free_lines = np.concatenate([self._free_lines, lines])
         self._line_of_slot[slots] = -1
-        self._in_cold[slots] = False
+        self._cold_row[slots] = -1
 
     def stats(self) -> dict[str, int]:
         return {
-            "bytes": self.values.nbytes + self.state.nbytes + self._line_of_slot.nbytes,
+            "bytes": self.values.nbytes
+            + self.state.nbytes
+            + self._line_of_slot.nbytes
+            + self._cold_row.nbytes,
             "ram_rows": self._ram_rows,
             "hot_rows": int(self._ram_rows - len(self._free_lines)),
             **self._counts,
@@ -257,3 +307,10 @@ class TieredRows:
         if self._temporary:
             shutil.rmtree(self._temporary, ignore_errors=True)
             self._temporary = None
+
+
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    ordered = np.sort(values)
+    if len(ordered) < 2:
+        return ordered
+    return ordered[np.concatenate([[True], ordered[1:] != ordered[:-1]])]

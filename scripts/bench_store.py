@@ -227,6 +227,7 @@ def bench_scale(args, rng) -> dict:
 
 
 def bench_tiered(args, rng) -> dict:
+    """The same table tiered (RAM budget = half its rows) and in RAM, batches alternating."""
     rows = args.tiered_rows
     base = TableConfig(
         name="t",
@@ -234,33 +235,49 @@ def bench_tiered(args, rng) -> dict:
         capacity=rows,
         optimizer=SparseOptimizerConfig(name="adagrad", learning_rate=0.01),
     )
-    results = {}
-    if not wait_for_memory(rows * 300, "tiered"):
-        return results
+    if not wait_for_memory(rows * 600, "tiered"):
+        return {}
+    ranks = [zipf_ranks(rng, rows, BATCH) for _ in range(args.batches)]
+    ids = [ids_of(r) for r in ranks]
+    grads = rng.normal(size=(BATCH, 16)).astype(np.float32)
     with tempfile.TemporaryDirectory(prefix="bench-cold-") as cold:
         tiering = TieringConfig(ram_rows=rows // 2, path=cold, chunk_rows=args.chunk_rows)
-        tiered = dataclasses.replace(base, tiering=tiering)
-        for name, config in (("in_ram", base), ("tiered", tiered)):
-            with EmbeddingStore([config], num_shards=args.shards) as store:
-                fill_seconds = fill(store, "t", rows, name, chunk=max(1, rows // 8))
-                stream = np.random.default_rng(7)
-                ranks = [zipf_ranks(stream, rows, BATCH) for _ in range(args.batches)]
-                before = store.stats()
-                seconds = lookup_apply_seconds(store, ranks, stream)
-                stats = store.stats()
-            timed = args.batches + 1  # with the warm-up batch
-            results[name] = {
-                "rows_per_s": BATCH / seconds,
-                "fill_seconds": fill_seconds,
-                "cold_reads_per_batch": (stats.get("cold_reads", 0) - before.get("cold_reads", 0))
-                / timed,
-                "cold_writes_per_batch": (
-                    stats.get("cold_writes", 0) - before.get("cold_writes", 0)
-                )
-                / timed,
+        configs = {"in_ram": base, "tiered": dataclasses.replace(base, tiering=tiering)}
+        stores = {name: EmbeddingStore([c], num_shards=args.shards) for name, c in configs.items()}
+        try:
+            fills = {
+                name: fill(store, "t", rows, name, chunk=max(1, rows // 8))
+                for name, store in stores.items()
             }
-            print(f"tiered {name}: {json.dumps(_rounded(results[name]))}", file=sys.stderr)
-            gc.collect()
+            before = {name: store.stats() for name, store in stores.items()}
+
+            def step(store):
+                def run(i):
+                    store.lookup("t", ids[i]).result()
+                    store.apply_gradients("t", ids[i], grads).result()
+
+                return run
+
+            seconds = _interleaved_medians(
+                {name: step(store) for name, store in stores.items()}, args.batches
+            )
+            after = {name: store.stats() for name, store in stores.items()}
+        finally:
+            for store in stores.values():
+                store.close()
+    results = {}
+    timed = args.batches + 1  # with the warm-up batch
+    for name in stores:
+        results[name] = {
+            "rows_per_s": BATCH / seconds[name],
+            "fill_seconds": fills[name],
+            **{
+                f"{key}_per_batch": (after[name].get(key, 0) - before[name].get(key, 0)) / timed
+                for key in ("cold_reads", "cold_writes")
+            },
+            "compactions": after[name].get("compactions", 0),
+        }
+        print(f"tiered {name}: {json.dumps(_rounded(results[name]))}", file=sys.stderr)
     return results
 
 

@@ -54,3 +54,28 @@ def test_tiered_table_matches_in_ram_table(tmp_path):
     with EmbeddingStore.restore("memory://tiered/", [in_ram], num_shards=3) as restored:
         rows = restored.lookup("t", np.arange(4000, dtype=np.uint64), train=False).result()
     np.testing.assert_array_equal(rows, expected)
+
+
+def test_cold_log_compaction_keeps_every_row(tmp_path):
+    in_ram = TableConfig(
+        name="t",
+        dim=4,
+        capacity=600,
+        optimizer=SparseOptimizerConfig(name="sgd", learning_rate=0.5),
+    )
+    tiered = dataclasses.replace(
+        in_ram, tiering=TieringConfig(ram_rows=100, path=str(tmp_path / "cold"), chunk_rows=16)
+    )
+    results = []
+    for config in (in_ram, tiered):
+        rng = np.random.default_rng(3)
+        with EmbeddingStore([config]) as store:
+            for _ in range(60):
+                ids = rng.integers(0, 500, size=80).astype(np.uint64)
+                store.lookup("t", ids)
+                store.apply_gradients("t", ids, np.ones((80, 4), np.float32))
+            store.flush()
+            stats = store.stats()
+            results.append(store.lookup("t", np.arange(500, dtype=np.uint64)).result())
+    assert stats["compactions"] > 0 and stats["hot_rows"] <= 100
+    np.testing.assert_array_equal(results[1], results[0])
