@@ -21,7 +21,7 @@ def global_batch_rows(step: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(100 + step)
     return {
         "embeddings": rng.normal(scale=0.5, size=(GLOBAL_ROWS, 3, 8)).astype(np.float32),
-        "dense": rng.normal(size=(GLOBAL_ROWS, 5)).astype(np.float32),
+        "dense": rng.normal(size=(GLOBAL_ROWS, 6)).astype(np.float32),
         "labels": (rng.random(GLOBAL_ROWS) < 0.3).astype(np.float32),
     }
 
@@ -57,7 +57,7 @@ def run() -> dict[str, np.ndarray]:
     for name, (shape, axes) in MESHES.items():
         mesh = make_mesh(MeshConfig(shape=shape, axis_names=axes))
         state = create_train_state(
-            config, optimizer, mesh, 5, num_dense=5, num_features=3, embedding_dim=8
+            config, optimizer, mesh, 5, num_dense=6, num_features=3, embedding_dim=8
         )
         step = make_train_step(config, mesh)
         losses, grads = [], []

