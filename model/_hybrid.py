@@ -148,9 +148,7 @@ class LookaheadPipeline:
         # threads share the cores with this work, and one preempted device thread stalls
         # every collective. Threads started from here (the store's workers are created on
         # their first request) inherit the lower priority.
-        if self._nice > 0 and hasattr(os, "setpriority"):
-            with contextlib.suppress(OSError):  # not permitted: keep the default priority
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+        lower_thread_priority(self._nice)
 
     def _read(self) -> None:
         self._lower_priority()
@@ -201,6 +199,69 @@ class LookaheadPipeline:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=10)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raises the calling thread's nice value by `nice` (no-op where not permitted)."""
+    if nice > 0 and hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+class UpdatePusher:
+    """Hands each batch's embedding gradients to the store from a background thread, in order.
+
+    The trainer's main thread only enqueues; mapping pooled gradients back to rows and
+    routing them to shards happens here, beside the next dense step. A batch's staleness
+    slot is returned when the store has applied its update.
+
+    Args:
+        apply: (lookup, grads) -> Future[None], e.g. `store.apply_pooled_gradients`.
+        gate: the staleness bound whose slots the updates return.
+        nice: nice-value increment of the thread (0 = unchanged).
+    """
+
+    def __init__(self, apply: Callable[[Any, Any], Future], gate: StalenessGate, *, nice: int = 0):
+        self._apply = apply
+        self._gate = gate
+        self._nice = nice
+        self.errors: list[BaseException] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="hybridrec-apply", daemon=True)
+        self._thread.start()
+
+    def push(self, lookup: Any, grads: Any) -> None:
+        if self.errors:
+            raise self.errors[0]
+        self._queue.put((lookup, grads))
+
+    def _run(self) -> None:
+        lower_thread_priority(self._nice)
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self.errors:  # after a failure, return the slots without applying
+                    self._gate.release()
+                    continue
+                try:
+                    release_when_done(self._apply(*item), self._gate, self.errors)
+                except BaseException as error:  # reported to the trainer by push / drain
+                    self.errors.append(error)
+                    self._gate.release()
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        """Returns once every pushed update has been handed to the store (then flush it)."""
+        self._queue.join()
+        if self.errors:
+            raise self.errors[0]
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
 
 
 def release_when_done(future: Future, gate: StalenessGate, errors: list[BaseException]) -> None:

@@ -47,7 +47,7 @@ from model import (
     make_train_step,
     maybe_initialize_distributed,
 )
-from model._hybrid import LookaheadPipeline, StalenessGate, feature_ids, release_when_done
+from model._hybrid import LookaheadPipeline, StalenessGate, UpdatePusher, feature_ids
 from model._run_log import RunLog
 from model.checkpoint import RunCheckpoints
 from model.input import DataPosition, ParquetReader
@@ -293,7 +293,6 @@ class HybridTrainer:
         self.context = _setup(config, distributed=distributed or {})
         self.checkpoints = RunCheckpoints(self.run_dir, keep=config.checkpoint.keep)
         self.gate = StalenessGate(config.hybrid.staleness)
-        self._apply_errors: list[BaseException] = []
         self._lookup_lock = threading.Lock()
         self._lookups_paused = False
         self.staleness_histogram = np.zeros(config.hybrid.staleness + 1, np.int64)
@@ -331,7 +330,8 @@ class HybridTrainer:
     def _save(self, step: int, position: DataPosition, counters: dict[str, Any]) -> None:
         """Dense state, data position and embeddings at `step`, then the commit marker."""
         context = self.context
-        context.store.flush()
+        self._pusher.drain()  # every update up to `step` is in the store ...
+        context.store.flush()  # ... and applied
         self.checkpoints.save_dense(step, context.state)
         self.checkpoints.save_position(
             step, context.process_index, {"position": position.to_dict(), **counters}
@@ -391,12 +391,18 @@ class HybridTrainer:
             nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
             lookahead=config.hybrid.lookahead,
         )
+        self._pusher = UpdatePusher(
+            lambda lookup, grads: context.store.apply_pooled_gradients(lookup, grads),
+            self.gate,
+            nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
+        )
         eval_results: dict[str, float] = {}
         try:
             eval_results = self._loop(
                 lookahead, train_step, eval_step, first_step, total_steps, counters, log, progress
             )
         finally:
+            self._pusher.close()
             if self._lookups_paused:  # an error between pausing and saving
                 self._lookups_paused = False
                 self._lookup_lock.release()
@@ -464,11 +470,7 @@ class HybridTrainer:
                 # no lookahead lookup may slip between this update and the snapshot
                 self._lookup_lock.acquire()
                 self._lookups_paused = True
-            release_when_done(
-                context.store.apply_pooled_gradients(pooled, grads), self.gate, self._apply_errors
-            )
-            if self._apply_errors:
-                raise self._apply_errors[0]
+            self._pusher.push(pooled, grads)
             phases.add("apply_ms", clock)
             interval_samples += batch_size
             counters["samples"] += batch_size
@@ -510,6 +512,7 @@ class HybridTrainer:
                 config.eval.every_steps and step % config.eval.every_steps == 0
             ):
                 paused = time.perf_counter()
+                self._pusher.drain()
                 context.store.flush()
                 final = step == total_steps
                 eval_results = evaluate(
@@ -522,9 +525,8 @@ class HybridTrainer:
                 )
                 log.write("eval", step, **eval_results)
                 interval_start += time.perf_counter() - paused
+        self._pusher.drain()
         context.store.flush()
-        if self._apply_errors:
-            raise self._apply_errors[0]
         self.last_step = step
         self.last_loss = last_loss
         return eval_results
