@@ -8,7 +8,8 @@ In one run (batches of 4096 x 26 ids, Zipf exponent 1.05 over the table's ids):
   3. lookup + apply throughput at 1M, 10M and 100M rows of capacity (dim 16, row-wise
      Adagrad so that 100M rows fit in memory; every row stored);
   4. a tiered table of twice its RAM budget vs the same table all in RAM.
-Ratios use the median batch time. Last line: one JSON object with `lookup_ratio`,
+Ratios use the median batch time; the compared measurements of each part alternate batch
+by batch, so a shared machine's changing load affects them alike. Last line: one JSON object with `lookup_ratio`,
 `apply_ratio` (worst over the dims), `scale_drop`, `tiered_ratio`.
 
     python scripts/bench_store.py                 # the full run (~10 min on 2 cores)
@@ -178,51 +179,63 @@ def wait_for_memory(needed: int, what: str, patience: float = 300.0) -> bool:
     return True
 
 
-def lookup_apply_seconds(store, ranks, rng, dim=16) -> float:
-    ids = [ids_of(r) for r in ranks]
-    grads = rng.normal(size=(BATCH, dim)).astype(np.float32)
-
-    def step(i):
+def _lookup_apply(store, ids, grads) -> Callable[[int], None]:
+    def run(i):
         store.lookup("t", ids[i]).result()
         store.apply_gradients("t", ids[i], grads).result()
 
-    return median_seconds(step, len(ranks))
+    return run
 
 
 def bench_scale(args, rng) -> dict:
-    results = {}
-    for capacity in args.scale:
-        # row-wise Adagrad: 100M x 16 f32 values (6.4 GB) + 4 B state + ~70 B map/metadata.
-        if not wait_for_memory(int(capacity * (16 * 4 + 4 + 70) * 1.25), f"scale {capacity}"):
-            continue
-        config = TableConfig(
-            name="t",
-            dim=16,
-            capacity=capacity,
-            initializer=InitializerConfig(kind="zeros"),  # fill speed is not measured here
-            optimizer=SparseOptimizerConfig(name="rowwise_adagrad"),
+    """All capacities stored at once, their batches alternating (same load for each)."""
+    stores, ranks = {}, {}
+    grads = rng.normal(size=(BATCH, 16)).astype(np.float32)
+    try:
+        for capacity in args.scale:
+            # row-wise Adagrad: 16 f32 values + 4 B state + ~70 B map and metadata per row.
+            if not wait_for_memory(int(capacity * (16 * 4 + 4 + 70) * 1.25), f"scale {capacity}"):
+                continue
+            config = TableConfig(
+                name="t",
+                dim=16,
+                capacity=capacity,
+                initializer=InitializerConfig(kind="zeros"),  # fill speed is not measured here
+                optimizer=SparseOptimizerConfig(name="rowwise_adagrad"),
+            )
+            stores[capacity] = EmbeddingStore([config], num_shards=args.shards)
+            fill(stores[capacity], "t", capacity, f"capacity {capacity}")
+            ranks[capacity] = [zipf_ranks(rng, capacity, BATCH) for _ in range(args.batches)]
+        seconds = _interleaved_medians(
+            {
+                capacity: _lookup_apply(store, [ids_of(r) for r in ranks[capacity]], grads)
+                for capacity, store in stores.items()
+            },
+            args.batches,
         )
-        ranks = [zipf_ranks(rng, capacity, BATCH) for _ in range(args.batches)]
-        with EmbeddingStore([config], num_shards=args.shards) as store:
-            fill(store, "t", capacity, f"capacity {capacity}")
-            seconds = lookup_apply_seconds(store, ranks, rng)
-            stats = store.stats()
-        del store  # closed; drop it before allocating the numpy reference
+        memory = {capacity: store.stats()["bytes"] for capacity, store in stores.items()}
+    finally:
+        for store in stores.values():
+            store.close()
+        stores.clear()
         gc.collect()
+    results = {}
+    for capacity in seconds:
         # Context: how much numpy's own gather slows down on the same rows of a larger array.
         table = np.full((capacity, 16), 0.01, np.float32)
         numpy_lookup = median_seconds(
-            lambda i, table=table, ranks=ranks: table[ranks[i]], args.batches
+            lambda i, table=table, rows=ranks[capacity]: table[rows[i]], args.batches
         )
         del table
         results[capacity] = {
-            "rows_per_s": BATCH / seconds,
+            "rows_per_s": BATCH / seconds[capacity],
             "numpy_lookup_rows_per_s": BATCH / numpy_lookup,
-            "distinct_ids_per_batch": int(np.mean([len(np.unique(r)) for r in ranks[:5]])),
-            "bytes": stats["bytes"],
+            "distinct_ids_per_batch": int(
+                np.mean([len(np.unique(r)) for r in ranks[capacity][:5]])
+            ),
+            "bytes": memory[capacity],
         }
         print(f"capacity {capacity}: {json.dumps(_rounded(results[capacity]))}", file=sys.stderr)
-        gc.collect()
     return results
 
 
@@ -251,15 +264,9 @@ def bench_tiered(args, rng) -> dict:
             }
             before = {name: store.stats() for name, store in stores.items()}
 
-            def step(store):
-                def run(i):
-                    store.lookup("t", ids[i]).result()
-                    store.apply_gradients("t", ids[i], grads).result()
-
-                return run
-
             seconds = _interleaved_medians(
-                {name: step(store) for name, store in stores.items()}, args.batches
+                {name: _lookup_apply(store, ids, grads) for name, store in stores.items()},
+                args.batches,
             )
             after = {name: store.stats() for name, store in stores.items()}
         finally:
