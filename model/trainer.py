@@ -349,9 +349,10 @@ class HybridTrainer:
         resume_step = self._prepare_run_dir()
         context.state = _new_state(context)
         position, counters = DataPosition(), {"samples": 0, "seconds": 0.0}
+        # parts of checkpoints never committed (a run killed mid-save) are removed first
+        self.checkpoints.discard_after(resume_step or 0, chief=self.is_chief)
+        _barrier(context, "discarded-partial-checkpoints")
         if resume_step is not None:
-            self.checkpoints.discard_after(resume_step, chief=self.is_chief)
-            _barrier(context, "discarded-partial-checkpoints")
             context.state = self.checkpoints.restore_dense(resume_step, context.state)
             saved = self.checkpoints.read_position(resume_step, context.process_index)
             position = DataPosition.from_dict(saved["position"])
