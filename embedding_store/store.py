@@ -18,7 +18,7 @@ import numpy as np
 
 from embedding_store import _pooling
 from embedding_store import checkpoint as _checkpoint
-from embedding_store._arrays import put_rows
+from embedding_store._arrays import put_rows, take_rows
 from embedding_store._pooling import FeatureIds, PooledLookup
 from embedding_store.config import TableConfig
 from embedding_store.errors import (
@@ -33,6 +33,10 @@ from hybridrec import config as _config
 from hybridrec.errors import UserError
 
 MAX_CHAIN = 16  # snapshot groups in one manifest chain before a full snapshot is forced
+
+
+def _rows(array: np.ndarray, where: np.ndarray | slice) -> np.ndarray:
+    return array[where] if isinstance(where, slice) else take_rows(array, where)
 
 
 def _when_all(futures: Sequence[Future], combine: Callable[[list], Any], pool) -> Future:
@@ -218,7 +222,7 @@ class EmbeddingStore:
         if self.num_shards == 1:  # routing copies; otherwise copy: the caller may reuse them
             ids, grads = ids.copy(), grads.copy()
         futures = [
-            self._submit(shard, "apply_gradients", {table: (ids[where], grads[where])})
+            self._submit(shard, "apply_gradients", {table: (ids[where], _rows(grads, where))})
             for shard, where in self._route(ids)
         ]
         return _when_all(futures, lambda _: None, self._pool)
@@ -298,7 +302,10 @@ class EmbeddingStore:
             for shard in range(self.num_shards):
                 if bounds[shard + 1] > bounds[shard]:
                     where = order[bounds[shard] : bounds[shard + 1]]
-                    requests.setdefault(shard, {})[table] = (ids.unique[where], table_grads[where])
+                    requests.setdefault(shard, {})[table] = (
+                        ids.unique[where],
+                        take_rows(table_grads, where),
+                    )
         futures = [self._submit(s, "apply_gradients", r) for s, r in sorted(requests.items())]
         return _when_all(futures, lambda _: None, self._pool)
 
