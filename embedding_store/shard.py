@@ -159,4 +159,3 @@ class LocalShard:
     def close(self) -> None:
         for table in self._tables.values():
             table.close()
-        self._tables = {}  # release the rows now, even if the shard object lives on
