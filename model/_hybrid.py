@@ -209,31 +209,47 @@ def lower_thread_priority(nice: int) -> None:
 
 
 class UpdatePusher:
-    """Hands each batch's embedding gradients to the store from a background thread, in order.
+    """Hands each batch's embedding gradients to the store, in order.
 
-    The trainer's main thread only enqueues; mapping pooled gradients back to rows and
-    routing them to shards happens here, beside the next dense step. A batch's staleness
-    slot is returned when the store has applied its update.
+    By default the caller's thread does it (mapping pooled gradients back to rows and
+    routing them to shards takes a few ms per batch); with `background=True` a thread
+    does it beside the next dense step, which frees the trainer's main thread but lets
+    updates queue up when the store is the bottleneck, so the staleness actually used
+    moves toward the bound. A batch's staleness slot is returned when the store has
+    applied its update.
 
     Args:
         apply: (lookup, grads) -> Future[None], e.g. `store.apply_pooled_gradients`.
         gate: the staleness bound whose slots the updates return.
-        nice: nice-value increment of the thread (0 = unchanged).
+        background: hand updates over from a background thread.
+        nice: nice-value increment of that thread (0 = unchanged).
     """
 
-    def __init__(self, apply: Callable[[Any, Any], Future], gate: StalenessGate, *, nice: int = 0):
+    def __init__(
+        self,
+        apply: Callable[[Any, Any], Future],
+        gate: StalenessGate,
+        *,
+        background: bool = False,
+        nice: int = 0,
+    ):
         self._apply = apply
         self._gate = gate
         self._nice = nice
         self.errors: list[BaseException] = []
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="hybridrec-apply", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="hybridrec-apply", daemon=True)
+            self._thread.start()
 
     def push(self, lookup: Any, grads: Any) -> None:
         if self.errors:
             raise self.errors[0]
-        self._queue.put((lookup, grads))
+        if self._thread is None:
+            release_when_done(self._apply(lookup, grads), self._gate, self.errors)
+        else:
+            self._queue.put((lookup, grads))
 
     def _run(self) -> None:
         lower_thread_priority(self._nice)
@@ -260,8 +276,9 @@ class UpdatePusher:
             raise self.errors[0]
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
 
 
 def release_when_done(future: Future, gate: StalenessGate, errors: list[BaseException]) -> None:

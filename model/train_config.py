@@ -93,6 +93,9 @@ class HybridConfig:
     # start), so host work yields the cores to the dense step on CPU hosts; 0 = unchanged.
     # Only with staleness > 0: with k = 0 the step waits for that work anyway
     background_nice: int = 10
+    # hand updates to the store from a background thread: frees the trainer's main thread,
+    # but when the store is the bottleneck updates queue and the staleness used nears k
+    background_apply: bool = False
 
     def __post_init__(self):
         if self.staleness < 0 or self.lookahead < 0:

@@ -395,6 +395,7 @@ class HybridTrainer:
         self._pusher = UpdatePusher(
             lambda lookup, grads: context.store.apply_pooled_gradients(lookup, grads),
             self.gate,
+            background=config.hybrid.background_apply,
             nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
         )
         eval_results: dict[str, float] = {}

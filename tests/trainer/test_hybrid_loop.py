@@ -67,10 +67,15 @@ class _EventLog:
         return out
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_staleness_never_exceeds_k(dataset, small_model, tmp_path, k, monkeypatch):
+@pytest.mark.parametrize(("k", "background"), [(0, False), (2, False), (2, True)])
+def test_staleness_never_exceeds_k(dataset, small_model, tmp_path, k, background, monkeypatch):
     config = _config(
-        dataset, small_model, f"hybrid.staleness={k}", "data.max_steps=30", "embedding.num_shards=2"
+        dataset,
+        small_model,
+        f"hybrid.staleness={k}",
+        f"hybrid.background_apply={str(background).lower()}",
+        "data.max_steps=30",
+        "embedding.num_shards=2",
     )
     trainer = HybridTrainer(config, tmp_path / "run", quiet=True)
     logs = []
