@@ -215,9 +215,8 @@ def bench_scale(args, rng) -> dict:
         )
         memory = {capacity: store.stats()["bytes"] for capacity, store in stores.items()}
     finally:
-        for store in stores.values():
-            store.close()
-        stores.clear()
+        while stores:  # no loop variable may keep a 13 GB store alive
+            stores.popitem()[1].close()
         gc.collect()
     results = {}
     for capacity in seconds:
@@ -270,11 +269,11 @@ def bench_tiered(args, rng) -> dict:
             )
             after = {name: store.stats() for name, store in stores.items()}
         finally:
-            for store in stores.values():
-                store.close()
+            while stores:
+                stores.popitem()[1].close()
     results = {}
     timed = args.batches + 1  # with the warm-up batch
-    for name in stores:
+    for name in seconds:
         results[name] = {
             "rows_per_s": BATCH / seconds[name],
             "fill_seconds": fills[name],
