@@ -137,7 +137,8 @@ def write_part(url: str, path: str, block: RowBlock) -> dict[str, Any]:
     opened = []
     for name, array in arrays.items():
         array = np.ascontiguousarray(array)
-        chunk = [max(1, min(len(array), 1 << 18)), *array.shape[1:]]
+        # zarr chunk extents must be >= 1 even where the array's is 0 (SGD keeps no state).
+        chunk = [max(1, min(len(array), 1 << 18)), *(max(1, d) for d in array.shape[1:])]
         spec = {
             "driver": "zarr3",
             "kvstore": kvstore_spec(url, path, name),
