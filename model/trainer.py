@@ -431,6 +431,7 @@ class HybridTrainer:
         local = self._rows
         pending_losses: list[Any] = []
         phases = _PhaseTimes()
+        progress_fields: dict[str, float] = {}
         interval_staleness: list[int] = []
         interval_start, interval_samples = time.perf_counter(), 0
         last_loss = float("nan")
@@ -477,7 +478,7 @@ class HybridTrainer:
             interval_samples += batch_size
             counters["samples"] += batch_size
             if progress:
-                progress.update(batch_size)
+                progress.update(batch_size, **progress_fields)
             if step % config.log.every_steps == 0 or step == total_steps:
                 losses = np.asarray(jax.device_get(pending_losses), np.float64)
                 pending_losses = []
@@ -489,19 +490,19 @@ class HybridTrainer:
                     )
                 elapsed = time.perf_counter() - interval_start
                 counters["seconds"] += elapsed
+                staleness_mean = float(np.mean(interval_staleness))
+                progress_fields = {"loss": last_loss, "staleness": staleness_mean}
                 log.write(
                     "train",
                     step,
                     loss=last_loss,
                     samples_per_s=interval_samples / max(elapsed, 1e-9),
-                    staleness_mean=float(np.mean(interval_staleness)),
+                    staleness_mean=staleness_mean,
                     staleness_max=int(np.max(interval_staleness)),
                     samples=counters["samples"],
                     **phases.per_step(),
                 )
                 interval_start, interval_samples, interval_staleness = time.perf_counter(), 0, []
-                if progress:
-                    progress.update(0, loss=last_loss, staleness=float(self.gate.in_flight))
             if checkpoint_now:
                 paused = time.perf_counter()
                 try:
