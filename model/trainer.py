@@ -34,6 +34,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from embedding_store import EmbeddingStore
+from embedding_store.remote import connect, resolve_addresses
 from hybridrec import config as config_lib
 from hybridrec.errors import UserError
 from hybridrec.progress import Progress
@@ -72,6 +73,7 @@ class _Context:
     process_index: int
     process_count: int
     replicated_store: bool  # in-process shards in a multi-process job: one replica each
+    servers: tuple[str, ...]  # remote shard servers (config or $HYBRIDREC_EMBEDDING_SERVERS)
     feature_tables: dict[str, str]
     tables: list[Any]
     state: Any = None
@@ -143,35 +145,51 @@ def _setup(config: TrainConfig, *, distributed: dict[str, Any]) -> _Context:
             )
     feature_tables = {f.name: f.table for f in metadata.categorical}
     tables = [config.embedding.table(name) for name in dict.fromkeys(feature_tables.values())]
+    servers = tuple(resolve_addresses(config.embedding.servers) or ())
     return _Context(
         config=config,
         metadata=metadata,
         mesh=mesh,
         process_index=process_index,
         process_count=process_count,
-        replicated_store=process_count > 1 and not config.embedding.servers,
+        replicated_store=process_count > 1 and not servers,
+        servers=servers,
         feature_tables=feature_tables,
         tables=tables,
     )
 
 
-def _shards(context: _Context) -> tuple[int, Any]:
-    """(num_shards, shard objects or None for in-process)."""
-    if not context.config.embedding.servers:
-        return context.config.embedding.num_shards, None
-    from embedding_store.remote import connect
+def _open_store(
+    context: _Context,
+    checkpoints: RunCheckpoints | None,
+    step: int | None,
+    *,
+    remote: bool = True,
+) -> EmbeddingStore:
+    """The run's embedding store, restored to `step` when given.
 
-    shards = connect(list(context.config.embedding.servers), context.tables)
-    return len(shards), shards
-
-
-def _open_store(context: _Context, checkpoints: RunCheckpoints | None, step: int | None):
-    num_shards, shards = _shards(context)
-    if step is None:
-        return EmbeddingStore(context.tables, num_shards=num_shards, shards=shards)
-    return EmbeddingStore.restore(
-        checkpoints.embeddings_url, context.tables, step=step, num_shards=num_shards, shards=shards
+    Remote shards are shared by every process, so only process 0 loads a checkpoint
+    onto them and the others attach after it is done. With `remote=False` (evaluating
+    a checkpoint) the rows are restored into in-process shards even when servers are
+    configured, so the servers' live rows are never rolled back.
+    """
+    tables = context.tables
+    if not (remote and context.servers):
+        num_shards = context.config.embedding.num_shards
+        if step is None:
+            return EmbeddingStore(tables, num_shards=num_shards)
+        return EmbeddingStore.restore(
+            checkpoints.embeddings_url, tables, step=step, num_shards=num_shards
+        )
+    shards = connect(list(context.servers), tables)
+    if step is None or context.process_index != 0:
+        _barrier(context, f"restore-embeddings-{step}")
+        return EmbeddingStore(tables, num_shards=len(shards), shards=shards)
+    store = EmbeddingStore.restore(
+        checkpoints.embeddings_url, tables, step=step, num_shards=len(shards), shards=shards
     )
+    _barrier(context, f"restore-embeddings-{step}")
+    return store
 
 
 def _new_state(context: _Context) -> Any:
@@ -680,7 +698,7 @@ def evaluate_checkpoint(
     if step is None:
         raise UserError(f"{run_dir}: no complete checkpoint to evaluate")
     context.state = checkpoints.restore_dense(step, _new_state(context))
-    context.store = _open_store(context, checkpoints, step)
+    context.store = _open_store(context, checkpoints, step, remote=False)
     eval_step = make_eval_step(config.model, context.mesh)
     try:
         results = evaluate(

@@ -1,0 +1,70 @@
+"""Training against a real shard server, addressed through $HYBRIDREC_EMBEDDING_SERVERS."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from embedding_store import EmbeddingStore
+from embedding_store.remote import connect
+from embedding_store.server import start_servers, stop_servers
+from model.trainer import load_config
+from pipeline import read_metadata
+
+
+def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(
+    dataset, tmp_path, cli, small_model
+):
+    keys = small_model("data.max_steps=20", "checkpoint.every_steps=10")
+    settings = keys[1::2]  # the "key=value" items of the --set pairs
+    servers = start_servers(
+        1, num_shards=2, config="quickstart", data=dataset, overrides=settings, log_dir=tmp_path
+    )
+    env = {"HYBRIDREC_EMBEDDING_SERVERS": servers[0].address}
+    run_dir = tmp_path / "run"
+    try:
+        cli(
+            "train",
+            "--data",
+            str(dataset),
+            "--run-dir",
+            str(run_dir),
+            "--config",
+            "quickstart",
+            "--quiet",
+            *keys,
+            env=env,
+        )
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 20
+
+        config = load_config("quickstart", [*settings, f"data.path={json.dumps(str(dataset))}"])
+        metadata = read_metadata(dataset)
+        feature = metadata.categorical[0]
+        table_names = dict.fromkeys(f.table for f in metadata.categorical)
+        tables = [config.embedding.table(name) for name in table_names]
+        ids = pq.read_table(metadata.split_files("train")[0], columns=[feature.name])
+        ids = np.unique(ids.column(0).to_numpy()[:2000].astype(np.uint64))
+        remote = EmbeddingStore(tables, num_shards=2, shards=connect(servers[0].address, tables))
+
+        def server_rows():
+            return remote.lookup(feature.table, ids, train=False).result()
+
+        trained = server_rows()
+        assert np.abs(trained).sum() > 0
+        # the servers wrote the step-20 checkpoint: restored in-process, it equals their rows
+        with EmbeddingStore.restore(
+            str(run_dir / "checkpoints" / "embeddings"), tables, step=20, num_shards=1
+        ) as saved:
+            np.testing.assert_array_equal(
+                saved.lookup(feature.table, ids, train=False).result(), trained
+            )
+        # evaluating an older checkpoint restores it in-process, never onto the live servers
+        result = json.loads(
+            cli("evaluate", "--run", str(run_dir), "--step", "10", "--json", env=env).stdout
+        )
+        assert result["step"] == 10 and np.isfinite(result["logloss"])
+        np.testing.assert_array_equal(server_rows(), trained)
+    finally:
+        assert stop_servers(servers) == [0]
