@@ -221,5 +221,15 @@ def load(cls: type[T], preset: str | Path | None = None, overrides: Sequence[str
         try:
             return from_dict(cls, apply_overrides(data, overrides))
         except ConfigError as error:
-            raise ConfigError(f"{path}: {error}") from None
+            # Name the source of the mistake: the preset file, or the overrides on top of it.
+            source = f"{path} with overrides" if overrides and _loads(cls, data) else str(path)
+            raise ConfigError(f"{source}: {error}") from None
     return from_dict(cls, apply_overrides(data, overrides))
+
+
+def _loads(cls: type, data: Mapping[str, Any]) -> bool:
+    try:
+        from_dict(cls, data)
+    except ConfigError:
+        return False
+    return True

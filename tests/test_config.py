@@ -63,3 +63,18 @@ def test_toml_syntax_error_names_file(tmp_path):
     path.write_text("a = [1,\n")
     with pytest.raises(ConfigError, match="bad.toml"):
         config.read_toml(path)
+
+
+def test_load_names_the_preset_or_the_overrides(tmp_path):
+    preset = tmp_path / "preset.toml"
+    preset.write_text("rate = 0.5\n[inner]\nwidth = 2\n")
+    assert config.load(Outer, preset, ["inner.kind=b"]) == Outer(
+        rate=0.5, inner=Inner(width=2, kind="b")
+    )
+    with pytest.raises(
+        ConfigError, match=r"preset.toml with overrides: unknown config key inner\.wdth"
+    ):
+        config.load(Outer, preset, ["inner.wdth=3"])
+    preset.write_text("rat = 0.5\n")
+    with pytest.raises(ConfigError, match=r"preset.toml: unknown config key rat "):
+        config.load(Outer, preset, ["inner.width=3"])
