@@ -520,13 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="or: the training preset (with --data): the tables `hybridrec train` would build",
     )
     parser.add_argument("--data", help="with --config: preprocessed data dir (its feature spec)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="with --config: a training config override, e.g. embedding.dim=32",
+    config.add_override_flag(
+        parser, "with --config: a training config override, e.g. embedding.dim=32"
     )
     parser.add_argument("--num-shards", type=int, help="total shards across all servers")
     which = parser.add_mutually_exclusive_group()

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import tomllib
@@ -233,3 +234,10 @@ def _loads(cls: type, data: Mapping[str, Any]) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def add_override_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """Adds the repeatable `--set KEY=VALUE` flag every command uses for config overrides."""
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text
+    )

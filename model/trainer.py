@@ -578,13 +578,8 @@ class HybridTrainer:
 
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="preset name (hybridrec/configs) or TOML file")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set hybrid.staleness=0 (repeatable)",
+    config_lib.add_override_flag(
+        parser, "override a config key, e.g. --set hybrid.staleness=0 (repeatable)"
     )
     parser.add_argument(
         "positional_overrides", nargs="*", metavar="KEY=VALUE", help="more overrides"
