@@ -69,11 +69,19 @@ class Shard(Protocol):
         """Loads the rows of `manifest` that route to `shard_index` of `num_shards`: {table: rows}."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Releases the shard's resources; the shard is not used afterwards."""
+        ...
 
 
 class LocalShard:
-    """An in-process shard: one `ShardTable` per table, each with its own lock."""
+    """An in-process shard: one `ShardTable` per table, each with its own lock.
+
+    Args:
+        tables: configs of every table of the store.
+        shard_index: which shard this is; it hosts the ids that route to it.
+        num_shards: how many shards the store has.
+    """
 
     def __init__(self, tables: Sequence[TableConfig], *, shard_index: int = 0, num_shards: int = 1):
         self.shard_index = shard_index
@@ -100,22 +108,38 @@ class LocalShard:
     def lookup(
         self, requests: Mapping[str, np.ndarray], *, train: bool = True
     ) -> dict[str, np.ndarray]:
+        """See `Shard.lookup`: {table: ids [n] uint64} -> {table: rows [n, dim] float32}.
+
+        Raises:
+            UnknownTableError: a requested table is not hosted by this shard.
+        """
         return {name: self._table(name).lookup(ids, train=train) for name, ids in requests.items()}
 
     def apply_gradients(self, updates: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """See `Shard.apply_gradients`: {table: (ids [n] uint64, grads [n, dim] float32)}.
+
+        Raises:
+            UnknownTableError: an updated table is not hosted by this shard.
+        """
         for name, (ids, grads) in updates.items():
             self._table(name).apply_gradients(ids, grads)
 
     def set_step(self, step: int) -> None:
+        """See `Shard.set_step`; sets the step of every table (may run a TTL sweep)."""
         for table in self._tables.values():
             table.set_step(step)
 
     def stats(self) -> dict[str, dict[str, int]]:
+        """See `Shard.stats`: {table: counters} for every table of this shard."""
         return {name: table.stats() for name, table in self._tables.items()}
 
     def write_checkpoint(
         self, url: str, step: int, shard_index: int, *, num_shards: int, full: bool
     ) -> dict[str, dict[str, Any]]:
+        """See `Shard.write_checkpoint`: writes one part per table, returns their entries.
+
+        The snapshot marks are kept until `commit_checkpoint(step)`.
+        """
         entries, captures = {}, {}
         for name, table in self._tables.items():
             block, captures[name] = table.snapshot(full=full)
@@ -125,6 +149,7 @@ class LocalShard:
         return entries
 
     def commit_checkpoint(self, step: int) -> None:
+        """See `Shard.commit_checkpoint`; also drops marks of older uncommitted writes."""
         for name, capture in self._captures.pop(step, {}).items():
             self._tables[name].commit_snapshot(capture)
         self._captures.clear()  # older uncommitted attempts are superseded
@@ -132,6 +157,14 @@ class LocalShard:
     def load_checkpoint(
         self, url: str, manifest: Mapping[str, Any], shard_index: int, num_shards: int
     ) -> dict[str, int]:
+        """See `Shard.load_checkpoint`: applies each table's chain of parts in order.
+
+        Keeps only rows, deletions and admission counters (taken from the newest
+        snapshot of the chain) that route to `shard_index` of `num_shards`.
+
+        Returns:
+            {table: rows} the table holds after loading.
+        """
         loaded = {}
         for name, table in self._tables.items():
             groups = manifest["tables"][name]["chain"]
@@ -157,5 +190,6 @@ class LocalShard:
         return loaded
 
     def close(self) -> None:
+        """See `Shard.close`: closes every table's row storage."""
         for table in self._tables.values():
             table.close()

@@ -74,6 +74,7 @@ class RunCheckpoints:
 
     @property
     def manager(self) -> ocp.CheckpointManager:
+        """The Orbax manager of `checkpoints/dense/`, built on first use."""
         if self._manager is None:
             self._manager = make_checkpoint_manager(self.root / "dense", keep=self.keep)
         return self._manager
@@ -96,6 +97,14 @@ class RunCheckpoints:
         self.manager.wait_until_finished()
 
     def save_position(self, step: int, process_index: int, position: dict[str, Any]) -> None:
+        """Atomically writes one process's input position and counters for `step`.
+
+        Args:
+            step: the checkpoint step.
+            process_index: the writing process; each process writes its own file
+                `positions/<step>/process_<process_index>.json`.
+            position: a JSON-serializable dict (the reader position and run counters).
+        """
         directory = self.root / "positions" / f"{step:010d}"
         directory.mkdir(parents=True, exist_ok=True)
         _atomic_write(directory / f"process_{process_index}.json", json.dumps(position))
@@ -108,6 +117,12 @@ class RunCheckpoints:
             shutil.rmtree(old, ignore_errors=True)
 
     def read_position(self, step: int, process_index: int) -> dict[str, Any]:
+        """Reads the dict `save_position` wrote for `step` and `process_index`.
+
+        Raises:
+            UserError: the file is missing (the checkpoint was written by a job
+                with a different number of processes).
+        """
         path = self.root / "positions" / f"{step:010d}" / f"process_{process_index}.json"
         try:
             return json.loads(path.read_text())
@@ -146,6 +161,7 @@ class RunCheckpoints:
             shutil.rmtree(embeddings / f"step-{newer:012d}", ignore_errors=True)
 
     def close(self) -> None:
+        """Closes the Orbax manager if one was built; a later use builds a new one."""
         if self._manager is not None:
             self._manager.close()
             self._manager = None

@@ -39,6 +39,14 @@ except ImportError:  # pragma: no cover - only while the store is absent
 
     @dataclasses.dataclass(frozen=True)
     class RaggedIds:  # type: ignore[no-redef]
+        """A multi-valued feature: row b holds `values[offsets[b]:offsets[b + 1]]`.
+
+        Attributes:
+            values: [nnz] uint64 ids of all rows, concatenated.
+            offsets: [batch + 1] int64, offsets[0] == 0, non-decreasing,
+                offsets[-1] == nnz.
+        """
+
         values: np.ndarray
         offsets: np.ndarray
 
@@ -56,10 +64,12 @@ class DataPosition:
     batches: int = 0  # batches produced since the start of training
 
     def to_dict(self) -> dict[str, int]:
+        """The position as a JSON-serializable {field: int} dict."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DataPosition:
+        """The position saved by `to_dict`; every field must be present."""
         return cls(**{f.name: int(data[f.name]) for f in dataclasses.fields(cls)})
 
 
@@ -84,6 +94,7 @@ class Batch:
 
     @property
     def size(self) -> int:
+        """Rows in the batch, padding rows included."""
         return int(self.labels.shape[0])
 
 

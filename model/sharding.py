@@ -117,6 +117,17 @@ def batch_spec(ndim: int) -> P:
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """The sharding of one batch array: leading (example) dim over "data", the rest whole.
+
+    Args:
+        mesh: the device mesh.
+        ndim: rank of the array, e.g. 3 for embeddings [batch, features, dim] float32,
+            2 for dense [batch, num_dense] float32, 1 for labels [batch] float32.
+
+    Returns:
+        `NamedSharding(mesh, P("data", None, ...))` with `ndim` entries; replicated
+        over every other mesh axis.
+    """
     return NamedSharding(mesh, batch_spec(ndim))
 
 
@@ -125,14 +136,26 @@ BATCH_NDIMS: Mapping[str, int] = {"embeddings": 3, "dense": 2, "labels": 1}
 
 
 def train_batch_sharding(mesh: Mesh) -> dict[str, NamedSharding]:
+    """The shardings of the train step's batch dict, one per key of `BATCH_NDIMS`.
+
+    Args:
+        mesh: the device mesh.
+
+    Returns:
+        {"embeddings": for [batch, features, dim] float32, "dense": for
+        [batch, num_dense] float32, "labels": for [batch] float32}, each split over
+        "data" on the batch dim (see `batch_sharding`).
+    """
     return {key: batch_sharding(mesh, ndim) for key, ndim in BATCH_NDIMS.items()}
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+    """A sharding that places a full copy of the array on every device of `mesh`."""
     return NamedSharding(mesh, P())
 
 
 def data_parallel_size(mesh: Mesh) -> int:
+    """The size of the mesh's "data" axis: how many ways each batch is split."""
     return int(mesh.shape[DATA_AXIS])
 
 
