@@ -15,6 +15,7 @@ from embedding_store import (
     InitializerConfig,
     SparseOptimizerConfig,
     TableConfig,
+    TieringConfig,
 )
 from model.config import DenseOptimizerConfig, MeshConfig, ModelConfig
 
@@ -58,12 +59,20 @@ class EmbeddingConfig:
     admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)  # new ids
     eviction: EvictionConfig = dataclasses.field(default_factory=EvictionConfig)  # dropping rows
     storage_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # stored value dtype
-    num_shards: int = 4  # in-process shards (ignored with servers: the servers decide)
+    # hot rows in RAM, the rest in a tensorstore array on disk (tiering.ram_rows = 0: all in RAM)
+    tiering: TieringConfig = dataclasses.field(default_factory=TieringConfig)
+    # shards: in-process count (None = 4); with servers, None = what they host, and a number
+    # is checked against the servers' total shard count
+    num_shards: int | None = None
     # remote shard servers "host:port" (`hybridrec serve-embeddings`); empty = in-process shards
     servers: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.dim < 1 or self.capacity < 1 or self.num_shards < 1:
+        if (
+            self.dim < 1
+            or self.capacity < 1
+            or (self.num_shards is not None and self.num_shards < 1)
+        ):
             raise ValueError("embedding.dim, capacity and num_shards must be >= 1")
 
     def table(self, name: str) -> TableConfig:
@@ -76,6 +85,7 @@ class EmbeddingConfig:
             admission=self.admission,
             eviction=self.eviction,
             storage_dtype=self.storage_dtype,
+            tiering=self.tiering,
         )
 
 

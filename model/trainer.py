@@ -159,6 +159,9 @@ def _setup(config: TrainConfig, *, distributed: dict[str, Any]) -> _Context:
     )
 
 
+DEFAULT_LOCAL_SHARDS = 4  # in-process shards when embedding.num_shards is not set
+
+
 def _open_store(
     context: _Context,
     checkpoints: RunCheckpoints | None,
@@ -175,13 +178,19 @@ def _open_store(
     """
     tables = context.tables
     if not (remote and context.servers):
-        num_shards = context.config.embedding.num_shards
+        num_shards = context.config.embedding.num_shards or DEFAULT_LOCAL_SHARDS
         if step is None:
             return EmbeddingStore(tables, num_shards=num_shards)
         return EmbeddingStore.restore(
             checkpoints.embeddings_url, tables, step=step, num_shards=num_shards
         )
     shards = connect(list(context.servers), tables)
+    expected = context.config.embedding.num_shards
+    if expected is not None and expected != len(shards):
+        raise UserError(
+            f"embedding.num_shards = {expected}, but the servers {', '.join(context.servers)} "
+            f"host {len(shards)} shards; leave embedding.num_shards unset with servers"
+        )
     if step is None or context.process_index != 0:
         _barrier(context, f"restore-embeddings-{step}")
         return EmbeddingStore(tables, num_shards=len(shards), shards=shards)
@@ -564,6 +573,10 @@ class HybridTrainer:
             "staleness_bound": self.config.hybrid.staleness,
             "staleness_max": int(self.gate.max_staleness),
             "staleness_histogram": self.staleness_histogram.tolist(),
+            # totals over all tables (rows, admissions, evictions, cold-tier traffic, ...)
+            "embedding_store": {
+                key: value for key, value in self.context.store.stats().items() if key != "tables"
+            },
             "processes": self.context.process_count,
             "devices": int(self.context.mesh.devices.size),
             "run_dir": str(self.run_dir),
@@ -623,6 +636,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"  throughput      {summary['samples_per_s'] or 0:,.0f} samples/s",
         f"  staleness       max {summary['staleness_max']} (bound {summary['staleness_bound']})",
     ]
+    store = summary.get("embedding_store") or {}
+    if store:
+        lines.append(
+            f"  embeddings      {store.get('rows', 0):,} rows in {store.get('num_shards', 0)} shards, "
+            f"{store.get('evicted_lru', 0) + store.get('evicted_ttl', 0):,} evicted, "
+            f"{store.get('nonfinite_skipped', 0):,} non-finite updates skipped"
+        )
     if evaluation:
         lines.append(
             f"  eval            AUC {evaluation.get('auc', math.nan):.4f}  logloss "

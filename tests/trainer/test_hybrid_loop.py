@@ -11,6 +11,7 @@ import pytest
 from hybridrec import config as config_lib
 from model.train_config import TrainConfig
 from model.trainer import HybridTrainer
+from pipeline import read_metadata
 
 
 def _config(dataset, small_model, *extra):
@@ -120,3 +121,31 @@ def test_synchronous_single_shard_run_is_deterministic(dataset, small_model, tmp
     assert len(results[0][0]) == 25
     assert results[0] == results[1]
     assert np.isfinite(results[0][1])
+
+
+def test_tiered_embeddings_train_past_their_ram_budget(dataset, small_model, tmp_path, cli):
+    # 20 steps x 256 rows: the larger tables see far more distinct ids than 1000 RAM rows each
+    run_dir = tmp_path / "tiered"
+    keys = small_model(
+        "data.max_steps=20",
+        "embedding.num_shards=2",
+        "embedding.tiering.ram_rows=1000",
+        f"embedding.tiering.path={json.dumps(str(tmp_path / 'cold'))}",
+    )
+    cli(
+        "train",
+        "--data",
+        str(dataset),
+        "--run-dir",
+        str(run_dir),
+        "--config",
+        "quickstart",
+        "--quiet",
+        *keys,
+    )
+    store = json.loads((run_dir / "summary.json").read_text())["embedding_store"]
+    tables = len({feature.table for feature in read_metadata(dataset).categorical})
+    assert store["ram_rows"] == 1000 * tables and store["hot_rows"] <= store["ram_rows"]
+    assert store["rows"] > store["hot_rows"] and store["cold_writes"] > 0
+    assert store["ram_evictions"] > 0
+    assert any((tmp_path / "cold").iterdir())
