@@ -5,6 +5,7 @@ another number of servers, the handshake's misconfiguration errors, the token, a
 malformed or oversized requests that must leave the server serving and its rows intact.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -18,6 +19,7 @@ from embedding_store import (
     RaggedIds,
     SparseOptimizerConfig,
     TableConfig,
+    TieringConfig,
     shard_of,
 )
 from embedding_store import _wire as wire
@@ -154,6 +156,22 @@ def test_handshake_rejects_a_misconfigured_server_set(start_servers):
         connect(_addresses(mismatch), TABLES)
     with pytest.raises(RemoteShardError, match="says num_shards"):
         connect([_addresses(gap)[0], _addresses(overlap)[1]], TABLES)
+
+
+def test_a_server_may_tier_its_tables_without_the_client_knowing(start_servers, tmp_path):
+    tiered = [
+        dataclasses.replace(
+            table, tiering=TieringConfig(ram_rows=500, path=str(tmp_path / table.name))
+        )
+        for table in TABLES
+    ]
+    servers = start_servers([[0]], num_shards=1, tables=tiered)
+    with EmbeddingStore(TABLES, shards=connect(_addresses(servers), TABLES)) as remote:
+        for start in range(0, 1500, 300):  # more rows in all than the server keeps in RAM
+            ids = np.arange(start, start + 300, dtype=np.uint64)
+            grads = np.ones((300, TABLES[0].dim), np.float32)
+            remote.apply_gradients(TABLES[0].name, ids, grads).result()
+        assert remote.stats()["cold_writes"] > 0
 
 
 def test_addresses_from_flag_or_environment(monkeypatch):
