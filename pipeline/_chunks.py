@@ -1,9 +1,12 @@
-"""Input chunks: listing, reading in line-aligned blocks, and processing one chunk.
+"""Input chunks: listing, reading in line-aligned blocks or record batches, processing one chunk.
 
-An uncompressed file is cut into byte ranges of `chunk_bytes`; a line belongs
+An uncompressed text file is cut into byte ranges of `chunk_bytes`; a line belongs
 to the chunk holding its first byte. A compressed file (.gz) is one chunk. Each
-chunk is read in blocks of about `block_bytes` that end on a line boundary, so
-memory per worker stays bounded whatever the file size.
+text chunk is read in blocks of about `block_bytes` that end on a line boundary, so
+memory per worker stays bounded whatever the file size. A Parquet file is cut into
+runs of whole row groups of about `chunk_bytes` (compressed) and read in record
+batches of `block_bytes // 256` rows (65,536 at 16 MB); its rows are numbered like
+lines, so the split and statistics are the same for both formats.
 
 Everything here is independent of Beam: the Beam job (`pipeline.job`) and the
 single-process benchmark baseline call the same functions.
@@ -24,32 +27,22 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
 from hybridrec.errors import UserError
-from pipeline import hashing
-from pipeline._parse import BlockParser
+from pipeline import _parquet, hashing
+from pipeline._errors import InputError
+from pipeline._parse import BlockParser, ParsedBlock
 from pipeline.spec import FeatureSpec
 from pipeline.stats import PartialStats
 
 ROW_GROUP_ROWS = 65_536
-INPUT_ERROR_MARK = "hybridrec-input-error"
-
-
-class InputError(UserError):
-    """Input that stops the job (truncated gzip, header mismatch); names file and line."""
-
-    def __init__(self, message: str):
-        # The marker lets the launcher recover the message from a runner's wrapped error
-        # (runners re-raise with extra text appended, sometimes through this constructor).
-        if INPUT_ERROR_MARK not in message:
-            message = f"[{INPUT_ERROR_MARK}] {message} [/{INPUT_ERROR_MARK}]"
-        super().__init__(message)
-        self.plain = message.split(f"[{INPUT_ERROR_MARK}] ", 1)[-1].split(
-            f" [/{INPUT_ERROR_MARK}]"
-        )[0]
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """A piece of one input file; `end` < 0 means to the end of the file."""
+    """A piece of one input file.
+
+    Text: bytes `start`..`end` (`end` < 0: to the end of the file). Parquet: row
+    groups `start`..`end` (exclusive), holding `rows` rows in `data_bytes` bytes.
+    """
 
     file_index: int
     path: str
@@ -57,6 +50,9 @@ class Chunk:
     start: int
     end: int
     size: int  # bytes of the file (compressed size for .gz)
+    format: str = "text"  # "text" or "parquet"
+    rows: int = -1  # parquet: rows of the chunk's row groups
+    data_bytes: int = -1  # parquet: compressed bytes of the chunk's row groups
 
     @property
     def key(self) -> str:
@@ -64,14 +60,34 @@ class Chunk:
 
     @property
     def compressed(self) -> bool:
-        return self.path.endswith(".gz")
+        return self.format == "text" and self.path.endswith(".gz")
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of input this chunk reads (for progress and runner sizing)."""
+        if self.data_bytes >= 0:
+            return self.data_bytes
+        return self.size if self.end < 0 else self.end - self.start
 
 
-def list_chunks(patterns: Sequence[str], chunk_bytes: int) -> list[Chunk]:
+def list_chunks(
+    patterns: Sequence[str],
+    chunk_bytes: int,
+    *,
+    spec: FeatureSpec | None = None,
+    input_format: str = "auto",
+) -> list[Chunk]:
     """Expands paths/globs (local or any Beam filesystem) into chunks, in input order.
 
+    Args:
+        input_format: "auto" (Parquet for `.parquet`/`.pq` names, text otherwise),
+            "text" or "parquet".
+        spec: when given, each Parquet file's schema is checked against it here,
+            before any processing starts.
+
     Raises:
-        UserError: a pattern matches nothing, or a path is a directory.
+        UserError: a pattern matches nothing, a path is a directory, or a Parquet file
+            is unreadable or lacks (or mistypes) a column of the spec.
     """
     chunks: list[Chunk] = []
     file_index = 0
@@ -86,7 +102,18 @@ def list_chunks(patterns: Sequence[str], chunk_bytes: int) -> list[Chunk]:
             path, size = metadata.path, metadata.size_in_bytes
             if "://" not in path and os.path.isdir(path):
                 raise UserError(f"input {path} is a directory; pass its files or a glob ({path}/*)")
-            if path.endswith(".gz") or size <= chunk_bytes:
+            if _parquet.is_parquet(path, input_format):
+                try:
+                    groups = _parquet.row_group_chunks(path, spec, chunk_bytes)
+                except InputError as error:
+                    raise UserError(error.plain) from None
+                for index, (start, end, rows, data_bytes) in enumerate(groups):
+                    chunks.append(
+                        Chunk(
+                            file_index, path, index, start, end, size, "parquet", rows, data_bytes
+                        )
+                    )
+            elif path.endswith(".gz") or size <= chunk_bytes:
                 chunks.append(Chunk(file_index, path, 0, 0, -1, size))
             else:
                 starts = range(0, size, chunk_bytes)
@@ -189,7 +216,9 @@ def read_blocks(chunk: Chunk, block_bytes: int, position: list[int] | None = Non
 
 
 def count_lines(chunk: Chunk, block_bytes: int) -> int:
-    """Lines in `chunk` (a last line without newline counts)."""
+    """Lines in `chunk` (a last line without newline counts); rows for Parquet."""
+    if chunk.format == "parquet":
+        return chunk.rows
     return sum(
         block.count(b"\n") + (not block.endswith(b"\n"))
         for block in read_blocks(chunk, block_bytes)
@@ -263,17 +292,21 @@ def process_chunk(
     block_bytes: int,
     compression: str = "zstd",
     progress_path: str | None = None,
+    parquet_parser: _parquet.ParquetParser | None = None,
 ) -> tuple[PartialStats, list[str]]:
-    """Parses, validates, hashes, splits and writes one chunk.
+    """Parses, validates, hashes, splits and writes one chunk (text or Parquet).
 
     Args:
-        first_line: 0-based line index of the chunk's first line within its file.
+        first_line: 0-based line (Parquet: row) index of the chunk's first line within its file.
         global_first_line: the same, counted over all input files in order.
         temp_dir: where the chunk's Parquet files go (`<split>/chunk-<key>.parquet`).
         progress_path: optional local file updated with {"bytes", "rows"} after each block.
+        parquet_parser: reused for Parquet chunks (built here when not given).
 
     Returns:
-        (partial statistics, rejected rows as JSON lines).
+        (partial statistics, rejected rows as JSON lines). A rejected text line is
+        `{"file", "line" (1-based), "reason", "detail", "text"}`; a rejected Parquet row
+        `{"file", "row" (0-based index in the file), "reason", "detail", "values"}`.
     """
     stats = PartialStats()
     rejected: list[str] = []
@@ -285,33 +318,25 @@ def process_chunk(
         )
         for name in ("train", "eval")
     }
-    position = [0]
+    hash_split = split.mode == "hash"
+    if chunk.format == "parquet":
+        parquet_parser = parquet_parser or _parquet.ParquetParser(spec)
+        blocks = _parquet_blocks(chunk, spec, parquet_parser, first_line, block_bytes, hash_split)
+    else:
+        blocks = _text_blocks(chunk, spec, parser, first_line, block_bytes, hash_split)
     line = first_line
-    header_pending = spec.header and first_line == 0
-    for block in read_blocks(chunk, block_bytes, position):
-        block_first = line
-        if header_pending:
-            header_pending = False
-            block = _strip_header(block, spec, chunk.path)
-            line += 1
-            block_first = line
-        parsed = parser.parse(block, row_hashes=split.mode == "hash")
-        line += parsed.lines
+    for block_first, parsed, consumed in blocks:
+        line = block_first + parsed.lines
         stats.rows_read += parsed.lines
         stats.crlf_lines += parsed.crlf_lines
-        for offset, reason, detail, text in parsed.rejected:
+        for offset, reason, detail, shown in parsed.rejected:
             stats.rejected_by_reason[reason] = stats.rejected_by_reason.get(reason, 0) + 1
-            rejected.append(
-                json.dumps(
-                    {
-                        "file": chunk.path,
-                        "line": block_first + offset + 1,
-                        "reason": reason,
-                        "detail": detail,
-                        "text": text,
-                    }
-                )
-            )
+            if chunk.format == "parquet":
+                where, what = {"row": block_first + offset}, {"values": shown}
+            else:
+                where, what = {"line": block_first + offset + 1}, {"text": shown}
+            record = {"file": chunk.path, **where, "reason": reason, "detail": detail, **what}
+            rejected.append(json.dumps(record))
         global_lines = global_first_line + (block_first - first_line) + parsed.line_offsets
         is_eval = split.is_eval(global_lines, parsed.row_hashes)
         for name, mask in (("train", ~is_eval), ("eval", is_eval)):
@@ -321,7 +346,6 @@ def process_chunk(
             if name == "train":
                 stats.add_table(part, spec)
         if progress_path is not None:
-            consumed = position[0] - (0 if chunk.compressed else chunk.start)
             _write_progress(progress_path, consumed, line - first_line)
     if line == 0 and chunk.chunk_index == 0:
         stats.empty_files.append(chunk.path)
@@ -330,6 +354,65 @@ def process_chunk(
         if rows:
             stats.files.append((name, chunk.key, rows))
     return stats, rejected
+
+
+def _text_blocks(
+    chunk: Chunk,
+    spec: FeatureSpec,
+    parser: BlockParser,
+    first_line: int,
+    block_bytes: int,
+    row_hashes: bool,
+) -> Iterator[tuple[int, ParsedBlock, int]]:
+    """(line index in the file of the block's first line, parsed block, input bytes consumed)."""
+    position = [0]
+    line = first_line
+    header_pending = spec.header and first_line == 0
+    for block in read_blocks(chunk, block_bytes, position):
+        if header_pending:
+            header_pending = False
+            block = _strip_header(block, spec, chunk.path)
+            line += 1
+        parsed = parser.parse(block, row_hashes=row_hashes)
+        yield line, parsed, position[0] - (0 if chunk.compressed else chunk.start)
+        line += parsed.lines
+
+
+def _parquet_blocks(
+    chunk: Chunk,
+    spec: FeatureSpec,
+    parser: _parquet.ParquetParser,
+    first_row: int,
+    block_bytes: int,
+    row_hashes: bool,
+) -> Iterator[tuple[int, ParsedBlock, int]]:
+    """(row index in the file of the batch's first row, parsed batch, input bytes consumed)."""
+    row = first_row
+    batch_rows = max(1, block_bytes // 256)
+    batches = _parquet.read_batches(
+        chunk.path,
+        spec,
+        range(chunk.start, chunk.end),
+        batch_rows,
+        extra_columns=parser.unused_columns if row_hashes else (),
+    )
+    pending: list[pa.RecordBatch] = []
+    pending_rows = 0
+    for batch in [*batches, None]:
+        if batch is not None:
+            # small row groups give small batches: parse at least `batch_rows` rows at once
+            pending.append(batch)
+            pending_rows += batch.num_rows
+            if pending_rows < batch_rows:
+                continue
+        if not pending:
+            break
+        merged = pending[0] if len(pending) == 1 else pa.concat_batches(pending)
+        pending, pending_rows = [], 0
+        parsed = parser.parse(merged, row_hashes=row_hashes)
+        done = row + parsed.lines - first_row
+        yield row, parsed, chunk.data_bytes * done // max(chunk.rows, 1)
+        row += parsed.lines
 
 
 def _strip_header(block: bytes, spec: FeatureSpec, path: str) -> bytes:

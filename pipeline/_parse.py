@@ -25,8 +25,9 @@ REASONS = (
     "bad_label",
     "non_numeric_dense",
     "int64_overflow",
+    "non_finite_dense",
 )
-_REASON_CODE = {reason: code for code, reason in enumerate(REASONS, start=1)}
+REASON_CODE = {reason: code for code, reason in enumerate(REASONS, start=1)}
 _MAX_REJECTED_TEXT = 4096
 _INT_PATTERN = re.compile(rb"[+-]?[0-9]+")
 _INT64_MAX = 2**63 - 1
@@ -140,7 +141,7 @@ def _parse_floats(buffer, starts, lengths):
     return values, missing, non_numeric, np.zeros(starts.shape, bool)
 
 
-def _transform_dense(values: np.ndarray, missing: np.ndarray, transform: str) -> np.ndarray:
+def transform_dense(values: np.ndarray, missing: np.ndarray, transform: str) -> np.ndarray:
     values = values.astype(np.float64)
     values[missing] = 0.0
     if transform == "log1p":
@@ -187,7 +188,7 @@ class BlockParser:
         reasons = np.zeros(num_lines, np.int8)
         details: dict[int, str] = {}
         for line in np.flatnonzero(fields_per_line != self.num_columns):
-            reasons[line] = _REASON_CODE["wrong_field_count"]
+            reasons[line] = REASON_CODE["wrong_field_count"]
             details[line] = f"{fields_per_line[line]} fields, expected {self.num_columns}"
         if num_lines and buffer.max() >= 0x80:
             for line in np.unique(np.searchsorted(newlines, np.flatnonzero(buffer >= 0x80))):
@@ -195,7 +196,7 @@ class BlockParser:
                     buffer[line_starts[line] : newlines[line]].tobytes().decode("utf-8")
                 except UnicodeDecodeError as error:
                     if not reasons[line]:
-                        reasons[line] = _REASON_CODE["invalid_utf8"]
+                        reasons[line] = REASON_CODE["invalid_utf8"]
                         details[line] = f"byte {error.start + 1} of the line"
 
         good = np.flatnonzero(reasons == 0)
@@ -213,7 +214,7 @@ class BlockParser:
                 (label_char == ord("0")) | (label_char == ord("1"))
             )
             for row in np.flatnonzero(~label_ok):
-                row_bad[row] = _REASON_CODE["bad_label"]
+                row_bad[row] = REASON_CODE["bad_label"]
                 raw = buffer[label_start[row] : ends[row, self.label_column]].tobytes()
                 details[good[row]] = (
                     f"label {raw.decode('utf-8', 'backslashreplace')!r} is not 0 or 1"
@@ -226,11 +227,17 @@ class BlockParser:
         dense_lengths = lengths[:, self.dense_columns]
         parse_dense = _parse_ints if self.spec.dense_type == "int64" else _parse_floats
         values, missing, non_numeric, overflow = parse_dense(buffer, dense_starts, dense_lengths)
-        for reason, cells in (("non_numeric_dense", non_numeric), ("int64_overflow", overflow)):
+        # "nan" and "inf" parse as floats; they are rejected like any non-finite value
+        non_finite = ~np.isfinite(values) & ~missing & ~non_numeric
+        for reason, cells in (
+            ("non_numeric_dense", non_numeric),
+            ("int64_overflow", overflow),
+            ("non_finite_dense", non_finite),
+        ):
             for row, column in zip(*np.nonzero(cells), strict=True):
                 if row_bad[row]:
                     continue
-                row_bad[row] = _REASON_CODE[reason]
+                row_bad[row] = REASON_CODE[reason]
                 raw = buffer[
                     dense_starts[row, column] : dense_starts[row, column]
                     + dense_lengths[row, column]
@@ -243,7 +250,7 @@ class BlockParser:
         rows = good[keep]
         words = hashing.padded_words(buffer)
         columns = [pa.array(labels[keep])]
-        dense = _transform_dense(values[keep], missing[keep], self.spec.dense_transform)
+        dense = transform_dense(values[keep], missing[keep], self.spec.dense_transform)
         columns += [pa.array(dense[:, j]) for j in range(dense.shape[1])]
         categorical = self._single_valued_ids(words, starts[keep], lengths[keep])
         categorical.update(self._multi_valued_ids(buffer, starts[keep], lengths[keep]))
@@ -284,21 +291,33 @@ class BlockParser:
         for prefix, feature in self.multi:
             column = self.spec.column_index(feature.name)
             fields = _gather_strings(buffer, starts[:, column], lengths[:, column])
-            lists = pc.split_pattern(fields, feature.separator)
-            values = lists.flatten()
-            offsets = np.frombuffer(values.buffers()[1], np.int64)[
-                values.offset : values.offset + len(values) + 1
-            ]
-            data = values.buffers()[2]
-            value_buffer = (
-                np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+            result[feature.name] = split_multi_valued_ids(
+                fields, feature.separator, prefix, self.spec.prefix_bits
             )
-            value_lengths = np.diff(offsets)
-            raw = hashing.hash_fields(
-                hashing.padded_words(value_buffer), offsets[:-1], value_lengths
-            )
-            ids = hashing.feature_ids(raw, value_lengths == 0, prefix, self.spec.prefix_bits)
-            list_offsets = lists.offsets.to_numpy().astype(np.int32)
-            list_offsets = list_offsets - list_offsets[0]
-            result[feature.name] = pa.ListArray.from_arrays(pa.array(list_offsets), pa.array(ids))
         return result
+
+
+def hash_binary_array(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Raw hashes and byte lengths of the values of a large_binary array (null: length 0)."""
+    n = len(array)
+    if n == 0:
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+    offsets = np.frombuffer(array.buffers()[1], np.int64)[array.offset : array.offset + n + 1]
+    data = array.buffers()[2]
+    buffer = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+    lengths = np.diff(offsets)
+    if array.null_count:
+        lengths = np.where(array.is_null().to_numpy(zero_copy_only=False), 0, lengths)
+    return hashing.hash_fields(hashing.padded_words(buffer), offsets[:-1], lengths), lengths
+
+
+def split_multi_valued_ids(
+    fields: pa.Array, separator: str, prefix: int, prefix_bits: int
+) -> pa.ListArray:
+    """list<uint64> ids of separator-joined fields (large_binary, no nulls); "" is missing."""
+    lists = pc.split_pattern(fields, separator)
+    hashes, value_lengths = hash_binary_array(lists.flatten())
+    ids = hashing.feature_ids(hashes, value_lengths == 0, prefix, prefix_bits)
+    list_offsets = lists.offsets.to_numpy().astype(np.int32)
+    list_offsets = list_offsets - list_offsets[0]
+    return pa.ListArray.from_arrays(pa.array(list_offsets), pa.array(ids))

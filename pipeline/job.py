@@ -49,7 +49,7 @@ from apache_beam.options.pipeline_options import (  # noqa: E402
 
 from hybridrec.errors import UserError  # noqa: E402
 from hybridrec.progress import Progress  # noqa: E402
-from pipeline import _chunks, hashing, metadata  # noqa: E402
+from pipeline import _chunks, _errors, _parquet, hashing, metadata  # noqa: E402
 from pipeline._parse import BlockParser  # noqa: E402
 from pipeline.spec import FeatureSpec, load_spec  # noqa: E402
 from pipeline.stats import DatasetStatsFn, PartialStats  # noqa: E402
@@ -84,6 +84,7 @@ class _ProcessChunkFn(beam.DoFn):
 
     def setup(self):
         self.parser = BlockParser(self.spec)
+        self.parquet_parser = _parquet.ParquetParser(self.spec)
 
     def process(self, chunk: _chunks.Chunk, line_counts: dict):
         file_lines: dict[int, int] = {}
@@ -116,6 +117,7 @@ class _ProcessChunkFn(beam.DoFn):
             block_bytes=self.block_bytes,
             compression=self.compression,
             progress_path=progress_path,
+            parquet_parser=self.parquet_parser,
         )
         self.rows_read.inc(stats.rows_read)
         self.rows_written.inc(sum(stats.rows_by_split.values()))
@@ -169,7 +171,7 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="hybridrec preprocess",
         description=(
-            "Raw click logs (TSV/CSV, .gz, globs) -> sharded Parquet + metadata.json. "
+            "Raw click logs (TSV/CSV, .gz, Parquet, globs) -> sharded Parquet + metadata.json. "
             "Arguments not listed here are Beam pipeline options (e.g. --runner DataflowRunner "
             "--project P --region R --temp_location gs://...), passed through untouched."
         ),
@@ -181,6 +183,8 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "--output", "-o", required=True, help="output directory (local or gs://, s3://)"
     )
     parser.add_argument("--spec", default="criteo", help="built-in spec name or spec TOML file")
+    parser.add_argument("--input-format", choices=_parquet.INPUT_FORMATS, default="auto",
+                        help="auto: .parquet/.pq files are Parquet, others text; or force text/parquet")  # fmt: skip
     parser.add_argument("--split", choices=("position", "hash"), default="position",
                         help="position: last --eval-fraction of input lines is eval; hash: by row hash")  # fmt: skip
     parser.add_argument(
@@ -223,7 +227,7 @@ def pipeline_options(
     if standard.runner in (None, "DirectRunner", "direct"):
         standard.runner = standard.runner or "DirectRunner"
         direct = options.view_as(DirectOptions)
-        total = sum(chunk.size if chunk.end < 0 else chunk.end - chunk.start for chunk in chunks)
+        total = sum(chunk.input_bytes for chunk in chunks)
         parallel = len(chunks) > 1 and total >= MULTI_PROCESS_MIN_BYTES
         if not any(arg.startswith("--direct_running_mode") for arg in beam_args):
             direct.direct_running_mode = "multi_processing" if parallel else "in_memory"
@@ -324,7 +328,7 @@ def _run_with_progress(pipeline, progress_dir: str | None, total_bytes: int, qui
     if failure:
         error = failure[0]
         match = re.search(
-            rf"\[{_chunks.INPUT_ERROR_MARK}\] (.*?) \[/{_chunks.INPUT_ERROR_MARK}\]",
+            rf"\[{_errors.INPUT_ERROR_MARK}\] (.*?) \[/{_errors.INPUT_ERROR_MARK}\]",
             str(error),
             re.S,
         )
@@ -374,6 +378,7 @@ def _finalize(out: str, temp_dir: str, spec, stats: PartialStats, args, options,
         "splits": splits,
         "split_rule": {"mode": args.split, "eval_fraction": args.eval_fraction},
         "inputs": list(args.input),
+        "input_format": args.input_format,
         "input_files": list(dict.fromkeys(chunk.path for chunk in chunks)),
         **summary,
         "rejected_files": sorted(
@@ -400,7 +405,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
     """
     args, beam_args = _parse_args(argv or [])
     spec = load_spec(args.spec)
-    chunks = _chunks.list_chunks(args.input, int(args.chunk_mb * 2**20))
+    chunks = _chunks.list_chunks(
+        args.input, int(args.chunk_mb * 2**20), spec=spec, input_format=args.input_format
+    )
     out = args.output.rstrip("/")
     _prepare_output(out, args.overwrite)
     temp_dir = FileSystems.join(out, TEMP_DIR)
@@ -435,7 +442,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     _ = outputs["rejected"] | "WriteRejected" >> beam.io.WriteToText(
         FileSystems.join(out, "rejected", "rejected"), file_name_suffix=".jsonl"
     )
-    total_bytes = sum(chunk.size if chunk.end < 0 else chunk.end - chunk.start for chunk in chunks)
+    total_bytes = sum(chunk.input_bytes for chunk in chunks)
     direct = options.view_as(StandardOptions).runner in ("DirectRunner", "direct")
     log_path = os.path.join(temp_dir, "beam-workers.log") if local and direct else None
     progress = _run_with_progress(pipeline, progress_dir, total_bytes, args.quiet, log_path)
