@@ -248,6 +248,8 @@ def _spawn(arguments: list[str], token: str | None, log_path) -> _Starting:
     environment.pop(TOKEN_ENV, None)
     if token:
         environment[TOKEN_ENV] = token  # never on the command line (visible in `ps`)
+    if log_path:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (lives with the process)
     try:
         process = subprocess.Popen(

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -12,6 +17,8 @@ from embedding_store.remote import connect
 from embedding_store.server import start_servers, stop_servers
 from model.trainer import load_config
 from pipeline import read_metadata
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(
@@ -68,3 +75,73 @@ def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(
         np.testing.assert_array_equal(server_rows(), trained)
     finally:
         assert stop_servers(servers) == [0]
+
+
+def _last_step(run_dir):
+    try:
+        return json.loads((run_dir / "checkpoints" / "LAST").read_text())["step"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def test_server_killed_mid_training_then_restarted_from_its_checkpoint(
+    dataset, tmp_path, cli, small_model
+):
+    total = 60
+    keys = small_model(f"data.max_steps={total}", "checkpoint.every_steps=10")
+    settings = keys[1::2]
+    servers = start_servers(
+        1, num_shards=2, config="quickstart", data=dataset, overrides=settings, log_dir=tmp_path
+    )
+    run_dir = tmp_path / "run"
+    env = {
+        **os.environ,
+        "HYBRIDREC_EMBEDDING_SERVERS": servers[0].address,
+        "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT": "3",
+    }
+    command = [sys.executable, "-m", "hybridrec", "train", "--data", str(dataset)]
+    command += ["--run-dir", str(run_dir), "--config", "quickstart", "--quiet", *keys]
+    trainer = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while (_last_step(run_dir) or 0) < 10:
+            assert trainer.poll() is None, trainer.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.05)
+        servers[0].kill()  # SIGKILL: the server's rows since its last checkpoint are gone
+        _, stderr = trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    # the trainer gives up after the retry timeout with an error naming the server
+    assert trainer.returncode == 2, stderr[-3000:]
+    assert "hybridrec train: error:" in stderr and servers[0].address.split(":")[-1] in stderr
+    assert "Traceback" not in stderr
+    committed = _last_step(run_dir)
+    assert committed is not None and committed < total
+
+    # a new server restored from the last committed checkpoint, and the trainer resumes
+    restarted = start_servers(
+        1,
+        num_shards=2,
+        config="quickstart",
+        data=dataset,
+        overrides=settings,
+        restore=str(run_dir / "checkpoints" / "embeddings"),
+        log_dir=tmp_path / "restarted",
+    )
+    try:
+        env = {"HYBRIDREC_EMBEDDING_SERVERS": restarted[0].address}
+        cli("train", "--run-dir", str(run_dir), "--resume", "--quiet", env=env)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["steps"] == total and summary["checkpoint_step"] == total
+    finally:
+        assert stop_servers(restarted) == [0]
