@@ -20,10 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "preprocess": ("pipeline.job:main", "Beam job: raw logs -> sharded Parquet + metadata.json"),
     "train": (
-        "model.trainer:main",
+        "model.train_cli:main",
         "train a model with the hybrid (async embedding, sync dense) loop",
     ),
-    "evaluate": ("model.trainer:evaluate_main", "evaluate a checkpoint on a data split"),
+    "evaluate": ("model.train_cli:evaluate_main", "evaluate a checkpoint on a data split"),
     "plot": ("model.plots:main", "write PNG training curves for a run directory"),
     "serve-embeddings": (
         "embedding_store.server:main",
