@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -52,6 +55,62 @@ def hybridrec(
 def overrides(*extra: str) -> list[str]:
     """`--set` arguments for the small model plus `extra` keys."""
     return [item for key in (*SMALL_MODEL, *extra) for item in ("--set", key)]
+
+
+def train_args(dataset: Path, run_dir: Path, *extra: str) -> list[str]:
+    """`train` arguments: the quickstart preset on `dataset`, writing `run_dir`, plus `extra`."""
+    return [
+        "train",
+        "--data",
+        str(dataset),
+        "--run-dir",
+        str(run_dir),
+        "--config",
+        "quickstart",
+        *extra,
+    ]
+
+
+def start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """Starts `hybridrec *args` in the background; its stderr (text) explains a failure."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hybridrec", *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def last_checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the run's newest committed checkpoint (its LAST marker), if any."""
+    try:
+        return json.loads((run_dir / "checkpoints" / "LAST").read_text())["step"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def wait_for_checkpoint(
+    process: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180
+) -> None:
+    """Waits until `run_dir` commits a checkpoint at `step` or later; fails if `process` exits."""
+    deadline = time.monotonic() + timeout
+    while (last_checkpoint_step(run_dir) or 0) < step:
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint at step {step} within {timeout} s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def training():
+    """Helpers for runs of `hybridrec train`: args, start, last_step, wait_for_checkpoint."""
+    return types.SimpleNamespace(
+        args=train_args,
+        start=start,
+        last_step=last_checkpoint_step,
+        wait_for_checkpoint=wait_for_checkpoint,
+    )
 
 
 @pytest.fixture(scope="session")

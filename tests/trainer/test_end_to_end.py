@@ -80,19 +80,13 @@ def logistic_regression_auc(dataset, epochs=2, learning_rate=0.1, batch=256):
     return _auc(scores, eval_labels)
 
 
-def test_cli_train_evaluate_plot_beats_logistic_regression(dataset, tmp_path, cli, small_model):
+def test_cli_train_evaluate_plot_beats_logistic_regression(
+    dataset, tmp_path, cli, small_model, training
+):
     hybridrec, overrides = cli, small_model
     run_dir = tmp_path / "run"
-    train = hybridrec(
-        "train",
-        "--data",
-        str(dataset),
-        "--run-dir",
-        str(run_dir),
-        "--config",
-        "quickstart",
-        *overrides("data.epochs=2", "checkpoint.every_steps=100", "eval.every_steps=100"),
-    )
+    keys = overrides("data.epochs=2", "checkpoint.every_steps=100", "eval.every_steps=100")
+    train = hybridrec(*training.args(dataset, run_dir, *keys))
     assert "training finished" in train.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["staleness_max"] <= 4

@@ -123,7 +123,9 @@ def test_synchronous_single_shard_run_is_deterministic(dataset, small_model, tmp
     assert np.isfinite(results[0][1])
 
 
-def test_tiered_embeddings_train_past_their_ram_budget(dataset, small_model, tmp_path, cli):
+def test_tiered_embeddings_train_past_their_ram_budget(
+    dataset, small_model, tmp_path, cli, training
+):
     # 20 steps x 256 rows: the larger tables see far more distinct ids than 1000 RAM rows each
     run_dir = tmp_path / "tiered"
     keys = small_model(
@@ -132,17 +134,7 @@ def test_tiered_embeddings_train_past_their_ram_budget(dataset, small_model, tmp
         "embedding.tiering.ram_rows=1000",
         f"embedding.tiering.path={json.dumps(str(tmp_path / 'cold'))}",
     )
-    cli(
-        "train",
-        "--data",
-        str(dataset),
-        "--run-dir",
-        str(run_dir),
-        "--config",
-        "quickstart",
-        "--quiet",
-        *keys,
-    )
+    cli(*training.args(dataset, run_dir, "--quiet", *keys))
     store = json.loads((run_dir / "summary.json").read_text())["embedding_store"]
     tables = len({feature.table for feature in read_metadata(dataset).categorical})
     assert store["ram_rows"] == 1000 * tables and store["hot_rows"] <= store["ram_rows"]

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -18,11 +13,9 @@ from embedding_store.server import start_servers, stop_servers
 from model.trainer import load_config
 from pipeline import read_metadata
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(
-    dataset, tmp_path, cli, small_model
+    dataset, tmp_path, cli, small_model, training
 ):
     keys = small_model("data.max_steps=20", "checkpoint.every_steps=10")
     settings = keys[1::2]  # the "key=value" items of the --set pairs
@@ -32,18 +25,7 @@ def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(
     env = {"HYBRIDREC_EMBEDDING_SERVERS": servers[0].address}
     run_dir = tmp_path / "run"
     try:
-        cli(
-            "train",
-            "--data",
-            str(dataset),
-            "--run-dir",
-            str(run_dir),
-            "--config",
-            "quickstart",
-            "--quiet",
-            *keys,
-            env=env,
-        )
+        cli(*training.args(dataset, run_dir, "--quiet", *keys), env=env)
         assert json.loads((run_dir / "summary.json").read_text())["steps"] == 20
 
         config = load_config("quickstart", [*settings, f"data.path={json.dumps(str(dataset))}"])
@@ -77,15 +59,8 @@ def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(
         assert stop_servers(servers) == [0]
 
 
-def _last_step(run_dir):
-    try:
-        return json.loads((run_dir / "checkpoints" / "LAST").read_text())["step"]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def test_server_killed_mid_training_then_restarted_from_its_checkpoint(
-    dataset, tmp_path, cli, small_model
+    dataset, tmp_path, cli, small_model, training
 ):
     total = 60
     keys = small_model(f"data.max_steps={total}", "checkpoint.every_steps=10")
@@ -95,26 +70,12 @@ def test_server_killed_mid_training_then_restarted_from_its_checkpoint(
     )
     run_dir = tmp_path / "run"
     env = {
-        **os.environ,
         "HYBRIDREC_EMBEDDING_SERVERS": servers[0].address,
         "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT": "3",
     }
-    command = [sys.executable, "-m", "hybridrec", "train", "--data", str(dataset)]
-    command += ["--run-dir", str(run_dir), "--config", "quickstart", "--quiet", *keys]
-    trainer = subprocess.Popen(
-        command,
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    trainer = training.start(*training.args(dataset, run_dir, "--quiet", *keys), env=env)
     try:
-        deadline = time.monotonic() + 180
-        while (_last_step(run_dir) or 0) < 10:
-            assert trainer.poll() is None, trainer.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint within 180 s"
-            time.sleep(0.05)
+        training.wait_for_checkpoint(trainer, run_dir, 10)
         servers[0].kill()  # SIGKILL: the server's rows since its last checkpoint are gone
         _, stderr = trainer.communicate(timeout=120)
     finally:
@@ -125,7 +86,7 @@ def test_server_killed_mid_training_then_restarted_from_its_checkpoint(
     assert trainer.returncode == 2, stderr[-3000:]
     assert "hybridrec train: error:" in stderr and servers[0].address.split(":")[-1] in stderr
     assert "Traceback" not in stderr
-    committed = _last_step(run_dir)
+    committed = training.last_step(run_dir)
     assert committed is not None and committed < total
 
     # a new server restored from the last committed checkpoint, and the trainer resumes

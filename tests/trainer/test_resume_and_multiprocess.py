@@ -5,52 +5,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _last_step(run_dir: Path) -> int | None:
-    path = run_dir / "checkpoints" / "LAST"
-    try:
-        return json.loads(path.read_text())["step"]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
 
 def test_sigkill_then_resume_finishes_from_the_last_complete_checkpoint(
-    dataset, tmp_path, cli, small_model
+    dataset, tmp_path, cli, small_model, training
 ):
     run_dir = tmp_path / "run"
     total = 60
-    command = [
-        sys.executable,
-        "-m",
-        "hybridrec",
-        "train",
-        "--data",
-        str(dataset),
-        "--run-dir",
-        str(run_dir),
-        "--config",
-        "quickstart",
-        "--quiet",
-        *small_model(f"data.max_steps={total}", "checkpoint.every_steps=10", "hybrid.staleness=2"),
-    ]
-    process = subprocess.Popen(
-        command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    deadline = time.monotonic() + 180
+    keys = small_model(f"data.max_steps={total}", "checkpoint.every_steps=10", "hybrid.staleness=2")
+    process = training.start(*training.args(dataset, run_dir, "--quiet", *keys))
     try:
-        while (_last_step(run_dir) or 0) < 10:
-            assert process.poll() is None, process.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint within 180 s"
-            time.sleep(0.05)
+        training.wait_for_checkpoint(process, run_dir, 10)
         time.sleep(0.3)  # somewhere after a checkpoint: maybe in the next one
         os.kill(process.pid, signal.SIGKILL)
     finally:
@@ -58,7 +26,7 @@ def test_sigkill_then_resume_finishes_from_the_last_complete_checkpoint(
             process.kill()
         process.wait()
         process.stderr.close()
-    killed_at = _last_step(run_dir)
+    killed_at = training.last_step(run_dir)
     assert killed_at is not None and 10 <= killed_at < total, killed_at
 
     # the committed checkpoint is whole: dense state, data position, embeddings
