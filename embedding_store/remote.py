@@ -47,6 +47,23 @@ log = logging.getLogger(__name__)
 _RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError, ConnectionError)
 
 
+def _send(client, options, descriptor, schema, batches):
+    """Opens a DoExchange and writes every (record batch, table name) of one request.
+
+    Returns the (writer, reader) pair; the caller reads the reply and closes the writer.
+    """
+    writer, reader = client.do_exchange(descriptor, options)
+    try:
+        writer.begin(schema)
+        for batch, table in batches:
+            writer.write_with_metadata(batch, table)
+        writer.done_writing()
+    except BaseException:
+        writer.close()
+        raise
+    return writer, reader
+
+
 class RemoteShardError(UserError):
     """A server refused a request, or the servers do not form a valid shard set."""
 
@@ -266,12 +283,8 @@ class RemoteShard:
         batches = list(_wire.lookup_batches(requests))
 
         def attempt(client, options):
-            writer, reader = client.do_exchange(descriptor, options)
+            writer, reader = _send(client, options, descriptor, _wire.IDS_SCHEMA, batches)
             try:
-                writer.begin(_wire.IDS_SCHEMA)
-                for batch, table in batches:
-                    writer.write_with_metadata(batch, table)
-                writer.done_writing()
                 rows = {}
                 for table, ids in requests.items():
                     chunk = reader.read_chunk()
@@ -302,12 +315,8 @@ class RemoteShard:
         batches = list(_wire.apply_batches(updates))
 
         def attempt(client, options):
-            writer, reader = client.do_exchange(descriptor, options)
+            writer, reader = _send(client, options, descriptor, _wire.APPLY_SCHEMA, batches)
             try:
-                writer.begin(_wire.APPLY_SCHEMA)
-                for batch, table in batches:
-                    writer.write_with_metadata(batch, table)
-                writer.done_writing()
                 chunk = reader.read_chunk()
                 return _wire.decode_json(chunk.app_metadata, "apply reply")
             finally:
