@@ -1,6 +1,6 @@
 """What an embedding table is: its shape, initializer, optimizer, admission, eviction, storage.
 
-These are plain frozen configs built with `hybridrec.config` (TOML presets and
+These are plain frozen configs built with `common.config` (TOML presets and
 `key=value` overrides). How rows are sharded lives in `routing.py`, how they are
 stored in `_storage.py` and `checkpoint.py`.
 """

@@ -1,6 +1,6 @@
 """Errors the embedding store raises for things a user can cause."""
 
-from hybridrec.errors import UserError
+from common.errors import UserError
 
 
 class EmbeddingStoreError(UserError):

@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import pyarrow.flight as flight
 
+from common.errors import UserError
 from embedding_store import _wire
 from embedding_store._wire import AUTH_HEADER, TOKEN_ENV
 from embedding_store.server import table_fingerprint
-from hybridrec.errors import UserError
 
 SERVERS_ENV = "HYBRIDREC_EMBEDDING_SERVERS"
 RETRY_TIMEOUT_ENV = "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT"

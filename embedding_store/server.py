@@ -34,6 +34,9 @@ from typing import Any
 import numpy as np
 import pyarrow.flight as flight
 
+from common import config
+from common.errors import UserError
+from common.progress import Progress
 from embedding_store import _wire
 from embedding_store._processes import (
     ServerProcess,
@@ -48,9 +51,7 @@ from embedding_store.config import TableConfig
 from embedding_store.errors import EmbeddingStoreError
 from embedding_store.shard import LocalShard
 from embedding_store.store import _check_compatible
-from hybridrec import config
-from hybridrec.errors import UserError
-from hybridrec.progress import Progress
+from hybridrec import _flags  # moves with main() to the command layer
 
 __all__ = [
     "ServerProcess",
@@ -526,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="or: the training preset (with --data): the tables `hybridrec train` would build",
     )
     parser.add_argument("--data", help="with --config: preprocessed data dir (its feature spec)")
-    config.add_override_flag(
+    _flags.add_override_flag(
         parser, "with --config: a training config override, e.g. embedding.dim=32"
     )
     parser.add_argument("--num-shards", type=int, help="total shards across all servers")
@@ -748,13 +749,13 @@ def load_tables(source: str | Path) -> list[Any]:
 def training_tables(preset: str, data: str | None, overrides: Sequence[str]) -> list[TableConfig]:
     """The TableConfigs `hybridrec train --config preset --data data` builds, in its order:
     one per table named by the dataset's feature spec, from the `[embedding]` section."""
-    from model.train_config import TrainConfig
     from pipeline import read_metadata
+    from training.config import PRESET_DIR, TrainConfig
 
     overrides = list(overrides)
     if data:
         overrides.append(f"data.path={json.dumps(str(data))}")
-    train_config = config.load(TrainConfig, preset, overrides)
+    train_config = config.load(TrainConfig, preset, overrides, preset_dir=PRESET_DIR)
     if not train_config.data.path:
         raise UserError("--config needs --data (or data.path in the preset): it names the tables")
     metadata = read_metadata(train_config.data.path)

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from common import config as _config
+from common.errors import UserError
 from embedding_store import _pooling
 from embedding_store import checkpoint as _checkpoint
 from embedding_store._arrays import put_rows, take_rows
@@ -29,8 +31,6 @@ from embedding_store.errors import (
 )
 from embedding_store.routing import partition
 from embedding_store.shard import LocalShard, Shard
-from hybridrec import config as _config
-from hybridrec.errors import UserError
 
 MAX_CHAIN = 16  # snapshot groups in one manifest chain before a full snapshot is forced
 

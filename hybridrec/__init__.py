@@ -1,12 +1,10 @@
 """hybridrec: hybrid-parallel training of recommenders with huge embedding tables.
 
-The stages live in their own packages: `pipeline` (Apache Beam preprocessing),
-`embedding_store` (sharded, tensorstore-backed embedding tables) and `model`
-(Flax dense towers and the hybrid trainer). This package holds what they share:
-the command line, the config loader, user-facing errors and progress reporting.
+This package is the command line (`hybridrec <command>`, see `hybridrec.cli`). The
+work lives in the stage packages below it, in the order of the data flow:
+`pipeline` (Apache Beam preprocessing), `embedding_store` (sharded embedding tables),
+`model` (Flax dense towers and the sharded step) and `training` (the hybrid loop),
+all standing on `common` (config loading, user-facing errors, progress lines).
 """
 
-from hybridrec.errors import UserError
-
-__all__ = ["UserError"]
 __version__ = "0.1.0"

@@ -1,42 +1,78 @@
-"""The `hybridrec` command: one subcommand per job, each implemented in its stage's package.
+"""The `hybridrec` command: one subcommand per job.
 
-Every subcommand is a `main(argv) -> int` function, imported only when it runs so
-that `hybridrec generate` does not pay for importing JAX.
+This package is the top floor: each subcommand is a module of `hybridrec` with a
+`main(argv) -> int` that parses its flags and calls one library function of a stage
+package (`pipeline`, `embedding_store`, `training`, ...). Nothing below imports it.
+A subcommand's module is imported only when it runs, so that `hybridrec generate`
+does not pay for importing JAX.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from hybridrec.errors import UserError
+from common.errors import UserError
 
-# subcommand -> ("module:function", one-line help)
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": (
-        "pipeline.synthetic:main",
-        "write synthetic click logs in the raw Criteo TSV layout",
-    ),
-    "preprocess": ("pipeline.job:main", "Beam job: raw logs -> sharded Parquet + metadata.json"),
-    "train": (
-        "model.train_cli:main",
-        "train a model with the hybrid (async embedding, sync dense) loop",
-    ),
-    "evaluate": ("model.train_cli:evaluate_main", "evaluate a checkpoint on a data split"),
-    "plot": ("model.plots:main", "write PNG training curves for a run directory"),
-    "serve-embeddings": (
-        "embedding_store.server:main",
-        "host embedding shards behind an RPC server",
-    ),
-    "launch": (
-        "hybridrec.launch:main",
-        "start shard servers and N trainer processes on this machine",
-    ),
-    "quickstart": (
-        "hybridrec.quickstart:main",
-        "generate -> preprocess -> train -> evaluate on a built-in default",
-    ),
+
+def _generate(argv: list[str]) -> int:
+    from pipeline import synthetic
+
+    return synthetic.main(argv)
+
+
+def _preprocess(argv: list[str]) -> int:
+    from pipeline import job
+
+    return job.main(argv)
+
+
+def _train(argv: list[str]) -> int:
+    from hybridrec import train
+
+    return train.main(argv)
+
+
+def _evaluate(argv: list[str]) -> int:
+    from hybridrec import evaluate
+
+    return evaluate.main(argv)
+
+
+def _plot(argv: list[str]) -> int:
+    from hybridrec import plot
+
+    return plot.main(argv)
+
+
+def _serve_embeddings(argv: list[str]) -> int:
+    from embedding_store import server
+
+    return server.main(argv)
+
+
+def _launch(argv: list[str]) -> int:
+    from hybridrec import launch
+
+    return launch.main(argv)
+
+
+def _quickstart(argv: list[str]) -> int:
+    from hybridrec import quickstart
+
+    return quickstart.main(argv)
+
+
+# subcommand -> (function, one-line help)
+SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "generate": (_generate, "write synthetic click logs in the raw Criteo TSV layout"),
+    "preprocess": (_preprocess, "Beam job: raw logs -> sharded Parquet + metadata.json"),
+    "train": (_train, "train a model with the hybrid (async embedding, sync dense) loop"),
+    "evaluate": (_evaluate, "evaluate a checkpoint on a data split"),
+    "plot": (_plot, "write PNG training curves for a run directory"),
+    "serve-embeddings": (_serve_embeddings, "host embedding shards behind an RPC server"),
+    "launch": (_launch, "start shard servers and N trainer processes on this machine"),
+    "quickstart": (_quickstart, "generate -> preprocess -> train -> evaluate on a built-in default"),
 }
 
 
@@ -50,9 +86,7 @@ def _usage() -> str:
 
 def run(name: str, argv: Sequence[str]) -> int:
     """Runs subcommand `name` with `argv`; user errors print one line and return 2."""
-    target, _ = SUBCOMMANDS[name]
-    module_name, function_name = target.split(":")
-    function = getattr(importlib.import_module(module_name), function_name)
+    function, _ = SUBCOMMANDS[name]
     try:
         return int(function(list(argv)) or 0)
     except UserError as error:

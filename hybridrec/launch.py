@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from hybridrec.errors import UserError
+from common.errors import UserError
 
 
 def free_port() -> int:

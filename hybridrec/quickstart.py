@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybridrec import config as config_lib
+from hybridrec import _flags
 
 DEFAULT_ROWS = 1_000_000
 
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generator and the run")
     parser.add_argument("--config", default="quickstart", help="training preset")
-    config_lib.add_override_flag(parser, "override a training config key (repeatable)")
+    _flags.add_override_flag(parser, "override a training config key (repeatable)")
     args = parser.parse_args(argv)
     _ensure_devices()
     from hybridrec.cli import run

@@ -1,7 +1,7 @@
 """Configs of the dense side: tower shape, dense optimizer, device mesh.
 
-All are frozen keyword-only dataclasses read with `hybridrec.config.from_dict` /
-`hybridrec.config.load`; every field says what it does and its unit.
+All are frozen keyword-only dataclasses read with `common.config.from_dict` /
+`common.config.load`; every field says what it does and its unit.
 
 Example (TOML):
     [model]

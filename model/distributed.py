@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from hybridrec.errors import UserError
+from common.errors import UserError
 from model import sharding as sharding_lib
 
 log = logging.getLogger(__name__)

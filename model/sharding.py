@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from hybridrec.errors import ConfigError
+from common.errors import ConfigError
 from model.config import DATA_AXIS, MeshConfig, ModelConfig
 from model.towers import LOGICAL_AXES
 

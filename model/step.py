@@ -21,7 +21,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
-from hybridrec.errors import UserError
+from common.errors import UserError
 from model import sharding as sharding_lib
 from model.config import DenseOptimizerConfig, ModelConfig
 from model.towers import build_tower

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybridrec.errors import ConfigError
+from common.errors import ConfigError
 from model.config import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig
 
 LOGICAL_AXES = "logical_axes"  # Param metadata key holding one logical name per dimension

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from hybridrec.errors import UserError
+from common.errors import UserError
 from pipeline import _parquet, hashing
 from pipeline._errors import InputError
 from pipeline._parse import BlockParser, ParsedBlock

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridrec.errors import UserError
+from common.errors import UserError
 
 INPUT_ERROR_MARK = "hybridrec-input-error"
 

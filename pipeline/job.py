@@ -47,8 +47,8 @@ from apache_beam.options.pipeline_options import (  # noqa: E402
     WorkerOptions,
 )
 
-from hybridrec.errors import UserError  # noqa: E402
-from hybridrec.progress import Progress  # noqa: E402
+from common.errors import UserError  # noqa: E402
+from common.progress import Progress  # noqa: E402
 from pipeline import _chunks, _errors, _parquet, hashing, metadata  # noqa: E402
 from pipeline._parse import BlockParser  # noqa: E402
 from pipeline.spec import FeatureSpec, load_spec  # noqa: E402

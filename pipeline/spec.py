@@ -13,8 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from hybridrec import config
-from hybridrec.errors import ConfigError, UserError
+from common import config
+from common.errors import ConfigError, UserError
 
 SPEC_DIR = Path(__file__).parent / "specs"
 

@@ -35,8 +35,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from hybridrec.errors import UserError
-from hybridrec.progress import Progress
+from common.errors import UserError
+from common.progress import Progress
 from pipeline import hashing
 
 BLOCK_ROWS = 65_536

@@ -29,7 +29,7 @@ def _measure(args: argparse.Namespace) -> dict:
     import jax
     import numpy as np
 
-    from hybridrec import config as config_lib
+    from common import config as config_lib
     from model import (
         DenseOptimizerConfig,
         MeshConfig,

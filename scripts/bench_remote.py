@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
+from common.progress import Progress
 from embedding_store.config import InitializerConfig, SparseOptimizerConfig, TableConfig
 from embedding_store.remote import connect
 from embedding_store.server import start_server_process
 from embedding_store.store import EmbeddingStore
-from hybridrec.progress import Progress
 
 TABLE = "bench"
 DIM = 16

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from common.progress import Progress
 from embedding_store import (
     EmbeddingStore,
     InitializerConfig,
@@ -38,7 +39,6 @@ from embedding_store import (
     TieringConfig,
 )
 from embedding_store._hashing import mix64
-from hybridrec.progress import Progress
 
 BATCH = 4096 * 26
 ZIPF_EXPONENT = 1.05

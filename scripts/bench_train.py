@@ -31,7 +31,7 @@ from pathlib import Path  # noqa: E402
 
 def _steady_rate(run_dir: Path) -> float:
     """Samples/s over every log interval but the first (which includes compilation)."""
-    from model._run_log import read_records
+    from training.run_log import read_records
 
     train = [r for r in read_records(run_dir) if r["kind"] == "train"]
     samples = seconds = 0.0
@@ -44,9 +44,9 @@ def _steady_rate(run_dir: Path) -> float:
 
 def train_rate(data: Path, out: Path, *, k: int, steps: int, batch: int, extra: list[str]) -> float:
     """Steady-state samples/s of `hybridrec train` with staleness bound k."""
-    from hybridrec import config as config_lib
-    from model.train_config import TrainConfig
-    from model.trainer import HybridTrainer
+    from common import config as config_lib
+    from training.config import PRESET_DIR, TrainConfig
+    from training.trainer import HybridTrainer
 
     run_dir = out / f"run_k{k}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -63,6 +63,7 @@ def train_rate(data: Path, out: Path, *, k: int, steps: int, batch: int, extra: 
             "eval.every_steps=0",
             *extra,
         ],
+        preset_dir=PRESET_DIR,
     )
     HybridTrainer(config, run_dir, quiet=True).fit()
     rate = _steady_rate(run_dir)
@@ -75,12 +76,14 @@ def dense_only_rate(data: Path, *, steps: int, batch: int, extra: list[str]) -> 
     import jax
     import numpy as np
 
-    from hybridrec import config as config_lib
+    from common import config as config_lib
     from model import create_train_state, make_global_batch, make_mesh, make_train_step
-    from model.train_config import TrainConfig
     from pipeline import read_metadata
+    from training.config import PRESET_DIR, TrainConfig
 
-    config = config_lib.load(TrainConfig, "criteo_dlrm", [f"data.batch_size={batch}", *extra])
+    config = config_lib.load(
+        TrainConfig, "criteo_dlrm", [f"data.batch_size={batch}", *extra], preset_dir=PRESET_DIR
+    )
     metadata = read_metadata(data)
     mesh = make_mesh(config.mesh)
     num_dense, num_features = len(metadata.dense_columns), len(metadata.categorical)

@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"skipped": f"no Criteo sample at {args.input}"}))
         return 0
 
-    from hybridrec import config as config_lib
+    from common import config as config_lib
     from hybridrec.cli import run
-    from model.train_config import TrainConfig
-    from model.trainer import HybridTrainer
+    from training.config import PRESET_DIR, TrainConfig
+    from training.trainer import HybridTrainer
 
     out = Path(args.out)
     data = out / "data"
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                     "log.every_steps=20",
                     *args.overrides,
                 ],
+                preset_dir=PRESET_DIR,
             )
             summary = HybridTrainer(config, run_dir, quiet=True).fit()
             evaluation = summary["eval"]

@@ -3,8 +3,8 @@ from typing import Literal
 
 import pytest
 
-from hybridrec import config
-from hybridrec.errors import ConfigError
+from common import config
+from common.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

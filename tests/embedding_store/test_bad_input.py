@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from common import config
+from common.errors import ConfigError, UserError
 from embedding_store import (
     EmbeddingStore,
     InvalidInputError,
@@ -11,8 +13,6 @@ from embedding_store import (
     TableConfig,
     UnknownTableError,
 )
-from hybridrec import config
-from hybridrec.errors import ConfigError, UserError
 
 
 @pytest.fixture

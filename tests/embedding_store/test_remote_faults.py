@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from common.errors import UserError
 from embedding_store import EmbeddingStore, RaggedIds, TableConfig, shard_of
 from embedding_store.remote import connect
 from embedding_store.server import (
@@ -18,7 +19,6 @@ from embedding_store.server import (
     start_servers,
     stop_servers,
 )
-from hybridrec.errors import UserError
 
 TABLES_TOML = """
 [[tables]]

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from hybridrec.errors import UserError
+from common.errors import UserError
 from model import (
     MeshConfig,
     NonFiniteLossError,

@@ -6,9 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from hybridrec import config as config_lib
-from hybridrec.errors import ConfigError
+from common import config as config_lib
+from common.errors import ConfigError
 from model import DenseOptimizerConfig, MeshConfig, ModelConfig, make_optimizer
+from training.config import PRESET_DIR
 
 
 @pytest.mark.parametrize(
@@ -16,17 +17,20 @@ from model import DenseOptimizerConfig, MeshConfig, ModelConfig, make_optimizer
     [("model_criteo_dlrm", "dlrm"), ("model_criteo_dcnv2", "dcnv2"), ("model_persia_mlp", "mlp")],
 )
 def test_presets_load(preset, tower):
-    config = config_lib.load(ModelConfig, preset)
+    config = config_lib.load(ModelConfig, preset, preset_dir=PRESET_DIR)
     assert config.tower == tower
     assert config_lib.from_dict(ModelConfig, config_lib.to_dict(config)) == config
 
 
 def test_persia_preset_shape_and_overrides():
     config = config_lib.load(
-        ModelConfig, "model_persia_mlp", ["compute_dtype=bfloat16", "mlp.hidden=[64, 32]"]
+        ModelConfig,
+        "model_persia_mlp",
+        ["compute_dtype=bfloat16", "mlp.hidden=[64, 32]"],
+        preset_dir=PRESET_DIR,
     )
     assert config.mlp.hidden == (64, 32) and config.compute_dtype == "bfloat16"
-    assert config_lib.load(ModelConfig, "model_persia_mlp").mlp.hidden == (
+    assert config_lib.load(ModelConfig, "model_persia_mlp", preset_dir=PRESET_DIR).mlp.hidden == (
         4096,
         2048,
         1024,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridrec.errors import ConfigError
+from common.errors import ConfigError
 from model import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig, build_tower
 from model.towers import LOGICAL_AXES, forward_flops_per_example
 

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from common.errors import UserError
 from hybridrec import cli
-from hybridrec.errors import UserError
 from pipeline import read_metadata
 
 from .reference import GOOD_ROW, row

@@ -10,8 +10,8 @@ import pytest
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
+from common.errors import UserError
 from hybridrec import cli
-from hybridrec.errors import UserError
 from pipeline import _chunks, read_metadata, synthetic
 from pipeline._parquet import ParquetParser
 from pipeline._parse import BlockParser

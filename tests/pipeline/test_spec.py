@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridrec.errors import ConfigError, UserError
+from common.errors import ConfigError, UserError
 from pipeline.spec import builtin_specs, load_spec
 
 CUSTOM = """

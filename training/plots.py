@@ -6,12 +6,11 @@ staleness (mean and max per log interval, with the configured bound).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from hybridrec.errors import UserError
-from model._run_log import read_records
+from common.errors import UserError
+from training.run_log import read_records
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -60,15 +59,3 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     figure.savefig(out, dpi=100)
     plt.close(figure)
     return out
-
-
-def main(argv: list[str]) -> int:
-    """`hybridrec plot`."""
-    parser = argparse.ArgumentParser(
-        prog="hybridrec plot", description="Write PNG training curves for a run directory."
-    )
-    parser.add_argument("run_dir", help="run directory written by `hybridrec train`")
-    parser.add_argument("--out", help="PNG path (default RUN_DIR/plots/curves.png)")
-    args = parser.parse_args(argv)
-    print(f"wrote {plot_run(args.run_dir, args.out)}")
-    return 0

@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import tomllib
@@ -22,11 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hybridrec.errors import ConfigError
+from common.errors import ConfigError
 
 T = TypeVar("T")
-
-PRESET_DIR = Path(__file__).parent / "configs"
 
 
 def _type_name(tp: Any) -> str:
@@ -201,23 +198,32 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
-def resolve_preset(preset: str | Path) -> Path:
-    """A preset is a path to a TOML file or the name of a built-in one in hybridrec/configs."""
+def resolve_preset(preset: str | Path, preset_dir: Path | None = None) -> Path:
+    """A preset is a path to a TOML file or the name of a `.toml` file in `preset_dir`."""
     path = Path(preset)
-    if path.suffix == ".toml" or path.exists():
+    if path.suffix == ".toml" or path.exists() or preset_dir is None:
         return path
-    builtin = PRESET_DIR / f"{preset}.toml"
+    builtin = preset_dir / f"{preset}.toml"
     if builtin.exists():
         return builtin
-    names = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+    names = sorted(p.stem for p in preset_dir.glob("*.toml"))
     raise ConfigError(f"unknown preset {preset!r}: not a file and not one of {', '.join(names)}")
 
 
-def load(cls: type[T], preset: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """Loads config `cls` from an optional preset plus `key=value` overrides."""
+def load(
+    cls: type[T],
+    preset: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    preset_dir: Path | None = None,
+) -> T:
+    """Loads config `cls` from an optional preset plus `key=value` overrides.
+
+    `preset` is a TOML file or the name of one in `preset_dir`.
+    """
     data: dict[str, Any] = {}
     if preset is not None:
-        path = resolve_preset(preset)
+        path = resolve_preset(preset, preset_dir)
         data = read_toml(path)
         try:
             return from_dict(cls, apply_overrides(data, overrides))
@@ -234,10 +240,3 @@ def _loads(cls: type, data: Mapping[str, Any]) -> bool:
     except ConfigError:
         return False
     return True
-
-
-def add_override_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
-    """Adds the repeatable `--set KEY=VALUE` flag every command uses for config overrides."""
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text
-    )

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 from embedding_store import EmbeddingStore
 from embedding_store.remote import connect
 from embedding_store.server import start_servers, stop_servers
-from model.trainer import load_config
 from pipeline import read_metadata
+from training.trainer import load_config
 
 
 def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(

@@ -8,16 +8,18 @@ import threading
 import numpy as np
 import pytest
 
-from hybridrec import config as config_lib
-from model.train_config import TrainConfig
-from model.trainer import HybridTrainer
+from common import config as config_lib
 from pipeline import read_metadata
+from training.config import PRESET_DIR, TrainConfig
+from training.trainer import HybridTrainer
 
 
 def _config(dataset, small_model, *extra):
     pairs = small_model(*extra)
     keys = [pairs[i + 1] for i in range(0, len(pairs), 2)]
-    return config_lib.load(TrainConfig, "quickstart", [*keys, f'data.path="{dataset}"'])
+    return config_lib.load(
+        TrainConfig, "quickstart", [*keys, f'data.path="{dataset}"'], preset_dir=PRESET_DIR
+    )
 
 
 class _EventLog:

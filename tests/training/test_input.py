@@ -5,8 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hybridrec.errors import UserError
-from model.input import ParquetReader
+from common.errors import UserError
+from training.input import ParquetReader
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The hybrid trainer behind `hybridrec train` and `hybridrec evaluate` (see model.train_cli).
+"""The hybrid trainer behind `hybridrec train` and `hybridrec evaluate` (see hybridrec.train).
 
 One training step, as in PERSIA:
 
@@ -6,8 +6,8 @@ One training step, as in PERSIA:
             ──► make_global_batch ──► train_step (jitted, synchronous over the mesh)
             ──► embedding gradients ──► store.apply_pooled_gradients (async)
 
-The lookahead and the staleness bound live in `model/_hybrid.py`; checkpoints in
-`model/checkpoint.py`; the input stream in `model/input.py`.
+The lookahead and the staleness bound live in `training/hybrid.py`; checkpoints in
+`training/checkpoint.py`; the input stream in `training/input.py`.
 
 Where the embedding store lives in a job of several processes:
 * with `embedding.servers` (remote shards, the PERSIA layout) all processes share one
@@ -30,11 +30,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from common import config as config_lib
+from common.errors import UserError
+from common.progress import Progress
 from embedding_store import EmbeddingStore
 from embedding_store.remote import connect, resolve_addresses
-from hybridrec import config as config_lib
-from hybridrec.errors import UserError
-from hybridrec.progress import Progress
 from model import (
     StreamingMetrics,
     create_train_state,
@@ -45,12 +45,12 @@ from model import (
     make_train_step,
     maybe_initialize_distributed,
 )
-from model._hybrid import LookaheadPipeline, StalenessGate, UpdatePusher, feature_ids
-from model._run_log import RunLog
-from model.checkpoint import RunCheckpoints
-from model.input import DataPosition, ParquetReader
-from model.train_config import TrainConfig
 from pipeline import read_metadata
+from training.checkpoint import RunCheckpoints
+from training.config import PRESET_DIR, TrainConfig
+from training.hybrid import LookaheadPipeline, StalenessGate, UpdatePusher, feature_ids
+from training.input import DataPosition, ParquetReader
+from training.run_log import RunLog
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
@@ -593,7 +593,7 @@ def load_config(
             return config_lib.from_dict(TrainConfig, config_lib.apply_overrides(saved, overrides))
         except UserError as error:
             raise UserError(f"{run_dir / CONFIG_FILE}: {error}") from None
-    return config_lib.load(TrainConfig, preset, overrides)
+    return config_lib.load(TrainConfig, preset, overrides, preset_dir=PRESET_DIR)
 
 
 def evaluate_checkpoint(

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from model.input import Batch
+from training.input import Batch
 
 _END = object()
 

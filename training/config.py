@@ -1,12 +1,13 @@
 """The configuration of a hybrid training run (`hybridrec train --config PRESET --set a.b=c`).
 
-Presets live in `hybridrec/configs/` (`criteo_dlrm`, `quickstart`, ...); every key
+Presets live in `training/configs/` (`criteo_dlrm`, `quickstart`, ...); every key
 can be overridden on the command line, and an unknown key is an error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Literal
 
 from embedding_store import (
@@ -18,6 +19,8 @@ from embedding_store import (
     TieringConfig,
 )
 from model.config import DenseOptimizerConfig, MeshConfig, ModelConfig
+
+PRESET_DIR = Path(__file__).parent / "configs"  # built-in presets, by file stem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

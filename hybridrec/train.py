@@ -1,4 +1,4 @@
-"""Command lines of `hybridrec train` and `hybridrec evaluate` (the work is in model.trainer)."""
+"""`hybridrec train`: the hybrid loop on a preprocessed dataset (the work is in training.trainer)."""
 
 from __future__ import annotations
 
@@ -6,39 +6,12 @@ import argparse
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
-import jax
-
-from hybridrec import config as config_lib
-from hybridrec.errors import UserError
-from model.trainer import HybridTrainer, evaluate_checkpoint, load_config
-
-
-def _config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="preset name (hybridrec/configs) or TOML file")
-    config_lib.add_override_flag(
-        parser, "override a config key, e.g. --set hybrid.staleness=0 (repeatable)"
-    )
-    parser.add_argument(
-        "positional_overrides", nargs="*", metavar="KEY=VALUE", help="more overrides"
-    )
-
-
-def _distributed_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--coordinator", help="host:port of process 0 (multi-process jobs)")
-    parser.add_argument("--num-processes", type=int, help="processes in the job")
-    parser.add_argument("--process-id", type=int, help="this process's index")
-
-
-def _distributed(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "coordinator": args.coordinator,
-        "num_processes": args.num_processes,
-        "process_id": args.process_id,
-    }
+from common.errors import UserError
+from hybridrec import _flags
+from training.trainer import HybridTrainer, load_config
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -87,8 +60,8 @@ def main(argv: list[str]) -> int:
         "--overwrite", action="store_true", help="delete run-dir's old contents first"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    _config_arguments(parser)
-    _distributed_arguments(parser)
+    _flags.add_config_flags(parser)
+    _flags.add_distributed_flags(parser)
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     overrides = [*args.overrides, *args.positional_overrides]
@@ -100,47 +73,9 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(run_dir)
     config = load_config(args.config, overrides, run_dir if args.resume else None)
     trainer = HybridTrainer(
-        config, run_dir, resume=args.resume, distributed=_distributed(args), quiet=args.quiet
+        config, run_dir, resume=args.resume, distributed=_flags.distributed_options(args), quiet=args.quiet
     )
     summary = trainer.fit()
     if trainer.is_chief:
         _print_summary(summary)
     return 0
-
-
-def evaluate_main(argv: list[str]) -> int:
-    """`hybridrec evaluate`."""
-    parser = argparse.ArgumentParser(
-        prog="hybridrec evaluate", description="Evaluate a run's checkpoint on a data split."
-    )
-    parser.add_argument("--run", required=True, help="run directory written by `hybridrec train`")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest complete)")
-    parser.add_argument("--split", help="data split (default: the run's eval split)")
-    parser.add_argument("--data", help="evaluate on another preprocessed directory")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    _distributed_arguments(parser)
-    args = parser.parse_args(argv)
-    overrides = [f"data.path={json.dumps(str(args.data))}"] if args.data else []
-    results = evaluate_checkpoint(
-        args.run,
-        step=args.step,
-        split=args.split,
-        overrides=overrides,
-        distributed=_distributed(args),
-        quiet=args.json,
-    )
-    if jax.process_index() == 0:
-        if args.json:
-            print(json.dumps(results))
-        else:
-            print(
-                f"step {results['step']} on {results['split']}: AUC {results['auc']:.4f}  "
-                f"logloss {results['logloss']:.4f}  NE {results['ne']:.4f}  "
-                f"calibration {results['calibration']:.3f}  ({int(results['count']):,} rows)\n"
-                f"written to {results['output']}"
-            )
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main(sys.argv[1:]))

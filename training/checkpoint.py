@@ -26,8 +26,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from common.errors import UserError
 from embedding_store import checkpoint as store_checkpoint
-from hybridrec.errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_FILE = "LAST"

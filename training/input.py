@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from hybridrec.errors import UserError
+from common.errors import UserError
 
 try:  # the store's ragged id type, when the embedding store is installed
     from embedding_store import RaggedIds

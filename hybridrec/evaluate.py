@@ -1,0 +1,45 @@
+"""`hybridrec evaluate`: AUC, logloss, NE and calibration of a run's checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+
+from hybridrec import _flags
+from training.trainer import evaluate_checkpoint
+
+
+def main(argv: list[str]) -> int:
+    """`hybridrec evaluate`."""
+    parser = argparse.ArgumentParser(
+        prog="hybridrec evaluate", description="Evaluate a run's checkpoint on a data split."
+    )
+    parser.add_argument("--run", required=True, help="run directory written by `hybridrec train`")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest complete)")
+    parser.add_argument("--split", help="data split (default: the run's eval split)")
+    parser.add_argument("--data", help="evaluate on another preprocessed directory")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    _flags.add_distributed_flags(parser)
+    args = parser.parse_args(argv)
+    overrides = [f"data.path={json.dumps(str(args.data))}"] if args.data else []
+    results = evaluate_checkpoint(
+        args.run,
+        step=args.step,
+        split=args.split,
+        overrides=overrides,
+        distributed=_flags.distributed_options(args),
+        quiet=args.json,
+    )
+    if jax.process_index() == 0:
+        if args.json:
+            print(json.dumps(results))
+        else:
+            print(
+                f"step {results['step']} on {results['split']}: AUC {results['auc']:.4f}  "
+                f"logloss {results['logloss']:.4f}  NE {results['ne']:.4f}  "
+                f"calibration {results['calibration']:.3f}  ({int(results['count']):,} rows)\n"
+                f"written to {results['output']}"
+            )
+    return 0

@@ -1,0 +1,19 @@
+"""`hybridrec plot`: PNG training curves of a run directory."""
+
+from __future__ import annotations
+
+import argparse
+
+from training.plots import plot_run
+
+
+def main(argv: list[str]) -> int:
+    """`hybridrec plot`."""
+    parser = argparse.ArgumentParser(
+        prog="hybridrec plot", description="Write PNG training curves for a run directory."
+    )
+    parser.add_argument("run_dir", help="run directory written by `hybridrec train`")
+    parser.add_argument("--out", help="PNG path (default RUN_DIR/plots/curves.png)")
+    args = parser.parse_args(argv)
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
+    return 0
