@@ -16,15 +16,15 @@ from common.errors import UserError
 
 
 def _generate(argv: list[str]) -> int:
-    from pipeline import synthetic
+    from hybridrec import generate
 
-    return synthetic.main(argv)
+    return generate.main(argv)
 
 
 def _preprocess(argv: list[str]) -> int:
-    from pipeline import job
+    from hybridrec import preprocess
 
-    return job.main(argv)
+    return preprocess.main(argv)
 
 
 def _train(argv: list[str]) -> int:
@@ -46,9 +46,9 @@ def _plot(argv: list[str]) -> int:
 
 
 def _serve_embeddings(argv: list[str]) -> int:
-    from embedding_store import server
+    from hybridrec import serve_embeddings
 
-    return server.main(argv)
+    return serve_embeddings.main(argv)
 
 
 def _launch(argv: list[str]) -> int:

@@ -3,34 +3,50 @@
 Public surface:
     read_metadata(out_dir) -> DatasetMetadata   the trainer's view of a dataset directory
     load_spec(name_or_path) -> FeatureSpec       built-in (`criteo`, `avazu`) or a spec file
+    run_preprocess(PreprocessConfig(...))        the whole job: Beam pipeline, metadata, _SUCCESS
     Preprocess                                   the Beam PTransform of the job
     generate(path, rows, seed=...)               synthetic Criteo-format logs
+    list_chunks, count_lines, process_chunk, SplitRule, BlockParser, ParquetParser,
+    PartialStats                                 the per-chunk steps, usable without Beam
 """
 
 from pipeline.metadata import CategoricalFeature, DatasetMetadata, read_metadata
 from pipeline.spec import CategoricalSpec, FeatureSpec, builtin_specs, load_spec
+
+# Public name -> module that defines it. Beam, pyarrow and the generator are imported only
+# when one of these is used, so that reading metadata stays light.
+_LAZY = {
+    "BlockParser": "pipeline._parse",
+    "Chunk": "pipeline._chunks",
+    "ParquetParser": "pipeline._parquet",
+    "PartialStats": "pipeline.stats",
+    "Preprocess": "pipeline.job",
+    "PreprocessConfig": "pipeline.config",
+    "PreprocessResult": "pipeline.job",
+    "SplitRule": "pipeline._chunks",
+    "count_lines": "pipeline._chunks",
+    "generate": "pipeline.synthetic",
+    "generate_block": "pipeline.synthetic",
+    "list_chunks": "pipeline._chunks",
+    "process_chunk": "pipeline._chunks",
+    "run_preprocess": "pipeline.job",
+}
 
 __all__ = [
     "CategoricalFeature",
     "CategoricalSpec",
     "DatasetMetadata",
     "FeatureSpec",
-    "Preprocess",
     "builtin_specs",
-    "generate",
     "load_spec",
     "read_metadata",
+    *_LAZY,
 ]
 
 
 def __getattr__(name):
-    # Beam and the generator are imported only when used, so reading metadata stays light.
-    if name == "Preprocess":
-        from pipeline.job import Preprocess
+    if name in _LAZY:
+        import importlib
 
-        return Preprocess
-    if name == "generate":
-        from pipeline.synthetic import generate
-
-        return generate
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

@@ -48,7 +48,6 @@ from pipeline._parse import (
 from pipeline.spec import FeatureSpec
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
-INPUT_FORMATS = ("auto", "text", "parquet")
 _INT64_LIMIT = 2.0**63  # floats at or beyond this magnitude are outside int64
 _ACCEPTED = {  # column role -> accepted kinds (see `_kind`)
     "label": ("bool", "integer", "float", "string"),

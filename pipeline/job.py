@@ -1,4 +1,4 @@
-"""The preprocessing job (`hybridrec preprocess`): raw click logs -> sharded Parquet.
+"""The preprocessing job: raw click logs -> sharded Parquet (`hybridrec preprocess` runs it).
 
     ListChunks -> CountLines (side input: line offsets for line numbers and the split)
                -> ParseHashWrite (batched numpy/pyarrow per block; Parquet per chunk and split)
@@ -14,9 +14,9 @@ passed through untouched (see docs/pipeline.md).
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -51,6 +51,7 @@ from common.errors import UserError  # noqa: E402
 from common.progress import Progress  # noqa: E402
 from pipeline import _chunks, _errors, _parquet, hashing, metadata  # noqa: E402
 from pipeline._parse import BlockParser  # noqa: E402
+from pipeline.config import PreprocessConfig  # noqa: E402
 from pipeline.spec import FeatureSpec, load_spec  # noqa: E402
 from pipeline.stats import DatasetStatsFn, PartialStats  # noqa: E402
 
@@ -165,47 +166,6 @@ class Preprocess(beam.PTransform):
         ).with_outputs("rejected", main="stats")
         stats = results.stats | "CombineStats" >> beam.CombineGlobally(DatasetStatsFn())
         return {"stats": stats, "rejected": results.rejected}
-
-
-def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
-        prog="hybridrec preprocess",
-        description=(
-            "Raw click logs (TSV/CSV, .gz, Parquet, globs) -> sharded Parquet + metadata.json. "
-            "Arguments not listed here are Beam pipeline options (e.g. --runner DataflowRunner "
-            "--project P --region R --temp_location gs://...), passed through untouched."
-        ),
-    )
-    parser.add_argument(
-        "--input", "-i", nargs="+", required=True, help="input files or globs, in order"
-    )
-    parser.add_argument(
-        "--output", "-o", required=True, help="output directory (local or gs://, s3://)"
-    )
-    parser.add_argument("--spec", default="criteo", help="built-in spec name or spec TOML file")
-    parser.add_argument("--input-format", choices=_parquet.INPUT_FORMATS, default="auto",
-                        help="auto: .parquet/.pq files are Parquet, others text; or force text/parquet")  # fmt: skip
-    parser.add_argument("--split", choices=("position", "hash"), default="position",
-                        help="position: last --eval-fraction of input lines is eval; hash: by row hash")  # fmt: skip
-    parser.add_argument(
-        "--eval-fraction", type=float, default=0.1, help="fraction of rows for eval"
-    )
-    parser.add_argument("--chunk-mb", type=float, default=32.0,
-                        help="uncompressed input is cut into chunks of this size (MB); .gz files are one chunk each")  # fmt: skip
-    parser.add_argument("--block-mb", type=float, default=16.0, help="bytes parsed per batch (MB)")
-    parser.add_argument(
-        "--compression", choices=("zstd", "snappy"), default="zstd", help="Parquet codec"
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace a complete output directory"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    args, beam_args = parser.parse_known_args(list(argv))
-    if not 0.0 <= args.eval_fraction < 1.0:
-        raise UserError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
-    if args.chunk_mb <= 0 or args.block_mb <= 0:
-        raise UserError("--chunk-mb and --block-mb must be positive")
-    return args, beam_args
 
 
 # Below this much input, starting one Beam worker process per core (several seconds of
@@ -354,7 +314,9 @@ def _read_progress(progress_dir: str) -> tuple[int, int]:
     return consumed, lines
 
 
-def _finalize(out: str, temp_dir: str, spec, stats: PartialStats, args, options, chunks) -> dict:
+def _finalize(
+    out: str, temp_dir: str, spec, stats: PartialStats, config: PreprocessConfig, options, chunks
+) -> dict:
     """Renames chunk files into their final names, writes metadata.json, then _SUCCESS."""
     splits = {}
     for split in ("train", "eval"):
@@ -376,9 +338,9 @@ def _finalize(out: str, temp_dir: str, spec, stats: PartialStats, args, options,
         "hash_scheme": hashing.hash_scheme(spec.prefix_bits),
         "spec": spec.to_json(),
         "splits": splits,
-        "split_rule": {"mode": args.split, "eval_fraction": args.eval_fraction},
-        "inputs": list(args.input),
-        "input_format": args.input_format,
+        "split_rule": {"mode": config.split, "eval_fraction": config.eval_fraction},
+        "inputs": list(config.inputs),
+        "input_format": config.input_format,
         "input_files": list(dict.fromkeys(chunk.path for chunk in chunks)),
         **summary,
         "rejected_files": sorted(
@@ -395,21 +357,37 @@ def _finalize(out: str, temp_dir: str, spec, stats: PartialStats, args, options,
     return meta
 
 
-def run(argv: Sequence[str] | None = None) -> dict:
-    """Runs the whole job; returns the metadata it wrote.
+@dataclasses.dataclass(frozen=True)
+class PreprocessResult:
+    """What `run_preprocess` did."""
+
+    output: str  # the output directory
+    metadata: dict  # the metadata.json it wrote
+    seconds: float  # wall time of the whole job
+
+
+def run_preprocess(
+    config: PreprocessConfig, *, beam_args: Sequence[str] = (), quiet: bool = False
+) -> PreprocessResult:
+    """Runs the whole job: Beam pipeline, then file names, metadata.json and `_SUCCESS`.
+
+    Args:
+        config: inputs, output, spec, split, chunking and runner.
+        beam_args: Beam pipeline options (`--direct_num_workers=2`, `--project=P`, ...),
+            passed to `PipelineOptions` untouched.
+        quiet: no progress lines on stderr.
 
     Raises:
-        UserError: bad flags, unknown spec, missing input, input that stops the job
-            (truncated .gz, header mismatch), an existing complete output without
-            --overwrite, or no valid rows at all. No `_SUCCESS` is written then.
+        UserError: unknown spec, missing input, input that stops the job (truncated .gz,
+            header mismatch), an existing complete output without `overwrite`, or no
+            valid rows at all. No `_SUCCESS` is written then.
     """
-    args, beam_args = _parse_args(argv or [])
-    spec = load_spec(args.spec)
+    spec = load_spec(config.spec)
     chunks = _chunks.list_chunks(
-        args.input, int(args.chunk_mb * 2**20), spec=spec, input_format=args.input_format
+        config.inputs, config.chunk_bytes, spec=spec, input_format=config.input_format
     )
-    out = args.output.rstrip("/")
-    _prepare_output(out, args.overwrite)
+    out = config.output
+    _prepare_output(out, config.overwrite)
     temp_dir = FileSystems.join(out, TEMP_DIR)
     local = "://" not in out
     progress_dir = os.path.join(temp_dir, "progress") if local else None
@@ -425,11 +403,11 @@ def run(argv: Sequence[str] | None = None) -> dict:
         | "Preprocess"
         >> Preprocess(
             spec,
-            split_mode=args.split,
-            eval_fraction=args.eval_fraction,
+            split_mode=config.split,
+            eval_fraction=config.eval_fraction,
             temp_dir=temp_dir,
-            block_bytes=int(args.block_mb * 2**20),
-            compression=args.compression,
+            block_bytes=config.block_bytes,
+            compression=config.compression,
             progress_dir=progress_dir,
         )
     )
@@ -445,19 +423,17 @@ def run(argv: Sequence[str] | None = None) -> dict:
     total_bytes = sum(chunk.input_bytes for chunk in chunks)
     direct = options.view_as(StandardOptions).runner in ("DirectRunner", "direct")
     log_path = os.path.join(temp_dir, "beam-workers.log") if local and direct else None
-    progress = _run_with_progress(pipeline, progress_dir, total_bytes, args.quiet, log_path)
+    progress = _run_with_progress(pipeline, progress_dir, total_bytes, quiet, log_path)
 
     with FileSystems.open(f"{stats_prefix}.b64") as handle:
         stats = _decode_stats(handle.read())
     if stats.rows_read == 0:
-        raise UserError(f"no input rows: every input file is empty ({', '.join(args.input)})")
+        raise UserError(f"no input rows: every input file is empty ({', '.join(config.inputs)})")
     if not sum(stats.rows_by_split.values()):
         raise UserError(f"every input row was rejected; see {FileSystems.join(out, 'rejected')}")
-    meta = _finalize(out, temp_dir, spec, stats, args, options, chunks)
-    counts = meta["counts"]
-    progress.close(rows=counts["rows_read"])
-    _print_summary(out, meta, progress.elapsed)
-    return meta
+    meta = _finalize(out, temp_dir, spec, stats, config, options, chunks)
+    progress.close(rows=meta["counts"]["rows_read"])
+    return PreprocessResult(out, meta, progress.elapsed)
 
 
 def _encode_stats(stats: PartialStats) -> str:
@@ -467,29 +443,3 @@ def _encode_stats(stats: PartialStats) -> str:
 
 def _decode_stats(data: bytes) -> PartialStats:
     return pickle.loads(base64.b64decode(data.strip()))
-
-
-def _print_summary(out: str, meta: dict, seconds: float) -> None:
-    counts = meta["counts"]
-    rate = counts["rows_read"] / max(seconds, 1e-9)
-    rejected = ", ".join(f"{k}={v}" for k, v in counts["rejected_by_reason"].items()) or "none"
-    lines = [
-        f"preprocessed {counts['rows_read']:,} rows in {seconds:.1f}s ({rate:,.0f} rows/s)",
-        f"  written:  train {meta['splits']['train']['rows']:,} rows in "
-        f"{len(meta['splits']['train']['files'])} files, eval {meta['splits']['eval']['rows']:,} rows in "
-        f"{len(meta['splits']['eval']['files'])} files",
-        f"  rejected: {counts['rows_rejected']:,} ({rejected})",
-        f"  label rate (train): {meta['stats']['label_rate']:.4f}",
-    ]
-    if counts["crlf_lines_accepted"]:
-        lines.append(f"  note: {counts['crlf_lines_accepted']:,} lines ended in CRLF (accepted)")
-    if counts["empty_files"]:
-        lines.append(f"  note: empty input files: {', '.join(counts['empty_files'])}")
-    lines.append(f"  runner:   {meta['runner']}")
-    lines.append(f"  output:   {out}/ (metadata.json, train/, eval/, rejected/, _SUCCESS)")
-    print("\n".join(lines))
-
-
-def main(argv: list[str]) -> int:
-    run(argv)
-    return 0

@@ -1,4 +1,4 @@
-"""Synthetic click logs in the raw Criteo TSV layout (`hybridrec generate`).
+"""Synthetic click logs in the raw Criteo TSV layout (what `hybridrec generate` writes).
 
 Rows are `label, I1..I13, C1..C26`, tab separated, an empty field is a missing
 value, categoricals are 8 hex digits: byte for byte the format of Criteo's
@@ -22,7 +22,6 @@ same whatever the total row count.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import contextlib
@@ -242,26 +241,3 @@ def _write_rows(path, rows: int, seed: int, compress: bool, progress, workers: i
 def _nth_newline(text: bytes, n: int) -> int:
     positions = np.flatnonzero(np.frombuffer(text, np.uint8) == ord("\n"))
     return int(positions[n - 1]) if n else -1
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="hybridrec generate",
-        description="Write synthetic click logs in the raw Criteo TSV layout.",
-    )
-    parser.add_argument("--output", "-o", required=True, help="output file (.gz: gzip)")
-    parser.add_argument("--rows", type=int, default=100_000, help="number of rows")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file)")
-    parser.add_argument("--gzip", action="store_true", help="gzip even without a .gz suffix")
-    parser.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
-    args = parser.parse_args(argv)
-    summary = generate(
-        args.output, args.rows, seed=args.seed, compress=args.gzip or None, workers=args.workers
-    )
-    rate = summary["rows"] / max(summary["seconds"], 1e-9)
-    print(
-        f"wrote {summary['rows']:,} rows ({summary['clicks'] / max(summary['rows'], 1):.1%} clicks, "
-        f"{summary['bytes'] / 1e6:.1f} MB) to {summary['path']} in {summary['seconds']:.1f}s "
-        f"({rate:,.0f} rows/s)"
-    )
-    return 0

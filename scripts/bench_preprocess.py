@@ -18,8 +18,6 @@ generated data with the default (multi_processing) runner.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import resource
@@ -28,10 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline import _chunks, job, synthetic
-from pipeline._parse import BlockParser
-from pipeline.spec import load_spec
-from pipeline.stats import PartialStats
+import pipeline
+from pipeline import BlockParser, PartialStats, PreprocessConfig, load_spec
 
 REAL_SAMPLE = (
     Path(__file__).resolve().parents[1].parent / "shared/data/criteo_kaggle_sample/train.tsv.gz"
@@ -43,15 +39,15 @@ def baseline(path: Path, out: Path, chunk_mb: float = 32.0, block_mb: float = 16
     start = time.perf_counter()
     spec = load_spec("criteo")
     parser = BlockParser(spec)
-    chunks = _chunks.list_chunks([str(path)], int(chunk_mb * 2**20))
+    chunks = pipeline.list_chunks([str(path)], int(chunk_mb * 2**20))
     block_bytes = int(block_mb * 2**20)
-    counts = [_chunks.count_lines(chunk, block_bytes) for chunk in chunks]
+    counts = [pipeline.count_lines(chunk, block_bytes) for chunk in chunks]
     total = sum(counts)
-    split = _chunks.SplitRule("position", 0.1, total - round(total * 0.1))
+    split = pipeline.SplitRule("position", 0.1, total - round(total * 0.1))
     stats = PartialStats()
     first = 0
     for chunk, lines in zip(chunks, counts, strict=True):
-        partial, _ = _chunks.process_chunk(
+        partial, _ = pipeline.process_chunk(
             chunk,
             spec=spec,
             parser=parser,
@@ -68,11 +64,9 @@ def baseline(path: Path, out: Path, chunk_mb: float = 32.0, block_mb: float = 16
 
 
 def beam_run(path: Path, out: Path, mode: str) -> float:
-    argv = ["-i", str(path), "-o", str(out), "--overwrite", "--quiet"]
-    argv += [f"--direct_running_mode={mode}"]
+    config = PreprocessConfig(inputs=[str(path)], output=str(out), overwrite=True)
     start = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
-        job.run(argv)
+    pipeline.run_preprocess(config, beam_args=[f"--direct_running_mode={mode}"], quiet=True)
     return time.perf_counter() - start
 
 
@@ -125,7 +119,7 @@ def main() -> None:
     print(f"cores={os.cpu_count()} load average={os.getloadavg()} workdir={work}")
     data = work / "generated.tsv"
     if not data.exists():
-        synthetic.generate(data, args.rows, seed=0)
+        pipeline.generate(data, args.rows, seed=0)
     generated = measure(data, args.rows, work, f"generated {args.rows} rows (TSV)", args.repeats)
     if REAL_SAMPLE.exists():
         measure(REAL_SAMPLE, 137_139, work, "real Criteo sample (one .gz file)", args.repeats)

@@ -10,8 +10,7 @@ import pytest
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline import _chunks, synthetic
-from pipeline.job import Preprocess
+from pipeline import Preprocess, list_chunks, synthetic
 from pipeline.spec import load_spec
 
 from .reference import GOOD_ROW, criteo_reference_row, row
@@ -39,7 +38,7 @@ def raw_file(tmp_path_factory):
 
 
 def run_transform(path, temp_dir, *, chunk_bytes, block_bytes, split_mode="position", check=None):
-    chunks = _chunks.list_chunks([str(path)], chunk_bytes)
+    chunks = list_chunks([str(path)], chunk_bytes)
     pipeline = test_pipeline.TestPipeline()
     outputs = (
         pipeline

@@ -243,10 +243,10 @@ def test_real_criteo_sample(criteo_sample, tmp_path, capsys):
 def test_direct_runner_defaults_follow_the_input_size():
     from apache_beam.options.pipeline_options import DirectOptions
 
-    from pipeline import _chunks, job
+    from pipeline import Chunk, job
 
     def options(chunk_count, chunk_size, *flags):
-        chunks = [_chunks.Chunk(0, "f", i, 0, -1, chunk_size) for i in range(chunk_count)]
+        chunks = [Chunk(0, "f", i, 0, -1, chunk_size) for i in range(chunk_count)]
         direct = job.pipeline_options(list(flags), chunks).view_as(DirectOptions)
         return direct.direct_running_mode, direct.direct_num_workers
 

@@ -12,10 +12,14 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from common.errors import UserError
 from hybridrec import cli
-from pipeline import _chunks, read_metadata, synthetic
-from pipeline._parquet import ParquetParser
-from pipeline._parse import BlockParser
-from pipeline.job import Preprocess
+from pipeline import (
+    BlockParser,
+    ParquetParser,
+    Preprocess,
+    list_chunks,
+    read_metadata,
+    synthetic,
+)
 from pipeline.spec import CategoricalSpec, FeatureSpec, load_spec
 
 from .reference import criteo_reference_row
@@ -208,7 +212,7 @@ def test_bad_rows_are_rejected_with_file_row_and_reason(bad_rows_file, tmp_path)
 
 
 def test_bad_rows_on_test_pipeline_with_counters(inputs, bad_rows_file, tmp_path):
-    chunks = _chunks.list_chunks([str(bad_rows_file)], 5_000, spec=CRITEO, input_format="parquet")
+    chunks = list_chunks([str(bad_rows_file)], 5_000, spec=CRITEO, input_format="parquet")
     assert len(chunks) > 2 and {c.format for c in chunks} == {"parquet"}
     pipeline = test_pipeline.TestPipeline()
     outputs = (

@@ -4,8 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline import hashing
-from pipeline._parse import BlockParser
+from pipeline import BlockParser, hashing
 from pipeline.spec import load_spec
 
 from .reference import GOOD_ROW, criteo_reference_row, row

@@ -1,0 +1,90 @@
+"""`hybridrec preprocess`: raw click logs -> sharded Parquet + metadata.json (the work is in pipeline).
+
+The flags below belong to the job; every other flag is a Beam pipeline option and goes
+to `PipelineOptions` untouched, so any runner's own flags work unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeline import PreprocessConfig, PreprocessResult, run_preprocess
+from pipeline.config import COMPRESSIONS, INPUT_FORMATS, SPLIT_MODES
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridrec preprocess",
+        description=(
+            "Raw click logs (TSV/CSV, .gz, Parquet, globs) -> sharded Parquet + metadata.json. "
+            "Arguments not listed here are Beam pipeline options (e.g. --runner dataflow "
+            "--project P --region R --temp_location gs://...), passed through untouched."
+        ),
+    )
+    parser.add_argument(
+        "--input", "-i", nargs="+", required=True, help="input files or globs, in order"
+    )
+    parser.add_argument(
+        "--output", "-o", required=True, help="output directory (local or gs://, s3://)"
+    )
+    parser.add_argument("--spec", default="criteo", help="built-in spec name or spec TOML file")
+    parser.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
+                        help="auto: .parquet/.pq files are Parquet, others text; or force text/parquet")  # fmt: skip
+    parser.add_argument("--split", choices=SPLIT_MODES, default="position",
+                        help="position: last --eval-fraction of input lines is eval; hash: by row hash")  # fmt: skip
+    parser.add_argument(
+        "--eval-fraction", type=float, default=0.1, help="fraction of rows for eval"
+    )
+    parser.add_argument("--chunk-mb", type=float, default=32.0,
+                        help="uncompressed input is cut into chunks of this size (MB); .gz files are one chunk each")  # fmt: skip
+    parser.add_argument("--block-mb", type=float, default=16.0, help="bytes parsed per batch (MB)")
+    parser.add_argument("--compression", choices=COMPRESSIONS, default="zstd", help="Parquet codec")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a complete output directory"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser
+
+
+def _print_summary(result: PreprocessResult) -> None:
+    meta = result.metadata
+    counts = meta["counts"]
+    rate = counts["rows_read"] / max(result.seconds, 1e-9)
+    rejected = ", ".join(f"{k}={v}" for k, v in counts["rejected_by_reason"].items()) or "none"
+    train, evaluation = meta["splits"]["train"], meta["splits"]["eval"]
+    lines = [
+        f"preprocessed {counts['rows_read']:,} rows in {result.seconds:.1f}s ({rate:,.0f} rows/s)",
+        f"  written:  train {train['rows']:,} rows in {len(train['files'])} files, "
+        f"eval {evaluation['rows']:,} rows in {len(evaluation['files'])} files",
+        f"  rejected: {counts['rows_rejected']:,} ({rejected})",
+        f"  label rate (train): {meta['stats']['label_rate']:.4f}",
+    ]
+    if counts["crlf_lines_accepted"]:
+        lines.append(f"  note: {counts['crlf_lines_accepted']:,} lines ended in CRLF (accepted)")
+    if counts["empty_files"]:
+        lines.append(f"  note: empty input files: {', '.join(counts['empty_files'])}")
+    lines.append(f"  runner:   {meta['runner']}")
+    lines.append(
+        f"  output:   {result.output}/ (metadata.json, train/, eval/, rejected/, _SUCCESS)"
+    )
+    print("\n".join(lines))
+
+
+def main(argv: list[str]) -> int:
+    """`hybridrec preprocess`."""
+    args, beam_args = _parser().parse_known_args(argv)
+    config = PreprocessConfig(
+        inputs=args.input,
+        output=args.output,
+        spec=args.spec,
+        input_format=args.input_format,
+        split=args.split,
+        eval_fraction=args.eval_fraction,
+        chunk_mb=args.chunk_mb,
+        block_mb=args.block_mb,
+        compression=args.compression,
+        overwrite=args.overwrite,
+    )
+    result = run_preprocess(config, beam_args=beam_args, quiet=args.quiet)
+    _print_summary(result)
+    return 0
