@@ -11,6 +11,12 @@ Public surface:
         `hybridrec serve-embeddings` server; `embedding_store.remote.connect` builds them.
     route_hash, shard_of: how ids map to shards.
     latest_checkpoint_step: newest committed checkpoint under a URL.
+    load_tables: TableConfigs from a TOML/JSON file.
+    Errors: EmbeddingStoreError and its kinds (invalid input, unknown table, checkpoints).
+
+Modules for remote shards: `server` (ShardServer, the Flight transport), `remote`
+(connect, the client side), `processes` (start servers as subprocesses), `wire`
+(the request format). `checkpoint` holds the on-disk format of snapshots.
 """
 
 from embedding_store._pooling import FeatureIds, PooledLookup, RaggedIds
@@ -21,6 +27,7 @@ from embedding_store.config import (
     SparseOptimizerConfig,
     TableConfig,
     TieringConfig,
+    load_tables,
 )
 from embedding_store.errors import (
     CheckpointCorruptedError,
@@ -60,6 +67,7 @@ __all__ = [
     "TieringConfig",
     "UnknownTableError",
     "latest_checkpoint_step",
+    "load_tables",
     "route_hash",
     "shard_of",
 ]

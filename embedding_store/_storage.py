@@ -21,6 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from embedding_store._arrays import put_rows, take_rows
+from embedding_store._kvstore import kvstore_spec
 from embedding_store.errors import EmbeddingStoreError
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -127,8 +128,6 @@ class TieredRows:
         self._cold = self._open_log()
 
     def _open_log(self) -> ts.TensorStore:
-        from embedding_store.checkpoint import kvstore_spec
-
         return ts.open(
             {
                 "driver": "zarr3",

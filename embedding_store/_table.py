@@ -6,7 +6,6 @@ for large arrays, so other tables and shards proceed in parallel.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 
@@ -19,20 +18,8 @@ from embedding_store._hashing import SALT_ADMIT, mix64, unit_float
 from embedding_store._initializers import initial_rows
 from embedding_store._slot_map import SlotMap
 from embedding_store._storage import RamRows, TieredRows
+from embedding_store.checkpoint import RowBlock
 from embedding_store.config import TableConfig
-
-
-@dataclasses.dataclass
-class RowBlock:
-    """Rows of one table in id order of capture: what checkpoints write and restores load."""
-
-    ids: np.ndarray  # [n] uint64
-    values: np.ndarray  # [n, dim] float32
-    state: np.ndarray  # [n, state_width] float32
-    last_step: np.ndarray  # [n] int64
-    deleted: np.ndarray  # [m] uint64 ids removed since the previous snapshot
-    counter_ids: np.ndarray  # [c] uint64 ids seen but not admitted yet
-    counter_counts: np.ndarray  # [c] int64 their sightings
 
 
 class _Counters:

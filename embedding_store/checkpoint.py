@@ -16,50 +16,48 @@ leaves the previous manifest, and every part it names, untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import zlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
-from embedding_store._table import RowBlock
+from common import config as _config
+from embedding_store._kvstore import context, kvstore_spec
+from embedding_store.config import TableConfig
 from embedding_store.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointNotFoundError,
+    IncompatibleCheckpointError,
 )
 
 FORMAT_VERSION = 1
+MAX_CHAIN = 16  # snapshot groups in one manifest chain before a full snapshot is forced
 _MANIFEST_PREFIX = "manifest-"
 _ARRAYS = ("ids", "values", "state", "last_step", "deleted", "counter_ids", "counter_counts")
 
-_CONTEXT = ts.Context()  # shared so that memory:// stores are visible to every reader
 
+@dataclasses.dataclass
+class RowBlock:
+    """Rows of one table on one shard, in id order of capture: what a part holds."""
 
-def context() -> ts.Context:
-    """The tensorstore context all store I/O uses (one memory:// namespace per process)."""
-    return _CONTEXT
-
-
-def kvstore_spec(location: str, *parts: str) -> dict[str, Any]:
-    """A kvstore JSON spec for a URL or local path, with `parts` appended as a directory."""
-    if "://" not in location:
-        location = "file://" + os.path.abspath(location)
-    try:
-        spec = ts.KvStore.Spec(location if location.endswith("/") else location + "/").to_json()
-    except ValueError as error:
-        raise CheckpointError(f"{location}: not a tensorstore kvstore URL ({error})") from None
-    suffix = "/".join(p.strip("/") for p in parts if p)
-    base = spec.get("path", "")
-    spec["path"] = (base.rstrip("/") + "/" if base else "") + (suffix + "/" if suffix else "")
-    return spec
+    ids: np.ndarray  # [n] uint64
+    values: np.ndarray  # [n, dim] float32
+    state: np.ndarray  # [n, state_width] float32
+    last_step: np.ndarray  # [n] int64
+    deleted: np.ndarray  # [m] uint64 ids removed since the previous snapshot
+    counter_ids: np.ndarray  # [c] uint64 ids seen but not admitted yet
+    counter_counts: np.ndarray  # [c] int64 their sightings
 
 
 def _open_kvstore(url: str) -> ts.KvStore:
     try:
-        return ts.KvStore.open(kvstore_spec(url), context=_CONTEXT).result()
+        return ts.KvStore.open(kvstore_spec(url), context=context()).result()
     except ValueError as error:
         raise CheckpointError(f"{url}: cannot open ({error})") from None
 
@@ -148,7 +146,7 @@ def write_part(url: str, path: str, block: RowBlock) -> dict[str, Any]:
                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
             },
         }
-        opened.append((ts.open(spec, create=True, delete_existing=True, context=_CONTEXT), array))
+        opened.append((ts.open(spec, create=True, delete_existing=True, context=context()), array))
     writes = [store.result().write(array) for store, array in opened]
     for write in writes:
         write.result()
@@ -173,7 +171,7 @@ def read_part(url: str, entry: dict[str, Any]) -> RowBlock:
             store = ts.open(
                 {"driver": "zarr3", "kvstore": kvstore_spec(url, path, name)},
                 open=True,
-                context=_CONTEXT,
+                context=context(),
             ).result()
             array = store.read().result()
         except ValueError as error:
@@ -186,3 +184,91 @@ def read_part(url: str, entry: dict[str, Any]) -> RowBlock:
             raise CheckpointCorruptedError(f"{where}: checksum mismatch (corrupted data)")
         arrays[name] = array
     return RowBlock(**arrays)
+
+
+def check_compatible(url: str, manifest: Mapping[str, Any], tables: Sequence[TableConfig]) -> None:
+    """Raises IncompatibleCheckpointError unless `tables` can load the rows of `manifest`.
+
+    Hyperparameters (learning rate, admission, eviction, capacity) may differ; what the
+    stored rows depend on (the table set, dim, optimizer) must match.
+    """
+    stored = manifest["tables"]
+    names = {t.name for t in tables}
+    if names != set(stored):
+        raise IncompatibleCheckpointError(
+            f"{url}: checkpoint has tables {sorted(stored)}, the store was given {sorted(names)}"
+        )
+    for table in tables:
+        saved = stored[table.name]["config"]
+        if saved["dim"] != table.dim:
+            raise IncompatibleCheckpointError(
+                f"{url}: table {table.name!r} was saved with dim {saved['dim']}, "
+                f"the config says dim {table.dim}"
+            )
+        if saved["optimizer"]["name"] != table.optimizer.name:
+            raise IncompatibleCheckpointError(
+                f"{url}: table {table.name!r} was saved with optimizer "
+                f"{saved['optimizer']['name']!r}, the config says {table.optimizer.name!r} "
+                "(optimizer state is not convertible)"
+            )
+
+
+def snapshot_base(
+    url: str, step: int, tables: Sequence[TableConfig], extends: int | None
+) -> dict[str, Any] | None:
+    """The committed manifest a snapshot of `step` can extend incrementally, or None.
+
+    Args:
+        url: the checkpoint URL.
+        step: the step about to be written; must be after the latest committed one.
+        tables: the store's tables.
+        extends: the step at `url` whose rows the store holds plus its changes since
+            (the checkpoint it last wrote or was restored from), or None.
+
+    Returns:
+        The latest manifest when it is `extends`, names the same tables and none of its
+        chains is `MAX_CHAIN` long; None when the snapshot must be full.
+    """
+    latest = latest_checkpoint_step(url)
+    if latest is not None and step <= latest:
+        raise CheckpointError(f"{url}: step {step} is not after the latest committed step {latest}")
+    if latest is None or latest != extends:
+        return None
+    previous = read_manifest(url, latest)
+    names = {table.name for table in tables}
+    if set(previous["tables"]) != names:
+        return None
+    if any(len(previous["tables"][name]["chain"]) >= MAX_CHAIN for name in names):
+        return None
+    return previous
+
+
+def new_manifest(
+    step: int,
+    tables: Sequence[TableConfig],
+    parts: Sequence[Mapping[str, Any]],
+    base: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The manifest of snapshot `step`: each table's chain, extended when `base` is given.
+
+    Args:
+        step: the snapshot's step.
+        tables: the store's tables.
+        parts: per shard, in shard order, {table: part entry} as `write_part` returned.
+        base: the manifest this snapshot extends (incremental), or None (full).
+    """
+    chains = {}
+    for table in tables:
+        group = {
+            "step": step,
+            "full": base is None,
+            "parts": [shard_parts[table.name] for shard_parts in parts],
+        }
+        earlier = base["tables"][table.name]["chain"] if base is not None else []
+        chains[table.name] = {"config": _config.to_dict(table), "chain": [*earlier, group]}
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "num_shards": len(parts),
+        "tables": chains,
+    }

@@ -8,8 +8,13 @@ stored in `_storage.py` and `checkpoint.py`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from typing import Literal
+
+from common import config as common_config
+from common.errors import UserError
 
 StorageDtype = Literal["float32", "bfloat16", "float16"]
 OptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
@@ -184,3 +189,50 @@ class TableConfig:
     def shard_ram_rows(self, num_shards: int) -> int:
         """Hot rows one shard keeps in RAM when tiered (0 = not tiered)."""
         return -(-self.tiering.ram_rows // num_shards) if self.tiering.enabled else 0
+
+
+def load_tables(source: str | Path) -> list[TableConfig]:
+    """Reads TableConfigs from a TOML/JSON file or preset name.
+
+    The file holds a list of tables either at the top level (`[[tables]]`) or in a
+    section (`[[embedding.tables]]`, e.g. a whole training preset).
+    """
+    path = Path(source)
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{path}: no such table config file") from None
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path}: invalid JSON: {error}") from None
+    else:
+        path = common_config.resolve_preset(source)
+        data = common_config.read_toml(path)
+    found = [("tables", data.get("tables"))] if isinstance(data, dict) else []
+    if isinstance(data, dict):
+        found += [
+            (f"{key}.tables", value["tables"])
+            for key, value in data.items()
+            if isinstance(value, dict) and "tables" in value
+        ]
+    found = [(where, value) for where, value in found if value is not None]
+    if isinstance(data, list):
+        found = [("", data)]
+    if len(found) != 1 or not isinstance(found[0][1], list) or not found[0][1]:
+        raise UserError(
+            f"{path}: expected exactly one non-empty list of tables "
+            "(`[[tables]]` or `[[<section>.tables]]`)"
+        )
+    where, items = found[0]
+    tables = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise UserError(f"{path}: {where}[{i}] is not a table")
+        try:
+            tables.append(common_config.from_dict(TableConfig, item, where=f"{where}[{i}]"))
+        except UserError as error:
+            raise UserError(f"{path}: {error}") from None
+    names = [table.name for table in tables]
+    if len(set(names)) != len(names):
+        raise UserError(f"{path}: table names repeat: {names}")
+    return tables

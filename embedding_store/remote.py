@@ -33,15 +33,19 @@ import numpy as np
 import pyarrow.flight as flight
 
 from common.errors import UserError
-from embedding_store import _wire
-from embedding_store._wire import AUTH_HEADER, TOKEN_ENV
-from embedding_store.server import table_fingerprint
+from embedding_store import wire
+from embedding_store._fingerprint import table_fingerprint
+from embedding_store.config import TableConfig
+from embedding_store.wire import AUTH_HEADER, TOKEN_ENV
 
-SERVERS_ENV = "HYBRIDREC_EMBEDDING_SERVERS"
-RETRY_TIMEOUT_ENV = "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT"
 DEFAULT_RETRY_TIMEOUT = 60.0
 
 log = logging.getLogger(__name__)
+
+# Transitional, until training/trainer.py passes the token and retry timeout it gets
+# from the command layer (hybridrec/_embedding_servers.py): `connect` called without
+# them still reads their environment variables, and `resolve_addresses` still exists.
+_FROM_ENVIRONMENT = object()
 
 # Errors that mean "the server is not there right now"; anything else is an answer.
 _RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError, ConnectionError)
@@ -95,17 +99,6 @@ def parse_addresses(value: str | Sequence[str]) -> list[str]:
     if len(set(addresses)) != len(addresses):
         raise RemoteShardError(f"embedding server address list repeats an address: {value!r}")
     return addresses
-
-
-def resolve_addresses(value: str | Sequence[str] | None = None) -> list[str] | None:
-    """The address list from `value` (flag or config), else $HYBRIDREC_EMBEDDING_SERVERS.
-
-    Returns None when neither is set: the store then uses in-process shards.
-    """
-    if value:
-        return parse_addresses(value)
-    env = os.environ.get(SERVERS_ENV, "").strip()
-    return parse_addresses(env) if env else None
 
 
 class ServerConnection:
@@ -278,17 +271,17 @@ class RemoteShard:
         """Rows for each table's ids, in one call: table -> [n, dim] float32."""
         if not requests:
             return {}
-        header = _wire.Header(op=_wire.LOOKUP, shard=self.index, train=bool(train), step=self._step)
-        descriptor = flight.FlightDescriptor.for_command(_wire.encode_header(header))
-        batches = list(_wire.lookup_batches(requests))
+        header = wire.Header(op=wire.LOOKUP, shard=self.index, train=bool(train), step=self._step)
+        descriptor = flight.FlightDescriptor.for_command(wire.encode_header(header))
+        batches = list(wire.lookup_batches(requests))
 
         def attempt(client, options):
-            writer, reader = _send(client, options, descriptor, _wire.IDS_SCHEMA, batches)
+            writer, reader = _send(client, options, descriptor, wire.IDS_SCHEMA, batches)
             try:
                 rows = {}
                 for table, ids in requests.items():
                     chunk = reader.read_chunk()
-                    view = _wire.decode_values(
+                    view = wire.decode_values(
                         chunk.data, chunk.app_metadata, table, len(ids), self.table_dims[table]
                     )
                     # Writable, like the in-process shard's rows (one memcpy; the receive
@@ -304,21 +297,21 @@ class RemoteShard:
         """Sends every table's (ids [n], grads [n, dim]) in one call; returns once applied."""
         if not updates:
             return
-        header = _wire.Header(
-            op=_wire.APPLY,
+        header = wire.Header(
+            op=wire.APPLY,
             shard=self.index,
             client=self.connection.client_id,
             seq=self.connection.next_seq(),
             step=self._step,
         )
-        descriptor = flight.FlightDescriptor.for_command(_wire.encode_header(header))
-        batches = list(_wire.apply_batches(updates))
+        descriptor = flight.FlightDescriptor.for_command(wire.encode_header(header))
+        batches = list(wire.apply_batches(updates))
 
         def attempt(client, options):
-            writer, reader = _send(client, options, descriptor, _wire.APPLY_SCHEMA, batches)
+            writer, reader = _send(client, options, descriptor, wire.APPLY_SCHEMA, batches)
             try:
                 chunk = reader.read_chunk()
-                return _wire.decode_json(chunk.app_metadata, "apply reply")
+                return wire.decode_json(chunk.app_metadata, "apply reply")
             finally:
                 writer.close()
 
@@ -383,36 +376,30 @@ class RemoteShard:
 
 
 def connect(
-    addresses: str | Sequence[str] | None,
-    tables: Sequence[Any],
+    addresses: str | Sequence[str],
+    tables: Sequence[TableConfig],
     *,
-    token: str | None = None,
-    retry_timeout: float | None = None,
+    token: str | None | object = _FROM_ENVIRONMENT,
+    retry_timeout: float | object = _FROM_ENVIRONMENT,
 ) -> list[RemoteShard]:
     """Connects to shard servers and returns their shards ordered by global index.
 
     Args:
-        addresses: "host:port,..." or a list; None reads $HYBRIDREC_EMBEDDING_SERVERS.
+        addresses: "host:port,..." or a list of "host:port" / "grpc://host:port".
         tables: the TableConfigs the client uses; every server must host the same.
-        token: shared secret; None reads $HYBRIDREC_EMBEDDING_TOKEN (unset: no token).
-        retry_timeout: seconds to wait for an unreachable server (also at startup); None
-            reads $HYBRIDREC_EMBEDDING_RETRY_TIMEOUT, else 60.
+        token: the shared secret, or None for no token.
+        retry_timeout: seconds to wait for an unreachable server (also at startup).
 
     Raises:
         RemoteShardError: no addresses; a server unreachable within `retry_timeout`;
             servers disagreeing on the table configs or the shard count; a shard
             hosted twice or by no server.
     """
-    uris = resolve_addresses(addresses)
-    if uris is None:
-        raise RemoteShardError(f"no embedding server addresses (flag, config or ${SERVERS_ENV})")
-    token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
-    if retry_timeout is None:
-        text = os.environ.get(RETRY_TIMEOUT_ENV, "").strip()
-        try:
-            retry_timeout = float(text) if text else DEFAULT_RETRY_TIMEOUT
-        except ValueError:
-            raise RemoteShardError(f"${RETRY_TIMEOUT_ENV}={text!r} is not a number") from None
+    if not addresses:
+        raise RemoteShardError("no embedding server addresses (embedding.servers)")
+    uris = parse_addresses(addresses)
+    if token is _FROM_ENVIRONMENT or retry_timeout is _FROM_ENVIRONMENT:
+        token, retry_timeout = _legacy_environment(token, retry_timeout)
     expected_fingerprint = table_fingerprint(tables)
     table_dims = {table.name: int(table.dim) for table in tables}
     connections = [ServerConnection(uri, token=token, retry_timeout=retry_timeout) for uri in uris]
@@ -452,3 +439,27 @@ def connect(
             connection.close()
         raise
     return [RemoteShard(owner[index], index, table_dims) for index in range(num_shards)]
+
+
+# --- transitional (see _FROM_ENVIRONMENT) -------------------------------------------------
+
+
+def resolve_addresses(value: str | Sequence[str] | None = None) -> list[str] | None:
+    """Transitional: `value`, else $HYBRIDREC_EMBEDDING_SERVERS, else None."""
+    if value:
+        return parse_addresses(value)
+    text = os.environ.get("HYBRIDREC_EMBEDDING_SERVERS", "").strip()
+    return parse_addresses(text) if text else None
+
+
+def _legacy_environment(token, retry_timeout) -> tuple[str | None, float]:
+    if token is _FROM_ENVIRONMENT:
+        token = os.environ.get(TOKEN_ENV) or None
+    if retry_timeout is _FROM_ENVIRONMENT:
+        name = "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT"
+        text = os.environ.get(name, "").strip()
+        try:
+            retry_timeout = float(text) if text else DEFAULT_RETRY_TIMEOUT
+        except ValueError:
+            raise RemoteShardError(f"${name}={text!r} is not a number") from None
+    return token, retry_timeout

@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from embedding_store import checkpoint as _checkpoint
+from embedding_store._kvstore import context
 from embedding_store._table import ShardTable
 from embedding_store.config import TableConfig
 from embedding_store.errors import UnknownTableError
@@ -91,7 +92,7 @@ class LocalShard:
                 config,
                 shard_index=shard_index,
                 num_shards=num_shards,
-                context=_checkpoint.context(),
+                context=context(),
             )
             for config in tables
         }

@@ -16,23 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from common import config as _config
 from common.errors import UserError
 from embedding_store import _pooling
 from embedding_store import checkpoint as _checkpoint
 from embedding_store._arrays import put_rows, take_rows
 from embedding_store._pooling import FeatureIds, PooledLookup
 from embedding_store.config import TableConfig
-from embedding_store.errors import (
-    CheckpointError,
-    IncompatibleCheckpointError,
-    InvalidInputError,
-    UnknownTableError,
-)
+from embedding_store.errors import CheckpointError, InvalidInputError, UnknownTableError
 from embedding_store.routing import partition
 from embedding_store.shard import LocalShard, Shard
-
-MAX_CHAIN = 16  # snapshot groups in one manifest chain before a full snapshot is forced
 
 
 def _rows(array: np.ndarray, where: np.ndarray | slice) -> np.ndarray:
@@ -132,6 +124,11 @@ class EmbeddingStore:
     @property
     def tables(self) -> dict[str, TableConfig]:
         return dict(self._configs)
+
+    @property
+    def shards(self) -> tuple[Shard, ...]:
+        """The shard backends, shard i hosting the ids with `shard_of(id, num_shards) == i`."""
+        return tuple(self._shards)
 
     # ----------------------------------------------------------------- validation
 
@@ -362,25 +359,12 @@ class EmbeddingStore:
         """
         start = time.perf_counter()
         self.flush()
-        latest = _checkpoint.latest_checkpoint_step(url)
-        if latest is not None and step <= latest:
-            raise CheckpointError(
-                f"{url}: step {step} is not after the latest committed step {latest}"
-            )
-        previous = _checkpoint.read_manifest(url, latest) if latest is not None else None
-        incremental = (
-            not full
-            and previous is not None
-            and self._chain == (url, latest)
-            and all(
-                len(previous["tables"].get(t, {}).get("chain", ())) < MAX_CHAIN
-                for t in self._configs
-            )
-            and set(previous["tables"]) == set(self._configs)
-        )
+        tables = list(self._configs.values())
+        extends = self._chain[1] if self._chain and self._chain[0] == url else None
+        base = _checkpoint.snapshot_base(url, step, tables, None if full else extends)
         n = self.num_shards
         futures = [
-            self._submit(s, "write_checkpoint", url, step, s, num_shards=n, full=not incremental)
+            self._submit(s, "write_checkpoint", url, step, s, num_shards=n, full=base is None)
             for s in range(n)
         ]
         parts, failures = [], []
@@ -393,34 +377,17 @@ class EmbeddingStore:
             raise CheckpointError(
                 f"{url}: checkpoint of step {step} not committed; {'; '.join(failures)}"
             )
-        group_of = {
-            name: {"step": step, "full": not incremental, "parts": [p[name] for p in parts]}
-            for name in self._configs
-        }
-        manifest = {
-            "format_version": _checkpoint.FORMAT_VERSION,
-            "step": step,
-            "num_shards": n,
-            "tables": {
-                name: {
-                    "config": _config.to_dict(config),
-                    "chain": (previous["tables"][name]["chain"] if incremental else [])
-                    + [group_of[name]],
-                }
-                for name, config in self._configs.items()
-            },
-        }
-        _checkpoint.write_manifest(url, step, manifest)
+        _checkpoint.write_manifest(url, step, _checkpoint.new_manifest(step, tables, parts, base))
         self._on_all_shards("commit_checkpoint", [step] * n)
         self._chain = (url, step)
-        groups = group_of.values()
+        written = [entry for shard_parts in parts for entry in shard_parts.values()]
         return {
             "step": step,
             "url": url,
-            "full": not incremental,
-            "rows_written": sum(p["rows"] for g in groups for p in g["parts"]),
-            "ids_deleted": sum(p["deleted"] for g in groups for p in g["parts"]),
-            "bytes_written": sum(p["bytes"] for g in groups for p in g["parts"]),
+            "full": base is None,
+            "rows_written": sum(entry["rows"] for entry in written),
+            "ids_deleted": sum(entry["deleted"] for entry in written),
+            "bytes_written": sum(entry["bytes"] for entry in written),
             "seconds": time.perf_counter() - start,
         }
 
@@ -442,7 +409,7 @@ class EmbeddingStore:
         stored rows depend on (dim, optimizer, table set) must match.
         """
         manifest = _checkpoint.read_manifest(url, step)
-        _check_compatible(url, manifest, tables)
+        _checkpoint.check_compatible(url, manifest, tables)
         store = cls(tables, num_shards=num_shards, shards=shards, num_workers=num_workers)
         try:
             n = store.num_shards
@@ -474,28 +441,6 @@ class EmbeddingStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_compatible(url: str, manifest: Mapping[str, Any], tables: Sequence[TableConfig]):
-    stored = manifest["tables"]
-    names = {t.name for t in tables}
-    if names != set(stored):
-        raise IncompatibleCheckpointError(
-            f"{url}: checkpoint has tables {sorted(stored)}, the store was given {sorted(names)}"
-        )
-    for table in tables:
-        saved = stored[table.name]["config"]
-        if saved["dim"] != table.dim:
-            raise IncompatibleCheckpointError(
-                f"{url}: table {table.name!r} was saved with dim {saved['dim']}, "
-                f"the config says dim {table.dim}"
-            )
-        if saved["optimizer"]["name"] != table.optimizer.name:
-            raise IncompatibleCheckpointError(
-                f"{url}: table {table.name!r} was saved with optimizer "
-                f"{saved['optimizer']['name']!r}, the config says {table.optimizer.name!r} "
-                "(optimizer state is not convertible)"
-            )
 
 
 def latest_checkpoint_step(url: str) -> int | None:

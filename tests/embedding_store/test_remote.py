@@ -21,17 +21,16 @@ from embedding_store import (
     TableConfig,
     TieringConfig,
     shard_of,
+    wire,
 )
-from embedding_store import _wire as wire
+from embedding_store.processes import contiguous_shards
 from embedding_store.remote import (
-    SERVERS_ENV,
     RemoteShardError,
     ServerUnavailableError,
     connect,
     parse_addresses,
-    resolve_addresses,
 )
-from embedding_store.server import ShardServer, contiguous_shards, parse_shard_list
+from embedding_store.server import ShardServer
 
 TABLES = [
     TableConfig(
@@ -136,7 +135,7 @@ def test_remote_matches_in_process_and_checkpoints(start_servers, tmp_path):
     remote.close()
     again = EmbeddingStore(TABLES, shards=connect(_addresses(servers), TABLES))
     np.testing.assert_array_equal(_all_rows(again, "users"), expected)
-    stats = again._shards[0].server_stats()
+    stats = again.shards[0].server_stats()
     assert stats["latency"]["lookup"]["count"] > 0 and stats["latency"]["lookup"]["p99_ms"] > 0
     assert stats["pending_updates"] == 0 and stats["rows"] > 0
     for store in (local, restored_remote, restored_local, again):
@@ -174,17 +173,11 @@ def test_a_server_may_tier_its_tables_without_the_client_knowing(start_servers, 
         assert remote.stats()["cold_writes"] > 0
 
 
-def test_addresses_from_flag_or_environment(monkeypatch):
+def test_address_lists_and_shard_splits():
     assert parse_addresses("a:1, grpc://b:2") == ["grpc://a:1", "grpc://b:2"]
     for bad in ("a", "a:port", "a:1,a:1", ""):
         with pytest.raises(RemoteShardError):
             parse_addresses(bad)
-    monkeypatch.delenv(SERVERS_ENV, raising=False)
-    assert resolve_addresses(None) is None
-    monkeypatch.setenv(SERVERS_ENV, "h:7001,h:7002")
-    assert resolve_addresses(None) == ["grpc://h:7001", "grpc://h:7002"]
-    assert resolve_addresses(["x:1"]) == ["grpc://x:1"]
-    assert parse_shard_list("0-2,5", 8) == [0, 1, 2, 5]
     assert [contiguous_shards(i, 3, 8) for i in range(3)] == [[0, 1], [2, 3, 4], [5, 6, 7]]
 
 

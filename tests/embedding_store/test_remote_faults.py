@@ -10,15 +10,12 @@ import pytest
 
 from common.errors import UserError
 from embedding_store import EmbeddingStore, RaggedIds, TableConfig, shard_of
+from embedding_store.config import load_tables
+from embedding_store.processes import start_server_process, start_servers, stop_servers
 from embedding_store.remote import connect
-from embedding_store.server import (
-    ShardServer,
-    load_tables,
-    main,
-    start_server_process,
-    start_servers,
-    stop_servers,
-)
+from embedding_store.server import ShardServer
+from hybridrec._embedding_servers import embedding_servers
+from hybridrec.serve_embeddings import main, parse_shard_list, training_tables
 
 TABLES_TOML = """
 [[tables]]
@@ -116,7 +113,7 @@ def test_killed_server_restarts_from_its_checkpoint_and_training_resumes(
     np.testing.assert_array_equal(rows[on_killed], at_checkpoint[on_killed])
     np.testing.assert_array_equal(rows[~on_killed], before_kill[~on_killed])
     assert "restarted from its checkpoint at step 4" in caplog.text
-    assert store._shards[0].connection.restarts == 1
+    assert store.shards[0].connection.restarts == 1
 
     # Training resumes, and the next (incremental) checkpoint is consistent.
     for step in range(8, 11):
@@ -192,8 +189,6 @@ def test_command_line_errors(tmp_path, capsys):
 
 def test_tables_from_the_training_preset(tmp_path):
     """`--config P --data D --set k=v`: one table per table of the feature spec, in order."""
-    from embedding_store.server import training_tables
-
     data = tmp_path / "data"
     data.mkdir()
     spec = {
@@ -212,3 +207,24 @@ def test_tables_from_the_training_preset(tmp_path):
     assert tables[0].optimizer.name == "adagrad"  # from the preset's [embedding.optimizer]
     with pytest.raises(UserError, match="unknown config key embedding.dimm"):
         training_tables("quickstart", str(data), ["embedding.dimm=8"])
+
+
+def test_server_addresses_config_first_then_environment(monkeypatch):
+    monkeypatch.delenv("HYBRIDREC_EMBEDDING_SERVERS", raising=False)
+    monkeypatch.delenv("HYBRIDREC_EMBEDDING_RETRY_TIMEOUT", raising=False)
+    none = embedding_servers(None)
+    assert none.addresses == () and none.source == "" and none.retry_timeout == 60.0
+    monkeypatch.setenv("HYBRIDREC_EMBEDDING_SERVERS", "h:7001,h:7002")
+    monkeypatch.setenv("HYBRIDREC_EMBEDDING_RETRY_TIMEOUT", "3")
+    from_environment = embedding_servers([])
+    assert from_environment.addresses == ("grpc://h:7001", "grpc://h:7002")
+    assert from_environment.source == "$HYBRIDREC_EMBEDDING_SERVERS"
+    assert from_environment.retry_timeout == 3.0
+    configured = embedding_servers(["x:1"])  # the config wins over the environment
+    assert configured.addresses == ("grpc://x:1",) and configured.source == "embedding.servers"
+    monkeypatch.setenv("HYBRIDREC_EMBEDDING_RETRY_TIMEOUT", "soon")
+    with pytest.raises(UserError, match="HYBRIDREC_EMBEDDING_RETRY_TIMEOUT='soon'"):
+        embedding_servers(None)
+    assert parse_shard_list("0-2,5", 8) == [0, 1, 2, 5]
+    with pytest.raises(UserError, match="--shards: \\[9\\] outside 0..7"):
+        parse_shard_list("1,9", 8)

@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from embedding_store import EmbeddingStore, RaggedIds, SparseOptimizerConfig, TableConfig
+from embedding_store import (
+    EmbeddingStore,
+    LocalShard,
+    RaggedIds,
+    SparseOptimizerConfig,
+    TableConfig,
+)
 
 
 def _table(**overrides):
@@ -37,12 +43,18 @@ def test_lookup_apply_round_trip(num_shards):
 def test_lookup_features_one_request_per_shard():
     calls = []
 
-    class CountingStore(EmbeddingStore):
-        def _submit(self, shard, method, *args, **kwargs):
-            calls.append((shard, method))
-            return super()._submit(shard, method, *args, **kwargs)
+    class CountingShard(LocalShard):
+        def lookup(self, requests, *, train=True):
+            calls.append((self.shard_index, "lookup"))
+            return super().lookup(requests, train=train)
 
-    with CountingStore([_table(), _table(name="users")], num_shards=2) as store:
+        def apply_gradients(self, updates):
+            calls.append((self.shard_index, "apply_gradients"))
+            super().apply_gradients(updates)
+
+    tables = [_table(), _table(name="users")]
+    shards = [CountingShard(tables, shard_index=i, num_shards=2) for i in range(2)]
+    with EmbeddingStore(tables, shards=shards) as store:
         features = {
             "a": np.array([1, 2, 3], np.uint64),
             "b": RaggedIds(

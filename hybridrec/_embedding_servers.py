@@ -1,0 +1,82 @@
+"""Where a command finds the embedding servers: config, else environment variables.
+
+The one place the commands read `$HYBRIDREC_EMBEDDING_SERVERS`,
+`$HYBRIDREC_EMBEDDING_TOKEN` and `$HYBRIDREC_EMBEDDING_RETRY_TIMEOUT`; the library
+(`embedding_store.remote.connect`) takes what is found here as arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from common.errors import UserError
+from embedding_store.remote import DEFAULT_RETRY_TIMEOUT, parse_addresses
+from embedding_store.wire import TOKEN_ENV
+
+SERVERS_ENV = "HYBRIDREC_EMBEDDING_SERVERS"
+RETRY_TIMEOUT_ENV = "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT"
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingServers:
+    """The remote shard servers of a run, and how to reach them.
+
+    Attributes:
+        addresses: Flight URIs ("grpc://host:port"); empty: in-process shards.
+        source: where the addresses came from ("embedding.servers" or
+            "$HYBRIDREC_EMBEDDING_SERVERS"), or "" when there are none.
+        token: the shared secret, or None for no token.
+        retry_timeout: seconds to keep retrying an unreachable server.
+    """
+
+    addresses: tuple[str, ...]
+    source: str
+    token: str | None
+    retry_timeout: float
+
+
+def embedding_servers(configured: str | Sequence[str] | None) -> EmbeddingServers:
+    """The servers from `configured` (`embedding.servers`); when that is empty, from
+    $HYBRIDREC_EMBEDDING_SERVERS. Token and retry timeout come from their variables.
+
+    Raises:
+        UserError: an address is not host:port, or the retry timeout is not a number.
+    """
+    if configured:
+        addresses, source = parse_addresses(configured), "embedding.servers"
+    else:
+        text = os.environ.get(SERVERS_ENV, "").strip()
+        addresses, source = (parse_addresses(text), f"${SERVERS_ENV}") if text else ([], "")
+    return EmbeddingServers(
+        addresses=tuple(addresses),
+        source=source,
+        token=read_token(None),
+        retry_timeout=_retry_timeout(),
+    )
+
+
+def read_token(path: str | None) -> str | None:
+    """The shared secret from the file at `path`, else $HYBRIDREC_EMBEDDING_TOKEN, else None."""
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as error:
+            raise UserError(f"--token-file {path}: {error.strerror}") from None
+        if not token:
+            raise UserError(f"--token-file {path} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def _retry_timeout() -> float:
+    text = os.environ.get(RETRY_TIMEOUT_ENV, "").strip()
+    try:
+        value = float(text) if text else DEFAULT_RETRY_TIMEOUT
+    except ValueError:
+        raise UserError(f"${RETRY_TIMEOUT_ENV}={text!r} is not a number") from None
+    if not value >= 0:
+        raise UserError(f"${RETRY_TIMEOUT_ENV}={text!r} must be >= 0 seconds")
+    return value
