@@ -45,6 +45,18 @@ def _plot(argv: list[str]) -> int:
     return plot.main(argv)
 
 
+def _export(argv: list[str]) -> int:
+    from hybridrec import export
+
+    return export.main(argv)
+
+
+def _serve(argv: list[str]) -> int:
+    from hybridrec import serve
+
+    return serve.main(argv)
+
+
 def _serve_embeddings(argv: list[str]) -> int:
     from hybridrec import serve_embeddings
 
@@ -70,6 +82,8 @@ SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "train a model with the hybrid (async embedding, sync dense) loop"),
     "evaluate": (_evaluate, "evaluate a checkpoint on a data split"),
     "plot": (_plot, "write PNG training curves for a run directory"),
+    "export": (_export, "export a checkpoint for serving (StableHLO tower, embeddings, spec)"),
+    "serve": (_serve, "serve an export over HTTP (Open Inference Protocol / KServe v2)"),
     "serve-embeddings": (_serve_embeddings, "host embedding shards behind an RPC server"),
     "launch": (_launch, "start shard servers and N trainer processes on this machine"),
     "quickstart": (_quickstart, "generate -> preprocess -> train -> evaluate on a built-in default"),

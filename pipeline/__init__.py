@@ -11,6 +11,7 @@ Public surface:
 """
 
 from pipeline.metadata import CategoricalFeature, DatasetMetadata, read_metadata
+from pipeline.rows import EncodedRows, RowEncoder, RowError, spec_from_json  # noqa: F401
 from pipeline.spec import CategoricalSpec, FeatureSpec, builtin_specs, load_spec
 
 # Public name -> module that defines it. Beam, pyarrow and the generator are imported only

@@ -1,0 +1,42 @@
+"""`hybridrec serve`: an export behind the Open Inference Protocol (KServe v2 REST)."""
+
+from __future__ import annotations
+
+import argparse
+
+from serving.server import ServeOptions, read_token, serve
+
+
+def main(argv: list[str]) -> int:
+    """`hybridrec serve`."""
+    parser = argparse.ArgumentParser(
+        prog="hybridrec serve",
+        description="Serve an export over HTTP (KServe v2 / Open Inference Protocol): raw "
+        "rows or hashed ids in, click probabilities out.",
+    )
+    parser.add_argument("export", help="export directory (its newest version) or one version")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    parser.add_argument("--token-file", help="file holding the bearer token clients must send")
+    parser.add_argument("--max-batch", type=int, default=256, help="rows per forward pass")
+    parser.add_argument(
+        "--max-delay-ms", type=float, default=2.0, help="how long a batch waits for more requests"
+    )
+    parser.add_argument("--max-rows", type=int, default=4096, help="rows per request (more: 413)")
+    parser.add_argument(
+        "--max-body-mb", type=float, default=16.0, help="request body limit in MiB (more: 413)"
+    )
+    parser.add_argument(
+        "--watch", action="store_true", help="load newer versions of the export as they appear"
+    )
+    args = parser.parse_args(argv)
+    options = ServeOptions(
+        max_batch=args.max_batch,
+        max_delay_ms=args.max_delay_ms,
+        max_rows=args.max_rows,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        token=read_token(args.token_file) if args.token_file else None,
+        watch=args.watch,
+    )
+    serve(args.export, host=args.host, port=args.port, options=options)
+    return 0

@@ -1,0 +1,34 @@
+"""Serving what was trained: `hybridrec export` and `hybridrec serve`.
+
+Public surface:
+    export_run(run_dir, out, step=, precision=)   a run's checkpoint -> a versioned export
+    ServedModel(path)                              a loaded export: encode_rows, predict
+    ExportError                                    a bad or incomplete export (names the file)
+    create_app(path, ...) / serve(path, ...)       the Open Inference Protocol (KServe v2) server
+    demo_score(export_dir, rows)                   start a server, score rows over HTTP, stop it
+"""
+
+from serving._format import ExportError
+
+__all__ = ["ExportError", "ServedModel", "create_app", "demo_score", "export_run", "serve"]
+
+
+def __getattr__(name):
+    # JAX and the web stack are imported only when used
+    if name == "export_run":
+        from serving.export import export_run
+
+        return export_run
+    if name == "ServedModel":
+        from serving.model import ServedModel
+
+        return ServedModel
+    if name in ("create_app", "serve"):
+        from serving import server
+
+        return getattr(server, name)
+    if name == "demo_score":
+        from serving.demo import demo_score
+
+        return demo_score
+    raise AttributeError(f"module 'serving' has no attribute {name!r}")

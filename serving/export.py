@@ -1,0 +1,260 @@
+"""`export_run`: a run's checkpoint -> one self-contained, versioned export directory.
+
+What serving needs, and nothing that needs the training code: the dense tower as
+StableHLO (`jax.export`, batch dimension symbolic, parameters inside), the embedding
+rows of the checkpoint (fp32, fp16 or int8 row-wise) with their sorted id index, and
+the feature spec with hashing, dense transform and statistics. See `serving._format`
+for the layout. The rows come from the run's embedding checkpoint, also when the
+run trained against remote shard servers (the checkpoint holds every row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from common import config as config_lib
+from common.errors import UserError
+from common.progress import Progress
+from embedding_store import checkpoint as store_checkpoint
+from model import abstract_train_state, eval_step, make_mesh
+from pipeline import read_metadata
+from pipeline.hashing import hash_scheme
+from serving import _format
+from serving.quantize import encode_table
+from training.checkpoint import RunCheckpoints
+from training.job import CONFIG_FILE, load_config
+from training.tables import plan_tables
+
+
+def checkpoint_rows(url: str, step: int, table: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of `table` in the embedding checkpoint of `step` under `url`.
+
+    Replays the manifest's chain (the last full snapshot, then each incremental one:
+    deletions, then upserts) the way a restore does.
+
+    Returns:
+        ids [rows] uint64 sorted, values [rows, dim] float32 in the same order.
+    """
+    manifest = store_checkpoint.read_manifest(url, step)
+    if table not in manifest["tables"]:
+        raise UserError(f"{url}: the checkpoint of step {step} has no table {table!r}")
+    ids = np.zeros(0, np.uint64)
+    values = None
+    for group in manifest["tables"][table]["chain"]:
+        blocks = [store_checkpoint.read_part(url, entry) for entry in group["parts"]]
+        new_ids = np.concatenate([b.ids for b in blocks]).astype(np.uint64)
+        new_values = np.concatenate([b.values for b in blocks]).astype(np.float32)
+        deleted = np.concatenate([b.deleted for b in blocks]).astype(np.uint64)
+        if values is None:
+            values = np.zeros((0, new_values.shape[1]), np.float32)
+        keep = ~np.isin(ids, np.concatenate([deleted, new_ids]))
+        ids = np.concatenate([ids[keep], new_ids])
+        values = np.concatenate([values[keep], new_values])
+    order = np.argsort(ids, kind="stable")
+    return ids[order], (values if values is not None else np.zeros((0, 0), np.float32))[order]
+
+
+def _restore_params(run_dir: Path, config: Any, metadata: Any, step: int) -> tuple[Any, Any]:
+    """(graphdef, host params) of the dense state at `step`, restored onto one device."""
+    mesh_config = dataclasses.replace(config.mesh, shape=(1,) * len(config.mesh.shape))
+    mesh = make_mesh(mesh_config, devices=jax.devices()[:1])
+    abstract = abstract_train_state(
+        config.model,
+        config.optimizer,
+        mesh,
+        num_dense=len(metadata.dense_columns),
+        num_features=len(metadata.categorical),
+        embedding_dim=config.embedding.dim,
+    )
+    checkpoints = RunCheckpoints(run_dir, keep=config.checkpoint.keep)
+    try:
+        state = checkpoints.restore_dense(step, abstract)
+    finally:
+        checkpoints.close()
+    return state.graphdef, jax.device_get(state.params)
+
+
+def export_tower(graphdef: Any, params: Any, num_features: int, dim: int, num_dense: int) -> bytes:
+    """The tower as serialized StableHLO: probabilities [b] = f(embeddings [b, F, D], dense [b, n]).
+
+    The parameters are constants of the module, so calling it needs no Flax code and
+    no parameter files; `b` is symbolic, one module serves every batch size.
+    """
+    state = _TowerState(graphdef=graphdef, params=jax.tree.map(jnp.asarray, params))
+
+    def probabilities(embeddings, dense):
+        return eval_step(state, {"embeddings": embeddings, "dense": dense})
+
+    (batch,) = jax.export.symbolic_shape("b")
+    exported = jax.export.export(jax.jit(probabilities))(
+        jax.ShapeDtypeStruct((batch, num_features, dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_dense), jnp.float32),
+    )
+    return bytes(exported.serialize())
+
+
+@dataclasses.dataclass
+class _TowerState:
+    """What `model.eval_step` reads of a train state: the tower's graphdef and parameters."""
+
+    graphdef: Any
+    params: Any
+
+
+def _default_rule(table_config: Any) -> dict[str, Any]:
+    """How serving fills a row for an id the checkpoint lacks: what `evaluate` reads for it."""
+    if table_config.admission.admits_all and table_config.initializer.kind != "zeros":
+        return {"kind": "initializer", "table": config_lib.to_dict(table_config)}
+    return {"kind": "zeros"}
+
+
+def export_run(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    step: int | None = None,
+    precision: str = "fp32",
+    name: str | None = None,
+    quiet: bool = False,
+) -> dict[str, Any]:
+    """Writes the next version of the export `out` from the checkpoint of `run_dir`.
+
+    Args:
+        run_dir: a `hybridrec train` run directory.
+        out: export base directory; the new version is `out/<n>` (n = newest + 1).
+        step: checkpoint step (default: the newest complete one).
+        precision: embedding rows as fp32, fp16 or int8 (row-wise, fp16 scale and bias).
+        name: model name served under /v2/models/{name} (default: out's directory name).
+        quiet: no progress lines.
+
+    Returns:
+        A summary: path, version, name, step, precision, bytes per part, seconds.
+    """
+    started = time.perf_counter()
+    run_dir, out = Path(run_dir), Path(out)
+    if precision not in _format.PRECISIONS:
+        raise UserError(f"precision {precision!r} is not one of {', '.join(_format.PRECISIONS)}")
+    if not (run_dir / CONFIG_FILE).exists():
+        raise UserError(f"{run_dir}: not a run directory (no {CONFIG_FILE})")
+    name = name or out.resolve().name
+    if not name or not all(c.isalnum() or c in "_-." for c in name):
+        raise UserError(f"model name {name!r} must use only letters, digits, _ - .")
+    config = load_config(None, [], run_dir)
+    metadata = read_metadata(config.data.path)
+    if any(feature.multi_valued for feature in metadata.categorical):
+        raise UserError(
+            f"{config.data.path}: multi-valued features are not supported by export yet"
+        )
+    checkpoints = RunCheckpoints(run_dir, keep=config.checkpoint.keep)
+    step = step if step is not None else checkpoints.latest_step()
+    if step is None:
+        raise UserError(f"{run_dir}: no complete checkpoint to export")
+    if step not in store_checkpoint.committed_steps(checkpoints.embeddings_url):
+        raise UserError(f"{run_dir}: no complete checkpoint at step {step}")
+
+    plan = plan_tables(config.embedding, metadata.categorical)  # the tables the run trained
+    tables = [table.name for table in plan.tables]
+    progress = None if quiet else Progress("export", total=len(tables) + 1, unit="parts")
+    graphdef, params = _restore_params(run_dir, config, metadata, step)
+    tower = export_tower(
+        graphdef,
+        params,
+        len(metadata.categorical),
+        config.embedding.dim,
+        len(metadata.dense_columns),
+    )
+    if progress:
+        progress.update(1)
+    temporary, final = _format.new_version_dir(out)
+    try:
+        (temporary / _format.MODEL_FILE).write_bytes(tower)
+        table_summaries = {}
+        for table in tables:
+            ids, values = checkpoint_rows(checkpoints.embeddings_url, step, table)
+            if values.shape[1:] not in ((config.embedding.dim,), (0,)):
+                raise UserError(
+                    f"{checkpoints.embeddings_url}: table {table!r} has rows of width "
+                    f"{values.shape[1]}, the run's config says embedding.dim = {config.embedding.dim}"
+                )
+            directory = temporary / _format.TABLES_DIR / table
+            directory.mkdir(parents=True)
+            np.save(directory / "ids.npy", ids)
+            for part, array in encode_table(values.reshape(len(ids), -1), precision).items():
+                np.save(directory / f"{part}.npy", array)
+            table_summaries[table] = {"rows": len(ids), "dim": config.embedding.dim}
+            if progress:
+                progress.update(1)
+        features = {
+            "spec": metadata.raw["spec"],
+            "hash_scheme": metadata.raw.get("hash_scheme", hash_scheme(8)),
+            "statistics": metadata.raw.get("stats", {}),
+            "feature_tables": dict(plan.feature_tables),
+            "pooling": config.embedding.pooling,
+            "embedding_dim": config.embedding.dim,
+            "default_rows": {table.name: _default_rule(table) for table in plan.tables},
+        }
+        (temporary / _format.FEATURES_FILE).write_text(json.dumps(features, indent=1) + "\n")
+        files = _format.file_entries(temporary)
+        manifest = {
+            "format": _format.FORMAT,
+            "format_version": _format.FORMAT_VERSION,
+            "name": name,
+            "version": int(final.name),
+            "run_dir": str(run_dir.resolve()),
+            "step": int(step),
+            "precision": precision,
+            "created_unix": time.time(),
+            "versions": _library_versions(),
+            "tables": table_summaries,
+            "files": files,
+        }
+        _format.commit(temporary, final, manifest)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    sizes = _sizes(files)
+    if progress:
+        progress.close()
+    return {
+        "path": str(final),
+        "version": int(final.name),
+        "name": name,
+        "step": int(step),
+        "precision": precision,
+        **sizes,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def _sizes(files: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Bytes of the tower, the embedding values (with scales), the id index, and in total."""
+    sizes = {"tower_bytes": 0, "embedding_bytes": 0, "index_bytes": 0, "total_bytes": 0}
+    for path, entry in files.items():
+        sizes["total_bytes"] += entry["bytes"]
+        if path == _format.MODEL_FILE:
+            sizes["tower_bytes"] += entry["bytes"]
+        elif path.endswith("/ids.npy"):
+            sizes["index_bytes"] += entry["bytes"]
+        elif path.startswith(_format.TABLES_DIR + "/"):
+            sizes["embedding_bytes"] += entry["bytes"]
+    return sizes
+
+
+def _library_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {"jax": jax.__version__, "numpy": np.__version__}
+    try:
+        versions["hybridrec"] = metadata.version("hybridrec")
+    except metadata.PackageNotFoundError:
+        versions["hybridrec"] = "unknown"
+    return versions

@@ -1,0 +1,237 @@
+"""A loaded export: memory-mapped embedding tables, the StableHLO tower, the row encoder.
+
+`ServedModel.predict(ids, dense)` is the whole forward pass of serving:
+
+    ids [n, F] uint64 ──► per table: searchsorted in the sorted id index (memory-mapped)
+                      ──► rows (fp32 / fp16 / int8 dequantized), unseen ids -> default row
+    embeddings [n, F, D], dense [n, d] ──► tower (jax.export module, padded to a bucket)
+                      ──► probabilities [n] float32
+
+Tables stay on disk (`np.load(mmap_mode="r")`): the page cache holds the hot rows, so
+a table larger than RAM is served without loading it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from common import config as config_lib
+from embedding_store import EmbeddingStore, TableConfig
+from pipeline import RowEncoder, spec_from_json
+from serving import _format
+
+MIN_BUCKET = 8  # smallest padded batch: one compiled shape serves 1..8 rows
+
+
+class ServedTable:
+    """One exported table, memory-mapped.
+
+    Args:
+        directory: `tables/<name>` of an export version.
+        name: the table's name.
+        precision: fp32, fp16 or int8.
+    """
+
+    def __init__(self, directory: Path, name: str, precision: str):
+        self.name = name
+        self.ids = _load(directory / "ids.npy", np.uint64, 1)
+        self.values = _load(directory / "values.npy", None, 2)
+        self.scale_bias = None
+        if precision == "int8":
+            self.scale_bias = _load(directory / "scale_bias.npy", np.float16, 2)
+        if len(self.values) != len(self.ids) or (
+            self.scale_bias is not None and len(self.scale_bias) != len(self.ids)
+        ):
+            raise _format.ExportError(f"{directory}: ids, values and scales differ in length")
+        self.dim = self.values.shape[1]
+
+    def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ids [n] uint64 -> (row index [n] int64, found [n] bool)."""
+        if not len(self.ids):
+            return np.zeros(len(ids), np.int64), np.zeros(len(ids), bool)
+        rows = np.searchsorted(self.ids, ids)
+        rows = np.minimum(rows, len(self.ids) - 1)
+        return rows, self.ids[rows] == ids
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        """Row index [m] -> values [m, dim] float32 (dequantized)."""
+        values = self.values[index]
+        if self.scale_bias is None:
+            return values.astype(np.float32, copy=False)
+        scale_bias = self.scale_bias[index].astype(np.float32)
+        return values.astype(np.float32) * scale_bias[:, :1] + scale_bias[:, 1:]
+
+
+def _load(path: Path, dtype: Any, ndim: int) -> np.ndarray:
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as error:
+        raise _format.ExportError(f"{path}: unreadable array ({error})") from None
+    if array.ndim != ndim or (dtype is not None and array.dtype != dtype):
+        raise _format.ExportError(f"{path}: {array.dtype} array of {array.ndim} dims is unexpected")
+    return array
+
+
+class ServedModel:
+    """One export version, ready to score.
+
+    Args:
+        path: an export version directory, or a base directory (its newest version).
+        max_batch: the largest batch the tower runs at once (compiled up front).
+        verify: check every file's size and sha256 against the manifest first.
+    """
+
+    def __init__(self, path: str | Path, *, max_batch: int = 256, verify: bool = True):
+        self.path = _format.resolve(path)
+        self.manifest = _format.read_manifest(self.path, verify=verify)
+        self.name = self.manifest["name"]
+        self.version = int(self.manifest["version"])
+        self.precision = self.manifest["precision"]
+        features_path = self.path / _format.FEATURES_FILE
+        try:
+            self.features = json.loads(features_path.read_text())
+            self.spec = spec_from_json(self.features["spec"])
+        except (OSError, ValueError, KeyError) as error:
+            raise _format.ExportError(f"{features_path}: unreadable ({error})") from None
+        self.encoder = RowEncoder(self.spec)
+        self.feature_names = [feature.name for feature in self.spec.categorical]
+        self.num_dense = len(self.spec.dense)
+        self.dim = int(self.features["embedding_dim"])
+        feature_tables = self.features["feature_tables"]
+        self.tables = {
+            table: ServedTable(self.path / _format.TABLES_DIR / table, table, self.precision)
+            for table in dict.fromkeys(feature_tables[name] for name in self.feature_names)
+        }
+        self._feature_tables = [self.tables[feature_tables[n]] for n in self.feature_names]
+        self._defaults = _DefaultRows(self.features["default_rows"])
+        model_path = self.path / _format.MODEL_FILE
+        try:
+            exported = jax.export.deserialize(bytearray(model_path.read_bytes()))
+        except Exception as error:  # noqa: BLE001 - any decoding failure names the file
+            raise _format.ExportError(f"{model_path}: not a jax.export module ({error})") from None
+        self._tower = jax.jit(exported.call)
+        self.max_batch = max_batch
+        self.buckets = _buckets(max_batch)
+        self._lock = threading.Lock()
+        self.unseen = dict.fromkeys(self.tables, 0)  # ids that got the default row, per table
+        self.rows_scored = 0
+        for bucket in self.buckets:  # compile every shape now, not on a request
+            self._run_tower(
+                np.zeros((bucket, len(self.feature_names), self.dim), np.float32),
+                np.zeros((bucket, self.num_dense), np.float32),
+            )
+
+    # ------------------------------------------------------------------ inputs
+
+    def encode_rows(self, lines: Sequence[bytes | str]) -> tuple[np.ndarray, np.ndarray]:
+        """Raw rows -> (ids [n, F] uint64, dense [n, d] float32), as the Beam job does.
+
+        Raises:
+            pipeline.RowError: a row the job would reject (its index and reason).
+        """
+        encoded = self.encoder.encode(lines)
+        ids = np.empty((len(encoded.dense), len(self.feature_names)), np.uint64)
+        for column, name in enumerate(self.feature_names):
+            ids[:, column] = encoded.ids[name]
+        return ids, encoded.dense
+
+    # ------------------------------------------------------------------ forward
+
+    def embeddings(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ids [n, F] uint64 -> (embeddings [n, F, D] float32, unseen [n] int64 per row)."""
+        n, num_features = ids.shape
+        out = np.empty((n, num_features, self.dim), np.float32)
+        unseen = np.zeros(n, np.int64)
+        for column, table in enumerate(self._feature_tables):
+            rows, found = table.find(ids[:, column])
+            if found.all():
+                out[:, column] = table.rows(rows)
+                continue
+            out[found, column] = table.rows(rows[found])
+            out[~found, column] = self._defaults(table.name, ids[~found, column], self.dim)
+            unseen += ~found
+            with self._lock:
+                self.unseen[table.name] += int(np.count_nonzero(~found))
+        return out, unseen
+
+    def _run_tower(self, embeddings: np.ndarray, dense: np.ndarray) -> np.ndarray:
+        n = len(embeddings)
+        bucket = next(b for b in self.buckets if b >= n)
+        if bucket != n:
+            embeddings = np.concatenate(
+                [embeddings, np.zeros((bucket - n, *embeddings.shape[1:]), np.float32)]
+            )
+            dense = np.concatenate([dense, np.zeros((bucket - n, dense.shape[1]), np.float32)])
+        return np.asarray(self._tower(embeddings, dense))[:n]
+
+    def predict(self, ids: np.ndarray, dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Click probabilities.
+
+        Args:
+            ids: [n, F] uint64 hashed ids, features in spec order.
+            dense: [n, d] float32 transformed dense values.
+
+        Returns:
+            probabilities [n] float32 and unseen [n] int64 (ids per row that got a default row).
+        """
+        embeddings, unseen = self.embeddings(ids)
+        dense = np.ascontiguousarray(dense, np.float32)
+        chunks = [
+            self._run_tower(
+                embeddings[start : start + self.max_batch], dense[start : start + self.max_batch]
+            )
+            for start in range(0, len(ids), self.max_batch)
+        ]
+        with self._lock:
+            self.rows_scored += len(ids)
+        probabilities = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+        return probabilities.astype(np.float32, copy=False), unseen
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"rows_scored": self.rows_scored, "unseen_ids": dict(self.unseen)}
+
+    def close(self) -> None:
+        self._defaults.close()
+
+
+def _buckets(max_batch: int) -> list[int]:
+    buckets, size = [], MIN_BUCKET
+    while size < max_batch:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, max_batch]
+
+
+class _DefaultRows:
+    """Rows of ids the export lacks: what `hybridrec evaluate` reads for them.
+
+    A table that admits every id reads an unseen id as its deterministic initial row
+    (the embedding store computes it from the id; nothing is stored); otherwise zeros.
+    """
+
+    def __init__(self, rules: dict[str, dict[str, Any]]):
+        configs = []
+        for rule in rules.values():
+            if rule["kind"] == "initializer":
+                table = dict(rule["table"], capacity=1)
+                table.pop("tiering", None)
+                configs.append(config_lib.from_dict(TableConfig, table))
+        self._initialized = {config.name for config in configs}
+        self._store = EmbeddingStore(configs, num_shards=1) if configs else None
+
+    def __call__(self, table: str, ids: np.ndarray, dim: int) -> np.ndarray:
+        if table not in self._initialized:
+            return np.zeros((len(ids), dim), np.float32)
+        return self._store.lookup(table, np.ascontiguousarray(ids), train=False).result()
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()

@@ -1,0 +1,394 @@
+"""The inference server: Open Inference Protocol (KServe v2 REST) on uvicorn + starlette.
+
+    GET  /v2/health/live | /v2/health/ready           (no token needed: probes)
+    GET  /v2 | /v2/models/{name} | /v2/models/{name}/ready | /v2/models/{name}/stats
+    POST /v2/models/{name}[/versions/{v}]/infer
+
+An infer request carries either raw rows, one BYTES tensor `rows` [n] of lines in the
+dataset's own layout (label column optional), or hashed inputs, `ids` [n, F]
+INT64/UINT64 and `dense` [n, num_dense] FP32. The answer is `probabilities` [n] FP32;
+`parameters.unseen_ids` counts the ids that got their table's default row. Errors
+are `{"error": "..."}` with a 4xx status; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from common.errors import UserError
+from pipeline import RowError
+from serving import _format
+from serving.batching import DynamicBatcher
+from serving.model import ServedModel
+from serving.protocol import (
+    ProtocolError,
+    decode_inputs,
+    encode_response,
+    parse_body,
+    requested_outputs,
+)
+
+OUTPUT = "probabilities"
+_INLINE_ROWS = 16  # raw requests up to this many rows are parsed on the event loop
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeOptions:
+    """How the server batches, limits and authenticates."""
+
+    max_batch: int = 256  # most rows in one forward pass
+    max_delay_ms: float = 2.0  # how long a batch's first request waits for others
+    max_rows: int = 4096  # most rows in one request (more: 413)
+    max_body_bytes: int = 16 << 20  # largest request body (more: 413)
+    token: str | None = None  # required bearer token (None: no authentication)
+    watch: bool = False  # load newer versions of the export as they appear
+    watch_interval: float = 1.0  # seconds between looks for a newer version
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_rows", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_delay_ms < 0:
+            raise UserError(f"max-delay-ms must be >= 0, got {self.max_delay_ms}")
+
+
+def _error(message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+class _Service:
+    """The state behind the routes: the current model, the batcher, the watcher."""
+
+    def __init__(self, base: Path, model: ServedModel, options: ServeOptions):
+        self.base = base
+        self.model = model
+        self.options = options
+        self.batcher = DynamicBatcher(
+            max_batch=options.max_batch, max_delay=options.max_delay_ms / 1e3
+        )
+        self.failed_versions: set[int] = set()
+        self.reloads = 0
+
+    # ------------------------------------------------------------------ checks
+
+    def authorized(self, request: Request) -> bool:
+        if self.options.token is None:
+            return True
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        expected = self.options.token.encode()
+        # compare_digest takes the same time wherever the strings differ
+        return hmac.compare_digest(given.strip().encode(), expected) and scheme.lower() == "bearer"
+
+    def check_model(self, name: str, version: str | None) -> ServedModel:
+        model = self.model
+        if name != model.name:
+            raise ProtocolError(f"unknown model {name!r}; this server has {model.name!r}", 404)
+        if version is not None and version != str(model.version):
+            raise ProtocolError(
+                f"model {name!r} has no version {version!r} loaded (serving {model.version})", 404
+            )
+        return model
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.options.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ProtocolError(
+                f"request body of {declared} bytes exceeds the {limit}-byte limit", 413
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ProtocolError(f"request body exceeds the {limit}-byte limit", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def model_inputs(self, model: ServedModel, inputs: dict) -> tuple[Any, Any]:
+        """(lines, None) for raw rows or (ids [n, F] uint64, dense [n, d] float32)."""
+        names = set(inputs)
+        if names == {"rows"}:
+            datatype, shape, values = inputs["rows"]
+            if datatype != "BYTES":
+                raise ProtocolError(f"input 'rows' must be BYTES, got {datatype}")
+            if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
+                raise ProtocolError(f"input 'rows' must have shape [n] or [n, 1], got {shape}")
+            self._check_rows(shape[0])
+            return values, None
+        if names == {"ids", "dense"}:
+            id_type, id_shape, ids = inputs["ids"]
+            dense_type, dense_shape, dense = inputs["dense"]
+            features = len(model.feature_names)
+            if id_type not in ("INT64", "UINT64"):
+                raise ProtocolError(f"input 'ids' must be INT64 or UINT64, got {id_type}")
+            if dense_type != "FP32":
+                raise ProtocolError(f"input 'dense' must be FP32, got {dense_type}")
+            if len(id_shape) != 2 or id_shape[1] != features:
+                raise ProtocolError(f"input 'ids' must have shape [n, {features}], got {id_shape}")
+            if len(dense_shape) != 2 or dense_shape[1] != model.num_dense:
+                raise ProtocolError(
+                    f"input 'dense' must have shape [n, {model.num_dense}], got {dense_shape}"
+                )
+            if id_shape[0] != dense_shape[0]:
+                raise ProtocolError(
+                    f"'ids' has {id_shape[0]} rows but 'dense' has {dense_shape[0]}"
+                )
+            self._check_rows(id_shape[0])
+            dense = dense.reshape(dense_shape)
+            if not np.isfinite(dense).all():
+                raise ProtocolError("input 'dense' holds NaN or infinite values")
+            # INT64 ids carry the same 64 bits (ids >= 2**63 arrive negative)
+            return ids.reshape(id_shape).view(np.uint64), dense
+        raise ProtocolError(
+            f"inputs {sorted(names)}: send either 'rows' (BYTES raw rows) or 'ids' "
+            "(INT64/UINT64 [n, features]) and 'dense' (FP32 [n, dense])"
+        )
+
+    def _check_rows(self, rows: int) -> None:
+        if rows < 1:
+            raise ProtocolError("a request needs at least one row")
+        if rows > self.options.max_rows:
+            raise ProtocolError(f"{rows} rows exceed the limit of {self.options.max_rows}", 413)
+
+    # ------------------------------------------------------------------ hot reload
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.watch_interval)
+            found = [v for v in _format.versions(self.base) if v not in self.failed_versions]
+            if not found or found[-1] <= self.model.version:
+                continue
+            version = found[-1]
+            try:
+                fresh = await run_in_threadpool(
+                    ServedModel, self.base / str(version), max_batch=self.options.max_batch
+                )
+            except UserError as error:
+                self.failed_versions.add(version)
+                print(f"hybridrec serve: not loading version {version}: {error}", file=sys.stderr)
+                continue
+            if fresh.name != self.model.name:
+                self.failed_versions.add(version)
+                print(
+                    f"hybridrec serve: not loading version {version}: model name "
+                    f"{fresh.name!r} differs from {self.model.name!r}",
+                    file=sys.stderr,
+                )
+                fresh.close()
+                continue
+            old, self.model = self.model, fresh  # requests from now on use the new version
+            self.reloads += 1
+            # batches of the old version still queued or running finish first
+            await self.batcher.run_on_worker(lambda: None)
+            await asyncio.sleep(self.options.max_delay_ms / 1e3 + 0.5)
+            await self.batcher.run_on_worker(old.close)
+            print(f"hybridrec serve: now serving version {version}", file=sys.stderr, flush=True)
+
+
+def create_app(model: ServedModel, base: str | Path, options: ServeOptions) -> Starlette:
+    """The ASGI application serving `model` (loaded from the export `base`)."""
+    service = _Service(Path(base), model, options)
+
+    def guarded(handler):
+        async def route(request: Request) -> Response:
+            if not service.authorized(request):
+                return _error("missing or wrong bearer token", 401)
+            try:
+                return await handler(request)
+            except ProtocolError as error:
+                return _error(str(error), error.status)
+            except RowError as error:
+                return _error(f"input 'rows': {error}", 400)
+
+        return route
+
+    async def live(request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def ready(request: Request) -> Response:
+        return JSONResponse({"ready": True})
+
+    async def server_metadata(request: Request) -> Response:
+        return JSONResponse(
+            {"name": "hybridrec", "version": _version(), "extensions": ["binary_tensor_data"]}
+        )
+
+    async def model_metadata(request: Request) -> Response:
+        model = service.check_model(request.path_params["name"], request.path_params.get("version"))
+        features = len(model.feature_names)
+        return JSONResponse(
+            {
+                "name": model.name,
+                "versions": [str(model.version)],
+                "platform": "hybridrec_jax_export",
+                "inputs": [
+                    {"name": "rows", "datatype": "BYTES", "shape": [-1]},
+                    {"name": "ids", "datatype": "UINT64", "shape": [-1, features]},
+                    {"name": "dense", "datatype": "FP32", "shape": [-1, model.num_dense]},
+                ],
+                "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1]}],
+                "parameters": {
+                    "step": model.manifest["step"],
+                    "precision": model.precision,
+                    "features": model.feature_names,
+                    "dense": list(model.spec.dense),
+                },
+            }
+        )
+
+    async def model_ready(request: Request) -> Response:
+        model = service.check_model(request.path_params["name"], request.path_params.get("version"))
+        return JSONResponse({"name": model.name, "ready": True})
+
+    async def model_stats(request: Request) -> Response:
+        model = service.check_model(request.path_params["name"], None)
+        return JSONResponse(
+            {
+                "name": model.name,
+                "version": str(model.version),
+                **model.stats(),
+                "batches": service.batcher.batches,
+                "batched_rows": service.batcher.rows,
+                "reloads": service.reloads,
+            }
+        )
+
+    async def infer(request: Request) -> Response:
+        model = service.check_model(request.path_params["name"], request.path_params.get("version"))
+        body, headers = await service.read_body(request), request.headers
+        parsed, binary = parse_body(body, headers)
+        inputs = decode_inputs(parsed, binary)
+        binary_output = requested_outputs(parsed, (OUTPUT,))
+        first, dense = service.model_inputs(model, inputs)
+        if dense is None:  # raw rows: parse, check, transform and hash as the Beam job does
+            if len(first) <= _INLINE_ROWS:
+                ids, dense = model.encode_rows(first)
+            else:
+                ids, dense = await run_in_threadpool(model.encode_rows, first)
+        else:
+            ids = first
+        probabilities, unseen = await service.batcher.predict(model, ids, dense)
+        response = {"model_name": model.name, "model_version": str(model.version)}
+        if "id" in parsed:
+            response["id"] = parsed["id"]
+        response["parameters"] = {"unseen_ids": int(unseen.sum())}
+        content, extra = encode_response(response, OUTPUT, probabilities, binary=binary_output)
+        return Response(content, media_type="application/json", headers=extra)
+
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        return _error(f"{error.detail}: {request.method} {request.url.path}", error.status_code)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.batcher.start()
+        watcher = asyncio.get_running_loop().create_task(service.watch()) if options.watch else None
+        try:
+            yield
+        finally:
+            if watcher:
+                watcher.cancel()
+            await service.batcher.stop()
+            service.model.close()
+
+    model_routes = []
+    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        model_routes += [
+            Route(prefix, guarded(model_metadata)),
+            Route(prefix + "/ready", guarded(model_ready)),
+            Route(prefix + "/infer", guarded(infer), methods=["POST"]),
+        ]
+    app = Starlette(
+        routes=[
+            Route("/v2/health/live", live),
+            Route("/v2/health/ready", ready),
+            Route("/v2", guarded(server_metadata)),
+            Route("/v2/models/{name}/stats", guarded(model_stats)),
+            *model_routes,
+        ],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    return app
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("hybridrec")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def read_token(path: str | Path) -> str:
+    """The bearer token in `path` (surrounding whitespace ignored)."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise UserError(f"{path}: cannot read the token file ({error.strerror})") from None
+    if not token:
+        raise UserError(f"{path}: the token file is empty")
+    return token
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    sock.listen(1024)
+    return sock
+
+
+def make_server(export: str | Path, sock: socket.socket, options: ServeOptions):
+    """(uvicorn.Server, ServedModel) for the export; run with `server.run(sockets=[sock])`."""
+    import uvicorn
+
+    base = Path(export)
+    model = ServedModel(base, max_batch=options.max_batch)
+    if options.watch and (base / _format.MANIFEST_FILE).exists():
+        raise UserError(f"{base}: --watch needs the export base directory, not one version")
+    app = create_app(model, base, options)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    return uvicorn.Server(config), model
+
+
+def serve(
+    export: str | Path, *, host: str = "127.0.0.1", port: int = 8000, options: ServeOptions
+) -> None:
+    """Loads the export and serves it until interrupted (Ctrl-C or SIGTERM)."""
+    sock = bind(host, port)
+    server, model = make_server(export, sock, options)
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"hybridrec serve: model {model.name!r} version {model.version} (step "
+        f"{model.manifest['step']}, {model.precision}) on http://{shown}:{bound}"
+        + ("" if options.token else "  (no token: anyone who can connect may score)"),
+        flush=True,
+    )
+    server.run(sockets=[sock])
+    print(f"hybridrec serve: stopped ({json.dumps(model.stats())})", flush=True)
