@@ -8,7 +8,7 @@ import json
 import jax
 
 from hybridrec import _flags
-from training.trainer import evaluate_checkpoint
+from training.evaluate import evaluate_checkpoint
 
 
 def main(argv: list[str]) -> int:

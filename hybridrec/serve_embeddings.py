@@ -36,6 +36,7 @@ from hybridrec import _flags
 from hybridrec._embedding_servers import read_token
 from pipeline import read_metadata
 from training.config import PRESET_DIR, TrainConfig
+from training.tables import plan_tables
 
 
 def parse_shard_list(text: str, num_shards: int) -> list[int]:
@@ -268,8 +269,8 @@ def _serve(server: ShardServer, args: argparse.Namespace) -> int:
 
 
 def training_tables(preset: str, data: str | None, overrides: Sequence[str]) -> list[TableConfig]:
-    """The TableConfigs `hybridrec train --config preset --data data` builds, in its order:
-    one per table named by the dataset's feature spec, from the `[embedding]` section."""
+    """The TableConfigs `hybridrec train --config preset --data data` builds, in its order
+    (see `training.tables.plan_tables`)."""
     overrides = list(overrides)
     if data:
         overrides.append(f"data.path={json.dumps(str(data))}")
@@ -277,5 +278,4 @@ def training_tables(preset: str, data: str | None, overrides: Sequence[str]) -> 
     if not train_config.data.path:
         raise UserError("--config needs --data (or data.path in the preset): it names the tables")
     metadata = read_metadata(train_config.data.path)
-    names = dict.fromkeys(feature.table for feature in metadata.categorical)
-    return [train_config.embedding.table(name) for name in names]
+    return list(plan_tables(train_config.embedding, metadata.categorical).tables)

@@ -11,7 +11,9 @@ from typing import Any
 
 from common.errors import UserError
 from hybridrec import _flags
-from training.trainer import HybridTrainer, load_config
+from hybridrec._embedding_servers import embedding_servers
+from training.job import load_config
+from training.trainer import HybridTrainer
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -72,8 +74,16 @@ def main(argv: list[str]) -> int:
     if args.overwrite and run_dir.exists() and (args.process_id or 0) == 0:
         shutil.rmtree(run_dir)
     config = load_config(args.config, overrides, run_dir if args.resume else None)
+    servers = embedding_servers(config.embedding.servers)
+    if servers.source.startswith("$") and not args.quiet and (args.process_id or 0) == 0:
+        print(f"embedding servers from {servers.source}: {', '.join(servers.addresses)}")
     trainer = HybridTrainer(
-        config, run_dir, resume=args.resume, distributed=_flags.distributed_options(args), quiet=args.quiet
+        config,
+        run_dir,
+        resume=args.resume,
+        distributed=_flags.distributed_options(args),
+        quiet=args.quiet,
+        servers=servers,
     )
     summary = trainer.fit()
     if trainer.is_chief:

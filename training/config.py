@@ -69,6 +69,10 @@ class EmbeddingConfig:
     num_shards: int | None = None
     # remote shard servers "host:port" (`hybridrec serve-embeddings`); empty = in-process shards
     servers: tuple[str, ...] = ()
+    # keep the rows of every feature in one physical table (ids carry a per-feature prefix, so
+    # they never collide): one store request per shard and batch instead of one per table, as
+    # table-batched embeddings do; capacity and tiering.ram_rows then count per feature table
+    fuse_tables: bool = True
 
     def __post_init__(self):
         if (
@@ -106,9 +110,6 @@ class HybridConfig:
     # start), so host work yields the cores to the dense step on CPU hosts; 0 = unchanged.
     # Only with staleness > 0: with k = 0 the step waits for that work anyway
     background_nice: int = 10
-    # hand updates to the store from a background thread: frees the trainer's main thread,
-    # but when the store is the bottleneck updates queue and the staleness used nears k
-    background_apply: bool = False
 
     def __post_init__(self):
         if self.staleness < 0 or self.lookahead < 0:

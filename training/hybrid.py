@@ -1,17 +1,23 @@
-"""The asynchronous half of the hybrid loop: input thread, lookahead lookups, staleness bound.
+"""PERSIA's hybrid loop: embedding lookups and updates overlap the synchronous dense step.
 
-    input thread ──► batches ──► lookup thread ──► (batch, lookup future) ──► trainer
-                                   │ acquires a staleness slot           │ step, then
-                                   ▼                                     ▼ apply (async)
-                               StalenessGate ◄──── slot released when the apply completes
+`HybridPipeline.progress()` trains one batch. Its stages, and where each runs:
 
-`StalenessGate` has k + 1 slots: a lookup takes one, the completion of that batch's
-gradient update returns it. So when a lookup is issued, at most k other batches are
-looked up but not yet applied — its *staleness*, which the gate records. With k = 0
-the lookup of batch t + 1 waits until the update of batch t is in the store: the
-fully synchronous schedule. Independently, `lookahead` limits how far ahead of the
-trainer lookups go: far enough to hide the store's latency, not further, so the
-staleness actually used stays below the bound when the bound is generous.
+    read      input thread     batches decoded from the reader, `prefetch` ahead
+    lookup    lookup thread    takes a staleness slot, then `store.lookup_features` (run by
+                               the store's workers), at most `lookahead` batches ahead
+    transfer  transfer thread  waits for each lookup in order and copies its embeddings,
+                               dense features and labels to the devices
+    step      caller           the jitted dense step, dispatched without waiting for it
+    update    caller           once the *next* step is dispatched: this step's embedding
+                               gradients to the host, handed to the store (applied by its
+                               workers); the applied update returns the staleness slot
+
+Staleness: the gate has k + 1 slots; a lookup takes one and the applied update of the
+same batch returns it, so a lookup misses at most the updates of the k batches before
+it (PERSIA's bound), and the gate records how many it did miss. With k = 0 a batch's
+update is handed over before `progress` returns and the next lookup waits until it is
+applied: the fully synchronous schedule. With k >= 1 the update of batch t is handed
+over while the devices run batch t + 1, so the dense step does not wait for the host.
 """
 
 from __future__ import annotations
@@ -21,11 +27,16 @@ import dataclasses
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from training.input import Batch
+import jax
+import numpy as np
+
+from model import local_rows, make_global_batch
+from training.input import Batch, DataPosition
 
 _END = object()
 
@@ -42,8 +53,8 @@ class StalenessGate:
         self._slots = threading.Semaphore(k + 1)
         self._lock = threading.Lock()
         self.in_flight = 0  # batches looked up whose updates are not yet applied
-        self.max_staleness = 0  # largest staleness ever recorded
-        self.recorded = 0  # lookups recorded
+        self.max_staleness = 0  # largest staleness recorded
+        self.histogram = np.zeros(k + 1, np.int64)  # lookups per staleness
 
     def acquire(self, stop: threading.Event) -> int | None:
         """Blocks for a slot; returns the staleness of the lookup about to be issued.
@@ -56,75 +67,229 @@ class StalenessGate:
         with self._lock:
             staleness = self.in_flight
             self.in_flight += 1
-            self.recorded += 1
             self.max_staleness = max(self.max_staleness, staleness)
         if staleness > self.k:  # cannot happen while the slot count is k + 1
             raise AssertionError(f"staleness {staleness} exceeds the bound {self.k}")
+        self.histogram[staleness] += 1
         return staleness
 
     def release(self) -> None:
-        """Called when a batch's gradient update has been applied (or abandoned)."""
+        """Called when a batch's embedding update has been applied (or abandoned)."""
         with self._lock:
             self.in_flight -= 1
         self._slots.release()
 
 
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What `progress` reports of the step it ran."""
+
+    step: int  # 1-based training step
+    metrics: Mapping[str, jax.Array]  # on the devices: fetch them only when logging
+    position: DataPosition  # the reader's position after this batch (what checkpoints save)
+    staleness: int  # updates the batch's lookup missed
+
+
 @dataclasses.dataclass
-class LookedUp:
-    """A batch whose pooled embeddings are being fetched."""
+class _Ready:
+    step: int
+    batch: Batch
+    lookup: Any  # the store's PooledLookup
+    device_batch: dict[str, jax.Array]
+    staleness: int
 
-    step: int  # the training step that will consume it (1-based)
-    batch: Batch  # the batch as read
-    lookup: Future  # Future[PooledLookup]
-    staleness: int  # updates pending in the store when the lookup was issued
 
-
-class LookaheadPipeline:
-    """Runs the input and the lookups ahead of the trainer, within the staleness bound.
+class HybridPipeline:
+    """Trains batch after batch with lookups and updates overlapping the dense step.
 
     Args:
         batches: the input stream (read by a background thread).
-        first_step: step number of the first batch.
-        issue_lookup: (step, batch) -> Future[PooledLookup]; called in stream order.
-        gate: the staleness bound.
-        prefetch: batches buffered between the input thread and the lookup thread.
-        lookup_lock: held around every lookup issue; the trainer takes it to pause
-            lookups (e.g. while a checkpoint is written).
-        nice: raise the input and lookup threads' nice value by this much (0 = leave).
-        lookahead: lookups issued ahead of the batch being trained (0 = as many as the
-            staleness bound allows). Issuing them only as early as needed to hide the
-            store's latency keeps the staleness actually used below the bound.
+        state: the dense train state; `pipeline.state` is the current one.
+        train_step: `state, metrics, embedding_grads = train_step(state, device_batch)`.
+        store: the embedding store (`lookup_features`, `apply_pooled_gradients`, `set_step`,
+            `flush`).
+        mesh: the devices the step runs on.
+        feature_tables: feature name -> table name in the store.
+        pooling: how multi-valued features pool their rows.
+        staleness: the bound k (0 = synchronous).
+        lookahead: lookups issued ahead of the batch being trained, within k (0 = as many
+            as k allows); 1 hides the store's latency behind one dense step.
+        first_step: the step number of the first batch.
+        prefetch: batches decoded ahead by the input thread.
+        rows: the rows of each batch this process trains on (all unless each process reads
+            the whole global batch).
+        replicated: every process holds a full replica of the store: look up and update the
+            whole batch; `gather` then concatenates every process's gradients (a collective).
+        gather: [local rows, ...] -> [global rows, ...] over all processes.
+        nice: lower the background threads' priority by this much (0 = unchanged), so that
+            on CPU hosts host work yields the cores to the dense step.
     """
 
     def __init__(
         self,
         batches: Iterator[Batch],
         *,
-        first_step: int,
-        issue_lookup: Callable[[int, Batch], Future],
-        gate: StalenessGate,
-        prefetch: int,
-        lookup_lock: threading.Lock,
+        state: Any,
+        train_step: Callable,
+        store: Any,
+        mesh: jax.sharding.Mesh,
+        feature_tables: Mapping[str, str],
+        pooling: str,
+        staleness: int,
+        lookahead: int = 1,
+        first_step: int = 1,
+        prefetch: int = 4,
+        rows: slice = slice(None),
+        replicated: bool = False,
+        gather: Callable[[np.ndarray], np.ndarray] | None = None,
         nice: int = 0,
-        lookahead: int = 0,
     ):
-        # at most `lookahead` lookups issued for batches the trainer has not started on
-        self._ahead = threading.Semaphore(lookahead) if lookahead > 0 else None
-        self._batches = batches
+        self.state = state
+        self.gate = StalenessGate(staleness)
+        self._train_step = train_step
+        self._store = store
+        self._mesh = mesh
+        self._feature_tables = dict(feature_tables)
+        self._pooling = pooling
+        self._rows = rows
+        self._replicated = replicated
+        self._gather = gather
         self._nice = nice
-        self._first_step = first_step
-        self._issue_lookup = issue_lookup
-        self._gate = gate
-        self._lookup_lock = lookup_lock
+        self._ahead = threading.Semaphore(lookahead) if lookahead > 0 else None
+        self._lookup_lock = threading.Lock()
+        self._paused = False
+        self._pending: tuple[Any, jax.Array] | None = (
+            None  # the last step's update, not yet handed over
+        )
+        self._updates: list[Future] = []  # handed over, maybe not yet applied
+        self._errors: list[BaseException] = []
+        self._times: dict[str, float] = {}
+        self._timed_steps = 0
         self._stop = threading.Event()
         self._input: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._looked_up: queue.Queue = queue.Queue()
         self._ready: queue.Queue = queue.Queue()
+        self._next_step = first_step
         self._threads = [
-            threading.Thread(target=self._read, name="hybridrec-input", daemon=True),
-            threading.Thread(target=self._lookahead, name="hybridrec-lookup", daemon=True),
+            threading.Thread(target=self._read, args=(batches,), name="hybridrec-input"),
+            threading.Thread(target=self._lookup, args=(first_step,), name="hybridrec-lookup"),
+            threading.Thread(target=self._transfer, name="hybridrec-transfer"),
         ]
         for thread in self._threads:
+            thread.daemon = True
             thread.start()
+
+    # ---- the caller's side -------------------------------------------------------------
+
+    def progress(self, *, quiesce: bool = False) -> StepResult | None:
+        """Trains the next batch; None once the input is exhausted (all updates handed over).
+
+        Args:
+            quiesce: after this step, apply every update and pause lookups until `resume()`,
+                so the store holds exactly the updates up to this step (checkpoints).
+        """
+        self._raise_errors()
+        clock = time.perf_counter()
+        item = self._take()
+        if item is None:
+            self._hand_over_pending()
+            return None
+        clock = self._time("wait_ms", clock)
+        self.state, metrics, embedding_grads = self._train_step(self.state, item.device_batch)
+        clock = self._time("step_ms", clock)
+        previous, self._pending = self._pending, (item.lookup, embedding_grads)
+        if previous is not None:
+            self._hand_over(*previous)
+        if quiesce:
+            self._pause_lookups()  # no lookup may slip in between this update and the snapshot
+        if quiesce or self.gate.k == 0:
+            self._hand_over_pending()
+        if quiesce:
+            self.drain()
+        self._time("update_ms", clock)
+        self._timed_steps += 1
+        return StepResult(item.step, metrics, item.batch.position, item.staleness)
+
+    def drain(self) -> None:
+        """Returns once every update handed over is applied in the store."""
+        for future in self._updates:
+            with contextlib.suppress(Exception):  # errors are collected by the callback
+                future.result()
+        self._updates.clear()
+        self._store.flush()
+        self._raise_errors()
+
+    def resume(self) -> None:
+        """Lets lookups go on after a `progress(quiesce=True)`."""
+        if self._paused:
+            self._paused = False
+            self._lookup_lock.release()
+
+    def timings(self) -> dict[str, float]:
+        """Milliseconds per step in each of the caller's phases since the last call."""
+        steps = max(self._timed_steps, 1)
+        out = {name: round(total / steps, 3) for name, total in self._times.items()}
+        self._times, self._timed_steps = {}, 0
+        return out
+
+    def close(self) -> None:
+        """Stops the background threads; updates not yet handed over are dropped."""
+        self._stop.set()
+        self.resume()
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+    def __enter__(self) -> HybridPipeline:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _time(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self._times[name] = self._times.get(name, 0.0) + (now - since) * 1e3
+        return now
+
+    def _take(self) -> _Ready | None:
+        item = self._get(self._ready)
+        if isinstance(item, _Ready) and self._ahead is not None:
+            self._ahead.release()  # training starts on it: the next lookup may go out
+        if item is _END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _hand_over(self, lookup: Any, embedding_grads: jax.Array) -> None:
+        grads = local_rows(embedding_grads)
+        if self._replicated:
+            grads = self._gather(grads)  # the global batch's gradients, on every replica
+        future = self._store.apply_pooled_gradients(lookup, grads)
+        self._updates = [f for f in self._updates if not f.done()]
+        self._updates.append(future)
+        future.add_done_callback(self._applied)
+
+    def _hand_over_pending(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._hand_over(*pending)
+
+    def _applied(self, future: Future) -> None:
+        error = future.exception()
+        if error is not None:
+            self._errors.append(error)
+        self.gate.release()
+
+    def _pause_lookups(self) -> None:
+        if not self._paused:
+            self._lookup_lock.acquire()
+            self._paused = True
+
+    def _raise_errors(self) -> None:
+        if self._errors:
+            raise self._errors[0]
+
+    # ---- background threads ------------------------------------------------------------
 
     def _put(self, target: queue.Queue, item: Any) -> bool:
         while not self._stop.is_set():
@@ -140,65 +305,74 @@ class LookaheadPipeline:
             try:
                 return source.get(timeout=0.05)
             except queue.Empty:
-                continue
+                if self._errors:  # an update failed: stop waiting for lookups behind it
+                    self._raise_errors()
         return _END
 
-    def _lower_priority(self) -> None:
-        # The dense step must not wait for host threads: on a CPU-only host XLA's device
-        # threads share the cores with this work, and one preempted device thread stalls
-        # every collective. Threads started from here (the store's workers are created on
-        # their first request) inherit the lower priority.
+    def _read(self, batches: Iterator[Batch]) -> None:
         lower_thread_priority(self._nice)
-
-    def _read(self) -> None:
-        self._lower_priority()
         try:
-            for batch in self._batches:
+            for batch in batches:
                 if not self._put(self._input, batch):
                     return
             self._put(self._input, _END)
-        except BaseException as error:  # handed to the trainer, which re-raises it
+        except BaseException as error:  # handed to the caller, who raises it
             self._put(self._input, error)
 
-    def _lookahead(self) -> None:
-        self._lower_priority()
-        step = self._first_step
+    def _lookup(self, step: int) -> None:
+        # The store's workers start on their first request and inherit this priority.
+        lower_thread_priority(self._nice)
         try:
             while True:
                 item = self._get(self._input)
                 if item is _END or isinstance(item, BaseException):
-                    self._put(self._ready, item)
+                    self._put(self._looked_up, item)
                     return
                 if self._ahead is not None:
                     while not self._ahead.acquire(timeout=0.05):
                         if self._stop.is_set():
                             return
-                staleness = self._gate.acquire(self._stop)
+                staleness = self.gate.acquire(self._stop)
                 if staleness is None:
                     return
                 with self._lookup_lock:
-                    future = self._issue_lookup(step, item)
-                self._put(self._ready, LookedUp(step, item, future, staleness))
+                    self._store.set_step(step)
+                    # a replica looks up (and later updates) the whole global batch; a
+                    # shared store only this process's rows
+                    rows = None if self._replicated else self._rows
+                    future = self._store.lookup_features(
+                        feature_ids(item, rows),
+                        feature_tables=self._feature_tables,
+                        pooling=self._pooling,
+                    )
+                self._put(self._looked_up, (step, item, future, staleness))
                 step += 1
         except BaseException as error:
+            self._put(self._looked_up, error)
+
+    def _transfer(self) -> None:
+        lower_thread_priority(self._nice)
+        rows = self._rows
+        try:
+            while True:
+                item = self._get(self._looked_up)
+                if item is _END or isinstance(item, BaseException):
+                    self._put(self._ready, item)
+                    return
+                step, batch, future, staleness = item
+                lookup = future.result()
+                embeddings = lookup.embeddings[rows] if self._replicated else lookup.embeddings
+                device_batch = make_global_batch(
+                    {
+                        "embeddings": embeddings,
+                        "dense": batch.dense[rows],
+                        "labels": batch.labels[rows],
+                    },
+                    self._mesh,
+                )
+                self._put(self._ready, _Ready(step, batch, lookup, device_batch, staleness))
+        except BaseException as error:
             self._put(self._ready, error)
-
-    def next(self) -> LookedUp | None:
-        """The next looked-up batch, or None at the end of the stream."""
-        item = self._get(self._ready)
-        if self._ahead is not None and isinstance(item, LookedUp):
-            self._ahead.release()  # the trainer starts on it: the next lookup may go out
-        if item is _END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        """Stops both threads (batches already looked up are dropped)."""
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=10)
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -206,91 +380,6 @@ def lower_thread_priority(nice: int) -> None:
     if nice > 0 and hasattr(os, "setpriority"):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-
-
-class UpdatePusher:
-    """Hands each batch's embedding gradients to the store, in order.
-
-    By default the caller's thread does it (mapping pooled gradients back to rows and
-    routing them to shards takes a few ms per batch); with `background=True` a thread
-    does it beside the next dense step, which frees the trainer's main thread but lets
-    updates queue up when the store is the bottleneck, so the staleness actually used
-    moves toward the bound. A batch's staleness slot is returned when the store has
-    applied its update.
-
-    Args:
-        apply: (lookup, grads) -> Future[None], e.g. `store.apply_pooled_gradients`.
-        gate: the staleness bound whose slots the updates return.
-        background: hand updates over from a background thread.
-        nice: nice-value increment of that thread (0 = unchanged).
-    """
-
-    def __init__(
-        self,
-        apply: Callable[[Any, Any], Future],
-        gate: StalenessGate,
-        *,
-        background: bool = False,
-        nice: int = 0,
-    ):
-        self._apply = apply
-        self._gate = gate
-        self._nice = nice
-        self.errors: list[BaseException] = []
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = None
-        if background:
-            self._thread = threading.Thread(target=self._run, name="hybridrec-apply", daemon=True)
-            self._thread.start()
-
-    def push(self, lookup: Any, grads: Any) -> None:
-        if self.errors:
-            raise self.errors[0]
-        if self._thread is None:
-            release_when_done(self._apply(lookup, grads), self._gate, self.errors)
-        else:
-            self._queue.put((lookup, grads))
-
-    def _run(self) -> None:
-        lower_thread_priority(self._nice)
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                if self.errors:  # after a failure, return the slots without applying
-                    self._gate.release()
-                    continue
-                try:
-                    release_when_done(self._apply(*item), self._gate, self.errors)
-                except BaseException as error:  # reported to the trainer by push / drain
-                    self.errors.append(error)
-                    self._gate.release()
-            finally:
-                self._queue.task_done()
-
-    def drain(self) -> None:
-        """Returns once every pushed update has been handed to the store (then flush it)."""
-        self._queue.join()
-        if self.errors:
-            raise self.errors[0]
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=30)
-
-
-def release_when_done(future: Future, gate: StalenessGate, errors: list[BaseException]) -> None:
-    """Returns the batch's staleness slot once its update future completes."""
-
-    def done(completed: Future) -> None:
-        error = completed.exception()
-        if error is not None:
-            errors.append(error)
-        gate.release()
-
-    future.add_done_callback(done)
 
 
 def feature_ids(batch: Batch, rows: slice | None = None) -> Mapping[str, Any]:

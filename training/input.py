@@ -32,24 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from common.errors import UserError
-
-try:  # the store's ragged id type, when the embedding store is installed
-    from embedding_store import RaggedIds
-except ImportError:  # pragma: no cover - only while the store is absent
-
-    @dataclasses.dataclass(frozen=True)
-    class RaggedIds:  # type: ignore[no-redef]
-        """A multi-valued feature: row b holds `values[offsets[b]:offsets[b + 1]]`.
-
-        Attributes:
-            values: [nnz] uint64 ids of all rows, concatenated.
-            offsets: [batch + 1] int64, offsets[0] == 0, non-decreasing,
-                offsets[-1] == nnz.
-        """
-
-        values: np.ndarray
-        offsets: np.ndarray
-
+from embedding_store import RaggedIds
 
 FeatureIds = np.ndarray | RaggedIds
 

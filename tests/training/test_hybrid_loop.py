@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from common import config as config_lib
+from embedding_store import EmbeddingStore
 from pipeline import read_metadata
 from training.config import PRESET_DIR, TrainConfig
+from training.tables import plan_tables
 from training.trainer import HybridTrainer
 
 
@@ -70,28 +72,22 @@ class _EventLog:
         return out
 
 
-@pytest.mark.parametrize(("k", "background"), [(0, False), (2, False), (2, True)])
-def test_staleness_never_exceeds_k(dataset, small_model, tmp_path, k, background, monkeypatch):
+@pytest.mark.parametrize(("k", "lookahead"), [(0, 1), (2, 1), (2, 0)])
+def test_staleness_never_exceeds_k(dataset, small_model, tmp_path, k, lookahead):
     config = _config(
         dataset,
         small_model,
         f"hybrid.staleness={k}",
-        f"hybrid.background_apply={str(background).lower()}",
+        f"hybrid.lookahead={lookahead}",
         "data.max_steps=30",
-        "embedding.num_shards=2",
     )
-    trainer = HybridTrainer(config, tmp_path / "run", quiet=True)
-    logs = []
-    original = trainer._issue_lookup
-
-    def issue(step, batch):  # attach the event log to the store the trainer opened
-        if not logs:
-            logs.append(_EventLog(trainer.context.store))
-        return original(step, batch)
-
-    monkeypatch.setattr(trainer, "_issue_lookup", issue)
+    plan = plan_tables(config.embedding, read_metadata(dataset).categorical)
+    store = EmbeddingStore(list(plan.tables), num_shards=2)
+    log = _EventLog(store)
+    trainer = HybridTrainer(config, tmp_path / "run", quiet=True, store=store)
     summary = trainer.fit()
-    measured = logs[0].staleness()
+    store.close()
+    measured = log.staleness()
     assert len(measured) == 30
     assert max(measured) <= k
     assert summary["staleness_max"] <= k

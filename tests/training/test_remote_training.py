@@ -11,7 +11,8 @@ from embedding_store import EmbeddingStore
 from embedding_store.remote import connect
 from embedding_store.server import start_servers, stop_servers
 from pipeline import read_metadata
-from training.trainer import load_config
+from training.job import load_config
+from training.tables import plan_tables
 
 
 def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(
@@ -31,14 +32,14 @@ def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(
         config = load_config("quickstart", [*settings, f"data.path={json.dumps(str(dataset))}"])
         metadata = read_metadata(dataset)
         feature = metadata.categorical[0]
-        table_names = dict.fromkeys(f.table for f in metadata.categorical)
-        tables = [config.embedding.table(name) for name in table_names]
+        plan = plan_tables(config.embedding, metadata.categorical)
+        tables, table = list(plan.tables), plan.feature_tables[feature.name]
         ids = pq.read_table(metadata.split_files("train")[0], columns=[feature.name])
         ids = np.unique(ids.column(0).to_numpy()[:2000].astype(np.uint64))
         remote = EmbeddingStore(tables, num_shards=2, shards=connect(servers[0].address, tables))
 
         def server_rows():
-            return remote.lookup(feature.table, ids, train=False).result()
+            return remote.lookup(table, ids, train=False).result()
 
         trained = server_rows()
         assert np.abs(trained).sum() > 0
@@ -47,7 +48,7 @@ def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(
             str(run_dir / "checkpoints" / "embeddings"), tables, step=20, num_shards=1
         ) as saved:
             np.testing.assert_array_equal(
-                saved.lookup(feature.table, ids, train=False).result(), trained
+                saved.lookup(table, ids, train=False).result(), trained
             )
         # evaluating an older checkpoint restores it in-process, never onto the live servers
         result = json.loads(

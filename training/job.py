@@ -1,0 +1,211 @@
+"""What training and evaluation of a run share: its devices, data, tables and store.
+
+Where the embedding store lives in a job of several processes:
+* with `embedding.servers` (remote shards, the PERSIA layout) all processes share one
+  store; each reads its own share of the files and pushes its own gradients;
+* with in-process shards every process holds a full replica: each reads the whole
+  global batch stream (deterministically), trains on its slice of it, and applies
+  the all-gathered gradients of the global batch, so the replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from common import config as config_lib
+from common.errors import UserError
+from embedding_store import EmbeddingStore
+from embedding_store.remote import DEFAULT_RETRY_TIMEOUT, connect
+from model import create_train_state, make_mesh, maybe_initialize_distributed
+from pipeline import DatasetMetadata, read_metadata
+from training.checkpoint import RunCheckpoints
+from training.config import PRESET_DIR, TrainConfig
+from training.input import ParquetReader
+from training.tables import TablePlan, plan_tables
+
+CONFIG_FILE = "config.json"  # a run directory's config, as trained
+DEFAULT_LOCAL_SHARDS = 4  # in-process shards when embedding.num_shards is not set
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One process's view of a run: config, data, devices and tables (see `prepare`)."""
+
+    config: TrainConfig
+    metadata: DatasetMetadata
+    mesh: jax.sharding.Mesh
+    process_index: int
+    process_count: int
+    tables: TablePlan
+    servers: tuple[str, ...] = ()  # remote shard servers; empty: in-process shards
+    server_token: str | None = None  # the servers' shared secret
+    retry_timeout: float = DEFAULT_RETRY_TIMEOUT  # seconds to retry an unreachable server
+
+    @property
+    def is_chief(self) -> bool:
+        """Process 0 writes what is written once (logs, summaries, shared checkpoints)."""
+        return self.process_index == 0
+
+    @property
+    def replicated_store(self) -> bool:
+        """In-process shards in a multi-process job: every process holds a replica."""
+        return self.process_count > 1 and not self.servers
+
+    @property
+    def num_features(self) -> int:
+        return len(self.tables.feature_tables)
+
+    def reader(self, split: str, *, batch_size: int, train: bool) -> tuple[ParquetReader, slice]:
+        """A reader of `split` and the rows of each of its batches this process uses.
+
+        Normally each process reads its own share of the files in local batches (slice
+        = all rows). Training with replicated in-process stores, or a split with fewer
+        files than processes, reads the global batch stream on every process instead
+        and the slice picks this process's rows.
+        """
+        metadata = self.metadata
+        files = metadata.split_files(split)
+        if not files:
+            raise UserError(f"{self.config.data.path}: split {split!r} has no files")
+        whole = (train and self.replicated_store) or len(files) < self.process_count
+        local_size = batch_size // self.process_count
+        rows = slice(None)
+        if whole and self.process_count > 1:
+            rows = slice(self.process_index * local_size, (self.process_index + 1) * local_size)
+        reader = ParquetReader(
+            files,
+            label=metadata.label_column,
+            dense=list(metadata.dense_columns),
+            single=[f.name for f in metadata.categorical if not f.multi_valued],
+            multi=[f.name for f in metadata.categorical if f.multi_valued],
+            batch_size=batch_size if whole else local_size,
+            seed=self.config.seed,
+            shuffle_buffer=self.config.data.shuffle_buffer if train else 0,
+            shard_index=0 if whole else self.process_index,
+            shard_count=1 if whole else self.process_count,
+            pad_final=not train,
+        )
+        return reader, rows
+
+    def gather(self, array: np.ndarray) -> np.ndarray:
+        """Concatenates every process's rows in process order (a collective when multi-process)."""
+        if self.process_count == 1:
+            return array
+        gathered = multihost_utils.process_allgather(array)
+        return gathered.reshape(-1, *array.shape[1:])
+
+    def barrier(self, name: str) -> None:
+        """Waits for every process (no-op in a single-process job)."""
+        if self.process_count > 1:
+            multihost_utils.sync_global_devices(name)
+
+    def new_state(self) -> Any:
+        """A freshly initialized dense train state, laid out on the mesh."""
+        config = self.config
+        return create_train_state(
+            config.model,
+            config.optimizer,
+            self.mesh,
+            jax.random.key(config.seed),
+            num_dense=len(self.metadata.dense_columns),
+            num_features=self.num_features,
+            embedding_dim=config.embedding.dim,
+        )
+
+    def open_store(
+        self, checkpoints: RunCheckpoints, step: int | None, *, remote: bool = True
+    ) -> EmbeddingStore:
+        """The run's embedding store, restored to `step` when given.
+
+        Remote shards are shared by every process, so only process 0 loads a checkpoint
+        onto them and the others attach after it is done. With `remote=False` (evaluating
+        a checkpoint) the rows are restored into in-process shards even when servers are
+        configured, so the servers' live rows are never rolled back.
+        """
+        embedding = self.config.embedding
+        tables = list(self.tables.tables)
+        if not (remote and self.servers):
+            num_shards = embedding.num_shards or DEFAULT_LOCAL_SHARDS
+            if step is None:
+                return EmbeddingStore(tables, num_shards=num_shards)
+            return EmbeddingStore.restore(
+                checkpoints.embeddings_url, tables, step=step, num_shards=num_shards
+            )
+        shards = connect(
+            list(self.servers), tables, token=self.server_token, retry_timeout=self.retry_timeout
+        )
+        if embedding.num_shards is not None and embedding.num_shards != len(shards):
+            raise UserError(
+                f"embedding.num_shards = {embedding.num_shards}, but the servers "
+                f"{', '.join(self.servers)} host {len(shards)} shards; leave "
+                "embedding.num_shards unset with servers"
+            )
+        if step is None or not self.is_chief:
+            self.barrier(f"restore-embeddings-{step}")
+            return EmbeddingStore(tables, num_shards=len(shards), shards=shards)
+        store = EmbeddingStore.restore(
+            checkpoints.embeddings_url, tables, step=step, num_shards=len(shards), shards=shards
+        )
+        self.barrier(f"restore-embeddings-{step}")
+        return store
+
+
+def prepare(
+    config: TrainConfig, *, distributed: dict[str, Any] | None = None, servers: Any = None
+) -> Job:
+    """Joins the multi-process job (if any) and checks the config against the data and devices.
+
+    Args:
+        config: the run's configuration.
+        distributed: coordinator / num_processes / process_id of a multi-process job.
+        servers: the remote shard servers as the command resolved them (`addresses`,
+            `token`, `retry_timeout`); None: `embedding.servers`, no token.
+    """
+    maybe_initialize_distributed(**(distributed or {}))
+    if not config.data.path:
+        raise UserError(
+            "no data: pass --data DIR (a `hybridrec preprocess` output) or set data.path"
+        )
+    metadata = read_metadata(config.data.path)
+    mesh = make_mesh(config.mesh)
+    process_count = jax.process_count()
+    for name, size in (
+        ("data.batch_size", config.data.batch_size),
+        ("data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size),
+    ):
+        if size % mesh.devices.size or size % process_count:
+            raise UserError(
+                f"{name} = {size} must divide evenly over {mesh.devices.size} devices and "
+                f"{process_count} processes"
+            )
+    return Job(
+        config=config,
+        metadata=metadata,
+        mesh=mesh,
+        process_index=jax.process_index(),
+        process_count=process_count,
+        tables=plan_tables(config.embedding, metadata.categorical),
+        servers=tuple(servers.addresses if servers else config.embedding.servers),
+        server_token=servers.token if servers else None,
+        retry_timeout=servers.retry_timeout if servers else DEFAULT_RETRY_TIMEOUT,
+    )
+
+
+def load_config(
+    preset: str | None, overrides: list[str], run_dir: Path | None = None
+) -> TrainConfig:
+    """The preset (or, without one, the config saved in run_dir) plus overrides."""
+    if preset is None and run_dir is not None and (run_dir / CONFIG_FILE).exists():
+        saved = json.loads((run_dir / CONFIG_FILE).read_text())
+        try:
+            return config_lib.from_dict(TrainConfig, config_lib.apply_overrides(saved, overrides))
+        except UserError as error:
+            raise UserError(f"{run_dir / CONFIG_FILE}: {error}") from None
+    return config_lib.load(TrainConfig, preset, overrides, preset_dir=PRESET_DIR)
