@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from embedding_store._growth import PREPARE_AT, Spare
 from embedding_store._hashing import SALT_SLOT, mix64
 
 EMPTY = np.uint64(0)
@@ -26,6 +27,7 @@ class SlotMap:
     def __init__(self, initial_capacity: int = 1024, max_load: float = 0.6):
         capacity = 1 << max(4, int(initial_capacity - 1).bit_length())
         self._max_load = max_load
+        self._spare = Spare()
         self._set_entries(np.zeros((capacity, 2), np.uint64))
         self._live = 0
         self._used = 0  # live + tombstones
@@ -45,6 +47,14 @@ class SlotMap:
     @property
     def nbytes(self) -> int:
         return self._entries.nbytes
+
+    @staticmethod
+    def bytes_for(rows: int, max_load: float = 0.6) -> int:
+        """The bytes of a map grown (from empty) to hold `rows` ids."""
+        capacity = 16
+        while rows > max_load * capacity * 0.8:
+            capacity *= 2
+        return capacity * 16
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """ids: [n] uint64 -> [n] int64 slots, -1 where absent."""
@@ -68,8 +78,12 @@ class SlotMap:
         """Adds ids (unique and absent from the map) with their slots: [n] uint64, [n] int64."""
         if not len(ids):
             return
-        if (self._used + len(ids)) > self._max_load * len(self._entries):
+        used, size = self._used + len(ids), len(self._entries)
+        if used > self._max_load * size:
             self._rebuild(self._live + len(ids))
+        elif used > PREPARE_AT * self._max_load * size:
+            # Entries land anywhere in the next table: page all of it in ahead of the rebuild.
+            self._spare.prepare(self._entries, 2 * size, touch=2 * size)
         self._place(ids, slots.astype(np.uint64) + _ONE)
         self._live += len(ids)
         self._used += len(ids)
@@ -118,6 +132,6 @@ class SlotMap:
         capacity = len(self._entries)
         while live_needed > self._max_load * capacity * 0.8:
             capacity *= 2
-        self._set_entries(np.zeros((capacity, 2), np.uint64))
+        self._set_entries(self._spare.grow(self._entries, capacity, copy=False))
         self._used = self._live = len(ids)
         self._place(ids, slots.astype(np.uint64) + _ONE)

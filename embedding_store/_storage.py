@@ -21,19 +21,11 @@ import numpy as np
 import tensorstore as ts
 
 from embedding_store._arrays import put_rows, take_rows
+from embedding_store._growth import Spare
 from embedding_store._kvstore import kvstore_spec
 from embedding_store.errors import EmbeddingStoreError
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-def _grow(array: np.ndarray, rows: int, fill=0) -> np.ndarray:
-    if rows <= len(array):
-        return array
-    shape = (rows, *array.shape[1:])
-    grown = np.zeros(shape, array.dtype) if fill == 0 else np.full(shape, fill, array.dtype)
-    grown[: len(array)] = array
-    return grown
 
 
 class RamRows:
@@ -44,10 +36,17 @@ class RamRows:
     def __init__(self, dim: int, state_width: int, dtype: str, initial_rows: int):
         self.values = np.zeros((initial_rows, dim), DTYPES[dtype])
         self.state = np.zeros((initial_rows, state_width), np.float32)
+        self._spares = (Spare(), Spare())
+
+    def prepare(self, slots: int) -> None:
+        """Starts allocating room for `slots` slots in the background (see `_growth`)."""
+        self._spares[0].prepare(self.values, slots)
+        self._spares[1].prepare(self.state, slots)
 
     def reserve(self, slots: int) -> None:
-        self.values = _grow(self.values, slots)
-        self.state = _grow(self.state, slots)
+        """Room for `slots` slots: the arrays grow, keeping their rows."""
+        self.values = self._spares[0].grow(self.values, slots)
+        self.state = self._spares[1].grow(self.state, slots)
 
     def lines(self, slots: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
         return slots
@@ -70,7 +69,11 @@ class RamRows:
         pass
 
     def stats(self) -> dict[str, int]:
-        return {"bytes": self.values.nbytes + self.state.nbytes}
+        return {"bytes_held": self.values.nbytes + self.state.nbytes}
+
+    def bytes_at(self, slots: int) -> int:
+        """The bytes of the arrays grown to `slots` rows."""
+        return slots * (self.values.itemsize * self.values.shape[1] + 4 * self.state.shape[1])
 
     def close(self) -> None:
         pass
@@ -112,6 +115,7 @@ class TieredRows:
         self._free_lines = np.arange(ram_rows - 1, -1, -1, dtype=np.int64)  # stack
         self._line_of_slot = np.full(1024, -1, np.int64)
         self._cold_row = np.full(1024, -1, np.int64)  # position of a slot's cold copy
+        self._spares = (Spare(), Spare())
         self._tick = 1
         self._counts = {"cold_reads": 0, "cold_writes": 0, "ram_evictions": 0, "compactions": 0}
         self._temporary = None
@@ -150,9 +154,15 @@ class TieredRows:
             context=self._context,
         ).result()
 
+    def prepare(self, slots: int) -> None:
+        """Starts allocating room for `slots` slots in the background (see `_growth`)."""
+        self._spares[0].prepare(self._line_of_slot, slots, -1)
+        self._spares[1].prepare(self._cold_row, slots, -1)
+
     def reserve(self, slots: int) -> None:
-        self._line_of_slot = _grow(self._line_of_slot, slots, -1)
-        self._cold_row = _grow(self._cold_row, slots, -1)
+        """Room for `slots` slots (the RAM tier itself has a fixed size)."""
+        self._line_of_slot = self._spares[0].grow(self._line_of_slot, slots, -1)
+        self._cold_row = self._spares[1].grow(self._cold_row, slots, -1)
 
     def _read_cold(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows at cold positions [m] -> (block [m, width] in the given order)."""
@@ -201,6 +211,11 @@ class TieredRows:
             )
         if len(self._free_lines) < count:
             self._evict(max(count - len(self._free_lines), self._evict_batch))
+        if len(self._free_lines) < count:  # the rest of the RAM tier serves this same request
+            raise EmbeddingStoreError(
+                f"one request needs more distinct rows in RAM than the shard's tiering.ram_rows "
+                f"budget of {self._ram_rows}; raise tiering.ram_rows or use smaller batches"
+            )
         taken = self._free_lines[len(self._free_lines) - count :]
         self._free_lines = self._free_lines[: len(self._free_lines) - count]
         return taken[::-1].copy()
@@ -293,7 +308,7 @@ class TieredRows:
 
     def stats(self) -> dict[str, int]:
         return {
-            "bytes": self.values.nbytes
+            "bytes_held": self.values.nbytes
             + self.state.nbytes
             + self._line_of_slot.nbytes
             + self._cold_row.nbytes,
@@ -301,6 +316,10 @@ class TieredRows:
             "hot_rows": int(self._ram_rows - len(self._free_lines)),
             **self._counts,
         }
+
+    def bytes_at(self, slots: int) -> int:
+        """The bytes held with `slots` slots: the RAM tier is allocated up front."""
+        return self.values.nbytes + self.state.nbytes + 16 * slots
 
     def close(self) -> None:
         if self._temporary:

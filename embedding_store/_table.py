@@ -6,7 +6,6 @@ for large arrays, so other tables and shards proceed in parallel.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
@@ -14,6 +13,7 @@ import tensorstore as ts
 
 from embedding_store import _optimizers
 from embedding_store._arrays import group, put_rows, segment_sum, take_rows, unique_counts
+from embedding_store._growth import PREPARE_AT, Spare
 from embedding_store._hashing import SALT_ADMIT, mix64, unit_float
 from embedding_store._initializers import initial_rows
 from embedding_store._slot_map import SlotMap
@@ -73,7 +73,12 @@ class _Counters:
         return self._map.nbytes + self._counts.nbytes + self._ids.nbytes
 
 
-_PHYSICAL_MEMORY = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+# Slots a table starts with; its arrays and slot map then double as rows arrive, up to
+# capacity, so memory follows the rows held (each doubling copies once: amortized O(1)).
+INITIAL_SLOTS = 1024
+# Bytes of per-slot metadata: id (8), live flag (1), last access step (4), last change (8).
+_METADATA_BYTES = 21
+_SLOT_ARRAYS = ("_slot_ids", "_live", "_last_step", "_modified")
 
 
 class ShardTable:
@@ -91,11 +96,8 @@ class ShardTable:
         self.capacity = config.shard_capacity(num_shards)
         self._state_width = config.optimizer.state_width(config.dim)
         self._lock = threading.RLock()
-        # Tables up to half the machine's memory get full-capacity arrays up front: np.zeros
-        # pages are only backed by memory once written, and nothing is copied as rows arrive.
-        row_bytes = config.dim * 4 + self._state_width * 4 + 21
-        initial = self.capacity if self.capacity * row_bytes <= _PHYSICAL_MEMORY // 2 else 4096
-        self._map = SlotMap(2 * initial)
+        initial = min(self.capacity, INITIAL_SLOTS)
+        self._map = SlotMap(initial)
         if config.tiering.enabled:
             location = config.tiering.path
             if location:
@@ -118,6 +120,7 @@ class ShardTable:
         self._live = np.zeros(initial, bool)
         self._last_step = np.zeros(initial, np.int32)  # training step of the last access
         self._modified = np.zeros(initial, np.int64)  # sequence number of the last change
+        self._spares = {name: Spare() for name in _SLOT_ARRAYS}
         self._high_water = 0
         self._free = np.zeros(0, np.int64)
         self._counters = _Counters()
@@ -260,16 +263,24 @@ class ShardTable:
         self._free = self._free[count:]
         fresh = np.arange(self._high_water, self._high_water + count - len(reuse), dtype=np.int64)
         self._high_water += len(fresh)
-        if self._high_water > len(self._slot_ids):
-            size = min(max(self._high_water, 2 * len(self._slot_ids)), self.capacity)
-            size = max(size, self._high_water)
-            for name in ("_slot_ids", "_live", "_last_step", "_modified"):
-                old = getattr(self, name)
-                grown = np.zeros(size, old.dtype)
-                grown[: len(old)] = old
-                setattr(self, name, grown)
-            self._rows.reserve(size)
+        size = len(self._slot_ids)
+        if self._high_water > size:
+            self._grow(max(self._high_water, min(2 * size, self.capacity)))
+        elif self._high_water >= PREPARE_AT * size and size < self.capacity:
+            self._prepare(min(2 * size, self.capacity))
         return np.concatenate([reuse, fresh])
+
+    def _prepare(self, size: int) -> None:
+        """Starts allocating the slot arrays' next size in the background."""
+        for name in _SLOT_ARRAYS:
+            self._spares[name].prepare(getattr(self, name), size)
+        self._rows.prepare(size)
+
+    def _grow(self, size: int) -> None:
+        """Grows the slot arrays to `size` slots, keeping their contents."""
+        for name in _SLOT_ARRAYS:
+            setattr(self, name, self._spares[name].grow(getattr(self, name), size))
+        self._rows.reserve(size)
 
     def _evict_lru(self, count: int, protect: np.ndarray) -> None:
         live = np.flatnonzero(self._live[: self._high_water])
@@ -376,17 +387,26 @@ class ShardTable:
                 self._counters.add(ids, counts.astype(np.int64))
 
     def stats(self) -> dict[str, int]:
+        """Counters, rows held, and memory: `bytes_held` (allocated now) and
+        `bytes_at_capacity` (the same arrays grown to `capacity` rows, the ceiling)."""
         with self._lock:
             storage = self._rows.stats()
             metadata = sum(
                 a.nbytes for a in (self._slot_ids, self._live, self._last_step, self._modified)
+            )
+            counters = self._counters.nbytes
+            at_capacity = (
+                self._rows.bytes_at(self.capacity)
+                + SlotMap.bytes_for(self.capacity)
+                + _METADATA_BYTES * self.capacity
             )
             return {
                 "rows": len(self._map),
                 "capacity": self.capacity,
                 **self._stats,
                 **storage,
-                "bytes": storage["bytes"] + self._map.nbytes + metadata + self._counters.nbytes,
+                "bytes_held": storage["bytes_held"] + self._map.nbytes + metadata + counters,
+                "bytes_at_capacity": at_capacity + counters,
                 "pending_admission": len(self._counters),
             }
 

@@ -213,7 +213,7 @@ def bench_scale(args, rng) -> dict:
             },
             args.batches,
         )
-        memory = {capacity: store.stats()["bytes"] for capacity, store in stores.items()}
+        memory = {capacity: store.stats()["bytes_held"] for capacity, store in stores.items()}
     finally:
         while stores:  # no loop variable may keep a 13 GB store alive
             stores.popitem()[1].close()
@@ -232,7 +232,7 @@ def bench_scale(args, rng) -> dict:
             "distinct_ids_per_batch": int(
                 np.mean([len(np.unique(r)) for r in ranks[capacity][:5]])
             ),
-            "bytes": memory[capacity],
+            "bytes_held": memory[capacity],
         }
         print(f"capacity {capacity}: {json.dumps(_rounded(results[capacity]))}", file=sys.stderr)
     return results
