@@ -10,6 +10,7 @@ import argparse
 
 from pipeline import PreprocessConfig, PreprocessResult, run_preprocess
 from pipeline.config import COMPRESSIONS, INPUT_FORMATS, SPLIT_MODES
+from pipeline.runners import RUNNER_NAMES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -17,8 +18,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="hybridrec preprocess",
         description=(
             "Raw click logs (TSV/CSV, .gz, Parquet, globs) -> sharded Parquet + metadata.json. "
-            "Arguments not listed here are Beam pipeline options (e.g. --runner dataflow "
-            "--project P --region R --temp_location gs://...), passed through untouched."
+            "Arguments not listed here are Beam pipeline options (e.g. --project P --region R "
+            "--temp_location gs://... with --runner dataflow), passed through untouched."
         ),
     )
     parser.add_argument(
@@ -43,6 +44,15 @@ def _parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace a complete output directory"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    runner = parser.add_argument_group("runner")
+    runner.add_argument("--runner", default="direct",
+                        help=f"Beam runner: {', '.join(RUNNER_NAMES)} (any case, 'Runner' suffix optional) or a fully qualified class name")  # fmt: skip
+    runner.add_argument("--dask-address", metavar="tcp://HOST:PORT",
+                        help="--runner dask: scheduler of a running Dask cluster (default: start a local one)")  # fmt: skip
+    runner.add_argument("--dask-workers", type=int, default=0,
+                        help="--runner dask without --dask-address: local worker processes (default: cores)")  # fmt: skip
+    runner.add_argument("--dask-timeout", type=float, default=10.0,
+                        help="--runner dask: seconds to wait for the scheduler to answer")  # fmt: skip
     return parser
 
 
@@ -84,6 +94,10 @@ def main(argv: list[str]) -> int:
         block_mb=args.block_mb,
         compression=args.compression,
         overwrite=args.overwrite,
+        runner=args.runner,
+        dask_address=args.dask_address,
+        dask_workers=args.dask_workers,
+        dask_timeout=args.dask_timeout,
     )
     result = run_preprocess(config, beam_args=beam_args, quiet=args.quiet)
     _print_summary(result)

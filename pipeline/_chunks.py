@@ -300,7 +300,8 @@ def process_chunk(
         first_line: 0-based line (Parquet: row) index of the chunk's first line within its file.
         global_first_line: the same, counted over all input files in order.
         temp_dir: where the chunk's Parquet files go (`<split>/chunk-<key>.parquet`).
-        progress_path: optional local file updated with {"bytes", "rows"} after each block.
+        progress_path: optional local file updated with {"bytes", "lines", "rejected"} after
+            each block.
         parquet_parser: reused for Parquet chunks (built here when not given).
 
     Returns:
@@ -308,7 +309,7 @@ def process_chunk(
         `{"file", "line" (1-based), "reason", "detail", "text"}`; a rejected Parquet row
         `{"file", "row" (0-based index in the file), "reason", "detail", "values"}`.
     """
-    stats = PartialStats()
+    stats = PartialStats(source=chunk.key)
     rejected: list[str] = []
     writers = {
         name: _SplitWriter(
@@ -346,7 +347,7 @@ def process_chunk(
             if name == "train":
                 stats.add_table(part, spec)
         if progress_path is not None:
-            _write_progress(progress_path, consumed, line - first_line)
+            _write_progress(progress_path, consumed, line - first_line, len(rejected))
     if line == 0 and chunk.chunk_index == 0:
         stats.empty_files.append(chunk.path)
     for name, writer in writers.items():
@@ -428,8 +429,8 @@ def _strip_header(block: bytes, spec: FeatureSpec, path: str) -> bytes:
     return block[end + 1 :]
 
 
-def _write_progress(path: str, consumed: int, lines: int) -> None:
+def _write_progress(path: str, consumed: int, lines: int, rejected: int) -> None:
     temp = f"{path}.tmp"
     with open(temp, "w") as handle:
-        json.dump({"bytes": consumed, "lines": lines}, handle)
+        json.dump({"bytes": consumed, "lines": lines, "rejected": rejected}, handle)
     os.replace(temp, path)

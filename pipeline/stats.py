@@ -92,6 +92,11 @@ class PartialStats:
     dense_max: np.ndarray | None = None
     categorical_missing: dict = dataclasses.field(default_factory=dict)
     id_samples: dict = dataclasses.field(default_factory=dict)
+    source: str = ""  # the chunk these statistics are of (its key); "" once merged
+    # Dense moments of merged chunks, (source, count, mean, m2, min, max) each, folded in
+    # source order at the end: float merging is not associative, and runners combine in
+    # different orders, so this keeps the statistics identical on every runner.
+    dense_parts: list = dataclasses.field(default_factory=list)
 
     def add_table(self, table: pa.Table, spec) -> None:
         """Adds the statistics of output rows `table` (the train split)."""
@@ -146,7 +151,25 @@ class PartialStats:
         self.dense_max = np.maximum(self.dense_max, other.dense_max)
         self.dense_count = total
 
+    def _own_dense_parts(self) -> list:
+        if not self.dense_count:
+            return list(self.dense_parts)
+        own = (self.source, self.dense_count, self.dense_mean, self.dense_m2)
+        return [(*own, self.dense_min, self.dense_max), *self.dense_parts]
+
+    def dense_moments(self) -> PartialStats:
+        """The dense moments of everything merged, folded in chunk order."""
+        folded = PartialStats()
+        for _, count, mean, m2, low, high in sorted(self._own_dense_parts(), key=lambda p: p[0]):
+            folded._merge_dense(PartialStats(dense_count=count, dense_mean=mean, dense_m2=m2,
+                                             dense_min=low, dense_max=high))  # fmt: skip
+        return folded
+
     def merge(self, other: PartialStats) -> PartialStats:
+        parts = self._own_dense_parts() + other._own_dense_parts()
+        self.dense_count, self.dense_mean, self.dense_m2 = 0, None, None
+        self.dense_min, self.dense_max = None, None
+        self.dense_parts, self.source = parts, ""
         self.rows_read += other.rows_read
         for split, rows in other.rows_by_split.items():
             self.rows_by_split[split] = self.rows_by_split.get(split, 0) + rows
@@ -156,7 +179,6 @@ class PartialStats:
         self.empty_files += other.empty_files
         self.files += other.files
         self.label_sum += other.label_sum
-        self._merge_dense(other)
         for name, missing in other.categorical_missing.items():
             self.categorical_missing[name] = self.categorical_missing.get(name, 0) + missing
         for name, sample in other.id_samples.items():
@@ -177,13 +199,14 @@ class PartialStats:
             "empty_files": sorted(self.empty_files),
         }
         dense = {}
+        moments = self.dense_moments()
         for j, name in enumerate(spec.dense):
-            if self.dense_count:
+            if moments.dense_count:
                 dense[name] = {
-                    "mean": float(self.dense_mean[j]),
-                    "std": float(np.sqrt(self.dense_m2[j] / self.dense_count)),
-                    "min": float(self.dense_min[j]),
-                    "max": float(self.dense_max[j]),
+                    "mean": float(moments.dense_mean[j]),
+                    "std": float(np.sqrt(moments.dense_m2[j] / moments.dense_count)),
+                    "min": float(moments.dense_min[j]),
+                    "max": float(moments.dense_max[j]),
                 }
             else:
                 dense[name] = {"mean": 0.0, "std": 0.0, "min": 0.0, "max": 0.0}

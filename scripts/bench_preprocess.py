@@ -5,14 +5,19 @@ position split), parse + validate, hash categoricals, transform dense, split,
 write zstd Parquet with 64k-row groups, and compute the statistics. The baseline
 calls the library functions in a plain loop in this process, no Beam; the Beam
 job runs on the DirectRunner in multi_processing mode with one worker per core
-(the `hybridrec preprocess` default) and, for comparison, in in_memory mode.
+(the `hybridrec preprocess` default), for comparison in multi_threading and in_memory
+mode, and on Dask with 2 worker processes: a local cluster the job starts and stops
+(`--runner dask`, start-up included) and an already running cluster (`--dask-address`).
 
     python scripts/bench_preprocess.py                 # 1M generated rows (+ the real sample if present)
     python scripts/bench_preprocess.py --rows 2000000
 
 The last line of output is one JSON object:
-{"beam_rows_per_s": ..., "baseline_rows_per_s": ..., "ratio": ...} for the
-generated data with the default (multi_processing) runner.
+{"beam_rows_per_s", "baseline_rows_per_s", "ratio", "dask_rows_per_s",
+"dask_over_direct", "dask_identical"} for the generated data: the default
+(multi_processing) DirectRunner against the baseline and Dask (local cluster, 2
+workers) against that DirectRunner; `dask_identical` is true when both Dask runs wrote
+exactly what the DirectRunner wrote.
 """
 
 from __future__ import annotations
@@ -26,8 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
+from distributed import LocalCluster
+
 import pipeline
 from pipeline import BlockParser, PartialStats, PreprocessConfig, load_spec
+
+DASK_WORKERS = 2
 
 REAL_SAMPLE = (
     Path(__file__).resolve().parents[1].parent / "shared/data/criteo_kaggle_sample/train.tsv.gz"
@@ -70,6 +80,38 @@ def beam_run(path: Path, out: Path, mode: str) -> float:
     return time.perf_counter() - start
 
 
+def dask_run(path: Path, out: Path, address: str | None = None) -> float:
+    """The DaskRunner with 2 worker processes: a local cluster started (and stopped) by the
+    job, as `--runner dask` does, or the running cluster at `address`."""
+    config = PreprocessConfig(
+        inputs=[str(path)],
+        output=str(out),
+        overwrite=True,
+        runner="dask",
+        dask_workers=DASK_WORKERS,
+        dask_address=address,
+    )
+    start = time.perf_counter()
+    pipeline.run_preprocess(config, quiet=True)
+    return time.perf_counter() - start
+
+
+def same_output(first: Path, second: Path) -> bool:
+    """Same metadata (but the runner line), same Parquet tables, same rejected rows."""
+    metas = [json.loads((out / "metadata.json").read_text()) for out in (first, second)]
+    for meta in metas:
+        meta.pop("runner")
+    if metas[0] != metas[1]:
+        return False
+    meta = metas[0]
+    for name in meta["splits"]["train"]["files"] + meta["splits"]["eval"]["files"]:
+        if not pq.read_table(first / name).equals(pq.read_table(second / name)):
+            return False
+    return all(
+        (first / n).read_bytes() == (second / n).read_bytes() for n in meta["rejected_files"]
+    )
+
+
 def _timed(function, *args) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process and its finished children)."""
     before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -84,13 +126,15 @@ def _timed(function, *args) -> tuple[float, float]:
     return wall, cpu
 
 
-def measure(path: Path, rows: int, work: Path, label: str, repeats: int) -> dict:
+def measure(path: Path, rows: int, work: Path, label: str, repeats: int, address: str) -> dict:
     """Best of `repeats` runs of each variant (the CPU may be shared with other work)."""
     variants = {
         "baseline": lambda: baseline(path, work / "base"),
         "beam_multi_processing": lambda: beam_run(path, work / "beam-mp", "multi_processing"),
         "beam_multi_threading": lambda: beam_run(path, work / "beam-mt", "multi_threading"),
         "beam_in_memory": lambda: beam_run(path, work / "beam-mem", "in_memory"),
+        "dask_local_cluster": lambda: dask_run(path, work / "dask"),
+        "dask_running_cluster": lambda: dask_run(path, work / "dask-running", address),
     }
     result = {"input": label, "rows": rows}
     for name, run in variants.items():
@@ -104,6 +148,12 @@ def measure(path: Path, rows: int, work: Path, label: str, repeats: int) -> dict
         result[f"{name}_wall_s"] = wall
     for mode in ("multi_processing", "multi_threading", "in_memory"):
         result[f"ratio_{mode}"] = result[f"beam_{mode}_rows_per_s"] / result["baseline_rows_per_s"]
+    direct = result["beam_multi_processing_rows_per_s"]
+    result["dask_over_direct"] = result["dask_local_cluster_rows_per_s"] / direct
+    result["dask_running_over_direct"] = result["dask_running_cluster_rows_per_s"] / direct
+    result["dask_identical"] = same_output(work / "beam-mp", work / "dask") and same_output(
+        work / "beam-mp", work / "dask-running"
+    )
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
 
@@ -120,9 +170,15 @@ def main() -> None:
     data = work / "generated.tsv"
     if not data.exists():
         pipeline.generate(data, args.rows, seed=0)
-    generated = measure(data, args.rows, work, f"generated {args.rows} rows (TSV)", args.repeats)
-    if REAL_SAMPLE.exists():
-        measure(REAL_SAMPLE, 137_139, work, "real Criteo sample (one .gz file)", args.repeats)
+    with LocalCluster(
+        n_workers=DASK_WORKERS, threads_per_worker=1, host="127.0.0.1", dashboard_address=None
+    ) as cluster:
+        address = cluster.scheduler_address
+        label = f"generated {args.rows} rows (TSV)"
+        generated = measure(data, args.rows, work, label, args.repeats, address)
+        if REAL_SAMPLE.exists():
+            label = "real Criteo sample (one .gz file)"
+            measure(REAL_SAMPLE, 137_139, work, label, args.repeats, address)
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     beam = generated["beam_multi_processing_rows_per_s"]
@@ -133,6 +189,9 @@ def main() -> None:
                 "beam_rows_per_s": round(beam),
                 "baseline_rows_per_s": round(base),
                 "ratio": round(beam / base, 3),
+                "dask_rows_per_s": round(generated["dask_local_cluster_rows_per_s"]),
+                "dask_over_direct": round(generated["dask_over_direct"], 3),
+                "dask_identical": generated["dask_identical"],
             }
         )
     )

@@ -240,28 +240,6 @@ def test_real_criteo_sample(criteo_sample, tmp_path, capsys):
     assert np.all(eval_table.column("I1").to_numpy() >= 0)
 
 
-def test_direct_runner_defaults_follow_the_input_size():
-    from apache_beam.options.pipeline_options import DirectOptions
-
-    from pipeline import Chunk, job
-
-    def options(chunk_count, chunk_size, *flags):
-        chunks = [Chunk(0, "f", i, 0, -1, chunk_size) for i in range(chunk_count)]
-        direct = job.pipeline_options(list(flags), chunks).view_as(DirectOptions)
-        return direct.direct_running_mode, direct.direct_num_workers
-
-    cores = os.cpu_count()
-    assert options(1, 10**6) == ("in_memory", 1)
-    assert options(1, 10**10) == ("in_memory", 1)  # one chunk: nothing to parallelize
-    assert options(64, 2**27) == ("multi_processing", cores)
-    assert options(64, 10, "--direct_running_mode=multi_processing") == ("multi_processing", cores)
-    assert options(64, 2**27, "--direct_num_workers=3") == ("multi_processing", 3)
-    flags = ["--runner=DataflowRunner", "--project=p", "--temp_location=gs://b/t"]
-    assert "direct_running_mode" not in job.pipeline_options(flags).get_all_options(
-        drop_default=True
-    )
-
-
 def test_spec_file_with_multi_valued_feature(tmp_path):
     spec = tmp_path / "clicks.toml"
     spec.write_text(

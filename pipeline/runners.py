@@ -1,0 +1,229 @@
+"""Which Beam runner executes the job, with which options, and the Dask cluster it may need.
+
+`--runner` takes a short name (any case, `Runner` suffix optional) or a fully qualified
+class name. The DirectRunner gets defaults that fit the input (one worker process per
+core for large inputs); the DaskRunner gets one Dask partition per chunk and either a
+running cluster (`--dask-address`) or a local one started for the job and shut down
+after it (see docs/pipeline.md, "Runners").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+
+from apache_beam.options.pipeline_options import (
+    DirectOptions,
+    PipelineOptions,
+    StandardOptions,
+    WorkerOptions,
+)
+
+from common.errors import UserError
+
+DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
+# short name -> what Beam's `--runner` option takes
+RUNNER_NAMES = {
+    "direct": "DirectRunner",
+    "dask": DASK_RUNNER,
+    "prism": "PrismRunner",
+    "flink": "FlinkRunner",
+    "spark": "SparkRunner",
+    "dataflow": "DataflowRunner",
+}
+# Below this much input, starting one Beam worker process per core (several seconds of
+# CPU each) costs more than it saves; see docs/benchmarks.md.
+MULTI_PROCESS_MIN_BYTES = 256 * 2**20
+# The Dask graph has one partition (one task per step) per chunk, up to this many.
+MAX_DASK_PARTITIONS = 4096
+
+
+def resolve_runner(name: str) -> str:
+    """The Beam `--runner` value for `name`: a short name, any case, or a class path.
+
+    Raises:
+        UserError: an unknown short name, or a class path that does not import.
+    """
+    key = name.strip().lower()
+    key = key[: -len("runner")] if key.endswith("runner") and key != "runner" else key
+    if key in RUNNER_NAMES:
+        return RUNNER_NAMES[key]
+    choices = ", ".join(RUNNER_NAMES)
+    if "." not in name:
+        raise UserError(
+            f"--runner {name!r}: unknown runner; use one of {choices} (any case, 'Runner' "
+            "suffix optional) or a fully qualified class name (package.module.Class)"
+        )
+    module_name, _, class_name = name.rpartition(".")
+    try:
+        getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as error:
+        raise UserError(f"--runner {name!r}: cannot import it ({error})") from None
+    return name
+
+
+def runner_kind(runner: str) -> str:
+    """The short name of a resolved runner ("direct", "dask", ...), else the class name."""
+    for short, full in RUNNER_NAMES.items():
+        if runner == full:
+            return short
+    return runner.rsplit(".", 1)[-1]
+
+
+def _has_flag(beam_args: Sequence[str], *names: str) -> bool:
+    return any(arg.split("=", 1)[0] in names for arg in beam_args)
+
+
+def pipeline_options(
+    beam_args: Sequence[str],
+    input_bytes: Sequence[int] = (),
+    *,
+    runner: str = "DirectRunner",
+    dask_address: str | None = None,
+    dask_timeout: float = 10.0,
+) -> PipelineOptions:
+    """Beam options: the pass-through flags plus defaults that fit the input and the runner.
+
+    Unless the flags say otherwise, the DirectRunner runs in `multi_processing` mode with
+    one worker per core (at most one per chunk) when the input has several chunks and at
+    least MULTI_PROCESS_MIN_BYTES, and `in_memory` with one worker otherwise. The
+    DaskRunner gets one partition per chunk (its default packs up to 128 elements into
+    one partition, which would run every chunk in one task).
+
+    Args:
+        beam_args: Beam flags, untouched.
+        input_bytes: [chunks] input bytes of each chunk.
+        runner: a value of `resolve_runner`.
+        dask_address: the scheduler the DaskRunner connects to.
+    """
+    options = PipelineOptions(list(beam_args))
+    standard = options.view_as(StandardOptions)
+    standard.runner = runner
+    kind = runner_kind(runner)
+    if kind == "direct":
+        direct = options.view_as(DirectOptions)
+        parallel = len(input_bytes) > 1 and sum(input_bytes) >= MULTI_PROCESS_MIN_BYTES
+        if not _has_flag(beam_args, "--direct_running_mode"):
+            direct.direct_running_mode = "multi_processing" if parallel else "in_memory"
+        if not _has_flag(beam_args, "--direct_num_workers"):
+            cores = os.cpu_count() or 1
+            many = direct.direct_running_mode != "in_memory"
+            direct.direct_num_workers = max(1, min(cores, len(input_bytes))) if many else 1
+    if kind == "dask":
+        from apache_beam.runners.dask.dask_runner import DaskOptions
+
+        dask = options.view_as(DaskOptions)
+        dask.address = dask_address
+        dask.timeout = int(max(1, dask_timeout))
+        if not _has_flag(beam_args, "--dask_npartitions", "--dask_partition_size"):
+            dask.npartitions = max(1, min(len(input_bytes), MAX_DASK_PARTITIONS))
+    harness = options.view_as(WorkerOptions)
+    if not _has_flag(beam_args, "--default_sdk_harness_log_level"):
+        harness.default_sdk_harness_log_level = "ERROR"
+    return options
+
+
+def describe_runner(options: PipelineOptions, cluster: DaskCluster | None = None) -> str:
+    """One line for the summary and metadata.json: runner, mode, workers."""
+    runner = options.view_as(StandardOptions).runner
+    kind = runner_kind(runner)
+    if kind == "direct":
+        direct = options.view_as(DirectOptions)
+        return f"{runner} ({direct.direct_running_mode}, {direct.direct_num_workers} worker(s))"
+    if kind == "dask" and cluster is not None:
+        where = "local cluster" if cluster.local else f"cluster at {cluster.address}"
+        return f"DaskRunner ({where}, {cluster.workers} worker(s))"
+    return str(runner)
+
+
+@dataclasses.dataclass(frozen=True)
+class DaskCluster:
+    """The Dask cluster a job runs on."""
+
+    address: str  # scheduler address, tcp://HOST:PORT
+    workers: int  # worker processes when the job started
+    local: bool  # started for this job (and shut down after it)
+    dashboard: str | None  # dashboard URL, when the scheduler serves one
+
+
+def _distributed():
+    try:
+        import distributed
+    except ImportError:
+        raise UserError(
+            "--runner dask needs Dask: pip install 'hybridrec[dask]' (or 'dask[distributed]')"
+        ) from None
+    # Dask logs every connection at INFO; the job reports its own progress.
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+    return distributed
+
+
+def check_dask_scheduler(address: str, timeout: float) -> tuple[int, str | None]:
+    """Connects to the scheduler at `address` and back; returns (workers, dashboard URL).
+
+    Raises:
+        UserError: Dask is not installed, or no scheduler answered within `timeout` s.
+    """
+    distributed = _distributed()
+    try:
+        client = distributed.Client(address, timeout=f"{timeout}s", set_as_default=False)
+    except (OSError, TimeoutError, ValueError) as error:
+        raise UserError(
+            f"--dask-address {address}: no Dask scheduler answered within {timeout:g} s "
+            f"({type(error).__name__}: {error})"
+        ) from None
+    try:
+        return len(client.scheduler_info()["workers"]), client.dashboard_link
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def dask_cluster(
+    address: str | None, *, workers: int = 0, timeout: float = 10.0
+) -> Iterator[DaskCluster]:
+    """A running Dask cluster for the job: the one at `address`, or a local one.
+
+    Without `address`, starts `workers` worker processes (0: one per core) with one
+    thread each on this machine, and shuts them down on exit.
+
+    Raises:
+        UserError: Dask is not installed, or no scheduler answered at `address` within
+            `timeout` seconds.
+    """
+    distributed = _distributed()
+    if address is not None:
+        count, dashboard = check_dask_scheduler(address, timeout)
+        yield DaskCluster(address, count, local=False, dashboard=dashboard)
+        return
+    count = workers or os.cpu_count() or 1
+    cluster = distributed.LocalCluster(
+        n_workers=count,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address="127.0.0.1:0",
+    )
+    try:
+        yield DaskCluster(cluster.scheduler_address, count, local=True, dashboard=_link(cluster))
+    finally:
+        cluster.close()
+
+
+def _link(cluster) -> str | None:
+    try:
+        return cluster.dashboard_link
+    except Exception:  # no dashboard (bokeh missing): nothing to print
+        return None
+
+
+def close_runner_client(result) -> None:
+    """Closes the Dask client the DaskRunner opened for `result` (Beam leaves it open)."""
+    client = getattr(result, "client", None)
+    close = getattr(client, "close", None)
+    if close is not None:
+        close()

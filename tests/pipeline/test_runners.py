@@ -1,0 +1,80 @@
+"""Runner names, per-runner option defaults, and the Dask scheduler check."""
+
+import os
+
+import pytest
+from apache_beam.options.pipeline_options import DirectOptions, StandardOptions
+
+from common.errors import UserError
+from pipeline import runners
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("direct", "DirectRunner"),
+        ("DirectRunner", "DirectRunner"),
+        ("DASK", runners.DASK_RUNNER),
+        ("daskrunner", runners.DASK_RUNNER),
+        ("Prism", "PrismRunner"),
+        ("flinkRunner", "FlinkRunner"),
+        ("spark", "SparkRunner"),
+        ("Dataflow", "DataflowRunner"),
+        (runners.DASK_RUNNER, runners.DASK_RUNNER),
+        ("apache_beam.runners.direct.direct_runner.DirectRunner",) * 2,
+    ],
+)
+def test_runner_names(name, expected):
+    assert runners.resolve_runner(name) == expected
+
+
+@pytest.mark.parametrize("name", ["dusk", "Runner", "no.such.module.Runner", "apache_beam.Nope"])
+def test_unknown_runner_is_one_line_listing_the_names(name):
+    with pytest.raises(UserError) as error:
+        runners.resolve_runner(name)
+    message = str(error.value)
+    assert name in message and "\n" not in message
+    if "." not in name:
+        assert "direct, dask, prism, flink, spark, dataflow" in message
+
+
+def test_direct_runner_defaults_follow_the_input_size():
+    def options(chunk_count, chunk_size, *flags):
+        sizes = [chunk_size] * chunk_count
+        direct = runners.pipeline_options(list(flags), sizes).view_as(DirectOptions)
+        return direct.direct_running_mode, direct.direct_num_workers
+
+    cores = os.cpu_count()
+    assert options(1, 10**6) == ("in_memory", 1)
+    assert options(1, 10**10) == ("in_memory", 1)  # one chunk: nothing to parallelize
+    assert options(64, 2**27) == ("multi_processing", cores)
+    assert options(64, 10, "--direct_running_mode=multi_processing") == ("multi_processing", cores)
+    assert options(64, 2**27, "--direct_num_workers=3") == ("multi_processing", 3)
+    flags = ["--project=p", "--temp_location=gs://b/t"]
+    dataflow = runners.pipeline_options(flags, runner="DataflowRunner")
+    assert dataflow.view_as(StandardOptions).runner == "DataflowRunner"
+    assert "direct_running_mode" not in dataflow.get_all_options(drop_default=True)
+
+
+def test_dask_gets_one_partition_per_chunk():
+    pytest.importorskip("distributed")
+    from apache_beam.runners.dask.dask_runner import DaskOptions
+
+    def dask_options(*flags):
+        options = runners.pipeline_options(
+            list(flags), [100] * 7, runner=runners.DASK_RUNNER, dask_address="tcp://h:1"
+        )
+        return options.view_as(DaskOptions)
+
+    assert (dask_options().npartitions, dask_options().address) == (7, "tcp://h:1")
+    assert dask_options("--dask_npartitions=3").npartitions == 3
+    assert dask_options("--dask_partition_size=2").npartitions is None
+
+
+def test_unreachable_dask_scheduler_fails_within_the_timeout():
+    pytest.importorskip("distributed")
+    with pytest.raises(UserError) as error:
+        runners.check_dask_scheduler("tcp://127.0.0.1:9", timeout=2)
+    assert "--dask-address tcp://127.0.0.1:9: no Dask scheduler answered within 2 s" in str(
+        error.value
+    )
