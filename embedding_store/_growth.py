@@ -23,7 +23,8 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _background() -> ThreadPoolExecutor:
+def background() -> ThreadPoolExecutor:
+    """The one thread that prepares growth steps (slot arrays, slot maps) ahead of need."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -59,7 +60,7 @@ class Spare:
             self._future.cancel()
         self._shape = shape
         touch = len(array) if touch is None else touch
-        self._future = _background().submit(_allocate, shape, array.dtype, fill, touch)
+        self._future = background().submit(_allocate, shape, array.dtype, fill, touch)
 
     def grow(self, array: np.ndarray, rows: int, fill=0, *, copy: bool = True) -> np.ndarray:
         """`array` grown to `rows` rows (the prepared spare when it has that size).

@@ -6,19 +6,33 @@ Python loop. Keys and slots sit side by side in one [capacity, 2] uint64 array s
 probe touches one cache line. Slots are stored plus one, so that an all-zero entry
 (np.zeros: lazily backed, no initial write) is EMPTY and ends a probe chain;
 TOMBSTONE marks a removed entry (skipped by lookups, dropped on the next rebuild).
+
+Growing (doubling at 60% load) rehashes every id, which is too slow for the call
+that crosses the threshold once the map holds millions of ids. So at 40% load the next
+table is built on a background thread from the live entries while this one keeps
+serving; inserts and removals made meanwhile are journaled, the build replays them as
+it catches up, and the map switches to the new table at its first call after the build
+is done, replaying only the changes made since. The build reads entries the owner may be
+writing: a write fills an EMPTY entry (key, then slot) or sets a slot to TOMBSTONE, so a
+torn read sees (key, EMPTY) or (0, slot). Both come from journaled ids, except that the
+second could pose as id 0, which is why id 0 is never taken from the build but from
+this table.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
 
-from embedding_store._growth import PREPARE_AT, Spare
+from embedding_store._growth import background
 from embedding_store._hashing import SALT_SLOT, mix64
 
 EMPTY = np.uint64(0)
 TOMBSTONE = np.uint64(0xFFFFFFFFFFFFFFFF)
 _ONE = np.uint64(1)
 _LIVE_LIMIT = np.uint64(0xFFFFFFFFFFFFFFFE)  # stored - 1 < this  <=>  live entry
+BUILD_AT = 0.4  # load (entries used) at which the next table starts building
 
 
 class SlotMap:
@@ -27,34 +41,27 @@ class SlotMap:
     def __init__(self, initial_capacity: int = 1024, max_load: float = 0.6):
         capacity = 1 << max(4, int(initial_capacity - 1).bit_length())
         self._max_load = max_load
-        self._spare = Spare()
         self._set_entries(np.zeros((capacity, 2), np.uint64))
         self._live = 0
         self._used = 0  # live + tombstones
+        self._next: Future | None = None  # the next table, being built in the background
+        self._journal: list[tuple[np.ndarray, np.ndarray | None]] = []
 
     def __len__(self) -> int:
         return self._live
 
     def _set_entries(self, entries: np.ndarray) -> None:
         self._entries = entries
-        # One 16-byte item per entry: gathering (key, slot) pairs this way is ~10x faster
-        # than entries[position] on the 2-D array.
-        self._pairs = entries.view(np.dtype((np.void, 16))).reshape(-1)
-
-    def _probe(self, position: np.ndarray) -> np.ndarray:
-        return self._pairs[position].view(np.uint64).reshape(-1, 2)
+        self._pairs = _pairs(entries)
 
     @property
     def nbytes(self) -> int:
         return self._entries.nbytes
 
     @staticmethod
-    def bytes_for(rows: int, max_load: float = 0.6) -> int:
-        """The bytes of a map grown (from empty) to hold `rows` ids."""
-        capacity = 16
-        while rows > max_load * capacity * 0.8:
-            capacity *= 2
-        return capacity * 16
+    def bytes_for(rows: int) -> int:
+        """The most bytes a map holding up to `rows` ids takes (the ceiling of `nbytes`)."""
+        return 16 * _entries_for(rows, 16)
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """ids: [n] uint64 -> [n] int64 slots, -1 where absent."""
@@ -64,7 +71,7 @@ class SlotMap:
         pending = np.arange(len(ids))
         keys = ids
         while len(pending):
-            probe = self._probe(position)
+            probe = _probe(self._pairs, position)
             slots = probe[:, 1] - _ONE  # EMPTY wraps to the maximum, TOMBSTONE to max - 1
             hit = (probe[:, 0] == keys) & (slots < _LIVE_LIMIT)
             if hit.any():
@@ -78,60 +85,142 @@ class SlotMap:
         """Adds ids (unique and absent from the map) with their slots: [n] uint64, [n] int64."""
         if not len(ids):
             return
-        used, size = self._used + len(ids), len(self._entries)
-        if used > self._max_load * size:
-            self._rebuild(self._live + len(ids))
-        elif used > PREPARE_AT * self._max_load * size:
-            # Entries land anywhere in the next table: page all of it in ahead of the rebuild.
-            self._spare.prepare(self._entries, 2 * size, touch=2 * size)
-        self._place(ids, slots.astype(np.uint64) + _ONE)
+        if self._next is not None and self._next.done():
+            self._take_over()
+        if self._used + len(ids) > self._max_load * len(self._entries):
+            if self._next is not None:
+                self._take_over()  # waits for the build, unless it has not started
+            if self._used + len(ids) > self._max_load * len(self._entries):
+                self._rebuild(self._live + len(ids))
+        elif self._next is None and self._used + len(ids) > BUILD_AT * len(self._entries):
+            self._journal = []
+            capacity = _entries_for(self._live + len(ids), len(self._entries))
+            self._next = background().submit(_build, self._entries, capacity, self._journal)
+        stored = slots.astype(np.uint64) + _ONE
+        if self._next is not None:
+            self._journal.append((ids.copy(), stored))
+        _place(self._pairs, ids, stored)
         self._live += len(ids)
         self._used += len(ids)
 
     def remove(self, ids: np.ndarray) -> None:
         """Removes present ids: [n] uint64 (absent ones are ignored)."""
-        entries = self._entries
-        mask = len(entries) - 1
-        position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
-        keys = ids
-        removed = 0
-        while len(keys):
-            probe = self._probe(position)
-            hit = (probe[:, 0] == keys) & (probe[:, 1] - _ONE < _LIVE_LIMIT)
-            if hit.any():
-                entries[position[hit], 1] = TOMBSTONE
-                removed += int(hit.sum())
-            go_on = ~hit & (probe[:, 1] != EMPTY)
-            keys, position = keys[go_on], (position[go_on] + 1) & mask
-        self._live -= removed
+        if self._next is not None and self._next.done():
+            self._take_over()
+        if self._next is not None:
+            self._journal.append((ids.copy(), None))
+        self._live -= _remove(self._entries, self._pairs, ids)
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """All live (ids [n] uint64, slots [n] int64)."""
         live = self._entries[:, 1] - _ONE < _LIVE_LIMIT
         return self._entries[live, 0].copy(), (self._entries[live, 1] - _ONE).astype(np.int64)
 
-    def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """ids [n] (unique, absent) with their stored slot values (slot + 1) [n] uint64."""
-        entries = self._entries
-        mask = len(entries) - 1
-        position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
-        while len(ids):
-            free = self._probe(position)[:, 1] == EMPTY
-            where = position[free]
-            # Several ids may race for one empty entry: the last write wins, the rest probe on.
-            pairs = np.stack([ids[free], slots[free]], axis=1)
-            self._pairs[where] = pairs.view(self._pairs.dtype).reshape(-1)
-            placed = np.zeros(len(ids), bool)
-            placed[np.flatnonzero(free)[self._probe(where)[:, 1] == slots[free]]] = True
-            keep = ~placed
-            ids, slots = ids[keep], slots[keep]
-            position = (position[keep] + 1) & mask
-
     def _rebuild(self, live_needed: int) -> None:
-        ids, slots = self.items()
+        """Rehashes every live id into a table large enough for `live_needed` ids."""
         capacity = len(self._entries)
         while live_needed > self._max_load * capacity * 0.8:
             capacity *= 2
-        self._set_entries(self._spare.grow(self._entries, capacity, copy=False))
+        ids, slots = self.items()
+        self._set_entries(np.zeros((capacity, 2), np.uint64))
         self._used = self._live = len(ids)
-        self._place(ids, slots.astype(np.uint64) + _ONE)
+        _place(self._pairs, ids, slots.astype(np.uint64) + _ONE)
+
+    def _take_over(self) -> None:
+        """Switches to the table built in the background (waiting for it if it is under
+        way), replaying the changes it has not seen yet; drops it if it never started."""
+        future, journal = self._next, self._journal
+        self._next, self._journal = None, []
+        if future.cancel():
+            return
+        entries, used, replayed = future.result()
+        zero = self.find(np.zeros(1, np.uint64))  # id 0 comes from here (see the module doc)
+        self._set_entries(entries)
+        self._used = used
+        for change in [*journal[replayed:], (np.zeros(1, np.uint64), None)]:
+            self._used += _replay(self._entries, self._pairs, change)
+        if zero[0] >= 0:
+            _place(self._pairs, np.zeros(1, np.uint64), zero.astype(np.uint64) + _ONE)
+            self._used += 1
+
+
+def _entries_for(live: int, size: int) -> int:
+    """The size of the next table for `live` ids (at least `size`): load <= BUILD_AT / 1.25,
+    so that ids keep arriving for a while before the next build starts."""
+    while 1.25 * live > BUILD_AT * size:
+        size *= 2
+    return size
+
+
+def _pairs(entries: np.ndarray) -> np.ndarray:
+    # One 16-byte item per entry: gathering (key, slot) pairs this way is ~10x faster
+    # than entries[position] on the 2-D array.
+    return entries.view(np.dtype((np.void, 16))).reshape(-1)
+
+
+def _probe(pairs: np.ndarray, position: np.ndarray) -> np.ndarray:
+    return pairs[position].view(np.uint64).reshape(-1, 2)
+
+
+def _place(pairs: np.ndarray, ids: np.ndarray, slots: np.ndarray) -> None:
+    """ids [n] (unique, absent) with their stored slot values (slot + 1) [n] uint64."""
+    mask = len(pairs) - 1
+    position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
+    while len(ids):
+        free = _probe(pairs, position)[:, 1] == EMPTY
+        where = position[free]
+        # Several ids may race for one empty entry: the last write wins, the rest probe on.
+        written = np.stack([ids[free], slots[free]], axis=1)
+        pairs[where] = written.view(pairs.dtype).reshape(-1)
+        placed = np.zeros(len(ids), bool)
+        placed[np.flatnonzero(free)[_probe(pairs, where)[:, 1] == slots[free]]] = True
+        keep = ~placed
+        ids, slots = ids[keep], slots[keep]
+        position = (position[keep] + 1) & mask
+
+
+def _remove(entries: np.ndarray, pairs: np.ndarray, ids: np.ndarray) -> int:
+    """Tombstones the first live entry of each of `ids` [n] uint64; how many there were."""
+    mask = len(entries) - 1
+    position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
+    keys = ids
+    removed = 0
+    while len(keys):
+        probe = _probe(pairs, position)
+        hit = (probe[:, 0] == keys) & (probe[:, 1] - _ONE < _LIVE_LIMIT)
+        if hit.any():
+            entries[position[hit], 1] = TOMBSTONE
+            removed += int(hit.sum())
+        go_on = ~hit & (probe[:, 1] != EMPTY)
+        keys, position = keys[go_on], (position[go_on] + 1) & mask
+    return removed
+
+
+def _replay(entries: np.ndarray, pairs: np.ndarray, change) -> int:
+    """Applies one journaled change (ids, stored slots or None for a removal); entries used."""
+    ids, stored = change
+    while _remove(entries, pairs, ids):  # a torn read may have added an id twice
+        pass
+    if stored is None:
+        return 0
+    _place(pairs, ids, stored)
+    return len(ids)
+
+
+def _build(entries: np.ndarray, capacity: int, journal: list) -> tuple[np.ndarray, int, int]:
+    """A table of `capacity` entries with the live entries of `entries` (but id 0), then
+    the changes of `journal` made since: (table, entries used, changes replayed).
+
+    Runs on the background thread while the owner writes `entries` and appends to `journal`.
+    """
+    live = entries[entries[:, 1] - _ONE < _LIVE_LIMIT]
+    live = live[(live[:, 0] != 0) & (live[:, 1] - _ONE < _LIVE_LIMIT)]  # torn reads
+    table = np.zeros((capacity, 2), np.uint64)
+    table[:] = 0  # page the whole table in here, not on the owner's thread
+    pairs = _pairs(table)
+    _place(pairs, live[:, 0].copy(), live[:, 1].copy())
+    used, replayed = len(live), 0
+    while replayed < len(journal):  # catch up, so that the owner replays only the last few
+        used += _replay(table, pairs, journal[replayed])
+        replayed += 1
+    return table, used, replayed

@@ -127,7 +127,7 @@ def test_eviction_starts_at_capacity():
         # One LRU round frees the larger of the request and 10% of capacity, oldest first.
         assert after["evicted_lru"] == 1000
         assert after["rows"] == capacity
-        assert after["bytes_held"] == full["bytes_held"]  # slots are reused, nothing grows
+        assert after["bytes_held"] <= after["bytes_at_capacity"]
         hits = after["hits"]
         store.lookup("items", ids[:1000], train=False).result()  # the oldest rows: evicted
         store.lookup("items", ids[1000:2000], train=False).result()  # the next ones: kept

@@ -79,3 +79,37 @@ def test_slot_map_insert_find_remove_grow():
     np.testing.assert_array_equal(slot_map.find(removed), slots[::3] + 10**9)
     live_ids, live_slots = slot_map.items()
     assert len(live_ids) == len(ids)
+
+
+def test_slot_map_matches_a_dict_while_it_grows_in_the_background():
+    """Inserts and removals keep landing while the next table is built on another thread."""
+    rng = np.random.default_rng(3)
+    slot_map, reference = SlotMap(16), {}
+    universe = np.concatenate([np.array([0, 2**64 - 1], np.uint64), _ids(60_000, seed=7)])
+    universe = np.unique(universe)
+    next_slot = 0
+    for round_index in range(60):
+        absent = np.array(
+            [i for i in universe[rng.permutation(len(universe))[:3000]] if int(i) not in reference][
+                :1500
+            ],
+            np.uint64,
+        )
+        if round_index % 5 == 0 and 0 not in reference and 0 not in absent.tolist():
+            absent = np.concatenate([absent, np.zeros(1, np.uint64)])
+        slots = np.arange(next_slot, next_slot + len(absent), dtype=np.int64)
+        next_slot += len(absent)
+        slot_map.insert(absent, slots)
+        reference.update(zip(absent.tolist(), slots.tolist(), strict=True))
+        present = np.array(list(reference), np.uint64)
+        gone = present[rng.random(len(present)) < 0.15]
+        slot_map.remove(gone)
+        for key in gone.tolist():
+            del reference[key]
+        assert len(slot_map) == len(reference)
+    keys = np.array(list(reference), np.uint64)
+    np.testing.assert_array_equal(slot_map.find(keys), np.array(list(reference.values())))
+    others = universe[~np.isin(universe, keys)]
+    assert (slot_map.find(others) == -1).all()
+    live_ids, live_slots = slot_map.items()
+    assert dict(zip(live_ids.tolist(), live_slots.tolist(), strict=True)) == reference
