@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
+
+from common.errors import UserError
 
 
 def add_override_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
@@ -30,9 +33,53 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def distributed_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of `model.maybe_initialize_distributed` from the flags."""
+    """The keyword arguments of `model.maybe_initialize_distributed`: the flags, else the
+    HYBRIDREC_* variables (`hybridrec launch` sets them), else a detected launcher."""
+    layout = distributed_from_environment()
+    for key in ("coordinator", "num_processes", "process_id"):
+        if getattr(args, key, None) is not None:
+            layout[key] = getattr(args, key)
+    return layout
+
+
+# How `hybridrec launch` (or any launcher) tells a process its place in the job.
+COORDINATOR_ENV = "HYBRIDREC_COORDINATOR"  # host:port of process 0's coordinator service
+NUM_PROCESSES_ENV = "HYBRIDREC_NUM_PROCESSES"  # total number of processes
+PROCESS_ID_ENV = "HYBRIDREC_PROCESS_ID"  # this process' index in [0, num_processes)
+
+
+def distributed_from_environment() -> dict[str, Any]:
+    """The multi-process layout from HYBRIDREC_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID,
+    and the launcher JAX can detect by itself (Slurm, Open MPI), as keyword arguments of
+    `model.maybe_initialize_distributed`."""
     return {
-        "coordinator": args.coordinator,
-        "num_processes": args.num_processes,
-        "process_id": args.process_id,
+        "coordinator": os.environ.get(COORDINATOR_ENV) or None,
+        "num_processes": _environment_int(NUM_PROCESSES_ENV),
+        "process_id": _environment_int(PROCESS_ID_ENV),
+        "cluster": _detected_cluster(),
     }
+
+
+def _environment_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _detected_cluster() -> str | None:
+    """A multi-process launcher JAX can read the process layout from, if any."""
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(name in os.environ for name in slurm) and int(os.environ["SLURM_NTASKS"]) > 1:
+        return "slurm"
+    if (
+        "OMPI_MCA_orte_hnp_uri" in os.environ
+        and int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+    ):
+        return "ompi"
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return "jax environment"
+    return None

@@ -10,7 +10,6 @@ must push to the store) in the order the process supplied them.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 
 import jax
@@ -22,37 +21,7 @@ from model import sharding as sharding_lib
 
 log = logging.getLogger(__name__)
 
-# Environment variables read when the arguments are not given.
-COORDINATOR_ENV = "HYBRIDREC_COORDINATOR"  # host:port of process 0's coordinator service
-NUM_PROCESSES_ENV = "HYBRIDREC_NUM_PROCESSES"  # total number of processes
-PROCESS_ID_ENV = "HYBRIDREC_PROCESS_ID"  # this process' index in [0, num_processes)
-
 _initialized = False
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def _detected_cluster() -> str | None:
-    """A multi-process launcher JAX can read the process layout from, if any."""
-    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
-    if all(name in os.environ for name in slurm) and int(os.environ["SLURM_NTASKS"]) > 1:
-        return "slurm"
-    if (
-        "OMPI_MCA_orte_hnp_uri" in os.environ
-        and int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
-    ):
-        return "ompi"
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        return "jax environment"
-    return None
 
 
 def maybe_initialize_distributed(
@@ -60,21 +29,23 @@ def maybe_initialize_distributed(
     num_processes: int | None = None,
     process_id: int | None = None,
     *,
+    cluster: str | None = None,
     cpu_collectives: str = "gloo",
     initialization_timeout: int = 300,
 ) -> bool:
     """Joins the multi-process JAX runtime once; returns True if running multi-process.
 
-    The layout comes from the arguments, else from HYBRIDREC_COORDINATOR /
-    HYBRIDREC_NUM_PROCESSES / HYBRIDREC_PROCESS_ID, else from a launcher JAX detects
-    by itself (Slurm, Open MPI, JAX_COORDINATOR_ADDRESS). With none of these (or a
-    single process) nothing is initialized. Calling it again is a no-op. It must run
+    The layout comes from the arguments, else (with `cluster` named) from a launcher
+    JAX detects by itself (Slurm, Open MPI, JAX_COORDINATOR_ADDRESS). With neither (or
+    a single process) nothing is initialized. Calling it again is a no-op. It must run
     before anything touches a JAX device.
 
     Args:
         coordinator: "host:port" of the coordinator service (run by process 0).
         num_processes: total number of processes.
         process_id: this process' index.
+        cluster: the launcher JAX reads the layout from when no layout is given (the
+            command line detects it; None = none).
         cpu_collectives: cross-process collectives of the CPU backend ("gloo"); other
             backends (GPU, TPU) bring their own.
         initialization_timeout: seconds to wait for every process to join.
@@ -83,27 +54,23 @@ def maybe_initialize_distributed(
     if _initialized or jax.distributed.is_initialized():
         _initialized = True
         return jax.process_count() > 1
-    coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or None
-    num_processes = num_processes if num_processes is not None else _env_int(NUM_PROCESSES_ENV)
-    process_id = process_id if process_id is not None else _env_int(PROCESS_ID_ENV)
     explicit = coordinator is not None or num_processes is not None or process_id is not None
     if explicit:
         if coordinator is None or num_processes is None or process_id is None:
             raise UserError(
-                "multi-process run needs coordinator, num_processes and process_id together "
-                f"(flags or {COORDINATOR_ENV}, {NUM_PROCESSES_ENV}, {PROCESS_ID_ENV}); got "
-                f"coordinator={coordinator!r}, num_processes={num_processes}, process_id={process_id}"
+                "a multi-process run needs coordinator, num_processes and process_id together "
+                f"(--coordinator, --num-processes, --process-id); got coordinator={coordinator!r}, "
+                f"num_processes={num_processes}, process_id={process_id}"
             )
         if not 0 <= process_id < num_processes:
             raise UserError(f"process_id {process_id} is not within [0, {num_processes})")
         if num_processes == 1:
             _initialized = True
             return False
+    elif cluster is None:
+        _initialized = True
+        return False
     else:
-        cluster = _detected_cluster()
-        if cluster is None:
-            _initialized = True
-            return False
         log.info("initializing JAX distributed runtime from the %s environment", cluster)
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.distributed.initialize(

@@ -8,16 +8,16 @@
     transfer  transfer thread  waits for each lookup in order and copies its embeddings,
                                dense features and labels to the devices
     step      caller           the jitted dense step, dispatched without waiting for it
-    update    caller           once the *next* step is dispatched: this step's embedding
-                               gradients to the host, handed to the store (applied by its
+    update    update thread    once the step is done: its embedding gradients to the host,
+                               mapped back to rows and handed to the store (applied by its
                                workers); the applied update returns the staleness slot
 
 Staleness: the gate has k + 1 slots; a lookup takes one and the applied update of the
 same batch returns it, so a lookup misses at most the updates of the k batches before
-it (PERSIA's bound), and the gate records how many it did miss. With k = 0 a batch's
-update is handed over before `progress` returns and the next lookup waits until it is
-applied: the fully synchronous schedule. With k >= 1 the update of batch t is handed
-over while the devices run batch t + 1, so the dense step does not wait for the host.
+it (PERSIA's bound), and the gate records how many it did miss. With k = 0 the lookup
+of batch t + 1 waits until the update of batch t is applied: the fully synchronous
+schedule. With k >= 1 the lookups of the next batches and the update of this one run
+while the devices run the dense step, which then never waits for the host.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ from model import local_rows, make_global_batch
 from training.input import Batch, DataPosition
 
 _END = object()
+
+
+class PipelineClosedError(RuntimeError):
+    """The pipeline was closed: updates still queued are not applied."""
 
 
 class StalenessGate:
@@ -158,13 +162,12 @@ class HybridPipeline:
         self._ahead = threading.Semaphore(lookahead) if lookahead > 0 else None
         self._lookup_lock = threading.Lock()
         self._paused = False
-        self._pending: tuple[Any, jax.Array] | None = (
-            None  # the last step's update, not yet handed over
-        )
-        self._updates: list[Future] = []  # handed over, maybe not yet applied
+        # (lookup, embedding gradients) of each dense step, in order, for the update thread
+        self._updates: queue.Queue = queue.Queue()
         self._errors: list[BaseException] = []
         self._times: dict[str, float] = {}
         self._timed_steps = 0
+        self._slowest = 0.0
         self._stop = threading.Event()
         self._input: queue.Queue = queue.Queue(maxsize=prefetch)
         self._looked_up: queue.Queue = queue.Queue()
@@ -174,6 +177,7 @@ class HybridPipeline:
             threading.Thread(target=self._read, args=(batches,), name="hybridrec-input"),
             threading.Thread(target=self._lookup, args=(first_step,), name="hybridrec-lookup"),
             threading.Thread(target=self._transfer, name="hybridrec-transfer"),
+            threading.Thread(target=self._update, name="hybridrec-update"),
         ]
         for thread in self._threads:
             thread.daemon = True
@@ -182,40 +186,35 @@ class HybridPipeline:
     # ---- the caller's side -------------------------------------------------------------
 
     def progress(self, *, quiesce: bool = False) -> StepResult | None:
-        """Trains the next batch; None once the input is exhausted (all updates handed over).
+        """Trains the next batch; None once the input is exhausted.
 
         Args:
             quiesce: after this step, apply every update and pause lookups until `resume()`,
                 so the store holds exactly the updates up to this step (checkpoints).
         """
         self._raise_errors()
-        clock = time.perf_counter()
+        clock = started = time.perf_counter()
         item = self._take()
         if item is None:
-            self._hand_over_pending()
             return None
         clock = self._time("wait_ms", clock)
         self.state, metrics, embedding_grads = self._train_step(self.state, item.device_batch)
         clock = self._time("step_ms", clock)
-        previous, self._pending = self._pending, (item.lookup, embedding_grads)
-        if previous is not None:
-            self._hand_over(*previous)
         if quiesce:
             self._pause_lookups()  # no lookup may slip in between this update and the snapshot
-        if quiesce or self.gate.k == 0:
-            self._hand_over_pending()
+        if self._replicated:  # a collective: every process, in step order, on this thread
+            embedding_grads = self._gather(local_rows(embedding_grads))
+        self._updates.put((item.lookup, embedding_grads))
         if quiesce:
             self.drain()
         self._time("update_ms", clock)
         self._timed_steps += 1
+        self._slowest = max(self._slowest, (time.perf_counter() - started) * 1e3)
         return StepResult(item.step, metrics, item.batch.position, item.staleness)
 
     def drain(self) -> None:
         """Returns once every update handed over is applied in the store."""
-        for future in self._updates:
-            with contextlib.suppress(Exception):  # errors are collected by the callback
-                future.result()
-        self._updates.clear()
+        self._updates.join()
         self._store.flush()
         self._raise_errors()
 
@@ -226,15 +225,19 @@ class HybridPipeline:
             self._lookup_lock.release()
 
     def timings(self) -> dict[str, float]:
-        """Milliseconds per step in each of the caller's phases since the last call."""
+        """Milliseconds per step in each of the caller's phases since the last call, and
+        the slowest single step (`slowest_step_ms`)."""
         steps = max(self._timed_steps, 1)
         out = {name: round(total / steps, 3) for name, total in self._times.items()}
-        self._times, self._timed_steps = {}, 0
+        out["slowest_step_ms"] = round(self._slowest, 3)
+        self._times, self._timed_steps, self._slowest = {}, 0, 0.0
         return out
 
     def close(self) -> None:
-        """Stops the background threads; updates not yet handed over are dropped."""
+        """Stops the background threads; updates not yet handed to the store are dropped."""
         self._stop.set()
+        self._errors.append(PipelineClosedError("the hybrid pipeline is closed"))
+        self._updates.put(_END)
         self.resume()
         for thread in self._threads:
             thread.join(timeout=10)
@@ -259,20 +262,6 @@ class HybridPipeline:
         if isinstance(item, BaseException):
             raise item
         return item
-
-    def _hand_over(self, lookup: Any, embedding_grads: jax.Array) -> None:
-        grads = local_rows(embedding_grads)
-        if self._replicated:
-            grads = self._gather(grads)  # the global batch's gradients, on every replica
-        future = self._store.apply_pooled_gradients(lookup, grads)
-        self._updates = [f for f in self._updates if not f.done()]
-        self._updates.append(future)
-        future.add_done_callback(self._applied)
-
-    def _hand_over_pending(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._hand_over(*pending)
 
     def _applied(self, future: Future) -> None:
         error = future.exception()
@@ -373,6 +362,33 @@ class HybridPipeline:
                 self._put(self._ready, _Ready(step, batch, lookup, device_batch, staleness))
         except BaseException as error:
             self._put(self._ready, error)
+
+    def _update(self) -> None:
+        lower_thread_priority(self._nice)
+        while True:
+            item = self._updates.get()
+            try:
+                if item is _END:
+                    return
+                self._apply(*item)
+            finally:
+                self._updates.task_done()
+
+    def _apply(self, lookup: Any, embedding_grads: jax.Array | np.ndarray) -> None:
+        """Hands one step's update to the store (whose shard workers apply them in order)."""
+        if self._errors:  # after a failure, return the slot without applying
+            self.gate.release()
+            return
+        try:
+            grads = embedding_grads
+            if not isinstance(grads, np.ndarray):
+                grads = local_rows(grads)  # waits for the step to finish
+            future = self._store.apply_pooled_gradients(lookup, grads)
+        except BaseException as error:  # reported to the caller by progress / drain
+            self._errors.append(error)
+            self.gate.release()
+            return
+        future.add_done_callback(self._applied)
 
 
 def lower_thread_priority(nice: int) -> None:

@@ -175,7 +175,6 @@ class HybridTrainer:
                             log.write("eval", step, **eval_results)
                     if save_now or eval_now:
                         pipeline.resume()
-                pipeline.progress()  # the end of the input: hands over the last update
                 pipeline.drain()
         finally:
             log.close()

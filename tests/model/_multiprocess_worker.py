@@ -1,8 +1,9 @@
 """One process of the multi-process test; also imported by the test for the 1-process run.
 
 Usage: python _multiprocess_worker.py [COORDINATOR NUM_PROCESSES PROCESS_ID] OUT.npz
-(without the layout arguments it comes from the HYBRIDREC_* environment variables; the
-parent sets XLA_FLAGS so each process has 4 CPU devices).
+(without the layout arguments it comes from the HYBRIDREC_* environment variables, read
+as the command line reads them; the parent sets XLA_FLAGS so each process has 4 CPU
+devices).
 """
 
 from __future__ import annotations
@@ -78,11 +79,12 @@ def run() -> dict[str, np.ndarray]:
 
 
 def main(argv: list[str]) -> int:
+    from hybridrec._flags import distributed_from_environment
     from model import maybe_initialize_distributed
 
     if len(argv) == 1:  # layout from HYBRIDREC_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID
         (out,) = argv
-        assert maybe_initialize_distributed()
+        assert maybe_initialize_distributed(**distributed_from_environment())
     else:
         coordinator, num_processes, process_id, out = argv
         assert maybe_initialize_distributed(coordinator, int(num_processes), int(process_id))

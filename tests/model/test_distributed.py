@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+
 import jax
 import numpy as np
 import pytest
 
 from common.errors import UserError
+from hybridrec import _flags
 from model import (
     MeshConfig,
     NonFiniteLossError,
@@ -21,11 +24,7 @@ from model import (
 from model import distributed as distributed_lib
 
 
-def test_initialize_is_a_noop_without_a_cluster(monkeypatch):
-    for name in ("HYBRIDREC_COORDINATOR", "HYBRIDREC_NUM_PROCESSES", "HYBRIDREC_PROCESS_ID"):
-        monkeypatch.delenv(name, raising=False)
-    for name in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "JAX_COORDINATOR_ADDRESS"):
-        monkeypatch.delenv(name, raising=False)
+def test_initialize_is_a_noop_without_a_layout(monkeypatch):
     monkeypatch.setattr(distributed_lib, "_initialized", False)
     assert maybe_initialize_distributed() is False
     assert maybe_initialize_distributed() is False  # idempotent
@@ -34,13 +33,28 @@ def test_initialize_is_a_noop_without_a_cluster(monkeypatch):
 
 def test_initialize_rejects_a_partial_layout(monkeypatch):
     monkeypatch.setattr(distributed_lib, "_initialized", False)
-    monkeypatch.setenv("HYBRIDREC_NUM_PROCESSES", "2")
-    monkeypatch.delenv("HYBRIDREC_COORDINATOR", raising=False)
-    monkeypatch.delenv("HYBRIDREC_PROCESS_ID", raising=False)
     with pytest.raises(UserError, match="together"):
-        maybe_initialize_distributed()
+        maybe_initialize_distributed(num_processes=2)
     with pytest.raises(UserError, match="process_id 5"):
         maybe_initialize_distributed("127.0.0.1:1", 2, 5)
+
+
+def test_the_command_line_reads_the_layout_from_flags_then_environment(monkeypatch):
+    for name in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HYBRIDREC_COORDINATOR", "127.0.0.1:9")
+    monkeypatch.setenv("HYBRIDREC_NUM_PROCESSES", "2")
+    monkeypatch.setenv("HYBRIDREC_PROCESS_ID", "1")
+    flags = argparse.Namespace(coordinator=None, num_processes=None, process_id=0)
+    assert _flags.distributed_options(flags) == {
+        "coordinator": "127.0.0.1:9",
+        "num_processes": 2,
+        "process_id": 0,
+        "cluster": None,
+    }
+    monkeypatch.setenv("HYBRIDREC_NUM_PROCESSES", "two")
+    with pytest.raises(UserError, match="HYBRIDREC_NUM_PROCESSES='two'"):
+        _flags.distributed_options(flags)
 
 
 def test_mesh_shape_is_checked():

@@ -1,0 +1,279 @@
+"""Training speed, memory and quality on Criteo data, against the dense step's own limit.
+
+In one run: preprocess the input once (cached under --cache, keyed by the input files),
+then train one epoch of the `criteo_dlrm` preset at batch 128, 512 and 4096, each in a
+fresh `hybridrec train` process, and the synchronous mode (staleness 0) at batch 512.
+Per run it reports end-to-end samples/s (process start to final checkpoint: imports,
+compilation, evaluation and checkpoint included), steady-state samples/s (after the
+first 20 steps), where a step's time goes on the trainer's thread, the slowest step,
+eval AUC and the peak resident memory of the process; and the dense-only limit: the
+same jitted step on the same tower, batch and devices with the batches already on the
+devices, in its own process.
+
+    python scripts/bench_criteo.py                      # the shared Criteo sample
+    python scripts/bench_criteo.py --input day_0.gz     # any Criteo-format files
+
+The last line is one JSON object (keys: auc_b512, auc_sync_b512, steady_over_dense_b128,
+steady_over_dense_b512, steady_over_dense_b4096, e2e_over_dense_b512,
+steady_samples_per_s_b512, e2e_samples_per_s_b512, hybrid_over_sync_b512, peak_rss_gb).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE = REPO.parent / "shared" / "data" / "criteo_kaggle_sample" / "train.tsv.gz"
+CRITEO_FIELDS = 40  # label, 13 integer and 26 categorical fields
+STEADY_AFTER = 20  # steps excluded from the steady state (compilation, warm-up)
+
+
+def _fail(message: str) -> None:
+    print(f"bench_criteo: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _check_criteo(path: Path) -> None:
+    """One-line error unless `path` exists and its first line has the Criteo layout."""
+    if not path.is_file():
+        _fail(f"{path}: no such file")
+    try:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", errors="replace") as handle:
+            line = handle.readline().rstrip("\n")
+    except (OSError, EOFError) as error:
+        _fail(f"{path}: unreadable ({error})")
+    fields = line.split("\t")
+    if len(fields) != CRITEO_FIELDS or fields[0] not in ("0", "1"):
+        _fail(
+            f"{path}: line 1 is not in the Criteo layout (expected {CRITEO_FIELDS} tab-separated "
+            f"fields starting with a 0/1 label, found {len(fields)})"
+        )
+
+
+def _dataset(inputs: list[Path], cache: Path) -> Path:
+    """The preprocessed dataset of `inputs`, from the cache or written into it atomically."""
+    key = hashlib.sha256()
+    for path in inputs:
+        stat = path.stat()
+        key.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    target = cache / f"data-{key.hexdigest()[:16]}"
+    if (target / "_SUCCESS").exists():
+        print(f"preprocessed data: {target} (cached)", flush=True)
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="partial-", dir=cache))
+    try:
+        command = [sys.executable, "-m", "hybridrec", "preprocess", "--input"]
+        command += [str(path) for path in inputs] + ["--output", str(staging), "--overwrite"]
+        subprocess.run(command, check=True, cwd=REPO)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except (subprocess.CalledProcessError, KeyboardInterrupt):
+        shutil.rmtree(staging, ignore_errors=True)
+        _fail(f"preprocessing {', '.join(map(str, inputs))} failed (nothing was cached)")
+    return target
+
+
+def _run_child(command: list[str], env: dict[str, str]) -> tuple[float, float, int]:
+    """Runs `command`; returns (wall seconds, peak RSS in GB, exit code)."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, cwd=REPO, env=env)
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return time.perf_counter() - start, usage.ru_maxrss / 2**20, process.returncode
+
+
+def _train(data: Path, batch: int, staleness: int, work: Path, env: dict, extra: list[str]):
+    run_dir = work / f"run_b{batch}_k{staleness}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    command = [sys.executable, "-m", "hybridrec", "train", "--config", "criteo_dlrm"]
+    command += ["--data", str(data), "--run-dir", str(run_dir), "--quiet"]
+    settings = [
+        f"data.batch_size={batch}",
+        f"hybrid.staleness={staleness}",
+        "log.every_steps=10",
+        "log.tensorboard=false",
+        *extra,
+    ]
+    for setting in settings:
+        command += ["--set", setting]
+    print(f"\n== train batch {batch}, staleness {staleness}", flush=True)
+    seconds, rss_gb, code = _run_child(command, env)
+    if code:
+        _fail(f"training at batch {batch} failed (exit {code}); see the output above")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    train = [r for r in records if r["kind"] == "train"]
+    first = next((r for r in train if r["step"] >= STEADY_AFTER), train[0])
+    last = train[-1]
+    steady_steps = [r for r in train if r["step"] > first["step"]]
+    if last["step"] > first["step"]:
+        steady = (last["samples"] - first["samples"]) / (last["time"] - first["time"])
+    else:
+        steady = last["samples_per_s"]
+    phases = {}
+    for name in ("wait_ms", "step_ms", "update_ms"):
+        values = [r[name] for r in steady_steps if name in r] or [0.0]
+        phases[name] = round(sum(values) / len(values), 2)
+    result = {
+        "batch": batch,
+        "staleness": staleness,
+        "steps": summary["steps"],
+        "e2e_samples_per_s": summary["samples"] / seconds,
+        "steady_samples_per_s": steady,
+        "auc": summary["eval"]["auc"],
+        "logloss": summary["eval"]["logloss"],
+        "peak_rss_gb": rss_gb,
+        "slowest_step_ms": max(r.get("slowest_step_ms", 0.0) for r in train),
+        "store_bytes": summary["embedding_store"].get("bytes"),
+        **phases,
+    }
+    print(
+        f"   e2e {result['e2e_samples_per_s']:,.0f} samples/s ({seconds:.1f} s), steady "
+        f"{steady:,.0f} samples/s, AUC {result['auc']:.4f}, peak RSS {rss_gb:.2f} GB, per step: "
+        f"wait {phases['wait_ms']} ms, step {phases['step_ms']} ms, update "
+        f"{phases['update_ms']} ms, slowest {result['slowest_step_ms']:.0f} ms",
+        flush=True,
+    )
+    return result
+
+
+def _dense_only(batch: int, env: dict, rounds: int) -> float:
+    """Samples/s of the criteo_dlrm train step alone (batches on the devices), median round."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--dense-child", str(batch), "--rounds", str(rounds)],
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    rate = json.loads(out.stdout.strip().splitlines()[-1])["samples_per_s"]
+    print(f"== dense step alone, batch {batch}: {rate:,.0f} samples/s", flush=True)
+    return rate
+
+
+def _dense_child(batch: int, rounds: int) -> None:
+    import jax
+    import numpy as np
+
+    from common import config as config_lib
+    from model import create_train_state, make_global_batch, make_mesh, make_train_step
+    from training.config import PRESET_DIR, TrainConfig
+
+    config = config_lib.load(TrainConfig, "criteo_dlrm", preset_dir=PRESET_DIR)
+    mesh = make_mesh(config.mesh)
+    state = create_train_state(
+        config.model,
+        config.optimizer,
+        mesh,
+        jax.random.key(0),
+        num_dense=13,
+        num_features=26,
+        embedding_dim=config.embedding.dim,
+    )
+    step = make_train_step(config.model, mesh)
+    rng = np.random.default_rng(0)
+    batches = [
+        make_global_batch(
+            {
+                "embeddings": rng.normal(0, 0.01, (batch, 26, config.embedding.dim)).astype(
+                    np.float32
+                ),
+                "dense": rng.random((batch, 13)).astype(np.float32),
+                "labels": (rng.random(batch) < 0.25).astype(np.float32),
+            },
+            mesh,
+        )
+        for _ in range(2)
+    ]
+    for index in range(5):
+        state, metrics, grads = step(state, batches[index % 2])
+    jax.block_until_ready((state, metrics, grads))
+    steps = max(10, 200_000 // (batch * rounds))  # ~1-3 s a round
+    rates = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for index in range(steps):
+            state, metrics, grads = step(state, batches[index % 2])
+        jax.block_until_ready((state, metrics, grads))
+        rates.append(batch * steps / (time.perf_counter() - start))
+    print(json.dumps({"samples_per_s": float(np.median(rates))}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", nargs="+", type=Path, help="Criteo-format files")
+    parser.add_argument("--cache", type=Path, default=REPO / "runs" / "bench_criteo")
+    parser.add_argument("--batches", type=int, nargs="+", default=[128, 512, 4096])
+    parser.add_argument("--rounds", type=int, default=5, help="dense-only timing rounds")
+    parser.add_argument("--set", dest="extra", action="append", default=[], help="train override")
+    parser.add_argument("--dense-child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.dense_child:
+        _dense_child(args.dense_child, args.rounds)
+        return
+    inputs = args.input or [SAMPLE]
+    if not args.input and not SAMPLE.exists():
+        _fail(f"{SAMPLE} is absent: pass --input FILE... (Criteo-format files)")
+    for path in inputs:
+        _check_criteo(path)
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the trainer's own device layout (1 CPU device here)
+    data = _dataset(inputs, args.cache)
+    work = args.cache / "runs"
+    results, dense = {}, {}
+    for batch in args.batches:
+        dense[batch] = _dense_only(batch, env, args.rounds)
+        results[batch] = _train(data, batch, 4, work, env, args.extra)
+    sync = _train(data, 512, 0, work, env, args.extra) if 512 in args.batches else None
+
+    print("\n| batch | e2e samples/s | steady samples/s | dense-only | steady/dense | e2e/dense "
+          "| AUC | peak RSS GB | wait/step/update ms | slowest step ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for batch, r in [*results.items(), *([("512 sync", sync)] if sync else [])]:
+        limit = dense[int(str(batch).split()[0])]
+        print(
+            f"| {batch} | {r['e2e_samples_per_s']:,.0f} | {r['steady_samples_per_s']:,.0f} | "
+            f"{limit:,.0f} | {r['steady_samples_per_s'] / limit:.2f} | "
+            f"{r['e2e_samples_per_s'] / limit:.2f} | {r['auc']:.4f} | {r['peak_rss_gb']:.2f} | "
+            f"{r['wait_ms']}/{r['step_ms']}/{r['update_ms']} | {r['slowest_step_ms']:.0f} |"
+        )
+    summary = {
+        f"steady_over_dense_b{b}": round(results[b]["steady_samples_per_s"] / dense[b], 3)
+        for b in args.batches
+    }
+    summary["peak_rss_gb"] = round(max(r["peak_rss_gb"] for r in results.values()), 3)
+    summary["slowest_step_ms"] = round(max(r["slowest_step_ms"] for r in results.values()), 1)
+    if 512 in results:
+        b512 = results[512]
+        summary.update(
+            auc_b512=round(b512["auc"], 4),
+            e2e_over_dense_b512=round(b512["e2e_samples_per_s"] / dense[512], 3),
+            steady_samples_per_s_b512=round(b512["steady_samples_per_s"]),
+            e2e_samples_per_s_b512=round(b512["e2e_samples_per_s"]),
+        )
+    if sync:
+        summary.update(
+            auc_sync_b512=round(sync["auc"], 4),
+            hybrid_over_sync_b512=round(
+                results[512]["steady_samples_per_s"] / sync["steady_samples_per_s"], 3
+            ),
+        )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
