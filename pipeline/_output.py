@@ -52,7 +52,7 @@ def prepare(out: str, overwrite: bool) -> None:
 
 def discard_partial(temp_dir: str) -> None:
     """After a failed run: removes the workers' partial files, keeps the worker log."""
-    names = ("train", "eval", "rejected", "progress", STATS_FILE)
+    names = ("train", "eval", "rejected", "stats", "progress", STATS_FILE)
     paths = [FileSystems.join(temp_dir, name) for name in names]
     paths = [path for path in paths if FileSystems.exists(path)]
     if paths:

@@ -1,10 +1,12 @@
 """The preprocessing job: raw click logs -> sharded Parquet (`hybridrec preprocess` runs it).
 
-    ListChunks -> CountLines -> GatherCounts (GroupByKey, one key) -> PlaceChunks
-      (first line of each chunk in its file and in the input, total lines)
-      -> DistributeChunks (GroupByKey by chunk) -> ParseHashWrite (batched numpy/pyarrow
-      per block; Parquet per chunk and split, rejected rows per chunk, under _temporary/)
-      -> CombineStats (CombinePerKey) -> WriteStats (OUT/_temporary/stats.pickle)
+    ListChunks -> ParseHashWrite (per chunk: batched numpy/pyarrow per block; Parquet,
+      rejected rows and statistics per chunk under _temporary/, chunk-local line numbers)
+      -> GatherCounts (GroupByKey, one key) -> PlaceChunks (first line of each chunk in
+      its file and in the input, total lines) -> DistributeChunks (GroupByKey by chunk)
+      -> PlaceRows (file line numbers for rejected rows; position split: whole chunks to
+      eval, the boundary chunk split) -> CombineStats (CombinePerKey)
+      -> WriteStats (OUT/_temporary/stats.pickle)
     then, on the launcher: rename chunk files to part-NNNNN-of-MMMMM.parquet in input
     order, write metadata.json, and write _SUCCESS last.
 
@@ -23,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import re
 import sys
 import threading
@@ -40,6 +43,7 @@ logging.getLogger().addFilter(_import_filter)
 import apache_beam as beam  # noqa: E402
 
 logging.getLogger().removeFilter(_import_filter)
+import numpy as np  # noqa: E402
 from apache_beam.io.filesystems import FileSystems  # noqa: E402
 from apache_beam.metrics import Metrics  # noqa: E402
 
@@ -51,48 +55,56 @@ from pipeline.config import PreprocessConfig  # noqa: E402
 from pipeline.spec import FeatureSpec, load_spec  # noqa: E402
 from pipeline.stats import DatasetStatsFn, PartialStats  # noqa: E402
 
-# Every line count meets every other under this one key (a global gather by GroupByKey).
+# Every chunk's line count meets every other under this one key (a global gather).
 _ALL = 0
 
 
 @dataclasses.dataclass(frozen=True)
-class PlacedChunk:
-    """A chunk with the line numbers it needs: where it starts and how long the input is."""
+class ParsedChunk:
+    """What the parse step reports about a chunk: how many lines it has."""
 
     chunk: _chunks.Chunk
+    lines: int  # lines (Parquet: rows) of the chunk, a header line included
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedChunk:
+    """A parsed chunk and where its lines sit in its file and in the whole input."""
+
+    chunk: _chunks.Chunk
+    lines: int  # lines of the chunk
     first_line: int  # 0-based line index of the chunk's first line within its file
     global_first_line: int  # the same, counted over all input files in order
     total_lines: int  # lines (Parquet: rows) of the whole input
 
 
-class _CountLinesFn(beam.DoFn):
-    def __init__(self, block_bytes: int):
-        self.block_bytes = block_bytes
-
-    def process(self, chunk: _chunks.Chunk):
-        yield _ALL, (chunk, _chunks.count_lines(chunk, self.block_bytes))
-
-
-def place_chunks(counts: Iterable[tuple[_chunks.Chunk, int]]):
-    """(chunk, lines) of every chunk -> ((file index, chunk index), PlacedChunk) per chunk."""
-    ordered = sorted(counts, key=lambda item: (item[0].file_index, item[0].chunk_index))
-    total = sum(lines for _, lines in ordered)
+def place_chunks(parsed: Iterable[ParsedChunk]):
+    """Every parsed chunk -> ((file index, chunk index), PlacedChunk), in input order."""
+    ordered = sorted(parsed, key=lambda item: (item.chunk.file_index, item.chunk.chunk_index))
+    total = sum(item.lines for item in ordered)
     global_line, file_index, file_line = 0, None, 0
-    for chunk, lines in ordered:
-        if chunk.file_index != file_index:
-            file_index, file_line = chunk.file_index, 0
-        placed = PlacedChunk(chunk, file_line, global_line, total)
-        yield (chunk.file_index, chunk.chunk_index), placed
-        file_line += lines
-        global_line += lines
+    for item in ordered:
+        if item.chunk.file_index != file_index:
+            file_index, file_line = item.chunk.file_index, 0
+        placed = PlacedChunk(item.chunk, item.lines, file_line, global_line, total)
+        yield (item.chunk.file_index, item.chunk.chunk_index), placed
+        file_line += item.lines
+        global_line += item.lines
 
 
-class _ProcessChunkFn(beam.DoFn):
-    """Parses, validates, hashes, splits and writes one chunk; emits its statistics."""
+def _temp_path(temp_dir: str, kind: str, key: str, extension: str) -> str:
+    return FileSystems.join(temp_dir, kind, f"chunk-{key}.{extension}")
 
-    def __init__(
-        self, spec, *, split_mode, eval_fraction, temp_dir, block_bytes, compression, progress_dir
-    ):
+
+class _ParseChunkFn(beam.DoFn):
+    """Parses, validates, hashes and writes one chunk, with chunk-local line numbers.
+
+    Before the input's line count is known, a position split cannot be decided: every
+    row goes to train, and `_PlaceRowsFn` moves the tail to eval. A hash split is final.
+    The chunk's statistics and rejected rows go to files under the temp directory.
+    """
+
+    def __init__(self, spec, *, split_mode, eval_fraction, temp_dir, block_bytes, compression, progress_dir):  # fmt: skip
         self.spec = spec
         self.split_mode = split_mode
         self.eval_fraction = eval_fraction
@@ -108,17 +120,10 @@ class _ProcessChunkFn(beam.DoFn):
         self.parser = BlockParser(self.spec)
         self.parquet_parser = _parquet.ParquetParser(self.spec)
 
-    def process(self, keyed: tuple[tuple[int, int], Iterable[PlacedChunk]]):
-        for placed in keyed[1]:
-            yield _ALL, self._process(placed)
-
-    def _process(self, placed: PlacedChunk) -> PartialStats:
-        chunk, total = placed.chunk, placed.total_lines
-        split = _chunks.SplitRule(
-            self.split_mode,
-            self.eval_fraction,
-            eval_start_line=total - int(round(total * self.eval_fraction)),
-        )
+    def process(self, chunk: _chunks.Chunk):
+        # position split: eval starts beyond any line for now
+        eval_start = 0 if self.split_mode == "hash" else 2**62
+        split = _chunks.SplitRule(self.split_mode, self.eval_fraction, eval_start_line=eval_start)
         progress_path = (
             os.path.join(self.progress_dir, f"chunk-{chunk.key}.json")
             if self.progress_dir
@@ -128,8 +133,8 @@ class _ProcessChunkFn(beam.DoFn):
             chunk,
             spec=self.spec,
             parser=self.parser,
-            first_line=placed.first_line,
-            global_first_line=placed.global_first_line,
+            first_line=0,
+            global_first_line=0,
             split=split,
             temp_dir=self.temp_dir,
             block_bytes=self.block_bytes,
@@ -138,14 +143,89 @@ class _ProcessChunkFn(beam.DoFn):
             parquet_parser=self.parquet_parser,
         )
         if rejected:
-            path = FileSystems.join(self.temp_dir, "rejected", f"chunk-{chunk.key}.jsonl")
-            with FileSystems.create(path) as handle:
+            with FileSystems.create(
+                _temp_path(self.temp_dir, "rejected", chunk.key, "jsonl")
+            ) as handle:
                 handle.write("".join(f"{line}\n" for line in rejected).encode())
             stats.files.append(("rejected", chunk.key, len(rejected)))
+        with FileSystems.create(_temp_path(self.temp_dir, "stats", chunk.key, "pickle")) as handle:
+            handle.write(pickle.dumps(stats))
         self.rows_read.inc(stats.rows_read)
         self.rows_written.inc(sum(stats.rows_by_split.values()))
         self.rows_rejected.inc(len(rejected))
-        return stats
+        yield _ALL, ParsedChunk(chunk, stats.lines)
+
+
+class _PlaceRowsFn(beam.DoFn):
+    """Gives a parsed chunk its final line numbers and split; emits its statistics.
+
+    Rejected rows get file line numbers (the chunk's first line added); under a position
+    split a chunk past the eval boundary moves to eval whole, and the one chunk holding
+    the boundary is split in two.
+    """
+
+    def __init__(self, spec, *, split_mode, eval_fraction, temp_dir, compression):
+        self.spec = spec
+        self.split_mode = split_mode
+        self.eval_fraction = eval_fraction
+        self.temp_dir = temp_dir
+        self.compression = compression
+
+    def setup(self):
+        self.schema = BlockParser(self.spec).schema
+
+    def process(self, keyed: tuple[tuple[int, int], Iterable[PlacedChunk]]):
+        for placed in keyed[1]:
+            yield _ALL, self._place(placed)
+
+    def _place(self, placed: PlacedChunk) -> PartialStats:
+        key = placed.chunk.key
+        with FileSystems.open(_temp_path(self.temp_dir, "stats", key, "pickle")) as handle:
+            stats: PartialStats = pickle.loads(handle.read())
+        rejected_lines = self._renumber_rejected(placed, stats)
+        if self.split_mode == "hash" or not stats.rows_by_split["train"]:
+            return stats
+        total = placed.total_lines
+        eval_start = total - int(round(total * self.eval_fraction))
+        first_eval = eval_start - placed.global_first_line  # chunk-local
+        if first_eval >= placed.lines:
+            return stats  # all train
+        if first_eval <= 0:  # all eval
+            if "://" not in self.temp_dir:
+                os.makedirs(os.path.join(self.temp_dir, "eval"), exist_ok=True)
+            FileSystems.rename(
+                [_temp_path(self.temp_dir, "train", key, "parquet")],
+                [_temp_path(self.temp_dir, "eval", key, "parquet")],
+            )
+            moved = stats.counts_only()
+            moved.rows_by_split = {"train": 0, "eval": stats.rows_by_split["train"]}
+            moved.files = [("eval" if f[0] == "train" else f[0], *f[1:]) for f in stats.files]
+            return moved
+        header = (
+            self.spec.header and placed.chunk.format == "text" and placed.chunk.chunk_index == 0
+        )
+        row_lines = _chunks.kept_lines(placed.lines, rejected_lines, header)
+        train = _chunks.split_written_chunk(
+            self.temp_dir, key, row_lines, first_eval,
+            spec=self.spec, schema=self.schema, compression=self.compression,
+        )  # fmt: skip
+        return stats.with_train_stats_of(train)
+
+    def _renumber_rejected(self, placed: PlacedChunk, stats: PartialStats) -> np.ndarray:
+        """Adds the chunk's first line to its rejected rows; returns their chunk-local lines."""
+        if not any(kind == "rejected" for kind, _, _ in stats.files):
+            return np.zeros(0, np.int64)
+        path = _temp_path(self.temp_dir, "rejected", placed.chunk.key, "jsonl")
+        with FileSystems.open(path) as handle:
+            records = [json.loads(line) for line in handle.read().decode().splitlines()]
+        field = "row" if placed.chunk.format == "parquet" else "line"
+        local = np.array([record[field] for record in records], np.int64)
+        if placed.first_line:
+            for record in records:
+                record[field] += placed.first_line
+            with FileSystems.create(path) as handle:
+                handle.write("".join(json.dumps(r) + "\n" for r in records).encode())
+        return local - (field == "line")  # text lines are 1-based in the records
 
 
 class Preprocess(beam.PTransform):
@@ -171,8 +251,7 @@ class Preprocess(beam.PTransform):
         progress_dir=None,
     ):
         super().__init__()
-        self.block_bytes = block_bytes
-        self.process_fn = _ProcessChunkFn(
+        self.parse_fn = _ParseChunkFn(
             spec,
             split_mode=split_mode,
             eval_fraction=eval_fraction,
@@ -181,17 +260,24 @@ class Preprocess(beam.PTransform):
             compression=compression,
             progress_dir=progress_dir,
         )
+        self.place_fn = _PlaceRowsFn(
+            spec,
+            split_mode=split_mode,
+            eval_fraction=eval_fraction,
+            temp_dir=temp_dir,
+            compression=compression,
+        )
 
     def expand(self, chunks):
         return (
             chunks
-            | "CountLines" >> beam.ParDo(_CountLinesFn(self.block_bytes))
+            | "ParseHashWrite" >> beam.ParDo(self.parse_fn)
             | "GatherCounts" >> beam.GroupByKey()
             | "PlaceChunks" >> beam.FlatMap(lambda group: place_chunks(group[1]))
             # A GroupByKey, not a Reshuffle: runners that treat Reshuffle as a no-op (Dask)
-            # would otherwise parse every chunk in the one task that placed them.
+            # would otherwise finish every chunk in the one task that placed them.
             | "DistributeChunks" >> beam.GroupByKey()
-            | "ParseHashWrite" >> beam.ParDo(self.process_fn)
+            | "PlaceRows" >> beam.ParDo(self.place_fn)
             | "CombineStats" >> beam.CombinePerKey(DatasetStatsFn())
             | "DropKey" >> beam.Values()
         )

@@ -79,6 +79,7 @@ class PartialStats:
     """Counts and statistics of part of the input; merge with `merge`."""
 
     rows_read: int = 0
+    lines: int = 0  # input lines (Parquet: rows) read, a header line included
     rows_by_split: dict = dataclasses.field(default_factory=lambda: {"train": 0, "eval": 0})
     rejected_by_reason: dict = dataclasses.field(default_factory=dict)
     crlf_lines: int = 0
@@ -97,6 +98,32 @@ class PartialStats:
     # source order at the end: float merging is not associative, and runners combine in
     # different orders, so this keeps the statistics identical on every runner.
     dense_parts: list = dataclasses.field(default_factory=list)
+
+    def counts_only(self) -> PartialStats:
+        """These counts without the train-split statistics (for input that went to eval)."""
+        return PartialStats(
+            rows_read=self.rows_read,
+            lines=self.lines,
+            rows_by_split=dict(self.rows_by_split),
+            rejected_by_reason=dict(self.rejected_by_reason),
+            crlf_lines=self.crlf_lines,
+            empty_files=list(self.empty_files),
+            files=list(self.files),
+            source=self.source,
+        )
+
+    def with_train_stats_of(self, train: PartialStats) -> PartialStats:
+        """These counts, with the rows_by_split, files and train statistics of `train`."""
+        result = dataclasses.replace(
+            train,
+            rows_read=self.rows_read,
+            lines=self.lines,
+            rejected_by_reason=dict(self.rejected_by_reason),
+            crlf_lines=self.crlf_lines,
+            empty_files=list(self.empty_files),
+        )
+        result.files = [f for f in self.files if f[0] not in ("train", "eval")] + train.files
+        return result
 
     def add_table(self, table: pa.Table, spec) -> None:
         """Adds the statistics of output rows `table` (the train split)."""
@@ -171,6 +198,7 @@ class PartialStats:
         self.dense_min, self.dense_max = None, None
         self.dense_parts, self.source = parts, ""
         self.rows_read += other.rows_read
+        self.lines += other.lines
         for split, rows in other.rows_by_split.items():
             self.rows_by_split[split] = self.rows_by_split.get(split, 0) + rows
         for reason, count in other.rejected_by_reason.items():
