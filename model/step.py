@@ -336,15 +336,12 @@ class ShardedStep:
         return 0 if self._jitted is None else self._jitted._cache_size()
 
 
-def make_train_step(
-    model_config: ModelConfig, mesh: Mesh, *, state_shardings: TrainState | None = None
-) -> ShardedStep:
+def make_train_step(mesh: Mesh, *, state_shardings: TrainState | None = None) -> ShardedStep:
     """Jits `train_step` once for `mesh`: `state, metrics, embedding_grads = step(state, batch)`.
 
-    `model_config` fixes the tower (already baked into the state's graphdef); it is kept
-    in the signature so callers build steps from the same config as the state.
+    The tower comes with the state (its graphdef); the state's layout from the first state
+    passed in, unless `state_shardings` gives it up front.
     """
-    del model_config  # the state's graphdef carries the tower; shardings come from the state
     batch_shardings = sharding_lib.train_batch_sharding(mesh)
 
     def make_jitted(shardings: TrainState):
@@ -367,11 +364,8 @@ def make_train_step(
     )
 
 
-def make_eval_step(
-    model_config: ModelConfig, mesh: Mesh, *, state_shardings: TrainState | None = None
-) -> ShardedStep:
+def make_eval_step(mesh: Mesh, *, state_shardings: TrainState | None = None) -> ShardedStep:
     """Jits `eval_step` once for `mesh`: `probabilities [B] = step(state, batch)` (labels ignored)."""
-    del model_config
     batch_shardings = {
         "embeddings": sharding_lib.batch_sharding(mesh, 3),
         "dense": sharding_lib.batch_sharding(mesh, 2),

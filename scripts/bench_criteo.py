@@ -184,7 +184,7 @@ def _dense_child(batch: int, rounds: int) -> None:
         num_features=26,
         embedding_dim=config.embedding.dim,
     )
-    step = make_train_step(config.model, mesh)
+    step = make_train_step(mesh)
     rng = np.random.default_rng(0)
     batches = [
         make_global_batch(
@@ -240,8 +240,10 @@ def main() -> None:
         results[batch] = _train(data, batch, 4, work, env, args.extra)
     sync = _train(data, 512, 0, work, env, args.extra) if 512 in args.batches else None
 
-    print("\n| batch | e2e samples/s | steady samples/s | dense-only | steady/dense | e2e/dense "
-          "| AUC | peak RSS GB | wait/step/update ms | slowest step ms |")
+    print(
+        "\n| batch | e2e samples/s | steady samples/s | dense-only | steady/dense | e2e/dense "
+        "| AUC | peak RSS GB | wait/step/update ms | slowest step ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for batch, r in [*results.items(), *([("512 sync", sync)] if sync else [])]:
         limit = dense[int(str(batch).split()[0])]

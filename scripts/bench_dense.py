@@ -47,7 +47,7 @@ def _measure(args: argparse.Namespace) -> dict:
     )
     mesh = make_mesh(MeshConfig(shape=(-1,)))
     state = create_train_state(config, DenseOptimizerConfig(name="adam"), mesh, 0, **dims)
-    step = make_train_step(config, mesh)
+    step = make_train_step(mesh)
     rng = np.random.default_rng(0)
     batches = [
         make_global_batch(

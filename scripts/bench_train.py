@@ -96,7 +96,7 @@ def dense_only_rate(data: Path, *, steps: int, batch: int, extra: list[str]) -> 
         num_features=num_features,
         embedding_dim=config.embedding.dim,
     )
-    step = make_train_step(config.model, mesh)
+    step = make_train_step(mesh)
     rng = np.random.default_rng(0)
     batches = [
         make_global_batch(

@@ -49,7 +49,7 @@ def evaluate_rows(run_dir: str | Path, data_dir: str | Path | None = None, split
     )
     state = checkpoints.restore_dense(step, state)
     checkpoints.close()
-    eval_step = make_eval_step(config.model, mesh)
+    eval_step = make_eval_step(mesh)
     table = pq.read_table(metadata.split_files(split))
     names = [feature.name for feature in metadata.categorical]
     ids = np.stack([table.column(n).to_numpy().astype(np.uint64) for n in names], axis=1)
@@ -65,7 +65,7 @@ def evaluate_rows(run_dir: str | Path, data_dir: str | Path | None = None, split
         for start in range(0, len(ids), batch):
             rows = slice(start, min(start + batch, len(ids)))
             count = rows.stop - rows.start
-            pad = (-count) % mesh.devices.size
+            pad = batch - count  # evaluate pads its final batch to the full size: same shapes
             batch_ids = np.concatenate([ids[rows], np.repeat(ids[rows][:1], pad, 0)])
             batch_dense = np.concatenate([dense[rows], np.repeat(dense[rows][:1], pad, 0)])
             pooled = store.lookup_features(

@@ -98,7 +98,7 @@ def evaluate_checkpoint(
             job,
             state,
             store,
-            make_eval_step(job.config.model, job.mesh),
+            make_eval_step(job.mesh),
             split=split,
             progress_name=None if quiet or not job.is_chief else "evaluate",
         )

@@ -25,7 +25,7 @@ import numpy as np
 from common import config as config_lib
 from common.errors import UserError
 from common.progress import Progress
-from model import make_eval_step, make_train_step
+from model import NonFiniteLossError, make_eval_step, make_train_step
 from training.checkpoint import RunCheckpoints
 from training.evaluate import evaluate
 from training.hybrid import HybridPipeline, StepResult
@@ -34,10 +34,6 @@ from training.job import CONFIG_FILE, Job, prepare
 from training.run_log import RunLog
 
 SUMMARY_FILE = "summary.json"
-
-
-class TrainingDivergedError(UserError):
-    """The loss became NaN or infinite."""
 
 
 def is_due(step: int, every: int, last: int) -> bool:
@@ -104,7 +100,7 @@ class HybridTrainer:
         )
         first_step = (resume_step or 0) + 1
         last_step = config.data.max_steps or config.data.epochs * reader.batches_per_epoch
-        eval_step = make_eval_step(config.model, job.mesh)
+        eval_step = make_eval_step(job.mesh)
         log = RunLog(
             self.run_dir,
             enabled=self.is_chief,
@@ -123,7 +119,7 @@ class HybridTrainer:
         self.pipeline = HybridPipeline(
             reader.batches(num_batches=last_step, position=position),
             state=state,
-            train_step=make_train_step(config.model, job.mesh),
+            train_step=make_train_step(job.mesh),
             store=self.store,
             mesh=job.mesh,
             feature_tables=job.tables.feature_tables,
@@ -280,12 +276,13 @@ class _IntervalMeter:
         self._samples += samples
 
     def flush(self, step: int, timings: dict[str, float]) -> dict[str, Any]:
-        """The interval's record (raises TrainingDivergedError on a non-finite loss)."""
+        """The interval's record (raises NonFiniteLossError on a non-finite loss)."""
         losses = np.asarray(jax.device_get(self._losses), np.float64)
         if not np.all(np.isfinite(losses)):
-            raise TrainingDivergedError(
-                f"loss is {losses[~np.isfinite(losses)][0]} at or before step {step}; "
-                "lower optimizer.learning_rate or embedding.optimizer.learning_rate"
+            raise NonFiniteLossError(
+                f"loss is {losses[~np.isfinite(losses)][0]} at or before step {step}; lower "
+                "optimizer.learning_rate or embedding.optimizer.learning_rate, enable "
+                "optimizer.gradient_clip_norm, or check the input features for inf/NaN"
             )
         seconds = time.perf_counter() - self._start - self._paused_seconds
         self.last_loss = float(losses.mean())

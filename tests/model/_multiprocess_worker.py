@@ -60,14 +60,14 @@ def run() -> dict[str, np.ndarray]:
         state = create_train_state(
             config, optimizer, mesh, 5, num_dense=6, num_features=3, embedding_dim=8
         )
-        step = make_train_step(config, mesh)
+        step = make_train_step(mesh)
         losses, grads = [], []
         for index in range(STEPS):
             local = {k: v[start : start + rows] for k, v in global_batch_rows(index).items()}
             state, metrics, embedding_grads = step(state, make_global_batch(local, mesh))
             losses.append(float(jax.device_get(metrics["loss"])))
             grads.append(local_rows(embedding_grads))
-        probabilities = make_eval_step(config, mesh)(state, make_global_batch(local, mesh))
+        probabilities = make_eval_step(mesh)(state, make_global_batch(local, mesh))
         params = multihost_utils.process_allgather(state.params, tiled=True)
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         results[f"{name}/losses"] = np.array(losses)

@@ -81,7 +81,7 @@ def test_non_finite_loss_fails_loudly(tiny_config, dims, batch_factory, optimize
     mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
     config = tiny_config("dlrm")
     state = create_train_state(config, optimizer, mesh, 0, **dims)
-    step = make_train_step(config, mesh)
+    step = make_train_step(mesh)
     host = batch_factory(0, 32)
     state, metrics, _ = step(state, make_global_batch(host, mesh))
     assert np.isfinite(fetch_metrics(metrics, step=1)["loss"])

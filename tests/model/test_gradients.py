@@ -35,7 +35,7 @@ def test_embedding_grads_match_finite_differences(
     graphdef = state.graphdef
     params = jax.tree.map(np.asarray, jax.device_get(state.params))  # before donation
     host = batch_factory(4, ROWS)
-    _, metrics, grads = make_train_step(config, mesh)(state, make_global_batch(host, mesh))
+    _, metrics, grads = make_train_step(mesh)(state, make_global_batch(host, mesh))
     grads = local_rows(grads)
     assert grads.shape == host["embeddings"].shape and grads.dtype == np.float32
 

@@ -54,7 +54,7 @@ def _config(tiny_config, tower_name: str):
 
 def _run(config, mesh, dims, batch_factory, steps=STEPS):
     state = create_train_state(config, OPTIMIZER, mesh, 7, **dims)
-    step = make_train_step(config, mesh)
+    step = make_train_step(mesh)
     losses, grads = [], []
     for index in range(steps):
         batch = make_global_batch(batch_factory(index % 2, BATCH), mesh)
@@ -129,8 +129,8 @@ def test_step_compiles_once(tiny_config, dims, batch_factory):
             compiles.append(duration)
 
     state = create_train_state(config, OPTIMIZER, mesh, 0, **dims)
-    step = make_train_step(config, mesh)
-    evaluate = make_eval_step(config, mesh)
+    step = make_train_step(mesh)
+    evaluate = make_eval_step(mesh)
     batch = make_global_batch(batch_factory(0, BATCH), mesh)
     state, metrics, grads = step(state, batch)  # the one compile of each function
     probabilities = evaluate(state, batch)
@@ -160,7 +160,7 @@ def test_state_is_donated_and_host_batches_are_refused(tiny_config, dims, batch_
     mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
     config = tiny_config("dlrm")
     state = create_train_state(config, OPTIMIZER, mesh, 0, **dims)
-    step = make_train_step(config, mesh)
+    step = make_train_step(mesh)
     old_state = state
     state, _, _ = step(state, make_global_batch(batch_factory(0, BATCH), mesh))
     assert old_state.params["logit"]["kernel"].is_deleted()  # updated in place
@@ -175,10 +175,10 @@ def test_eval_probabilities_match_logits(tiny_config, dims, batch_factory):
     config = tiny_config("dlrm")
     state = create_train_state(config, OPTIMIZER, mesh, 3, **dims)
     host = batch_factory(5, BATCH)
-    probabilities = local_rows(make_eval_step(config, mesh)(state, make_global_batch(host, mesh)))
+    probabilities = local_rows(make_eval_step(mesh)(state, make_global_batch(host, mesh)))
     assert probabilities.shape == (BATCH,) and probabilities.dtype == np.float32
     # loss of the same batch from the train step equals the logloss of these probabilities
-    _, metrics, _ = make_train_step(config, mesh)(state, make_global_batch(host, mesh))
+    _, metrics, _ = make_train_step(mesh)(state, make_global_batch(host, mesh))
     p = probabilities.astype(np.float64)
     y = host["labels"]
     expected = -np.mean(y * np.log(p) + (1 - y) * np.log1p(-p))
@@ -193,7 +193,7 @@ def test_orbax_restores_into_the_abstract_state(tmp_path, tiny_config, dims, bat
     mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
     config = tiny_config("dlrm")
     state = create_train_state(config, OPTIMIZER, mesh, 0, **dims)
-    step = make_train_step(config, mesh)
+    step = make_train_step(mesh)
     state, _, _ = step(state, make_global_batch(batch_factory(0, BATCH), mesh))
     executables = step.num_compilations()
     saved = jax.device_get(state)
@@ -208,8 +208,6 @@ def test_orbax_restores_into_the_abstract_state(tmp_path, tiny_config, dims, bat
     state, _, _ = step(restored, make_global_batch(batch_factory(1, BATCH), mesh))
     assert step.num_compilations() == executables  # the restored state reuses the executable
     # a step given the target layout up front accepts the state as well
-    fixed = make_train_step(
-        config, mesh, state_shardings=jax.tree.map(lambda a: a.sharding, target)
-    )
+    fixed = make_train_step(mesh, state_shardings=jax.tree.map(lambda a: a.sharding, target))
     _, metrics, _ = fixed(state, make_global_batch(batch_factory(2, BATCH), mesh))
     assert np.isfinite(float(metrics["loss"]))
