@@ -45,7 +45,6 @@ from serving.protocol import (
 )
 
 OUTPUT = "probabilities"
-_INLINE_ROWS = 16  # raw requests up to this many rows are parsed on the event loop
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,6 +83,19 @@ class _Service:
         )
         self.failed_versions: set[int] = set()
         self.reloads = 0
+        self.in_flight: dict[int, int] = {}  # id(model) -> requests holding it
+
+    @contextlib.contextmanager
+    def holding(self, model: ServedModel):
+        """Marks a request as using `model`: a replaced model is closed only when unused."""
+        key = id(model)
+        self.in_flight[key] = self.in_flight.get(key, 0) + 1
+        try:
+            yield model
+        finally:
+            self.in_flight[key] -= 1
+            if not self.in_flight[key]:
+                del self.in_flight[key]
 
     # ------------------------------------------------------------------ checks
 
@@ -195,9 +207,9 @@ class _Service:
                 continue
             old, self.model = self.model, fresh  # requests from now on use the new version
             self.reloads += 1
-            # batches of the old version still queued or running finish first
-            await self.batcher.run_on_worker(lambda: None)
-            await asyncio.sleep(self.options.max_delay_ms / 1e3 + 0.5)
+            # requests that took the old version before the swap finish with it first
+            while self.in_flight.get(id(old)):
+                await asyncio.sleep(0.01)
             await self.batcher.run_on_worker(old.close)
             print(f"hybridrec serve: now serving version {version}", file=sys.stderr, flush=True)
 
@@ -272,19 +284,19 @@ def create_app(model: ServedModel, base: str | Path, options: ServeOptions) -> S
 
     async def infer(request: Request) -> Response:
         model = service.check_model(request.path_params["name"], request.path_params.get("version"))
+        with service.holding(model):
+            return await _infer(request, model)
+
+    async def _infer(request: Request, model: ServedModel) -> Response:
         body, headers = await service.read_body(request), request.headers
         parsed, binary = parse_body(body, headers)
         inputs = decode_inputs(parsed, binary)
         binary_output = requested_outputs(parsed, (OUTPUT,))
         first, dense = service.model_inputs(model, inputs)
-        if dense is None:  # raw rows: parse, check, transform and hash as the Beam job does
-            if len(first) <= _INLINE_ROWS:
-                ids, dense = model.encode_rows(first)
-            else:
-                ids, dense = await run_in_threadpool(model.encode_rows, first)
+        if dense is None:  # raw rows: parsed, checked, transformed and hashed in the batch
+            probabilities, unseen = await service.batcher.predict(model, lines=first)
         else:
-            ids = first
-        probabilities, unseen = await service.batcher.predict(model, ids, dense)
+            probabilities, unseen = await service.batcher.predict(model, ids=first, dense=dense)
         response = {"model_name": model.name, "model_version": str(model.version)}
         if "id" in parsed:
             response["id"] = parsed["id"]

@@ -141,3 +141,12 @@ def test_triton_client_both_paths(server, trained, reference, headers):
             <= TOLERANCE
         )
     client.close()
+
+
+def test_demo_score_serves_rows_over_http(exported, trained, reference):
+    from serving import demo_score
+
+    lines = _eval_lines(trained, reference)[:5]
+    scores = demo_score(exported, lines)
+    assert len(scores) == 5
+    assert np.max(np.abs(np.asarray(scores, np.float32) - reference.probabilities[:5])) <= TOLERANCE
