@@ -28,10 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from common.progress import Progress
-from embedding_store.config import InitializerConfig, SparseOptimizerConfig, TableConfig
+from embedding_store import EmbeddingStore, InitializerConfig, SparseOptimizerConfig, TableConfig
+from embedding_store.processes import start_server_process
 from embedding_store.remote import connect
-from embedding_store.server import start_server_process
-from embedding_store.store import EmbeddingStore
 
 TABLE = "bench"
 DIM = 16
@@ -71,7 +70,9 @@ def _ids(ranks: np.ndarray) -> np.ndarray:
 def _client(index, addresses, args, queue) -> None:
     """One load client: lookup + update loop; reports latencies and per-rank update counts."""
     tables = _tables(args.capacity)
-    store = EmbeddingStore(tables, num_shards=2, shards=connect(addresses, tables))
+    store = EmbeddingStore(
+        tables, num_shards=2, shards=connect(addresses, tables, token=None, retry_timeout=60.0)
+    )
     rng = np.random.default_rng(1000 + index)
     counts = np.zeros(args.distinct, np.int64)
     lookup_ms, apply_ms = [], []
@@ -134,7 +135,9 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         batches = [_ids(_ranks(rng, args.batch_ids, args.distinct)) for _ in range(8)]
         local = EmbeddingStore(tables, num_shards=2)
-        remote = EmbeddingStore(tables, num_shards=2, shards=connect(addresses, tables))
+        remote = EmbeddingStore(
+            tables, num_shards=2, shards=connect(addresses, tables, token=None, retry_timeout=60.0)
+        )
         for store in (local, remote):
             for ids in batches:
                 store.lookup(TABLE, ids).result()
