@@ -169,7 +169,33 @@ def load(server: Server, bodies: list[bytes], rows: int, clients: int, duration:
     }
 
 
-def quality(work: Path, sample: Path) -> dict:
+def measure_serving(
+    export: Path, run: Path, raw: Path, clients: list[int], duration: float
+) -> dict:
+    """Parity, then every load level, against one `hybridrec serve` process."""
+    server = Server(export)
+    result: dict = {}
+    try:
+        result["parity_max_abs_diff"] = parity(server, run)
+        print(f"parity: max |served - evaluate| = {result['parity_max_abs_diff']:.2e}", flush=True)
+        lines = [line for line in raw.read_text().split("\n")[:20000] if line]
+        singles = [rows_body([line]) for line in lines[:4096]]
+        batches = [rows_body(lines[i : i + 256]) for i in range(0, len(lines) - 256, 256)]
+        errors = 0
+        for count in clients:
+            for kind, bodies, rows in (("single", singles, 1), ("batch256", batches, 256)):
+                measured = load(server, bodies, rows, count, duration)
+                errors += measured["errors"]
+                print(f"{kind:>8} c{count:<3} {measured}", flush=True)
+                for key, value in measured.items():
+                    result[f"{key}_{kind}_c{count}"] = value
+        result["errors"] = errors
+    finally:
+        server.stop()
+    return result
+
+
+def quality(work: Path, sample: Path, overrides: list[str]) -> dict:
     """AUC and embedding bytes of fp16 and int8 exports against fp32 on the Criteo sample."""
     import pyarrow.parquet as pq
 
@@ -177,7 +203,7 @@ def quality(work: Path, sample: Path) -> dict:
     from pipeline import read_metadata
     from serving import ServedModel, export_run
 
-    run = train_run(work, sample, "criteo_dlrm", ["embedding.capacity=300000"])
+    run = train_run(work, sample, "criteo_dlrm", ["embedding.capacity=300000", *overrides])
     metadata = read_metadata(work / "data")
     table = pq.read_table(metadata.split_files("eval"))
     names = [feature.name for feature in metadata.categorical]
@@ -218,6 +244,14 @@ def main() -> None:
     parser.add_argument("--work", help="working directory (default: a temporary one; reused)")
     parser.add_argument("--criteo", default=str(CRITEO_SAMPLE), help="real Criteo sample")
     parser.add_argument("--skip-quality", action="store_true", help="no int8/fp16 quality run")
+    parser.add_argument("--skip-load", action="store_true", help="no load run (quality only)")
+    parser.add_argument(
+        "--criteo-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more overrides of the criteo_dlrm run (e.g. data.batch_size=512)",
+    )
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_serve_"))
     raw = work / "synthetic" / "raw.tsv"
@@ -228,31 +262,19 @@ def main() -> None:
     export = work / "synthetic" / "export" / "ctr"
     if not export.exists():
         hybridrec("export", "--run", str(run), "--out", str(export))
-    server = Server(export)
     result: dict = {}
-    try:
-        result["parity_max_abs_diff"] = parity(server, run)
-        print(f"parity: max |served - evaluate| = {result['parity_max_abs_diff']:.2e}", flush=True)
-        lines = [line for line in raw.read_text().split("\n")[:20000] if line]
-        singles = [rows_body([line]) for line in lines[:4096]]
-        batches = [rows_body(lines[i : i + 256]) for i in range(0, len(lines) - 256, 256)]
-        errors = 0
-        for clients in [int(c) for c in args.clients.split(",")]:
-            for kind, bodies, rows in (("single", singles, 1), ("batch256", batches, 256)):
-                measured = load(server, bodies, rows, clients, args.duration)
-                errors += measured["errors"]
-                print(f"{kind:>8} c{clients:<3} {measured}", flush=True)
-                for key, value in measured.items():
-                    result[f"{key}_{kind}_c{clients}"] = value
-        result["errors"] = errors
-    finally:
-        server.stop()
+    if args.skip_load:
+        print("load: skipped (--skip-load)", flush=True)
+    else:
+        clients = [int(count) for count in args.clients.split(",")]
+        result.update(measure_serving(export, run, raw, clients, args.duration))
     if args.skip_quality or not Path(args.criteo).exists():
         print(f"quality: skipped ({args.criteo} absent or --skip-quality)", flush=True)
         result.update(int8_auc_drop=None, int8_size_ratio=None)
     else:
         print(f"== quality on {args.criteo}", flush=True)
-        result.update(quality(work / "criteo", Path(args.criteo)))
+        name = "criteo" + "".join(f"_{o.replace('=', '-')}" for o in args.criteo_set)
+        result.update(quality(work / name, Path(args.criteo), args.criteo_set))
     keys = ["p99_ms_single_c8", "rows_per_s_batch256_c8", "errors", "parity_max_abs_diff",
             "int8_auc_drop", "int8_size_ratio"]  # fmt: skip
     print(json.dumps({**{key: result.get(key) for key in keys}, **result}))
