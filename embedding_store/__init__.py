@@ -20,6 +20,7 @@ Modules for remote shards: `server` (ShardServer, the Flight transport), `remote
 """
 
 from embedding_store._pooling import FeatureIds, PooledLookup, RaggedIds
+from embedding_store.checkpoint import latest_checkpoint_step
 from embedding_store.config import (
     AdmissionConfig,
     EvictionConfig,
@@ -41,7 +42,7 @@ from embedding_store.errors import (
 from embedding_store.remote import RemoteShard, RemoteShardError, ServerUnavailableError
 from embedding_store.routing import route_hash, shard_of
 from embedding_store.shard import LocalShard, Shard
-from embedding_store.store import EmbeddingStore, latest_checkpoint_step
+from embedding_store.store import EmbeddingStore
 
 __all__ = [
     "AdmissionConfig",

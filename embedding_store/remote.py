@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -41,11 +40,6 @@ from embedding_store.wire import AUTH_HEADER, TOKEN_ENV
 DEFAULT_RETRY_TIMEOUT = 60.0
 
 log = logging.getLogger(__name__)
-
-# Transitional, until training/trainer.py passes the token and retry timeout it gets
-# from the command layer (hybridrec/_embedding_servers.py): `connect` called without
-# them still reads their environment variables, and `resolve_addresses` still exists.
-_FROM_ENVIRONMENT = object()
 
 # Errors that mean "the server is not there right now"; anything else is an answer.
 _RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError, ConnectionError)
@@ -379,8 +373,8 @@ def connect(
     addresses: str | Sequence[str],
     tables: Sequence[TableConfig],
     *,
-    token: str | None | object = _FROM_ENVIRONMENT,
-    retry_timeout: float | object = _FROM_ENVIRONMENT,
+    token: str | None = None,
+    retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
 ) -> list[RemoteShard]:
     """Connects to shard servers and returns their shards ordered by global index.
 
@@ -398,8 +392,6 @@ def connect(
     if not addresses:
         raise RemoteShardError("no embedding server addresses (embedding.servers)")
     uris = parse_addresses(addresses)
-    if token is _FROM_ENVIRONMENT or retry_timeout is _FROM_ENVIRONMENT:
-        token, retry_timeout = _legacy_environment(token, retry_timeout)
     expected_fingerprint = table_fingerprint(tables)
     table_dims = {table.name: int(table.dim) for table in tables}
     connections = [ServerConnection(uri, token=token, retry_timeout=retry_timeout) for uri in uris]
@@ -439,27 +431,3 @@ def connect(
             connection.close()
         raise
     return [RemoteShard(owner[index], index, table_dims) for index in range(num_shards)]
-
-
-# --- transitional (see _FROM_ENVIRONMENT) -------------------------------------------------
-
-
-def resolve_addresses(value: str | Sequence[str] | None = None) -> list[str] | None:
-    """Transitional: `value`, else $HYBRIDREC_EMBEDDING_SERVERS, else None."""
-    if value:
-        return parse_addresses(value)
-    text = os.environ.get("HYBRIDREC_EMBEDDING_SERVERS", "").strip()
-    return parse_addresses(text) if text else None
-
-
-def _legacy_environment(token, retry_timeout) -> tuple[str | None, float]:
-    if token is _FROM_ENVIRONMENT:
-        token = os.environ.get(TOKEN_ENV) or None
-    if retry_timeout is _FROM_ENVIRONMENT:
-        name = "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT"
-        text = os.environ.get(name, "").strip()
-        try:
-            retry_timeout = float(text) if text else DEFAULT_RETRY_TIMEOUT
-        except ValueError:
-            raise RemoteShardError(f"${name}={text!r} is not a number") from None
-    return token, retry_timeout

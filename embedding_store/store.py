@@ -441,8 +441,3 @@ class EmbeddingStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def latest_checkpoint_step(url: str) -> int | None:
-    """The newest committed embedding checkpoint step under `url`, or None."""
-    return _checkpoint.latest_checkpoint_step(url)

@@ -188,7 +188,7 @@ def test_command_line_errors(tmp_path, capsys):
 
 
 def test_tables_from_the_training_preset(tmp_path):
-    """`--config P --data D --set k=v`: one table per table of the feature spec, in order."""
+    """`--config P --data D --set k=v`: the tables `hybridrec train` builds, in its order."""
     data = tmp_path / "data"
     data.mkdir()
     spec = {
@@ -202,7 +202,10 @@ def test_tables_from_the_training_preset(tmp_path):
     }
     (data / "metadata.json").write_text(json.dumps({"format_version": 1, "spec": spec}))
     (data / "_SUCCESS").write_text("")
-    tables = training_tables("quickstart", str(data), ["embedding.dim=8"])
+    settings = ["embedding.dim=8", "embedding.capacity=1000"]
+    (fused,) = training_tables("quickstart", str(data), settings)  # embedding.fuse_tables
+    assert (fused.name, fused.dim, fused.capacity) == ("embeddings", 8, 2000)
+    tables = training_tables("quickstart", str(data), [*settings, "embedding.fuse_tables=false"])
     assert [(table.name, table.dim) for table in tables] == [("ads", 8), ("users", 8)]
     assert tables[0].optimizer.name == "adagrad"  # from the preset's [embedding.optimizer]
     with pytest.raises(UserError, match="unknown config key embedding.dimm"):
