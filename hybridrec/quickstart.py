@@ -1,7 +1,7 @@
 """`hybridrec quickstart`: the whole job on a built-in default, end to end.
 
 generate (synthetic Criteo-format logs) → preprocess (Apache Beam) → train (hybrid
-loop on the 8-device CPU mesh, in-process embedding shards) → evaluate the final
+loop, in-process embedding shards, on the devices JAX sees) → evaluate the final
 checkpoint → plot → summary. With `--input` it preprocesses real Criteo files
 (Kaggle `train.txt`, 1TB `day_N`, `.gz` or not) instead of generating data.
 
@@ -11,23 +11,12 @@ Everything goes under `--out` (default runs/quickstart): `raw/`, `data/`, `run/`
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from pathlib import Path
 
-from hybridrec import _flags
+from hybridrec import _flags, evaluate, generate, plot, preprocess, train
 
 DEFAULT_ROWS = 1_000_000
-
-
-def _ensure_devices(count: int = 8) -> None:
-    """The 8-device CPU mesh, unless JAX is already configured (must precede importing JAX)."""
-    if "jax" in sys.modules:
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def _stage(title: str) -> float:
@@ -52,9 +41,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", default="quickstart", help="training preset")
     _flags.add_override_flag(parser, "override a training config key (repeatable)")
     args = parser.parse_args(argv)
-    _ensure_devices()
-    from hybridrec.cli import run
-
     out = Path(args.out)
     started = time.perf_counter()
     timings: dict[str, float] = {}
@@ -64,26 +50,19 @@ def main(argv: list[str]) -> int:
         begin = _stage(f"generate {args.rows:,} synthetic Criteo-format rows")
         raw = out / "raw" / "synthetic.tsv.gz"
         raw.parent.mkdir(parents=True, exist_ok=True)
-        code = run(
-            "generate", ["--output", str(raw), "--rows", str(args.rows), "--seed", str(args.seed)]
-        )
-        if code:
-            return code
+        generate.main(["--output", str(raw), "--rows", str(args.rows), "--seed", str(args.seed)])
         inputs = [str(raw)]
         timings["generate"] = time.perf_counter() - begin
 
     begin = _stage("preprocess (Apache Beam, DirectRunner)")
     data = out / "data"
-    code = run("preprocess", ["--input", *inputs, "--output", str(data), "--overwrite"])
-    if code:
-        return code
+    preprocess.main(["--input", *inputs, "--output", str(data), "--overwrite"])
     timings["preprocess"] = time.perf_counter() - begin
 
     begin = _stage("train (hybrid loop: async embedding store, synchronous dense step on the mesh)")
     run_dir = out / "run"
     overrides = [*args.overrides, f"seed={args.seed}"]
-    code = run(
-        "train",
+    train.main(
         [
             "--data",
             str(data),
@@ -95,18 +74,12 @@ def main(argv: list[str]) -> int:
             *[item for override in overrides for item in ("--set", override)],
         ],
     )
-    if code:
-        return code
     timings["train"] = time.perf_counter() - begin
 
     begin = _stage("evaluate the final checkpoint")
-    code = run("evaluate", ["--run", str(run_dir)])
-    if code:
-        return code
+    evaluate.main(["--run", str(run_dir)])
     timings["evaluate"] = time.perf_counter() - begin
-    code = run("plot", [str(run_dir)])
-    if code:
-        return code
+    plot.main([str(run_dir)])
 
     total = time.perf_counter() - started
     stages = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in timings.items())

@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from common.errors import UserError
 from hybridrec import _flags
 from hybridrec._embedding_servers import embedding_servers
@@ -85,6 +87,19 @@ def main(argv: list[str]) -> int:
         quiet=args.quiet,
         servers=servers,
     )
+    if trainer.is_chief and not args.quiet:
+        devices = jax.devices()
+        print(
+            f"devices: {len(devices)} {devices[0].platform} device(s) in "
+            f"{jax.process_count()} process(es)"
+            + (
+                " (one CPU device is the fastest layout on a CPU host; XLA_FLAGS="
+                "--xla_force_host_platform_device_count=N splits the step over N virtual devices)"
+                if devices[0].platform == "cpu" and len(devices) == 1
+                else ""
+            ),
+            flush=True,
+        )
     summary = trainer.fit()
     if trainer.is_chief:
         _print_summary(summary)

@@ -364,7 +364,7 @@ class HybridPipeline:
             self._put(self._ready, error)
 
     def _update(self) -> None:
-        lower_thread_priority(self._nice)
+        # Not lowered: an update that lags raises the staleness the next lookups see.
         while True:
             item = self._updates.get()
             try:
