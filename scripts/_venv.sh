@@ -12,9 +12,17 @@ stamp="$VENV/.hybridrec-installed"
 want="$(sha256sum "$REPO_ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[setup] installing hybridrec and its dependencies into $VENV (first run takes about a minute)" >&2
-  "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
-  "$VENV/bin/python" -m pip install --quiet -e "$REPO_ROOT[test]" >&2
+  # pip's own output (resolver notes, warnings about configured locations) goes to a
+  # log that is shown only when the install fails.
+  log="$VENV/hybridrec-install.log"
+  if ! { "$VENV/bin/python" -m pip install --quiet --upgrade pip \
+         && "$VENV/bin/python" -m pip install --quiet -e "$REPO_ROOT[test]"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "[setup] installing hybridrec failed (pip's output above, also in $log)" >&2
+    exit 1
+  fi
   echo "$want" > "$stamp"
+  echo "[setup] done" >&2
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
