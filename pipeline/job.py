@@ -460,7 +460,8 @@ def _run_with_progress(pipeline, progress_dir: str | None, total_bytes: int, str
         if progress_dir and os.path.isdir(progress_dir):
             consumed, lines, rejected = _read_progress(progress_dir)
             mb = consumed // 2**20
-            progress.update(mb - done_mb, rows=lines, rejected=rejected)
+            rows_per_s = f"{lines / max(progress.elapsed, 1e-9):,.0f}"
+            progress.update(mb - done_mb, rows=lines, rows_per_s=rows_per_s, rejected=rejected)
             done_mb = mb
     if failure:
         error = failure[0]

@@ -1,9 +1,10 @@
 """Benchmark: rows/s of the Beam preprocessing job vs a single-process baseline.
 
-Both do the same work on the same input: count lines (for line numbers and the
-position split), parse + validate, hash categoricals, transform dense, split,
-write zstd Parquet with 64k-row groups, and compute the statistics. The baseline
-calls the library functions in a plain loop in this process, no Beam; the Beam
+Both do the same work on the same input: parse + validate, hash categoricals,
+transform dense, split, write zstd Parquet with 64k-row groups, and compute the
+statistics. The baseline calls the library functions in a plain loop in this process,
+no Beam, counting lines in a first pass (the Beam job learns the counts while parsing
+and splits the one chunk holding the eval boundary afterwards); the Beam
 job runs on the DirectRunner in multi_processing mode with one worker per core
 (the `hybridrec preprocess` default), for comparison in multi_threading and in_memory
 mode, and on Dask with 2 worker processes: a local cluster the job starts and stops
