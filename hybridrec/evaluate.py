@@ -9,6 +9,7 @@ import jax
 
 from hybridrec import _flags
 from training.evaluate import evaluate_checkpoint
+from training.run_log import run_name
 
 
 def main(argv: list[str]) -> int:
@@ -37,7 +38,7 @@ def main(argv: list[str]) -> int:
             print(json.dumps(results))
         else:
             print(
-                f"step {results['step']} on {results['split']}: AUC {results['auc']:.4f}  "
+                f"{run_name(args.run)} step {results['step']} on {results['split']}: AUC {results['auc']:.4f}  "
                 f"logloss {results['logloss']:.4f}  NE {results['ne']:.4f}  "
                 f"calibration {results['calibration']:.3f}  ({int(results['count']):,} rows)\n"
                 f"written to {results['output']}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from training.plots import plot_run
+from training.run_log import run_name
 
 
 def main(argv: list[str]) -> int:
@@ -15,5 +16,5 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir", help="run directory written by `hybridrec train`")
     parser.add_argument("--out", help="PNG path (default RUN_DIR/plots/curves.png)")
     args = parser.parse_args(argv)
-    print(f"wrote {plot_run(args.run_dir, args.out)}")
+    print(f"{run_name(args.run_dir)}: wrote {plot_run(args.run_dir, args.out)}")
     return 0

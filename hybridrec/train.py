@@ -15,6 +15,7 @@ from common.errors import UserError
 from hybridrec import _flags
 from hybridrec._embedding_servers import embedding_servers
 from training.job import load_config
+from training.run_log import run_name
 from training.trainer import HybridTrainer
 
 
@@ -22,7 +23,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     evaluation = summary.get("eval") or {}
     lines = [
         "",
-        "training finished",
+        f"training finished: {run_name(summary['run_dir'])}",
         f"  steps           {summary['steps']}  ({summary['samples']:,} samples, "
         f"{summary['processes']} process(es), {summary['devices']} devices)",
         f"  throughput      {summary['samples_per_s'] or 0:,.0f} samples/s",

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from common.errors import UserError
-from training.run_log import read_records
+from training.run_log import read_records, run_name
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -53,7 +53,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     stale_axis.set(title="embedding staleness at lookup", xlabel="step", ylabel="pending updates")
     stale_axis.set_ylim(bottom=-0.1, top=max(1, (bound or 0) + 0.5))
     stale_axis.legend(loc="lower right")
-    figure.suptitle(f"hybridrec run {run_dir.name}")
+    figure.suptitle(f"{run_name(run_dir)}: training curves")
     out = Path(out) if out else run_dir / "plots" / "curves.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=100)

@@ -19,6 +19,12 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 
+def run_name(run_dir: str | Path) -> str:
+    """The name a run goes by in titles and summaries: its directory's name (`runs/avazu`
+    -> "avazu"; `.` -> the current directory's name)."""
+    return Path(run_dir).resolve().name or str(Path(run_dir).resolve())
+
+
 def read_records(run_dir: str | Path) -> Iterator[dict[str, Any]]:
     """Yields the records of `run_dir/metrics.jsonl`, skipping a torn last line."""
     path = Path(run_dir) / METRICS_FILE
