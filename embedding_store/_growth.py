@@ -12,24 +12,50 @@ waits for it (it is already under way) or allocates one itself.
 
 from __future__ import annotations
 
+import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 PREPARE_AT = 0.75  # fraction of an array in use when its next size is prepared
 
 _pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
 _pool_lock = threading.Lock()
 
 
-def background() -> ThreadPoolExecutor:
+def _background() -> ThreadPoolExecutor:
     """The one thread that prepares growth steps (slot arrays, slot maps) ahead of need."""
-    global _pool
+    global _pool, _pool_pid
     with _pool_lock:
-        if _pool is None:
+        if _pool is None or _pool_pid != os.getpid():  # a forked child has no such thread
             _pool = ThreadPoolExecutor(1, thread_name_prefix="embedding-growth")
+            _pool_pid = os.getpid()
         return _pool
+
+
+class Ahead:
+    """`function(*args)` computed on the growth thread, ahead of the call that needs it."""
+
+    def __init__(self, function, *args):
+        self._pid = os.getpid()
+        self._future = _background().submit(function, *args)
+
+    def done(self) -> bool:
+        return self._pid != os.getpid() or self._future.done()
+
+    def take(self):
+        """The result, waiting for it if it is under way; None if it had not started (it is
+        dropped), or was started by the parent of this forked process. The caller then
+        does the work itself."""
+        if self._pid != os.getpid() or self._future.cancel():
+            return None
+        return self._future.result()
+
+    def drop(self) -> None:
+        """Not needed after all: cancelled if it has not started."""
+        self._future.cancel()
 
 
 def _allocate(shape: tuple[int, ...], dtype: np.dtype, fill, touch: int) -> np.ndarray:
@@ -45,7 +71,7 @@ class Spare:
     """The next, larger version of one growable array, prepared in the background."""
 
     def __init__(self):
-        self._future: Future | None = None
+        self._ahead: Ahead | None = None
         self._shape: tuple[int, ...] | None = None
 
     def prepare(self, array: np.ndarray, rows: int, fill=0, touch: int | None = None) -> None:
@@ -56,26 +82,24 @@ class Spare:
         shape = (rows, *array.shape[1:])
         if self._shape == shape or rows <= len(array):
             return
-        if self._future is not None:
-            self._future.cancel()
+        if self._ahead is not None:
+            self._ahead.drop()
         self._shape = shape
         touch = len(array) if touch is None else touch
-        self._future = background().submit(_allocate, shape, array.dtype, fill, touch)
+        self._ahead = Ahead(_allocate, shape, array.dtype, fill, touch)
 
-    def grow(self, array: np.ndarray, rows: int, fill=0, *, copy: bool = True) -> np.ndarray:
-        """`array` grown to `rows` rows (the prepared spare when it has that size).
-
-        With `copy=False` the result holds only `fill` (the caller refills it).
-        """
-        if rows <= len(array) and copy:
+    def grow(self, array: np.ndarray, rows: int, fill=0) -> np.ndarray:
+        """`array` grown to `rows` rows (the prepared spare when it has that size)."""
+        if rows <= len(array):
             return array
         shape = (rows, *array.shape[1:])
-        future, self._future, self._shape, prepared = self._future, None, None, self._shape
+        ahead, self._ahead, prepared, self._shape = self._ahead, None, self._shape, None
         grown = None
-        if future is not None and prepared == shape and not future.cancel():
-            grown = future.result()  # started (or done): waiting costs less than starting over
+        if ahead is not None and prepared == shape:
+            grown = ahead.take()
+        elif ahead is not None:
+            ahead.drop()
         if grown is None:
             grown = _allocate(shape, array.dtype, fill, 0)
-        if copy:
-            grown[: len(array)] = array
+        grown[: len(array)] = array
         return grown

@@ -21,11 +21,9 @@ this table.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import numpy as np
 
-from embedding_store._growth import background
+from embedding_store._growth import Ahead
 from embedding_store._hashing import SALT_SLOT, mix64
 
 EMPTY = np.uint64(0)
@@ -44,7 +42,7 @@ class SlotMap:
         self._set_entries(np.zeros((capacity, 2), np.uint64))
         self._live = 0
         self._used = 0  # live + tombstones
-        self._next: Future | None = None  # the next table, being built in the background
+        self._next: Ahead | None = None  # the next table, being built in the background
         self._journal: list[tuple[np.ndarray, np.ndarray | None]] = []
 
     def __len__(self) -> int:
@@ -95,7 +93,7 @@ class SlotMap:
         elif self._next is None and self._used + len(ids) > BUILD_AT * len(self._entries):
             self._journal = []
             capacity = _entries_for(self._live + len(ids), len(self._entries))
-            self._next = background().submit(_build, self._entries, capacity, self._journal)
+            self._next = Ahead(_build, self._entries, capacity, self._journal)
         stored = slots.astype(np.uint64) + _ONE
         if self._next is not None:
             self._journal.append((ids.copy(), stored))
@@ -129,11 +127,12 @@ class SlotMap:
     def _take_over(self) -> None:
         """Switches to the table built in the background (waiting for it if it is under
         way), replaying the changes it has not seen yet; drops it if it never started."""
-        future, journal = self._next, self._journal
+        ahead, journal = self._next, self._journal
         self._next, self._journal = None, []
-        if future.cancel():
+        built = ahead.take()
+        if built is None:
             return
-        entries, used, replayed = future.result()
+        entries, used, replayed = built
         zero = self.find(np.zeros(1, np.uint64))  # id 0 comes from here (see the module doc)
         self._set_entries(entries)
         self._used = used
