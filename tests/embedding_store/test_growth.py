@@ -16,6 +16,8 @@ from embedding_store import (
     TableConfig,
     TieringConfig,
 )
+from embedding_store.remote import connect
+from embedding_store.server import ShardServer
 
 CHUNKS, CHUNK = 10, 1500  # 15k rows: slot arrays grow 1024 -> 2048 -> ... -> 16384
 
@@ -171,3 +173,30 @@ def test_tiered_request_larger_than_the_ram_tier_is_a_clear_error(tmp_path):
         np.testing.assert_array_equal(
             store.lookup("items", ids[:1000], train=False).result(), before
         )
+
+
+def test_remote_shards_grow_like_in_process_ones(tmp_path):
+    tables = [_table("adam")]
+    ids = _ids(CHUNKS * CHUNK)
+    servers = [ShardServer(tables, [index], num_shards=2) for index in range(2)]
+    try:
+        addresses = [f"127.0.0.1:{server.port}" for server in servers]
+        with (
+            EmbeddingStore(tables, shards=connect(addresses, tables)) as remote,
+            EmbeddingStore(tables, num_shards=2) as local,
+        ):
+            held = _train(remote, ids, admit_all_first=False)
+            _train(local, ids, admit_all_first=False)
+            assert len(set(held)) >= 3 and held == sorted(held)
+            expected = local.lookup("items", ids, train=False).result()
+            np.testing.assert_array_equal(
+                remote.lookup("items", ids, train=False).result(), expected
+            )
+            remote.checkpoint(str(tmp_path), step=1)  # written by the servers
+        with EmbeddingStore.restore(str(tmp_path), tables, num_shards=3) as restored:
+            np.testing.assert_array_equal(
+                restored.lookup("items", ids, train=False).result(), expected
+            )
+    finally:
+        for server in servers:
+            server.drain_and_stop(timeout=5)
