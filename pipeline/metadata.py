@@ -55,14 +55,19 @@ def read_metadata(out_dir: str | Path) -> DatasetMetadata:
     """Reads a complete dataset directory written by `hybridrec preprocess`.
 
     Raises:
-        UserError: `_SUCCESS` is missing (incomplete or not a dataset), or
+        UserError: the directory is missing, or has no `_SUCCESS` (incomplete), or
             metadata.json is unreadable or of an unknown format version.
     """
     root = Path(out_dir)
+    make = f"`hybridrec preprocess --input RAW_FILES --spec SPEC --output {root}`"
+    if not root.exists():
+        raise UserError(f"dataset directory {root} does not exist; make one with {make}")
+    if not root.is_dir():
+        raise UserError(f"dataset path {root} is a file, not a directory written by {make}")
     if not (root / SUCCESS_FILE).exists():
         raise UserError(
-            f"incomplete dataset directory {root}: no {SUCCESS_FILE} marker "
-            "(preprocessing did not finish; re-run `hybridrec preprocess`)"
+            f"incomplete dataset directory {root}: no {SUCCESS_FILE} marker (preprocessing did "
+            f"not finish, or this is not a dataset); finish it by running {make} again"
         )
     path = root / METADATA_FILE
     try:
