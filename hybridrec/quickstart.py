@@ -11,12 +11,22 @@ Everything goes under `--out` (default runs/quickstart): `raw/`, `data/`, `run/`
 from __future__ import annotations
 
 import argparse
+import collections
+import gzip
 import time
 from pathlib import Path
 
-from hybridrec import _flags, evaluate, generate, plot, preprocess, train
+from hybridrec import _flags, evaluate, export, generate, plot, preprocess, train
+from serving import demo_score
 
 DEFAULT_ROWS = 1_000_000
+
+
+def _last_rows(path: Path, count: int) -> list[str]:
+    """The last `count` lines of a (gzipped) text file."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as handle:
+        return [line.rstrip("\n") for line in collections.deque(handle, maxlen=count)]
 
 
 def _stage(title: str) -> float:
@@ -81,6 +91,15 @@ def main(argv: list[str]) -> int:
     timings["evaluate"] = time.perf_counter() - begin
     plot.main([str(run_dir)])
 
+    begin = _stage("export the model and score a few eval rows through `hybridrec serve`")
+    exported = out / "export"
+    export.main(["--run", str(run_dir), "--out", str(exported), "--precision", "int8"])
+    rows = _last_rows(Path(inputs[-1]), 5)  # the last rows: in the eval split (split by position)
+    for row, probability in zip(rows, demo_score(exported, rows), strict=True):
+        label = row.split("\t", 1)[0]
+        print(f"  label {label}  click probability {probability:.4f}")
+    timings["export+serve"] = time.perf_counter() - begin
+
     total = time.perf_counter() - started
     stages = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in timings.items())
     print(
@@ -88,6 +107,7 @@ def main(argv: list[str]) -> int:
         f"  data      {data}  (metadata.json, train/ and eval/ Parquet)\n"
         f"  run       {run_dir}  (summary.json, metrics.jsonl, tensorboard/, checkpoints/)\n"
         f"  curves    {run_dir / 'plots' / 'curves.png'}\n"
+        f"  export    {exported}  (serve it: hybridrec serve {exported})\n"
         f"  next      tensorboard --logdir {run_dir / 'tensorboard'}   |   "
         f"hybridrec train --config criteo_dlrm --data DIR --run-dir runs/criteo",
         flush=True,
