@@ -170,11 +170,19 @@ def check_dask_scheduler(address: str, timeout: float) -> tuple[int, str | None]
     """
     distributed = _distributed()
     try:
+        distributed.comm.get_address_host_port(address)
+    except ValueError as error:
+        raise UserError(
+            f"--dask-address {address}: not a scheduler address ({error}); "
+            "expected tcp://HOST:PORT"
+        ) from None
+    try:
         client = distributed.Client(address, timeout=f"{timeout}s", set_as_default=False)
-    except (OSError, TimeoutError, ValueError) as error:
+    except Exception as error:  # refused, timed out, bad address, or not a Dask scheduler
+        detail = " ".join(str(error).split())[:200]
         raise UserError(
             f"--dask-address {address}: no Dask scheduler answered within {timeout:g} s "
-            f"({type(error).__name__}: {error})"
+            f"({type(error).__name__}: {detail})"
         ) from None
     try:
         return len(client.scheduler_info()["workers"]), client.dashboard_link

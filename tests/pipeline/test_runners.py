@@ -78,3 +78,10 @@ def test_unreachable_dask_scheduler_fails_within_the_timeout():
     assert "--dask-address tcp://127.0.0.1:9: no Dask scheduler answered within 2 s" in str(
         error.value
     )
+
+
+@pytest.mark.parametrize("address", ["notanaddress", "tcp://host-without-port"])
+def test_malformed_dask_address_is_named(address):
+    pytest.importorskip("distributed")
+    with pytest.raises(UserError, match=f"--dask-address {address}: not a scheduler address"):
+        runners.check_dask_scheduler(address, timeout=2)
