@@ -227,9 +227,9 @@ def quality(work: Path, sample: Path, overrides: list[str]) -> dict:
     fp32 = results["fp32"]
     return {
         "criteo_eval_rows": int(len(labels)),
-        "auc_fp32": round(fp32["auc"], 5),
-        "int8_auc_drop": round(fp32["auc"] - results["int8"]["auc"], 5),
-        "fp16_auc_drop": round(fp32["auc"] - results["fp16"]["auc"], 5),
+        "auc_fp32": round(fp32["auc"], 6),
+        "int8_auc_drop": round(fp32["auc"] - results["int8"]["auc"], 7),
+        "fp16_auc_drop": round(fp32["auc"] - results["fp16"]["auc"], 7),
         "int8_size_ratio": round(results["int8"]["embedding_bytes"] / fp32["embedding_bytes"], 4),
         "fp16_size_ratio": round(results["fp16"]["embedding_bytes"] / fp32["embedding_bytes"], 4),
         "int8_total_size_ratio": round(results["int8"]["total_bytes"] / fp32["total_bytes"], 4),
