@@ -106,3 +106,19 @@ def test_cli_train_evaluate_plot_beats_logistic_regression(
 
     hybridrec("plot", str(run_dir))
     assert (run_dir / "plots" / "curves.png").stat().st_size > 10_000
+
+
+def test_quickstart_runs_end_to_end_and_serves_its_model(tmp_path, cli):
+    out = tmp_path / "quickstart"
+    result = cli(
+        "quickstart", "--rows", "20000", "--out", str(out), "--set", "data.batch_size=256"
+    )
+    scores = [
+        float(line.split("click probability")[1])
+        for line in result.stdout.splitlines()
+        if "click probability" in line
+    ]
+    assert len(scores) == 5 and all(0.0 < score < 1.0 for score in scores)
+    assert json.loads((out / "run" / "summary.json").read_text())["eval"]["count"] > 0
+    assert (out / "run" / "plots" / "curves.png").stat().st_size > 0
+    assert any((out / "export").glob("*/manifest.json"))
