@@ -30,7 +30,9 @@ class DataConfig:
     path: str = ""  # directory written by `hybridrec preprocess` (holds metadata.json)
     train_split: str = "train"  # split to train on
     eval_split: str = "eval"  # split to evaluate on
-    batch_size: int = 4096  # global batch: rows per training step over all processes
+    # global batch: rows per training step over all processes; 0 = chosen from the size of
+    # the training split (about 200 steps per epoch, a power of two within [256, 4096])
+    batch_size: int = 0
     eval_batch_size: int = 0  # global rows per evaluation step; 0 = batch_size
     shuffle_buffer: int = 131072  # minimum rows per shuffle window; 0 = read in file order
     epochs: int = 1  # passes over the training split (when max_steps = 0)
@@ -38,8 +40,8 @@ class DataConfig:
     prefetch: int = 4  # batches decoded ahead by the input thread
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.eval_batch_size < 0:
-            raise ValueError("data.batch_size must be >= 1 and eval_batch_size >= 0")
+        if self.batch_size < 0 or self.eval_batch_size < 0:
+            raise ValueError("data.batch_size (0 = auto) and eval_batch_size must be >= 0")
         if self.epochs < 1 or self.max_steps < 0 or self.shuffle_buffer < 0 or self.prefetch < 1:
             raise ValueError(
                 "data.epochs and prefetch must be >= 1; max_steps, shuffle_buffer >= 0"
@@ -64,7 +66,8 @@ class EmbeddingConfig:
     storage_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # stored value dtype
     # hot rows in RAM, the rest in a tensorstore array on disk (tiering.ram_rows = 0: all in RAM)
     tiering: TieringConfig = dataclasses.field(default_factory=TieringConfig)
-    # shards: in-process count (None = 4); with servers, None = what they host, and a number
+    # shards: in-process count (None = one per two CPU cores, 1 to 4); with servers, None =
+    # what they host, and a number
     # is checked against the servers' total shard count
     num_shards: int | None = None
     # remote shard servers "host:port" (`hybridrec serve-embeddings`); empty = in-process shards
