@@ -213,3 +213,52 @@ def test_serve_command_names_the_bad_file(exported, tmp_path):
     )
     assert result.returncode == 2
     assert "features.json" in result.stderr and "the manifest says" in result.stderr
+
+
+def test_int64_ids_carry_the_same_bits_as_uint64(server, reference, headers):
+    ids, dense = reference.ids[:16].copy(), reference.dense[:16]
+    ids[0, 0] = 2**63 + 5  # an id past the int64 range: it travels as a negative INT64
+    answers = []
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for datatype, values in (("UINT64", ids), ("INT64", ids.view(np.int64))):
+            body = {
+                "inputs": [
+                    {"name": "ids", "datatype": datatype, "shape": list(ids.shape), "data": values.ravel().tolist()},
+                    {"name": "dense", "datatype": "FP32", "shape": list(dense.shape), "data": dense.ravel().tolist()},
+                ]
+            }  # fmt: skip
+            response = client.post("/v2/models/ctr/infer", json=body, headers=headers)
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["outputs"][0]["data"])
+    assert ids.view(np.int64)[0, 0] < 0
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        (["--step", "999999"], "no complete checkpoint at step 999999"),
+        (["--name", "bad name"], "model name"),
+    ],
+)
+def test_export_errors_leave_no_version(trained, tmp_path, arguments, words):
+    out = tmp_path / "export"
+    result = subprocess.run(
+        [sys.executable, "-m", "hybridrec", "export", "--run", str(trained.run), "--out", str(out), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_export_of_a_directory_that_is_not_a_run(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "hybridrec", "export", "--run", str(tmp_path), "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "not a run directory" in result.stderr
