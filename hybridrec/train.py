@@ -89,6 +89,8 @@ def main(argv: list[str]) -> int:
         servers=servers,
     )
     if trainer.is_chief and not args.quiet:
+        print(f"tower: {trainer.job.tower_reason}", flush=True)
+        print(f"batch: {trainer.job.batch_reason}", flush=True)
         devices = jax.devices()
         print(
             f"devices: {len(devices)} {devices[0].platform} device(s) in "

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Literal
 
-TowerName = Literal["dlrm", "dcnv2", "mlp"]
+TowerName = Literal["auto", "dlrm", "dcnv2", "mlp"]
 
 # The mesh axis names; every mesh has DATA_AXIS, MODEL_AXIS is optional.
 DATA_AXIS = "data"
@@ -86,8 +86,9 @@ class MLPConfig:
 class ModelConfig:
     """Which dense tower, its sizes, its precision and how its parameters are sharded."""
 
-    # the tower architecture; only the matching sub-table below is used
-    tower: TowerName = "dlrm"
+    # the tower architecture; only the matching sub-table below is used. "auto" picks one
+    # from the data (see `choose_tower`): DLRM with numeric features, DCN-V2 without
+    tower: TowerName = "auto"
     # DLRM sizes (used when tower = "dlrm")
     dlrm: DLRMConfig = dataclasses.field(default_factory=DLRMConfig)
     # DCN-V2 sizes (used when tower = "dcnv2")
@@ -109,6 +110,27 @@ class ModelConfig:
         names = [name for name, _ in self.partition_rules]
         if len(set(names)) != len(names):
             raise ValueError(f"partition_rules name a logical axis twice: {names}")
+
+
+def choose_tower(tower: str, num_dense: int, num_categorical: int) -> tuple[str, str]:
+    """The tower a run uses and why: `tower` itself unless it is "auto", which picks DLRM
+    when the data has numeric (dense) features (its bottom MLP needs them) and DCN-V2
+    when it has none (its cross layers model feature interactions from embeddings alone).
+
+    Returns:
+        (tower name, one-line reason).
+    """
+    if tower != "auto":
+        return tower, f"model.tower = {tower!r} as configured"
+    if num_dense:
+        return "dlrm", (
+            f"model.tower = 'auto': dlrm, the data has {num_dense} numeric feature(s) "
+            f"for its bottom MLP and {num_categorical} categorical"
+        )
+    return "dcnv2", (
+        f"model.tower = 'auto': dcnv2, the data has no numeric features (DLRM's bottom MLP "
+        f"needs some), only {num_categorical} categorical"
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

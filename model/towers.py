@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from common.errors import ConfigError
-from model.config import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig
+from model.config import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig, choose_tower
 
 LOGICAL_AXES = "logical_axes"  # Param metadata key holding one logical name per dimension
 
@@ -234,7 +234,8 @@ def build_tower(
         "dcnv2": (DCNv2, config.dcnv2),
         "mlp": (MLPTower, config.mlp),
     }
-    cls, tower_config = towers[config.tower]
+    name, _ = choose_tower(config.tower, num_dense, num_features)
+    cls, tower_config = towers[name]
     return cls(
         tower_config,
         num_dense=num_dense,

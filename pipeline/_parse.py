@@ -149,6 +149,26 @@ def transform_dense(values: np.ndarray, missing: np.ndarray, transform: str) -> 
     return values.astype(np.float32)
 
 
+def _field_equals(
+    buffer: np.ndarray, starts: np.ndarray, lengths: np.ndarray, value: bytes
+) -> np.ndarray:
+    """Which fields equal `value`.
+
+    Args:
+        buffer: the block's bytes, uint8 [N].
+        starts, lengths: each row's field start offset and length, int64 [R].
+        value: the bytes to compare with.
+
+    Returns:
+        bool [R].
+    """
+    equal = lengths == len(value)
+    last = max(len(buffer) - 1, 0)
+    for offset, byte in enumerate(value):
+        equal &= buffer[np.minimum(starts + offset, last)] == byte
+    return equal
+
+
 class BlockParser:
     """Parses blocks of one spec; build once per worker (DoFn.setup) and reuse."""
 
@@ -158,6 +178,7 @@ class BlockParser:
         self.num_columns = len(spec.columns)
         self.delimiter = spec.delimiter.encode()[0]
         self.label_column = spec.column_index(spec.label)
+        self.label_values = tuple(value.encode() for value in spec.label_values)
         self.dense_columns = np.array([spec.column_index(n) for n in spec.dense], np.int64)
         self.single = [
             (prefix, f) for prefix, f in enumerate(spec.categorical, 1) if not f.multi_valued
@@ -209,17 +230,26 @@ class BlockParser:
         row_bad = np.zeros(len(good), np.int8)
         label_start = starts[:, self.label_column]
         label_char = buffer[np.minimum(label_start, max(len(buffer) - 1, 0))] if len(good) else None
-        if len(good):
+        if len(good) and self.label_values == (b"0", b"1"):
             label_ok = (lengths[:, self.label_column] == 1) & (
                 (label_char == ord("0")) | (label_char == ord("1"))
             )
+            labels = (label_char == ord("1")).astype(np.float32)
+        elif len(good):
+            negative, positive = (
+                _field_equals(buffer, label_start, lengths[:, self.label_column], value)
+                for value in self.label_values
+            )
+            label_ok = negative | positive
+            labels = positive.astype(np.float32)
+        if len(good):
+            expected = " or ".join(v.decode() for v in self.label_values)
             for row in np.flatnonzero(~label_ok):
                 row_bad[row] = REASON_CODE["bad_label"]
                 raw = buffer[label_start[row] : ends[row, self.label_column]].tobytes()
                 details[good[row]] = (
-                    f"label {raw.decode('utf-8', 'backslashreplace')!r} is not 0 or 1"
+                    f"label {raw.decode('utf-8', 'backslashreplace')!r} is not {expected}"
                 )
-            labels = (label_char == ord("1")).astype(np.float32)
         else:
             labels = np.zeros(0, np.float32)
 

@@ -26,8 +26,6 @@ from common.errors import UserError
 from pipeline._parse import BlockParser
 from pipeline.spec import FeatureSpec
 
-_PLACEHOLDER_LABEL = b"0"  # the parser checks labels; inference rows have none to check
-
 
 class RowError(UserError):
     """A raw row the Beam job would reject; `row` is its 0-based index in the request."""
@@ -68,6 +66,7 @@ class RowEncoder:
         self._parser = BlockParser(spec)
         self._delimiter = spec.delimiter.encode()
         self._label_index = spec.column_index(spec.label)
+        self._placeholder_label = spec.label_values[0].encode()
         self._width = len(spec.columns)
 
     def _with_label(self, index: int, line: bytes) -> bytes:
@@ -77,9 +76,9 @@ class RowEncoder:
             raise RowError(index, "newline_in_row", "one row per element")
         fields = line.split(self._delimiter)
         if len(fields) == self._width:
-            fields[self._label_index] = _PLACEHOLDER_LABEL
+            fields[self._label_index] = self._placeholder_label
         elif len(fields) == self._width - 1:
-            fields.insert(self._label_index, _PLACEHOLDER_LABEL)
+            fields.insert(self._label_index, self._placeholder_label)
         else:
             raise RowError(
                 index,

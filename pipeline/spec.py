@@ -49,7 +49,9 @@ class FeatureSpec:
     delimiter: str = "\t"  # field separator of the raw text (one byte: tab, comma, ...)
     header: bool = False  # true: the first line of every input file is a header naming `columns`
     columns: tuple[str, ...]  # every field of a raw row, in order (unused ones are ignored)
-    label: str  # column holding the 0/1 label
+    label: str  # column holding the label
+    # the label column's raw values meaning [negative, positive], e.g. ["no", "yes"]
+    label_values: tuple[str, str] = ("0", "1")
     dense: tuple[str, ...] = ()  # numeric columns, output as float32 after `dense_transform`
     dense_type: Literal["int64", "float64"] = "int64"  # how dense fields are parsed
     dense_transform: Literal["log1p", "identity"] = "log1p"  # log1p: missing->0, clip<0->0, log1p
@@ -66,6 +68,15 @@ class FeatureSpec:
         for name in used:
             if name not in known:
                 raise ValueError(f"feature {name!r} is not one of the spec's columns")
+        if (
+            len(self.label_values) != 2
+            or len(set(self.label_values)) != 2
+            or any(not v or self.delimiter in v or "\n" in v for v in self.label_values)
+        ):
+            raise ValueError(
+                f"label_values must be two different non-empty values [negative, positive] "
+                f"without the delimiter, got {list(self.label_values)}"
+            )
         if len(set(used)) != len(used):
             raise ValueError("a column is used twice (label, dense and categorical must differ)")
         if not 1 <= self.prefix_bits <= 16:

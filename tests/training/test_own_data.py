@@ -3,10 +3,15 @@ trained, evaluated and plotted with the defaults (no --set)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
+
+from pipeline import BlockParser, load_spec
 from pipeline.metadata import SUCCESS_FILE
 
 from .conftest import REPO_ROOT
@@ -41,3 +46,74 @@ def test_train_on_an_incomplete_directory_says_how_to_finish_it(tmp_path):
     assert f"incomplete dataset directory {partial}: no {SUCCESS_FILE} marker" in result.stderr
     assert f"--output {partial}` again" in result.stderr
     assert not (partial / SUCCESS_FILE).exists()
+
+
+# A click log unlike Criteo's: comma separated with a header, an id and a timestamp that are
+# not features, a string label, five categorical fields and no numeric ones.
+OWN_COLUMNS = ["row_id", "event_time", "outcome", "site", "app", "device", "slot", "campaign"]
+OWN_CARDINALITIES = [300, 120, 40, 8, 2000]
+OWN_ROWS = 40_000
+
+OWN_SPEC = """\
+name = "own_clicks"
+delimiter = ","
+header = true
+columns = ["row_id", "event_time", "outcome", "site", "app", "device", "slot", "campaign"]
+label = "outcome"
+label_values = ["noclick", "click"]
+""" + "".join(
+    f'\n[[categorical]]\nname = "{name}"\n'
+    for name in ("site", "app", "device", "slot", "campaign")
+)
+
+
+def write_own_log(path: Path, rows: int = OWN_ROWS, seed: int = 3) -> None:
+    """A raw log of OWN_COLUMNS whose label depends on per-value effects of the fields."""
+    rng = np.random.default_rng(seed)
+    logits = np.full(rows, -1.0)
+    fields = []
+    for index, cardinality in enumerate(OWN_CARDINALITIES):
+        values = np.minimum(rng.zipf(1.3, rows) - 1, cardinality - 1)
+        logits += rng.normal(0.0, 0.8, cardinality)[values]
+        fields.append([f"{'abcde'[index]}{value:x}" for value in values])
+    labels = rng.random(rows) < 1 / (1 + np.exp(-logits))
+    lines = [",".join(OWN_COLUMNS)]
+    for row in range(rows):
+        outcome = "click" if labels[row] else "noclick"
+        time = f"2026-01-{1 + row * 28 // rows:02d}T{row % 24:02d}:00:00"
+        lines.append(",".join([f"r{row:07d}", time, outcome, *(f[row] for f in fields)]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_parser_maps_string_labels_and_names_other_values(tmp_path):
+    (tmp_path / "own.toml").write_text(OWN_SPEC)
+    parser = BlockParser(load_spec(tmp_path / "own.toml"))
+    block = b"r1,t,click,a,b,c,d,e\nr2,t,noclick,a,b,c,d,e\nr3,t,1,a,b,c,d,e\n"
+    parsed = parser.parse(block)
+    assert parsed.table.column("outcome").to_pylist() == [1.0, 0.0]
+    [(line, reason, detail, _)] = parsed.rejected
+    assert (line, reason) == (2, "bad_label")
+    assert detail == "label '1' is not noclick or click"
+
+
+def test_own_schema_trains_evaluates_and_plots_with_the_defaults(tmp_path, cli):
+    raw, spec, data = tmp_path / "clicks.csv", tmp_path / "own.toml", tmp_path / "data"
+    write_own_log(raw)
+    spec.write_text(OWN_SPEC)
+    cli("preprocess", "--input", str(raw), "--spec", str(spec), "--output", str(data))
+    run_dir = tmp_path / "own_run"
+    train = cli("train", "--data", str(data), "--run-dir", str(run_dir))  # no preset, no --set
+    assert "tower: model.tower = 'auto': dcnv2, the data has no numeric features" in train.stdout
+    assert "batch: data.batch_size = 0 (auto): 256" in train.stdout
+    assert "training finished: own_run" in train.stdout
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["model"]["tower"] == "dcnv2" and saved["data"]["batch_size"] == 256
+
+    evaluated = cli("evaluate", "--run", str(run_dir))
+    assert evaluated.stdout.startswith("own_run step ")
+    auc = float(evaluated.stdout.split("AUC ")[1].split()[0])
+    assert auc > 0.65, evaluated.stdout
+
+    plotted = cli("plot", str(run_dir))
+    assert plotted.stdout.startswith("own_run: wrote ")
+    assert (run_dir / "plots" / "curves.png").stat().st_size > 10_000
