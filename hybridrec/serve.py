@@ -29,6 +29,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--watch", action="store_true", help="load newer versions of the export as they appear"
     )
+    parser.add_argument(
+        "--skip-checksums",
+        action="store_true",
+        help="check file sizes but not sha256 at load (exports larger than RAM load faster)",
+    )
     args = parser.parse_args(argv)
     options = ServeOptions(
         max_batch=args.max_batch,
@@ -37,6 +42,7 @@ def main(argv: list[str]) -> int:
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         token=read_token(args.token_file) if args.token_file else None,
         watch=args.watch,
+        checksums=not args.skip_checksums,
     )
     serve(args.export, host=args.host, port=args.port, options=options)
     return 0

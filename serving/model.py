@@ -85,12 +85,13 @@ class ServedModel:
     Args:
         path: an export version directory, or a base directory (its newest version).
         max_batch: the largest batch the tower runs at once (compiled up front).
-        verify: check every file's size and sha256 against the manifest first.
+        checksums: check every file's sha256 against the manifest first (sizes are
+            always checked).
     """
 
-    def __init__(self, path: str | Path, *, max_batch: int = 256, verify: bool = True):
+    def __init__(self, path: str | Path, *, max_batch: int = 256, checksums: bool = True):
         self.path = _format.resolve(path)
-        self.manifest = _format.read_manifest(self.path, verify=verify)
+        self.manifest = _format.read_manifest(self.path, checksums=checksums)
         self.name = self.manifest["name"]
         self.version = int(self.manifest["version"])
         self.precision = self.manifest["precision"]

@@ -58,6 +58,7 @@ class ServeOptions:
     token: str | None = None  # required bearer token (None: no authentication)
     watch: bool = False  # load newer versions of the export as they appear
     watch_interval: float = 1.0  # seconds between looks for a newer version
+    checksums: bool = True  # verify every file's sha256 at load (sizes are always checked)
 
     def __post_init__(self):
         for name in ("max_batch", "max_rows", "max_body_bytes"):
@@ -190,7 +191,10 @@ class _Service:
             version = found[-1]
             try:
                 fresh = await run_in_threadpool(
-                    ServedModel, self.base / str(version), max_batch=self.options.max_batch
+                    ServedModel,
+                    self.base / str(version),
+                    max_batch=self.options.max_batch,
+                    checksums=self.options.checksums,
                 )
             except UserError as error:
                 self.failed_versions.add(version)
@@ -380,7 +384,7 @@ def make_server(export: str | Path, sock: socket.socket, options: ServeOptions):
     import uvicorn
 
     base = Path(export)
-    model = ServedModel(base, max_batch=options.max_batch)
+    model = ServedModel(base, max_batch=options.max_batch, checksums=options.checksums)
     if options.watch and (base / _format.MANIFEST_FILE).exists():
         raise UserError(f"{base}: --watch needs the export base directory, not one version")
     app = create_app(model, base, options)
