@@ -2,7 +2,9 @@
 
 In one run: preprocess the input once (cached under --cache, keyed by the input files),
 then train one epoch of the `criteo_dlrm` preset at batch 128, 512 and 4096, each in a
-fresh `hybridrec train` process, and the synchronous mode (staleness 0) at batch 512.
+fresh `hybridrec train` process, and the synchronous mode (staleness 0) at batch 512;
+at batch 512 both modes run for every `--seeds` seed and the means count (with k > 0
+the interleaving of lookups and updates depends on timing, so one run's AUC is noisy).
 Per run it reports end-to-end samples/s (process start to final checkpoint: imports,
 compilation, evaluation and checkpoint included), steady-state samples/s (after the
 first 20 steps), where a step's time goes on the trainer's thread, the slowest step,
@@ -95,21 +97,24 @@ def _run_child(command: list[str], env: dict[str, str]) -> tuple[float, float, i
     return time.perf_counter() - start, usage.ru_maxrss / 2**20, process.returncode
 
 
-def _train(data: Path, batch: int, staleness: int, work: Path, env: dict, extra: list[str]):
-    run_dir = work / f"run_b{batch}_k{staleness}"
+def _train(
+    data: Path, batch: int, staleness: int, work: Path, env: dict, extra: list[str], seed: int = 0
+):
+    run_dir = work / f"run_b{batch}_k{staleness}_seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [sys.executable, "-m", "hybridrec", "train", "--config", "criteo_dlrm"]
     command += ["--data", str(data), "--run-dir", str(run_dir), "--quiet"]
     settings = [
         f"data.batch_size={batch}",
         f"hybrid.staleness={staleness}",
+        f"seed={seed}",
         "log.every_steps=10",
         "log.tensorboard=false",
         *extra,
     ]
     for setting in settings:
         command += ["--set", setting]
-    print(f"\n== train batch {batch}, staleness {staleness}", flush=True)
+    print(f"\n== train batch {batch}, staleness {staleness}, seed {seed}", flush=True)
     seconds, rss_gb, code = _run_child(command, env)
     if code:
         _fail(f"training at batch {batch} failed (exit {code}); see the output above")
@@ -148,6 +153,18 @@ def _train(data: Path, batch: int, staleness: int, work: Path, env: dict, extra:
         flush=True,
     )
     return result
+
+
+def _mean_run(runs: list[dict]) -> dict:
+    """Numeric fields averaged over runs of different seeds (AUCs listed per seed too)."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            out[key] = sum(run[key] for run in runs) / len(runs)
+    out["peak_rss_gb"] = max(run["peak_rss_gb"] for run in runs)
+    out["slowest_step_ms"] = max(run["slowest_step_ms"] for run in runs)
+    out["auc_per_seed"] = [round(run["auc"], 4) for run in runs]
+    return out
 
 
 def _dense_only(batch: int, env: dict, rounds: int) -> float:
@@ -219,6 +236,9 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=REPO / "runs" / "bench_criteo")
     parser.add_argument("--batches", type=int, nargs="+", default=[128, 512, 4096])
     parser.add_argument("--rounds", type=int, default=5, help="dense-only timing rounds")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1], help="seeds of the batch-512 runs"
+    )
     parser.add_argument("--set", dest="extra", action="append", default=[], help="train override")
     parser.add_argument("--dense-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -238,7 +258,14 @@ def main() -> None:
     for batch in args.batches:
         dense[batch] = _dense_only(batch, env, args.rounds)
         results[batch] = _train(data, batch, 4, work, env, args.extra)
-    sync = _train(data, 512, 0, work, env, args.extra) if 512 in args.batches else None
+    sync = None
+    if 512 in args.batches:  # hybrid vs synchronous: every seed, the mean counts
+        sync = _train(data, 512, 0, work, env, args.extra)
+        hybrid_runs, sync_runs = [results[512]], [sync]
+        for seed in args.seeds[1:]:
+            hybrid_runs.append(_train(data, 512, 4, work, env, args.extra, seed))
+            sync_runs.append(_train(data, 512, 0, work, env, args.extra, seed))
+        results[512], sync = _mean_run(hybrid_runs), _mean_run(sync_runs)
 
     print(
         "\n| batch | e2e samples/s | steady samples/s | dense-only | steady/dense | e2e/dense "
@@ -268,6 +295,10 @@ def main() -> None:
             e2e_samples_per_s_b512=round(b512["e2e_samples_per_s"]),
         )
     if sync:
+        print(
+            f"AUC per seed at batch 512: hybrid {results[512]['auc_per_seed']}, "
+            f"synchronous {sync['auc_per_seed']}"
+        )
         summary.update(
             auc_sync_b512=round(sync["auc"], 4),
             hybrid_over_sync_b512=round(
