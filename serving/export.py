@@ -34,6 +34,8 @@ from training.checkpoint import RunCheckpoints
 from training.job import CONFIG_FILE, load_config
 from training.tables import plan_tables
 
+PLATFORMS = ("cpu", "cuda")  # where the exported tower runs
+
 
 def checkpoint_rows(url: str, step: int, table: str) -> tuple[np.ndarray, np.ndarray]:
     """Every row of `table` in the embedding checkpoint of `step` under `url`.
@@ -95,7 +97,8 @@ def export_tower(graphdef: Any, params: Any, num_features: int, dim: int, num_de
         return eval_step(state, {"embeddings": embeddings, "dense": dense})
 
     (batch,) = jax.export.symbolic_shape("b")
-    exported = jax.export.export(jax.jit(probabilities))(
+    # one module for CPU and CUDA hosts alike, wherever the run was trained
+    exported = jax.export.export(jax.jit(probabilities), platforms=PLATFORMS)(
         jax.ShapeDtypeStruct((batch, num_features, dim), jnp.float32),
         jax.ShapeDtypeStruct((batch, num_dense), jnp.float32),
     )
@@ -212,6 +215,7 @@ def export_run(
             "run_dir": str(run_dir.resolve()),
             "step": int(step),
             "precision": precision,
+            "platforms": list(PLATFORMS),
             "created_unix": time.time(),
             "versions": _library_versions(),
             "tables": table_summaries,
