@@ -21,6 +21,12 @@ def _generate(argv: list[str]) -> int:
     return generate.main(argv)
 
 
+def _spec(argv: list[str]) -> int:
+    from hybridrec import spec
+
+    return spec.main(argv)
+
+
 def _preprocess(argv: list[str]) -> int:
     from hybridrec import preprocess
 
@@ -78,6 +84,7 @@ def _quickstart(argv: list[str]) -> int:
 # subcommand -> (function, one-line help)
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (_generate, "write synthetic click logs in the raw Criteo TSV layout"),
+    "spec": (_spec, "propose a feature spec (TOML) from a sample of a raw CSV/TSV log"),
     "preprocess": (_preprocess, "Beam job: raw logs -> sharded Parquet + metadata.json"),
     "train": (_train, "train a model with the hybrid (async embedding, sync dense) loop"),
     "evaluate": (_evaluate, "evaluate a checkpoint on a data split"),
