@@ -172,7 +172,7 @@ def main() -> None:
     if not data.exists():
         pipeline.generate(data, args.rows, seed=0)
     with LocalCluster(
-        n_workers=DASK_WORKERS, threads_per_worker=1, host="127.0.0.1", dashboard_address=None
+        n_workers=DASK_WORKERS, threads_per_worker=1, host="127.0.0.1", dashboard_address=":0"
     ) as cluster:
         address = cluster.scheduler_address
         label = f"generated {args.rows} rows (TSV)"

@@ -20,6 +20,7 @@ from hybridrec import cli
 from .reference import GOOD_ROW, row
 
 distributed = pytest.importorskip("distributed")
+dask = pytest.importorskip("dask")
 
 DIRECT = ["--runner", "direct", "--direct_running_mode=in_memory", "--quiet"]
 
@@ -63,7 +64,7 @@ def inputs(tmp_path_factory):
 def cluster():
     """A running 2-worker Dask cluster, reached with --dask-address."""
     with distributed.LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
+        n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=":0"
     ) as local:
         yield local
 
@@ -94,30 +95,50 @@ def test_running_cluster_matches_direct_runner_on_the_real_sample(criteo_sample,
     assert_same_output(tmp_path / "direct", tmp_path / "dask")
 
 
-def test_killed_worker_is_retried_or_fails_cleanly(inputs, cluster, tmp_path):
-    flags = ["--chunk-mb", "0.5", "--eval-fraction", "0.2"]
-    assert preprocess("-i", *inputs, "-o", tmp_path / "direct", *flags, *DIRECT) == 0
-    out = tmp_path / "dask"
-    address = ["--runner", "dask", "--dask-address", cluster.scheduler_address, "--quiet"]
-    codes = []
-    job = threading.Thread(
-        target=lambda: codes.append(preprocess("-i", *inputs, "-o", out, *flags, *address))
-    )
+def kill_a_worker_mid_job(address, out, argv) -> list:
+    """Runs the job on the cluster at `address`, SIGKILLs a worker once chunks are being
+    parsed; returns [exit code] or [the exception the job raised]."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(preprocess(*argv))
+        except Exception as error:  # a runner failure is not a user error: it propagates
+            outcome.append(error)
+
+    job = threading.Thread(target=run)
     job.start()
     progress = out / "_temporary" / "progress"
     while job.is_alive() and not (progress.is_dir() and any(progress.iterdir())):
-        time.sleep(0.05)  # wait until chunks are being parsed
-    with distributed.Client(cluster.scheduler_address) as client:
+        time.sleep(0.05)
+    with distributed.Client(address) as client:
         pids = client.run(os.getpid)
     os.kill(next(iter(pids.values())), signal.SIGKILL)
     job.join(timeout=300)
-    assert codes, "the job did not finish"
-    if codes[0] == 0:  # Dask ran the lost tasks again
-        assert_same_output(tmp_path / "direct", out)
-    else:  # or gave up: nothing published, nothing partial left
-        assert not (out / "_SUCCESS").exists() and not (out / "metadata.json").exists()
-        assert not (out / "train").exists() and not (out / "_temporary" / "train").exists()
-    assert preprocess("-i", *inputs, "-o", out, *flags, *address, "--overwrite") == 0
+    assert outcome, "the job did not finish"
+    return outcome
+
+
+@pytest.mark.parametrize("allowed_failures", [3, 0], ids=["dask_retries", "dask_gives_up"])
+def test_killed_worker_is_retried_or_fails_cleanly(inputs, tmp_path, allowed_failures):
+    flags = ["--chunk-mb", "0.5", "--eval-fraction", "0.2"]
+    assert preprocess("-i", *inputs, "-o", tmp_path / "direct", *flags, *DIRECT) == 0
+    out = tmp_path / "dask"
+    with dask.config.set({"distributed.scheduler.allowed-failures": allowed_failures}):
+        cluster = distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=":0"
+        )
+    with cluster:
+        address = ["--runner", "dask", "--dask-address", cluster.scheduler_address, "--quiet"]
+        argv = ["-i", *inputs, "-o", out, *flags, *address]
+        outcome = kill_a_worker_mid_job(cluster.scheduler_address, out, argv)
+        if outcome == [0]:  # Dask ran the lost tasks again
+            assert_same_output(tmp_path / "direct", out)
+        else:  # or gave up: nothing published, nothing partial left
+            assert not (out / "_SUCCESS").exists() and not (out / "metadata.json").exists()
+            assert not (out / "train").exists() and not (out / "_temporary" / "train").exists()
+            assert not (out / "_temporary" / "stats").exists()
+        assert preprocess(*argv, "--overwrite") == 0
     assert_same_output(tmp_path / "direct", out)
 
 
