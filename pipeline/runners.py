@@ -100,6 +100,10 @@ def pipeline_options(
         runner: a value of `resolve_runner`.
         dask_address: the scheduler the DaskRunner connects to.
     """
+    if _has_flag(beam_args, "--runner"):
+        raise UserError(
+            "give the runner as --runner (PreprocessConfig.runner), not as a Beam option"
+        )
     options = PipelineOptions(list(beam_args))
     standard = options.view_as(StandardOptions)
     standard.runner = runner
@@ -173,8 +177,7 @@ def check_dask_scheduler(address: str, timeout: float) -> tuple[int, str | None]
         distributed.comm.get_address_host_port(address)
     except ValueError as error:
         raise UserError(
-            f"--dask-address {address}: not a scheduler address ({error}); "
-            "expected tcp://HOST:PORT"
+            f"--dask-address {address}: not a scheduler address ({error}); expected tcp://HOST:PORT"
         ) from None
     try:
         client = distributed.Client(address, timeout=f"{timeout}s", set_as_default=False)

@@ -85,3 +85,8 @@ def test_malformed_dask_address_is_named(address):
     pytest.importorskip("distributed")
     with pytest.raises(UserError, match=f"--dask-address {address}: not a scheduler address"):
         runners.check_dask_scheduler(address, timeout=2)
+
+
+def test_runner_given_as_a_beam_option_is_refused():
+    with pytest.raises(UserError, match="give the runner as --runner"):
+        runners.pipeline_options(["--runner=DataflowRunner"])
