@@ -9,7 +9,10 @@ does not pay for importing JAX.
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
+import traceback
 from collections.abc import Callable, Sequence
 
 from common.errors import UserError
@@ -118,8 +121,42 @@ def run(name: str, argv: Sequence[str]) -> int:
         return 130
 
 
+def _exit_now_if_threads_linger(code: int) -> None:
+    """Ends the process at once after a failed command whose worker threads still run.
+
+    Python joins every executor thread at exit, so a thread blocked in a call that
+    retries until a timeout (an embedding lookup against a killed shard server) would
+    hold the process for that long after the error was printed.
+    """
+    lingering = [
+        thread
+        for thread in threading.enumerate()
+        if thread is not threading.main_thread() and not thread.daemon
+    ]
+    if lingering:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The `hybridrec` process (argv None: sys.argv) or one command run in-process."""
+    if argv is None:  # the process's entry point: a failure ends it promptly
+        try:
+            code = _main(sys.argv[1:])
+        except SystemExit:  # argparse's --help and usage errors
+            raise
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        if code:
+            _exit_now_if_threads_linger(code)
+        return code
+    return _main(argv)
+
+
+def _main(argv: Sequence[str]) -> int:
+    argv = list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
