@@ -60,8 +60,17 @@ def process_environment(
     return env
 
 
-def _relay(stream, prefix: str, target) -> None:
+# Lines of the libraries' own chatter, dropped from the relayed output unless --verbose:
+# Gloo prints one per process and collective context from C++ straight to stdout.
+CHATTER_PREFIXES = ("[Gloo] ",)
+# ... and the C++ logging of XLA / absl, raised to errors only in the processes' environment
+QUIET_ENVIRONMENT = {"TF_CPP_MIN_LOG_LEVEL": "2", "GLOG_minloglevel": "2"}
+
+
+def _relay(stream, prefix: str, target, drop: tuple[str, ...] = ()) -> None:
     for line in iter(stream.readline, ""):
+        if drop and line.startswith(drop):
+            continue
         target.write(prefix + line)
         target.flush()
     stream.close()
@@ -73,11 +82,13 @@ def launch(
     num_processes: int,
     devices_per_process: int,
     timeout: float | None = None,
+    verbose: bool = False,
 ) -> int:
     """Runs `hybridrec <command>` as `num_processes` processes; returns the first failure's code.
 
     Output of process 0 is passed through; other processes' lines are prefixed with
-    `[pN]`. When one process fails, the others are stopped.
+    `[pN]`. Library chatter (Gloo's connection lines, XLA's C++ logging) is left out
+    unless `verbose`. When one process fails, the others are stopped.
     """
     if num_processes < 1 or devices_per_process < 1:
         raise UserError("--num-processes and --devices-per-process must be >= 1")
@@ -88,6 +99,8 @@ def launch(
     relays: list[threading.Thread] = []
     for process_id in range(num_processes):
         env = process_environment(process_id, num_processes, coordinator, devices_per_process)
+        if not verbose:
+            env = {**QUIET_ENVIRONMENT, **env}  # a level the user set still wins
         child = subprocess.Popen(
             [sys.executable, "-m", "hybridrec", *command],
             env=env,
@@ -99,7 +112,11 @@ def launch(
         processes.append(child)
         prefix = "" if process_id == 0 else f"[p{process_id}] "
         for stream, target in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-            relay = threading.Thread(target=_relay, args=(stream, prefix, target), daemon=True)
+            relay = threading.Thread(
+                target=_relay,
+                args=(stream, prefix, target, () if verbose else CHATTER_PREFIXES),
+                daemon=True,
+            )
             relay.start()
             relays.append(relay)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -211,12 +228,20 @@ def main(argv: list[str]) -> int:
         help="shards over all servers (default 2 per server)",
     )
     parser.add_argument("--server-logs", help="directory for the servers' logs (default: inherit)")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the libraries' own logging (Gloo connection lines, XLA C++ logs)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- <hybridrec command and args>")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     devices = args.devices_per_process or max(1, 8 // args.num_processes)
     launch_args = dict(
-        num_processes=args.num_processes, devices_per_process=devices, timeout=args.timeout
+        num_processes=args.num_processes,
+        devices_per_process=devices,
+        timeout=args.timeout,
+        verbose=args.verbose,
     )
     if args.embedding_servers:
         return launch_with_servers(

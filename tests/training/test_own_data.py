@@ -3,6 +3,7 @@ trained, evaluated and plotted with the defaults (no --set)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -117,3 +118,14 @@ def test_own_schema_trains_evaluates_and_plots_with_the_defaults(tmp_path, cli):
     plotted = cli("plot", str(run_dir))
     assert plotted.stdout.startswith("own_run: wrote ")
     assert (run_dir / "plots" / "curves.png").stat().st_size > 10_000
+
+
+def test_launch_relays_output_without_library_chatter_unless_verbose():
+    from hybridrec.launch import CHATTER_PREFIXES, _relay
+
+    lines = "step 5\n[Gloo] Rank 0 is connected to 1 peer ranks.\ndone\n"
+    quiet, verbose = io.StringIO(), io.StringIO()
+    _relay(io.StringIO(lines), "[p1] ", quiet, CHATTER_PREFIXES)
+    _relay(io.StringIO(lines), "", verbose)
+    assert quiet.getvalue() == "[p1] step 5\n[p1] done\n"
+    assert verbose.getvalue() == lines
