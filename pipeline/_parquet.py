@@ -338,9 +338,10 @@ class ParquetParser:
     def _labels(self, column: pa.Array, reject) -> tuple[np.ndarray, pa.Array]:
         kind = _kind(column.type)
         if kind == "string":
+            negative, positive = (value.encode() for value in self.spec.label_values)
             text = pc.cast(column, pa.large_binary())
-            ones = pc.equal(text, b"1").fill_null(False).to_numpy(zero_copy_only=False)
-            zeros = pc.equal(text, b"0").fill_null(False).to_numpy(zero_copy_only=False)
+            ones = pc.equal(text, positive).fill_null(False).to_numpy(zero_copy_only=False)
+            zeros = pc.equal(text, negative).fill_null(False).to_numpy(zero_copy_only=False)
             ok = ones | zeros
         else:
             numbers = pc.cast(column, pa.float64()).fill_null(math.nan)
@@ -351,6 +352,8 @@ class ParquetParser:
             value = column[row].as_py()
             if value is None:
                 return "label is missing (null)"
+            if kind == "string":
+                return f"label {_json_value(value)!r} is not {' or '.join(self.spec.label_values)}"
             return f"label {_json_value(value)!r} is not 0 or 1"
 
         reject(np.flatnonzero(~ok), "bad_label", describe)

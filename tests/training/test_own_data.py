@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
-from pipeline import BlockParser, load_spec
+from pipeline import BlockParser, ParquetParser, load_spec
 from pipeline.metadata import SUCCESS_FILE
 
 from .conftest import REPO_ROOT
@@ -95,6 +96,18 @@ def test_parser_maps_string_labels_and_names_other_values(tmp_path):
     [(line, reason, detail, _)] = parsed.rejected
     assert (line, reason) == (2, "bad_label")
     assert detail == "label '1' is not noclick or click"
+
+
+def test_parquet_input_maps_string_labels_like_text(tmp_path):
+    (tmp_path / "own.toml").write_text(OWN_SPEC)
+    spec = load_spec(tmp_path / "own.toml")
+    rows = [["r1", "t", "click"], ["r2", "t", "noclick"], ["r3", "t", "1"]]
+    columns = {name: [row[i] for row in rows] for i, name in enumerate(OWN_COLUMNS[:3])}
+    columns.update({name: ["a", "b", "c"] for name in OWN_COLUMNS[3:]})
+    parsed = ParquetParser(spec).parse(pa.RecordBatch.from_pydict(columns))
+    assert parsed.table.column("outcome").to_pylist() == [1.0, 0.0]
+    [(line, reason, detail, _)] = parsed.rejected
+    assert (line, reason, detail) == (2, "bad_label", "label '1' is not noclick or click")
 
 
 def test_own_schema_trains_evaluates_and_plots_with_the_defaults(tmp_path, cli):
