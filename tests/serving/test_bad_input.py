@@ -265,3 +265,24 @@ def test_export_of_a_directory_that_is_not_a_run(tmp_path):
         timeout=120,
     )  # fmt: skip
     assert result.returncode == 2 and "not a run directory" in result.stderr
+
+
+def test_failed_export_leaves_nothing_visible(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained.run, run)
+    out = tmp_path / "export"
+    first = subprocess.run(
+        [sys.executable, "-m", "hybridrec", "export", "--run", str(run), "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    # a damaged embedding checkpoint: the next export fails after it started writing
+    shard = sorted((run / "checkpoints" / "embeddings").glob("step-*/*/shard-*"))[0]
+    shutil.rmtree(shard / "values")
+    second = subprocess.run(
+        [sys.executable, "-m", "hybridrec", "export", "--run", str(run), "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert second.returncode == 2 and "values" in second.stderr
+    assert sorted(path.name for path in out.iterdir()) == ["1"]  # no version 2, no leftovers
+    ServedModel(out)  # version 1 is untouched
