@@ -472,6 +472,12 @@ def _run_with_progress(pipeline, progress_dir: str | None, total_bytes: int, str
         )
         if match:
             raise UserError(match.group(1)) from None
+        if type(error).__name__ == "KilledWorker":  # distributed.KilledWorker, as Dask names it
+            raise UserError(
+                "the Dask job failed: worker processes died running the same task until Dask "
+                f"stopped retrying it (distributed.scheduler.allowed-failures): {error.args[0]!r}; "
+                "nothing was published, rerun the same command"
+            ) from None
         raise error
     return progress
 

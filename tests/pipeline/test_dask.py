@@ -134,11 +134,12 @@ def test_killed_worker_is_retried_or_fails_cleanly(inputs, tmp_path, allowed_fai
         outcome = kill_a_worker_mid_job(cluster.scheduler_address, out, argv)
         if outcome == [0]:  # Dask ran the lost tasks again
             assert_same_output(tmp_path / "direct", out)
-        else:  # or gave up: nothing published, nothing partial left
+        else:  # or gave up: a one-line error, nothing published, nothing partial left
+            assert outcome == [2], outcome  # the KilledWorker as a one-line error
             assert not (out / "_SUCCESS").exists() and not (out / "metadata.json").exists()
             assert not (out / "train").exists() and not (out / "_temporary" / "train").exists()
             assert not (out / "_temporary" / "stats").exists()
-        assert preprocess(*argv, "--overwrite") == 0
+        assert preprocess(*argv, "--overwrite") == 0, f"rerun after {outcome}"
     assert_same_output(tmp_path / "direct", out)
 
 
