@@ -60,6 +60,17 @@ def inputs(tmp_path_factory):
     return [root / "day_0.tsv", root / "day_1.tsv.gz"]
 
 
+FLAGS = ["--chunk-mb", "0.5", "--eval-fraction", "0.2"]  # ~12 chunks of the generated input
+
+
+@pytest.fixture(scope="module")
+def direct(inputs, tmp_path_factory):
+    """The DirectRunner's output on the generated input: what every Dask run must equal."""
+    out = tmp_path_factory.mktemp("direct") / "out"
+    assert preprocess("-i", *inputs, "-o", out, *FLAGS, *DIRECT) == 0
+    return out
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A running 2-worker Dask cluster, reached with --dask-address."""
@@ -69,10 +80,8 @@ def cluster():
         yield local
 
 
-def test_local_cluster_matches_direct_runner(inputs, tmp_path, capfd):
-    flags = ["--chunk-mb", "1", "--eval-fraction", "0.2"]
-    assert preprocess("-i", *inputs, "-o", tmp_path / "direct", *flags, *DIRECT) == 0
-    capfd.readouterr()
+def test_local_cluster_matches_direct_runner(inputs, direct, tmp_path, capfd):
+    flags = FLAGS
     dask = ["--runner", "Dask", "--dask-workers", "2"]
     assert preprocess("-i", *inputs, "-o", tmp_path / "dask", *flags, *dask) == 0
     captured = capfd.readouterr()
@@ -84,7 +93,7 @@ def test_local_cluster_matches_direct_runner(inputs, tmp_path, capfd):
     assert len(meta["splits"]["train"]["files"]) > 3  # several chunks ran as several tasks
     assert meta["rejected_files"] == ["rejected/rejected-00000-of-00002.jsonl",
                                       "rejected/rejected-00001-of-00002.jsonl"]  # fmt: skip
-    assert_same_output(tmp_path / "direct", tmp_path / "dask")
+    assert_same_output(direct, tmp_path / "dask")
 
 
 def test_running_cluster_matches_direct_runner_on_the_real_sample(criteo_sample, cluster, tmp_path):
@@ -120,9 +129,8 @@ def kill_a_worker_mid_job(address, out, argv) -> list:
 
 
 @pytest.mark.parametrize("allowed_failures", [3, 0], ids=["dask_retries", "dask_gives_up"])
-def test_killed_worker_is_retried_or_fails_cleanly(inputs, tmp_path, allowed_failures):
-    flags = ["--chunk-mb", "0.5", "--eval-fraction", "0.2"]
-    assert preprocess("-i", *inputs, "-o", tmp_path / "direct", *flags, *DIRECT) == 0
+def test_killed_worker_is_retried_or_fails_cleanly(inputs, direct, tmp_path, allowed_failures):
+    flags = FLAGS
     out = tmp_path / "dask"
     with dask.config.set({"distributed.scheduler.allowed-failures": allowed_failures}):
         cluster = distributed.LocalCluster(
@@ -133,14 +141,14 @@ def test_killed_worker_is_retried_or_fails_cleanly(inputs, tmp_path, allowed_fai
         argv = ["-i", *inputs, "-o", out, *flags, *address]
         outcome = kill_a_worker_mid_job(cluster.scheduler_address, out, argv)
         if outcome == [0]:  # Dask ran the lost tasks again
-            assert_same_output(tmp_path / "direct", out)
+            assert_same_output(direct, out)
         else:  # or gave up: a one-line error, nothing published, nothing partial left
             assert outcome == [2], outcome  # the KilledWorker as a one-line error
             assert not (out / "_SUCCESS").exists() and not (out / "metadata.json").exists()
             assert not (out / "train").exists() and not (out / "_temporary" / "train").exists()
             assert not (out / "_temporary" / "stats").exists()
         assert preprocess(*argv, "--overwrite") == 0, f"rerun after {outcome}"
-    assert_same_output(tmp_path / "direct", out)
+    assert_same_output(direct, out)
 
 
 def test_unreachable_scheduler_leaves_the_output_alone(inputs, tmp_path, capsys):
