@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import math
+import os
 from pathlib import Path
 from typing import Any
 
