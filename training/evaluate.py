@@ -85,12 +85,22 @@ def evaluate_checkpoint(
     """
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).exists():
-        raise UserError(f"{run_dir}: not a run directory (no {CONFIG_FILE})")
+        what = (
+            "does not exist"
+            if not run_dir.exists()
+            else f"is not a run directory (no {CONFIG_FILE})"
+        )
+        raise UserError(
+            f"{run_dir} {what}; train one with `hybridrec train --data DATA_DIR --run-dir {run_dir}`"
+        )
     job = prepare(load_config(None, list(overrides), run_dir), distributed=distributed)
     checkpoints = RunCheckpoints(run_dir, keep=job.config.checkpoint.keep)
     step = step if step is not None else checkpoints.latest_step()
     if step is None:
-        raise UserError(f"{run_dir}: no complete checkpoint to evaluate")
+        raise UserError(
+            f"{run_dir}: no complete checkpoint to evaluate (training stopped before its first); "
+            f"continue it with `hybridrec train --resume --run-dir {run_dir}`"
+        )
     state = checkpoints.restore_dense(step, job.new_state())
     store = job.open_store(checkpoints, step, remote=False)
     try:

@@ -21,11 +21,19 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(
+            f"run directory {run_dir} does not exist; `hybridrec train --data DATA_DIR "
+            f"--run-dir {run_dir}` makes one"
+        )
     records = list(read_records(run_dir))
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     if not train:
-        raise UserError(f"{run_dir}: no training records in metrics.jsonl to plot")
+        raise UserError(
+            f"{run_dir}: no training records in metrics.jsonl to plot (is it a directory written "
+            "by `hybridrec train`? records come every log.every_steps steps)"
+        )
     bound = None
     config_path = run_dir / "config.json"
     if config_path.exists():

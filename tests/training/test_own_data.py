@@ -142,3 +142,19 @@ def test_launch_relays_output_without_library_chatter_unless_verbose():
     _relay(io.StringIO(lines), "", verbose)
     assert quiet.getvalue() == "[p1] step 5\n[p1] done\n"
     assert verbose.getvalue() == lines
+
+
+def test_evaluate_and_plot_of_a_missing_run_name_the_command_that_makes_one(tmp_path, capsys):
+    from hybridrec import cli as command_line
+
+    missing = tmp_path / "no_run"
+    assert command_line.main(["evaluate", "--run", str(missing)]) == 2
+    assert command_line.main(["plot", str(missing)]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert errors == [
+        f"hybridrec evaluate: error: {missing} does not exist; train one with "
+        f"`hybridrec train --data DATA_DIR --run-dir {missing}`",
+        f"hybridrec plot: error: run directory {missing} does not exist; "
+        f"`hybridrec train --data DATA_DIR --run-dir {missing}` makes one",
+    ]
+    assert not missing.exists()
