@@ -35,10 +35,6 @@ from embedding_store._fingerprint import table_fingerprint
 from embedding_store.checkpoint import check_compatible, latest_checkpoint_step, read_manifest
 from embedding_store.config import TableConfig
 from embedding_store.errors import EmbeddingStoreError
-
-# Transitional: tests/training/test_remote_training.py imports these from here; their home
-# is `embedding_store.processes`.
-from embedding_store.processes import start_servers, stop_servers  # noqa: F401
 from embedding_store.shard import LocalShard
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MAX_REQUEST_ROWS", "ShardServer"]

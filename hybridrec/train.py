@@ -33,6 +33,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
     if store:
         lines.append(
             f"  embeddings      {store.get('rows', 0):,} rows in {store.get('num_shards', 0)} shards, "
+            f"{store.get('bytes_held', 0) / 2**20:,.1f} MiB held (ceiling "
+            f"{store.get('bytes_at_capacity', 0) / 2**30:,.1f} GiB at capacity), "
             f"{store.get('evicted_lru', 0) + store.get('evicted_ttl', 0):,} evicted, "
             f"{store.get('nonfinite_skipped', 0):,} non-finite updates skipped"
         )

@@ -153,7 +153,15 @@ class HybridTrainer:
                         record = meter.flush(step, pipeline.timings())
                         counters["seconds"] += record.pop("seconds")
                         progress_fields = {k: record[k] for k in ("loss", "staleness_mean")}
-                        log.write("train", step, samples=counters["samples"], **record)
+                        held = self.store.stats()
+                        log.write(
+                            "train",
+                            step,
+                            samples=counters["samples"],
+                            store_bytes_held=held.get("bytes_held"),
+                            store_bytes_at_capacity=held.get("bytes_at_capacity"),
+                            **record,
+                        )
                     with meter.paused():  # saving and evaluating are not training time
                         if save_now:
                             self._save(step, result.position, counters)

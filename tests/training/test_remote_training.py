@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from embedding_store import EmbeddingStore
+from embedding_store.processes import start_servers, stop_servers
 from embedding_store.remote import connect
-from embedding_store.server import start_servers, stop_servers
 from pipeline import read_metadata
 from training.job import load_config
 from training.tables import plan_tables
