@@ -5,7 +5,8 @@ For each number of servers S it starts S `hybridrec serve-embeddings` processes 
 each number of clients C runs C trainer-like client processes for --duration seconds.
 A client loops: a batch of --batch samples x --features Zipf-skewed ids (one table,
 dim --dim) -> dedupe -> lookup -> update (SGD, learning rate 1, zero init, gradient 1
-per distinct id), so a row's value is minus the number of updates it took. Measured
+per distinct id), so a row's value is minus the number of updates it took. Each client
+draws --batch-pool batches before the clock starts and cycles through them. Measured
 per (S, C):
 
 - lookup+update rows/s (distinct rows looked up plus rows updated, over all clients),
@@ -80,18 +81,22 @@ def client(index: int, addresses: list[str], args, start_at: float, results, may
         [table(args)], shards=connect(addresses, [table(args)], token=None, retry_timeout=30)
     )
     rng = np.random.default_rng([index, int(start_at)])
+    # Batches are drawn before the clock starts and cycled, so that the clients spend
+    # their CPU on the requests (as a trainer's input pipeline runs ahead of the lookups).
+    pool = []
+    for _ in range(args.batch_pool):
+        ranks = np.unique((rng.zipf(1.1, size=args.batch * args.features) - 1) % args.distinct)
+        pool.append((ranks, ids_of(ranks), np.ones((len(ranks), args.dim), np.float32)))
     counts = np.zeros(args.distinct, np.int64)
     latencies, rows, samples = [], 0, 0
     time.sleep(max(0.0, start_at - time.time()))  # every client starts together
     deadline = start_at + args.duration
     cpu = time.process_time()
     while time.time() < deadline:
-        raw = (rng.zipf(1.1, size=args.batch * args.features) - 1) % args.distinct
-        ranks = np.unique(raw)
-        ids = ids_of(ranks)
+        ranks, ids, gradients = pool[len(latencies) % len(pool)]
         begin = time.perf_counter()
         store.lookup(TABLE, ids).result()
-        store.apply_gradients(TABLE, ids, np.ones((len(ids), args.dim), np.float32)).result()
+        store.apply_gradients(TABLE, ids, gradients).result()
         latencies.append(time.perf_counter() - begin)
         counts[ranks] += 1
         rows += 2 * len(ids)
@@ -130,7 +135,7 @@ def run_clients(num_clients: int, servers, args, totals: np.ndarray) -> dict:
     context = multiprocessing.get_context("spawn")
     results, may_close = context.Queue(), context.Event()
     addresses = [server.address for server in servers]
-    start_at = time.time() + 3.0 + 1.5 * num_clients  # time for the clients to import
+    start_at = time.time() + 5.0 + 2.0 * num_clients  # time to import and draw batches
     processes = [
         context.Process(target=client, args=(index, addresses, args, start_at, results, may_close))
         for index in range(num_clients)
@@ -189,6 +194,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=16, help="embedding dimension")
     parser.add_argument("--distinct", type=int, default=2_000_000, help="id universe size")
     parser.add_argument("--capacity", type=int, default=4_000_000, help="table rows")
+    parser.add_argument("--batch-pool", type=int, default=32, help="distinct batches per client")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     tables_file = workdir / "tables.toml"
