@@ -49,7 +49,7 @@ from apache_beam.metrics import Metrics  # noqa: E402
 
 from common.errors import UserError  # noqa: E402
 from common.progress import Progress  # noqa: E402
-from pipeline import _chunks, _errors, _output, _parquet, runners  # noqa: E402
+from pipeline import _chunks, _errors, _output, _parquet, _placement, runners  # noqa: E402
 from pipeline._parse import BlockParser  # noqa: E402
 from pipeline.config import PreprocessConfig  # noqa: E402
 from pipeline.spec import FeatureSpec, load_spec  # noqa: E402
@@ -204,8 +204,8 @@ class _PlaceRowsFn(beam.DoFn):
         header = (
             self.spec.header and placed.chunk.format == "text" and placed.chunk.chunk_index == 0
         )
-        row_lines = _chunks.kept_lines(placed.lines, rejected_lines, header)
-        train = _chunks.split_written_chunk(
+        row_lines = _placement.kept_lines(placed.lines, rejected_lines, header)
+        train = _placement.split_written_chunk(
             self.temp_dir, key, row_lines, first_eval,
             spec=self.spec, schema=self.schema, compression=self.compression,
         )  # fmt: skip

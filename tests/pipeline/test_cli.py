@@ -227,6 +227,27 @@ def test_header_spec_checks_the_header(tmp_path, capsys):
     assert f"{wrong}: line 1: header" in capsys.readouterr().err
 
 
+def test_position_split_inside_a_header_file_with_a_bad_row(tmp_path):
+    """The eval boundary falls inside the first chunk, which holds the header and a bad row."""
+    columns = "id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,app_category,device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,C16,C17,C18,C19,C20,C21"
+    values = "1000009418151094273,{},14102100,1005,0,1fbe01fe,f3845767,28905ebd,ecad2386,7801e8d9,07d7df22,a99f214a,ddd2926e,44956a24,1,2,15706,320,50,1722,0,35,-1,{}"
+    rows = [values.format(0, 1), values.format(0, 2), "too,few", values.format(1, 3)]
+    rows += [values.format(1, 4), values.format(1, 5)]
+    path = tmp_path / "avazu.csv"
+    path.write_text(columns + "\n" + "\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    flags = ["--spec", "avazu", "--eval-fraction", "0.4", *IN_MEMORY]
+    assert preprocess("-i", path, "-o", out, *flags) == 0
+    meta = read_metadata(out)
+    # 7 lines (header included); eval is the last round(7 * 0.4) = 3: the rows of lines 5-7
+    assert read_all(meta, "train").column("click").to_pylist() == [0.0, 0.0]
+    assert read_all(meta, "eval").column("click").to_pylist() == [1.0, 1.0, 1.0]
+    assert len(set(read_all(meta, "eval").column("C21").to_pylist())) == 3  # rows 3, 4, 5
+    assert meta.raw["stats"]["label_rate"] == 0.0
+    rejected = json.loads((out / meta.raw["rejected_files"][0]).read_text())
+    assert (rejected["line"], rejected["reason"]) == (4, "wrong_field_count")
+
+
 def test_real_criteo_sample(criteo_sample, tmp_path, capsys):
     out = tmp_path / "out"
     assert preprocess("-i", criteo_sample, "-o", out) == 0
