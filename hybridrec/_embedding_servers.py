@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 from common.errors import UserError
 from embedding_store.remote import DEFAULT_RETRY_TIMEOUT, parse_addresses
 from embedding_store.wire import TOKEN_ENV
+from hybridrec._flags import read_token_file
 
 SERVERS_ENV = "HYBRIDREC_EMBEDDING_SERVERS"
 RETRY_TIMEOUT_ENV = "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT"
@@ -61,13 +61,7 @@ def embedding_servers(configured: str | Sequence[str] | None) -> EmbeddingServer
 def read_token(path: str | None) -> str | None:
     """The shared secret from the file at `path`, else $HYBRIDREC_EMBEDDING_TOKEN, else None."""
     if path:
-        try:
-            token = Path(path).read_text().strip()
-        except OSError as error:
-            raise UserError(f"--token-file {path}: {error.strerror}") from None
-        if not token:
-            raise UserError(f"--token-file {path} is empty")
-        return token
+        return read_token_file(path)
     return os.environ.get(TOKEN_ENV) or None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
@@ -14,6 +15,17 @@ def add_override_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text
     )
+
+
+def read_token_file(path: str | Path, flag: str = "--token-file") -> str:
+    """The shared secret in the file at `path` (surrounding whitespace ignored)."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise UserError(f"{flag} {path}: cannot read the token file ({error.strerror})") from None
+    if not token:
+        raise UserError(f"{flag} {path}: the token file is empty")
+    return token
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from serving.server import ServeOptions, read_token, serve
+from hybridrec._flags import read_token_file
+from serving.server import ServeOptions, serve
 
 
 def main(argv: list[str]) -> int:
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> int:
         max_delay_ms=args.max_delay_ms,
         max_rows=args.max_rows,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
-        token=read_token(args.token_file) if args.token_file else None,
+        token=read_token_file(args.token_file) if args.token_file else None,
         watch=args.watch,
         checksums=not args.skip_checksums,
     )
