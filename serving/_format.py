@@ -6,7 +6,9 @@ Layout of one export version (`hybridrec export` writes `EXPORT/<version>/`):
                            and every other file with its size and sha256
     model.stablehlo        the dense tower: jax.export serialization, batch dimension symbolic
     features.json          feature spec, hash scheme, dense transform, dataset statistics,
-                           feature -> table, pooling, each table's default-row rule
+                           feature -> table, feature -> kind (single | multi), the
+                           pooling of multi-valued features' bags, each table's
+                           default-row rule
     tables/<table>/ids.npy         [rows] uint64, sorted: the id -> row index
     tables/<table>/values.npy      [rows, dim] float32 | float16 | uint8 (int8 row-wise)
     tables/<table>/scale_bias.npy  [rows, 2] float16 (int8 only): value = q * scale + bias

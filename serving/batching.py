@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import UserError
+from serving.bags import concatenate, num_rows, slice_rows
 
 
 @dataclasses.dataclass
@@ -32,7 +33,7 @@ class _Request:
     rows: int  # rows in the request
     future: asyncio.Future
     lines: list | None = None  # raw rows, or:
-    ids: np.ndarray | None = None  # [n, F] uint64
+    ids: Any = None  # [n, F] uint64, or {feature: [n] uint64 | RaggedIds} (serving.bags)
     dense: np.ndarray | None = None  # [n, d] float32
 
 
@@ -53,7 +54,7 @@ def _encode(model: Any, batch: list[_Request]) -> dict[int, Any]:
         return encoded
     bounds = np.cumsum([0] + [batch[i].rows for i in raw])
     return {
-        index: (ids[start:stop], dense[start:stop])
+        index: (slice_rows(ids, start, stop), dense[start:stop])
         for index, start, stop in zip(raw, bounds[:-1], bounds[1:], strict=True)
     }
 
@@ -66,7 +67,7 @@ def _execute(model: Any, batch: list[_Request]) -> list[Any]:
     results: list[Any] = list(inputs)
     if not good:
         return results
-    ids = np.concatenate([inputs[i][0] for i in good])
+    ids = concatenate([inputs[i][0] for i in good])
     dense = np.concatenate([inputs[i][1] for i in good])
     probabilities, unseen = model.predict(ids, dense)
     start = 0
@@ -111,18 +112,19 @@ class DynamicBatcher:
         model: Any,
         *,
         lines: list | None = None,
-        ids: np.ndarray | None = None,
+        ids: Any = None,
         dense: np.ndarray | None = None,
     ):
         """(probabilities [n] float32, unseen [n] int64) of one request's rows.
 
-        Pass raw `lines`, or hashed `ids` [n, F] uint64 and `dense` [n, d] float32.
+        Pass raw `lines`, or hashed `ids` ([n, F] uint64 or {feature: [n] uint64 |
+        RaggedIds}) and `dense` [n, d] float32.
 
         Raises:
             pipeline.RowError: a raw row the Beam job would reject.
         """
         future = asyncio.get_running_loop().create_future()
-        rows = len(lines) if lines is not None else len(ids)
+        rows = len(lines) if lines is not None else num_rows(ids)
         await self._queue.put(_Request(model, rows, future, lines=lines, ids=ids, dense=dense))
         return await future
 

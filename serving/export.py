@@ -153,10 +153,6 @@ def export_run(
         raise UserError(f"model name {name!r} must use only letters, digits, _ - .")
     config = load_config(None, [], run_dir)
     metadata = read_metadata(config.data.path)
-    if any(feature.multi_valued for feature in metadata.categorical):
-        raise UserError(
-            f"{config.data.path}: multi-valued features are not supported by export yet"
-        )
     checkpoints = RunCheckpoints(run_dir, keep=config.checkpoint.keep)
     step = step if step is not None else checkpoints.latest_step()
     if step is None:
@@ -201,6 +197,11 @@ def export_run(
             "hash_scheme": metadata.raw.get("hash_scheme", hash_scheme(8)),
             "statistics": metadata.raw.get("stats", {}),
             "feature_tables": dict(plan.feature_tables),
+            # single: one id per row; multi: a bag of ids per row, pooled with `pooling`
+            "feature_kinds": {
+                feature.name: "multi" if feature.multi_valued else "single"
+                for feature in metadata.categorical
+            },
             "pooling": config.embedding.pooling,
             "embedding_dim": config.embedding.dim,
             "default_rows": {table.name: _default_rule(table) for table in plan.tables},

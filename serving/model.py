@@ -4,8 +4,12 @@
 
     ids [n, F] uint64 ──► per table: searchsorted in the sorted id index (memory-mapped)
                       ──► rows (fp32 / fp16 / int8 dequantized), unseen ids -> default row
+                      ──► a multi-valued feature's bag: its rows pooled (sum, mean, sqrtn)
     embeddings [n, F, D], dense [n, d] ──► tower (jax.export module, padded to a bucket)
                       ──► probabilities [n] float32
+
+With multi-valued features, `ids` is {feature: [n] uint64 | RaggedIds} (see
+`serving.bags`), pooled exactly as training's `lookup_features` pools.
 
 Tables stay on disk (`np.load(mmap_mode="r")`): the page cache holds the hot rows, so
 a table larger than RAM is served without loading it.
@@ -23,9 +27,10 @@ import jax
 import numpy as np
 
 from common import config as config_lib
-from embedding_store import EmbeddingStore, TableConfig
+from embedding_store import EmbeddingStore, RaggedIds, TableConfig
 from pipeline import RowEncoder, spec_from_json
 from serving import _format
+from serving.bags import POOLINGS, Ids, bag_rows, check_bag, pool_bags
 
 MIN_BUCKET = 8  # smallest padded batch: one compiled shape serves 1..8 rows
 
@@ -103,6 +108,19 @@ class ServedModel:
             raise _format.ExportError(f"{features_path}: unreadable ({error})") from None
         self.encoder = RowEncoder(self.spec)
         self.feature_names = [feature.name for feature in self.spec.categorical]
+        self.bag_features = [f.name for f in self.spec.categorical if f.multi_valued]
+        self.single_features = [f.name for f in self.spec.categorical if not f.multi_valued]
+        self.pooling = self.features.get("pooling")
+        kinds = self.features.get("feature_kinds")  # absent in exports without bags
+        if kinds is not None and kinds != {
+            f.name: "multi" if f.multi_valued else "single" for f in self.spec.categorical
+        }:
+            raise _format.ExportError(f"{features_path}: feature_kinds disagree with the spec")
+        if self.bag_features and self.pooling not in POOLINGS:
+            raise _format.ExportError(
+                f"{features_path}: pooling {self.pooling!r} is not one of {', '.join(POOLINGS)} "
+                f"(needed by the multi-valued features {', '.join(self.bag_features)})"
+            )
         self.num_dense = len(self.spec.dense)
         self.dim = int(self.features["embedding_dim"])
         feature_tables = self.features["feature_tables"]
@@ -131,13 +149,25 @@ class ServedModel:
 
     # ------------------------------------------------------------------ inputs
 
-    def encode_rows(self, lines: Sequence[bytes | str]) -> tuple[np.ndarray, np.ndarray]:
-        """Raw rows -> (ids [n, F] uint64, dense [n, d] float32), as the Beam job does.
+    def encode_rows(self, lines: Sequence[bytes | str]) -> tuple[Ids, np.ndarray]:
+        """Raw rows -> (ids, dense [n, d] float32), as the Beam job does.
+
+        ids is [n, F] uint64, or with multi-valued features {feature: [n] uint64 |
+        RaggedIds} in spec order.
 
         Raises:
             pipeline.RowError: a row the job would reject (its index and reason).
         """
         encoded = self.encoder.encode(lines)
+        if self.bag_features:
+            ids = {}
+            for name in self.feature_names:
+                feature = encoded.ids[name]
+                if isinstance(feature, tuple):
+                    values, offsets = feature
+                    feature = RaggedIds(values=values, offsets=offsets.astype(np.int64))
+                ids[name] = feature
+            return ids, encoded.dense
         ids = np.empty((len(encoded.dense), len(self.feature_names)), np.uint64)
         for column, name in enumerate(self.feature_names):
             ids[:, column] = encoded.ids[name]
@@ -145,21 +175,60 @@ class ServedModel:
 
     # ------------------------------------------------------------------ forward
 
-    def embeddings(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """ids [n, F] uint64 -> (embeddings [n, F, D] float32, unseen [n] int64 per row)."""
-        n, num_features = ids.shape
-        out = np.empty((n, num_features, self.dim), np.float32)
+    def _columns(self, ids: Ids) -> tuple[int, list[np.ndarray | RaggedIds]]:
+        """(rows, per feature in spec order: ids [n] uint64 or a checked RaggedIds)."""
+        if isinstance(ids, np.ndarray):
+            if self.bag_features:
+                raise ValueError(
+                    f"multi-valued features {', '.join(self.bag_features)} need ids as "
+                    "{feature: [n] ids | RaggedIds}, not one [n, F] array"
+                )
+            return len(ids), [ids[:, column] for column in range(ids.shape[1])]
+        if list(ids) != self.feature_names:
+            raise ValueError(f"ids must hold the features {self.feature_names} in this order")
+        columns = [ids[name] for name in self.feature_names]
+        first = columns[0]
+        rows = len(first.offsets) - 1 if isinstance(first, RaggedIds) else len(first)
+        for name, column in zip(self.feature_names, columns, strict=True):
+            if name in self.bag_features:
+                if not isinstance(column, RaggedIds):
+                    raise ValueError(f"feature {name!r} is multi-valued: pass a RaggedIds")
+                check_bag(name, column.values, column.offsets, rows)
+            elif not isinstance(column, np.ndarray) or column.shape != (rows,):
+                raise ValueError(f"feature {name!r}: ids must be a [{rows}] uint64 array")
+        return rows, columns
+
+    def _lookup(self, table: ServedTable, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ids [m] uint64 -> (rows [m, D] float32, found [m] bool); unseen ids get defaults."""
+        rows, found = table.find(ids)
+        if found.all():
+            return table.rows(rows), found
+        out = np.empty((len(ids), self.dim), np.float32)
+        out[found] = table.rows(rows[found])
+        out[~found] = self._defaults(table.name, ids[~found], self.dim)
+        with self._lock:
+            self.unseen[table.name] += int(np.count_nonzero(~found))
+        return out, found
+
+    def embeddings(self, ids: Ids) -> tuple[np.ndarray, np.ndarray]:
+        """ids -> (embeddings [n, F, D] float32, unseen [n] int64 per row).
+
+        Args:
+            ids: [n, F] uint64, or {feature: [n] uint64 | RaggedIds} in spec order.
+        """
+        n, columns = self._columns(ids)
+        out = np.empty((n, len(columns), self.dim), np.float32)
         unseen = np.zeros(n, np.int64)
-        for column, table in enumerate(self._feature_tables):
-            rows, found = table.find(ids[:, column])
-            if found.all():
-                out[:, column] = table.rows(rows)
-                continue
-            out[found, column] = table.rows(rows[found])
-            out[~found, column] = self._defaults(table.name, ids[~found, column], self.dim)
-            unseen += ~found
-            with self._lock:
-                self.unseen[table.name] += int(np.count_nonzero(~found))
+        for column, (feature, table) in enumerate(zip(columns, self._feature_tables, strict=True)):
+            if isinstance(feature, RaggedIds):
+                values = np.ascontiguousarray(feature.values, np.uint64)
+                offsets = feature.offsets.astype(np.int64, copy=False)
+                rows, found = self._lookup(table, values)
+                out[:, column] = pool_bags(rows, offsets, self.pooling)
+                unseen += np.bincount(bag_rows(offsets)[~found], minlength=n)
+            else:
+                out[:, column], found = self._lookup(table, feature)
+                unseen += ~found
         return out, unseen
 
     def _run_tower(self, embeddings: np.ndarray, dense: np.ndarray) -> np.ndarray:
@@ -172,11 +241,12 @@ class ServedModel:
             dense = np.concatenate([dense, np.zeros((bucket - n, dense.shape[1]), np.float32)])
         return np.asarray(self._tower(embeddings, dense))[:n]
 
-    def predict(self, ids: np.ndarray, dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def predict(self, ids: Ids, dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Click probabilities.
 
         Args:
-            ids: [n, F] uint64 hashed ids, features in spec order.
+            ids: [n, F] uint64 hashed ids, features in spec order; with multi-valued
+                features {feature: [n] uint64 | RaggedIds} in spec order.
             dense: [n, d] float32 transformed dense values.
 
         Returns:
@@ -188,10 +258,10 @@ class ServedModel:
             self._run_tower(
                 embeddings[start : start + self.max_batch], dense[start : start + self.max_batch]
             )
-            for start in range(0, len(ids), self.max_batch)
+            for start in range(0, len(dense), self.max_batch)
         ]
         with self._lock:
-            self.rows_scored += len(ids)
+            self.rows_scored += len(dense)
         probabilities = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         return probabilities.astype(np.float32, copy=False), unseen
 

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from embedding_store import EmbeddingStore
+from embedding_store import EmbeddingStore, RaggedIds
 from model import create_train_state, local_rows, make_eval_step, make_global_batch, make_mesh
 from pipeline import read_metadata
+from serving.bags import concatenate, slice_rows
 from training.checkpoint import RunCheckpoints
 from training.job import load_config
 from training.tables import plan_tables
@@ -29,7 +31,9 @@ def evaluate_rows(run_dir: str | Path, data_dir: str | Path | None = None, split
     admission, the restored dense state, and `model.make_eval_step` on the run's mesh over this process's devices.
 
     Returns:
-        ids [n, F] uint64, dense [n, d] float32, labels [n] float32, probabilities [n] float32.
+        ids, dense [n, d] float32, labels [n] float32, probabilities [n] float32. ids is
+        [n, F] uint64 when every feature is single-valued, else {feature: [n] uint64 |
+        RaggedIds} in spec order (the form `ServedModel.predict` takes).
     """
     run_dir = Path(run_dir)
     config = load_config(None, [], run_dir)
@@ -51,8 +55,7 @@ def evaluate_rows(run_dir: str | Path, data_dir: str | Path | None = None, split
     checkpoints.close()
     eval_step = make_eval_step(mesh)
     table = pq.read_table(metadata.split_files(split))
-    names = [feature.name for feature in metadata.categorical]
-    ids = np.stack([table.column(n).to_numpy().astype(np.uint64) for n in names], axis=1)
+    features = {feature.name: _feature_ids(table, feature) for feature in metadata.categorical}
     dense = np.stack(
         [table.column(n).to_numpy().astype(np.float32) for n in metadata.dense_columns], axis=1
     )
@@ -62,14 +65,18 @@ def evaluate_rows(run_dir: str | Path, data_dir: str | Path | None = None, split
     with EmbeddingStore.restore(
         checkpoints.embeddings_url, plan.tables, step=step, num_shards=4
     ) as store:
-        for start in range(0, len(ids), batch):
-            rows = slice(start, min(start + batch, len(ids)))
-            count = rows.stop - rows.start
+        for start in range(0, len(dense), batch):
+            stop = min(start + batch, len(dense))
+            count = stop - start
             pad = batch - count  # evaluate pads its final batch to the full size: same shapes
-            batch_ids = np.concatenate([ids[rows], np.repeat(ids[rows][:1], pad, 0)])
-            batch_dense = np.concatenate([dense[rows], np.repeat(dense[rows][:1], pad, 0)])
+            batch_ids = {
+                name: _pad(slice_rows(ids, start, stop), pad) for name, ids in features.items()
+            }
+            batch_dense = np.concatenate(
+                [dense[start:stop], np.repeat(dense[start:stop][:1], pad, 0)]
+            )
             pooled = store.lookup_features(
-                {name: batch_ids[:, column] for column, name in enumerate(names)},
+                batch_ids,
                 feature_tables=plan.feature_tables,
                 pooling=config.embedding.pooling,
                 train=False,
@@ -78,4 +85,25 @@ def evaluate_rows(run_dir: str | Path, data_dir: str | Path | None = None, split
                 {"embeddings": pooled.embeddings, "dense": batch_dense}, mesh
             )
             probabilities.append(local_rows(eval_step(state, global_batch))[:count])
-    return ids, dense, labels, np.concatenate(probabilities)
+    if not any(feature.multi_valued for feature in metadata.categorical):
+        features = np.stack(list(features.values()), axis=1)
+    return features, dense, labels, np.concatenate(probabilities)
+
+
+def _feature_ids(table, feature) -> np.ndarray | RaggedIds:
+    """One categorical column: ids [n] uint64, or a RaggedIds of a list column."""
+    column = table.column(feature.name)
+    if not feature.multi_valued:
+        return column.to_numpy().astype(np.uint64)
+    column = column.combine_chunks()
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return RaggedIds(values=column.flatten().to_numpy().astype(np.uint64), offsets=offsets)
+
+
+def _pad(ids: np.ndarray | RaggedIds, rows: int) -> np.ndarray | RaggedIds:
+    """`ids` with its first row repeated `rows` more times."""
+    if not rows:
+        return ids
+    return concatenate([ids, *[slice_rows(ids, 0, 1)] * rows])

@@ -1,0 +1,299 @@
+"""Multi-valued (bag) features served as training pools them.
+
+A small CSV with two multi-valued columns (`tags`, `genres`) and two single-valued
+ones, described by a spec file, goes through the real `preprocess`, `train` (mean
+pooling), `export` and `serve`; every eval row's probability through raw rows and
+through hashed bags equals `evaluate`'s within 1e-6.
+"""
+
+from __future__ import annotations
+
+import types
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as triton
+
+from embedding_store import EmbeddingStore, RaggedIds, TableConfig
+from serving.bags import pool_bags
+
+TOLERANCE = 1e-6
+ROWS = 3000
+SPEC = """name = "bags"
+delimiter = ","
+columns = ["clicked", "price", "age", "user", "item", "tags", "genres"]
+label = "clicked"
+dense = ["price", "age"]
+dense_type = "float64"
+
+[[categorical]]
+name = "user"
+
+[[categorical]]
+name = "tags"
+multi_valued = true
+separator = "|"
+
+[[categorical]]
+name = "item"
+
+[[categorical]]
+name = "genres"
+table = "genre"
+multi_valued = true
+separator = ";"
+"""
+RUN = [
+    "model.dlrm.bottom_mlp=[16, 8]",
+    "model.dlrm.top_mlp=[32, 16]",
+    "embedding.dim=8",
+    "embedding.capacity=50000",
+    "embedding.pooling=mean",
+    "data.batch_size=128",
+    "data.shuffle_buffer=1024",
+    "log.every_steps=10",
+    "checkpoint.every_steps=0",
+    "eval.every_steps=0",
+]
+
+
+def _row(rng: np.random.Generator, index: int) -> str:
+    tags = [f"t{int(t)}" for t in rng.zipf(1.5, size=rng.integers(0, 5)) if t < 60]
+    if rng.random() < 0.05:
+        tags.insert(0, "")  # an empty value inside a bag: the feature's missing id
+    genres = ";".join(f"g{int(g)}" for g in rng.integers(0, 12, size=rng.integers(0, 3)))
+    price = "" if rng.random() < 0.1 else f"{rng.gamma(2.0, 10.0):.2f}"
+    clicked = int(("t1" in tags) ^ (rng.random() < 0.2))
+    age = int(rng.integers(18, 80))
+    return (
+        f"{clicked},{price},{age},u{index},i{int(rng.integers(0, 200))},{'|'.join(tags)},{genres}"
+    )
+
+
+@pytest.fixture(scope="module")
+def bags(tmp_path_factory, cli, start_server, headers):
+    """preprocess -> train -> export -> serve of a CSV with bags; evaluate's answers."""
+    from serving.reference import evaluate_rows
+
+    root = tmp_path_factory.mktemp("bags")
+    spec = root / "bags.toml"
+    spec.write_text(SPEC)
+    rng = np.random.default_rng(3)
+    lines = [_row(rng, index) for index in range(ROWS)]
+    raw = root / "bags.csv"
+    raw.write_text("\n".join(lines) + "\n")
+    data, run, out = root / "data", root / "run", root / "export" / "bags"
+    cli("preprocess", "--input", str(raw), "--output", str(data), "--spec", str(spec))
+    sets = [item for key in RUN for item in ("--set", key)]
+    cli("train", "--data", str(data), "--run-dir", str(run), "--config", "quickstart", *sets)
+    cli("export", "--run", str(run), "--out", str(out), "--precision", "fp32")
+    ids, dense, labels, probabilities = evaluate_rows(run, data)
+    token_file = root / "token"
+    token_file.write_text(headers["Authorization"].split()[1])
+    server = start_server(str(out), "--token-file", str(token_file))
+    yield types.SimpleNamespace(
+        lines=lines, out=out, ids=ids, dense=dense, probabilities=probabilities, server=server
+    )
+    server.stop()
+
+
+def _eval_lines(bags) -> list[str]:
+    """The raw line of every eval row, in Parquet order (each row's user is unique)."""
+    from pipeline import RowEncoder, load_spec
+
+    encoder = RowEncoder(load_spec(bags.out.parent.parent / "bags.toml"))
+    users = encoder.encode(bags.lines).ids["user"]
+    line_of = {int(user): line for user, line in zip(users, bags.lines, strict=True)}
+    return [line_of[int(user)] for user in bags.ids["user"]]
+
+
+def _hashed_inputs(bags, start: int, stop: int) -> dict[str, np.ndarray]:
+    """What a client sends for rows [start, stop): single ids, bags as ids + lengths, dense."""
+    inputs = {
+        "ids": np.stack([bags.ids["user"][start:stop], bags.ids["item"][start:stop]], axis=1),
+        "dense": bags.dense[start:stop],
+    }
+    for name in ("tags", "genres"):
+        offsets = bags.ids[name].offsets
+        inputs[f"{name}.ids"] = bags.ids[name].values[offsets[start] : offsets[stop]]
+        inputs[f"{name}.lengths"] = np.diff(offsets[start : stop + 1])
+    return inputs
+
+
+def _json_inputs(arrays: dict[str, np.ndarray]) -> list[dict]:
+    types_ = {np.dtype(np.uint64): "UINT64", np.dtype(np.int64): "INT64"}
+    return [
+        {
+            "name": name,
+            "shape": list(array.shape),
+            "datatype": types_.get(array.dtype, "FP32"),
+            "data": array.reshape(-1).tolist(),
+        }
+        for name, array in arrays.items()
+    ]
+
+
+def test_export_records_kinds_and_pooling(bags):
+    import json
+
+    features = json.loads((bags.out / "1" / "features.json").read_text())
+    assert features["feature_kinds"] == {
+        "user": "single",
+        "tags": "multi",
+        "item": "single",
+        "genres": "multi",
+    }
+    assert features["pooling"] == "mean"
+    assert set(features["feature_tables"]) == {"user", "tags", "item", "genres"}
+
+
+def test_served_model_equals_evaluate(bags):
+    from serving import ServedModel
+
+    model = ServedModel(bags.out, max_batch=64)
+    try:
+        assert isinstance(bags.ids["tags"], RaggedIds)
+        lengths = np.diff(bags.ids["tags"].offsets)
+        missing = np.uint64(2 << 56)  # an empty field: a bag of the feature's missing id
+        assert (
+            lengths.min() == 1 and lengths.max() >= 3 and (bags.ids["tags"].values == missing).any()
+        )
+        served, unseen = model.predict(bags.ids, bags.dense)
+        np.testing.assert_allclose(served, bags.probabilities, rtol=0, atol=TOLERANCE)
+        assert unseen.shape == (len(served),)
+        ids, dense = model.encode_rows(_eval_lines(bags))
+        np.testing.assert_array_equal(dense, bags.dense)
+        for name in ("tags", "genres"):
+            np.testing.assert_array_equal(ids[name].values, bags.ids[name].values)
+            np.testing.assert_array_equal(ids[name].offsets, bags.ids[name].offsets)
+        with pytest.raises(ValueError, match="multi-valued"):
+            model.predict(np.zeros((2, 4), np.uint64), bags.dense[:2])
+    finally:
+        model.close()
+
+
+def test_raw_rows_and_hashed_bags_over_http_equal_evaluate(bags, headers):
+    lines = _eval_lines(bags)
+    rows = len(lines)
+    served_raw, served_json = [], []
+    with httpx.Client(timeout=60) as client:
+        for start in range(0, rows, 200):
+            stop = min(start + 200, rows)
+            for inputs, served in (
+                (
+                    [
+                        {
+                            "name": "rows",
+                            "datatype": "BYTES",
+                            "shape": [stop - start],
+                            "data": lines[start:stop],
+                        }
+                    ],
+                    served_raw,
+                ),  # fmt: skip
+                (_json_inputs(_hashed_inputs(bags, start, stop)), served_json),
+            ):
+                response = client.post(
+                    f"{bags.server.url}/v2/models/bags/infer",
+                    json={"inputs": inputs},
+                    headers=headers,
+                )
+                assert response.status_code == 200, response.text
+                served.extend(response.json()["outputs"][0]["data"])
+    for served in (served_raw, served_json):
+        np.testing.assert_allclose(served, bags.probabilities, rtol=0, atol=TOLERANCE)
+
+    # binary tensors from a real client of the protocol
+    client = triton.InferenceServerClient(bags.server.url.removeprefix("http://"))
+    arrays = _hashed_inputs(bags, 0, rows)
+    tensors = []
+    for name, array in arrays.items():
+        datatype = "FP32" if name == "dense" else triton.np_to_triton_dtype(array.dtype)
+        tensor = triton.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    result = client.infer("bags", tensors, headers=dict(headers)).as_numpy("probabilities")
+    np.testing.assert_allclose(result, bags.probabilities, rtol=0, atol=TOLERANCE)
+
+
+BAD_BAGS = [
+    # (what is changed, expected status, a phrase of the error)
+    ("lengths sum", 400, "sums to"),
+    ("negative length", 400, "negative bag size"),
+    ("lengths shape", 400, "'tags.lengths' must have shape [4]"),
+    ("missing lengths", 400, "'tags.lengths' [n]"),
+    ("ids of every feature", 400, "'ids' must have shape [n, 2]"),
+    ("bag ids as FP32", 400, "'genres.ids' must be INT64 or UINT64"),
+    ("bag ids 2-D", 400, "'tags.ids' must have shape [nnz]"),
+]
+
+
+@pytest.mark.parametrize(("change", "status", "phrase"), BAD_BAGS)
+def test_bad_bag_input_is_a_4xx_and_the_server_keeps_serving(bags, headers, change, status, phrase):
+    arrays = _hashed_inputs(bags, 0, 4)
+    inputs = {tensor["name"]: tensor for tensor in _json_inputs(arrays)}
+    tags = inputs["tags.lengths"]
+    if change == "lengths sum":
+        tags["data"][0] += 1
+    elif change == "negative length":
+        tags["data"][0], tags["data"][1] = -1, tags["data"][1] + tags["data"][0] + 1
+    elif change == "lengths shape":
+        tags["data"], tags["shape"] = tags["data"][:3], [3]
+    elif change == "missing lengths":
+        del inputs["tags.lengths"]
+    elif change == "ids of every feature":
+        inputs["ids"] = _json_inputs({"ids": np.zeros((4, 4), np.uint64)})[0]
+    elif change == "bag ids as FP32":
+        inputs["genres.ids"]["datatype"] = "FP32"
+    elif change == "bag ids 2-D":
+        count = len(inputs["tags.ids"]["data"])
+        inputs["tags.ids"]["shape"] = [1, count]
+    url = f"{bags.server.url}/v2/models/bags/infer"
+    with httpx.Client(timeout=60) as client:
+        response = client.post(url, json={"inputs": list(inputs.values())}, headers=headers)
+        assert response.status_code == status, response.text
+        assert phrase in response.json()["error"]
+        good = client.post(url, json={"inputs": _json_inputs(arrays)}, headers=headers)
+        assert good.status_code == 200, good.text
+        np.testing.assert_allclose(
+            good.json()["outputs"][0]["data"], bags.probabilities[:4], rtol=0, atol=TOLERANCE
+        )
+
+
+def test_metadata_lists_bag_inputs(bags, headers):
+    answer = httpx.get(f"{bags.server.url}/v2/models/bags", headers=headers).json()
+    names = [tensor["name"] for tensor in answer["inputs"]]
+    assert names == [
+        "rows",
+        "ids",
+        "tags.ids",
+        "tags.lengths",
+        "genres.ids",
+        "genres.lengths",
+        "dense",
+    ]
+    assert answer["inputs"][1]["shape"] == [-1, 2]
+    assert answer["parameters"]["pooling"] == "mean"
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean", "sqrtn"])
+def test_pool_bags_equals_the_store_pooling(pooling):
+    """Bit-for-bit the store's `lookup_features` pooling, empty bags included."""
+    table = TableConfig(name="tags", dim=4, capacity=1000)
+    rng = np.random.default_rng(0)
+    values = rng.integers(1, 50, size=40).astype(np.uint64)
+    lengths = np.array([0, 3, 1, 0, 7, 2, 5, 10, 12, 0])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    with EmbeddingStore([table], num_shards=1) as store:
+        store.lookup("tags", np.unique(values), train=True).result()  # admit every id
+        pooled = store.lookup_features(
+            {"tags": RaggedIds(values=values, offsets=offsets)},
+            feature_tables={"tags": "tags"},
+            pooling=pooling,
+            train=False,
+        ).result()
+        rows = store.lookup("tags", values, train=False).result()
+    expected = pooled.embeddings[:, 0]
+    np.testing.assert_array_equal(pool_bags(rows, offsets, pooling), expected)
+    assert not expected[lengths == 0].any() and expected[lengths > 0].any()
