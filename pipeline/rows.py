@@ -11,6 +11,8 @@ Example:
     rows = encoder.encode([b"\\t".join(fields) for fields in ...])
     rows.dense            # [n, 13] float32, log1p-transformed
     rows.ids["C1"]        # [n] uint64
+    # a multi-valued feature: (values [nnz] uint64, offsets [n + 1] int64), row r's bag
+    # is values[offsets[r]:offsets[r + 1]] (an empty field: a bag of its missing id)
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -34,10 +33,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.errors import UserError
-from embedding_store import RaggedIds
 from pipeline import RowError
 from serving import _format
 from serving.batching import DynamicBatcher
+from serving.inputs import input_metadata, model_inputs
 from serving.model import ServedModel
 from serving.protocol import (
     ProtocolError,
@@ -138,72 +137,8 @@ class _Service:
         return b"".join(chunks)
 
     def model_inputs(self, model: ServedModel, inputs: dict) -> tuple[Any, Any]:
-        """(lines, None) for raw rows or (ids, dense [n, d] float32) for hashed inputs.
-
-        ids is [n, F] uint64, or {feature: [n] uint64 | RaggedIds} when the model has
-        multi-valued features (sent as `<feature>.ids` and `<feature>.lengths`).
-        """
-        names = set(inputs)
-        if names == {"rows"}:
-            datatype, shape, values = inputs["rows"]
-            if datatype != "BYTES":
-                raise ProtocolError(f"input 'rows' must be BYTES, got {datatype}")
-            if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
-                raise ProtocolError(f"input 'rows' must have shape [n] or [n, 1], got {shape}")
-            self._check_rows(shape[0])
-            return values, None
-        expected = hashed_input_names(model)
-        if names != set(expected) and not (
-            not model.single_features and names == set(expected) - {"ids"}
-        ):
-            raise ProtocolError(
-                f"inputs {sorted(names)}: send either 'rows' (BYTES raw rows) or "
-                + _hashed_inputs_text(model)
-            )
-        dense_type, dense_shape, dense = inputs["dense"]
-        if dense_type != "FP32":
-            raise ProtocolError(f"input 'dense' must be FP32, got {dense_type}")
-        if len(dense_shape) != 2 or dense_shape[1] != model.num_dense:
-            raise ProtocolError(
-                f"input 'dense' must have shape [n, {model.num_dense}], got {dense_shape}"
-            )
-        rows = dense_shape[0]
-        self._check_rows(rows)
-        dense = dense.reshape(dense_shape)
-        if not np.isfinite(dense).all():
-            raise ProtocolError("input 'dense' holds NaN or infinite values")
-        singles = len(model.single_features)
-        if "ids" in inputs:
-            id_type, id_shape, ids = inputs["ids"]
-            _check_id_type("ids", id_type)
-            if len(id_shape) != 2 or id_shape[1] != singles:
-                what = "single-valued feature" if model.bag_features else "feature"
-                raise ProtocolError(
-                    f"input 'ids' must have shape [n, {singles}] (one column per {what}), "
-                    f"got {id_shape}"
-                )
-            if id_shape[0] != rows:
-                raise ProtocolError(f"'ids' has {id_shape[0]} rows but 'dense' has {rows}")
-            # INT64 ids carry the same 64 bits (ids >= 2**63 arrive negative)
-            ids = ids.reshape(id_shape).view(np.uint64)
-        else:
-            ids = np.zeros((rows, 0), np.uint64)
-        if not model.bag_features:
-            return ids, dense
-        features, column = {}, 0
-        for name in model.feature_names:
-            if name in model.bag_features:
-                features[name] = _bag_input(name, inputs, rows)
-            else:
-                features[name] = np.ascontiguousarray(ids[:, column])
-                column += 1
-        return features, dense
-
-    def _check_rows(self, rows: int) -> None:
-        if rows < 1:
-            raise ProtocolError("a request needs at least one row")
-        if rows > self.options.max_rows:
-            raise ProtocolError(f"{rows} rows exceed the limit of {self.options.max_rows}", 413)
+        """(lines, None) for raw rows or (ids, dense) for hashed inputs (`serving.inputs`)."""
+        return model_inputs(model, inputs, max_rows=self.options.max_rows)
 
     # ------------------------------------------------------------------ hot reload
 
@@ -243,59 +178,6 @@ class _Service:
             print(f"hybridrec serve: now serving version {version}", file=sys.stderr, flush=True)
 
 
-def hashed_input_names(model: ServedModel) -> list[str]:
-    """The tensors of a hashed request: ids, <feature>.ids and .lengths per bag, dense."""
-    names = ["ids"]
-    for name in model.bag_features:
-        names += [f"{name}.ids", f"{name}.lengths"]
-    return [*names, "dense"]
-
-
-def _hashed_inputs_text(model: ServedModel) -> str:
-    if not model.bag_features:
-        return "'ids' (INT64/UINT64 [n, features]) and 'dense' (FP32 [n, dense])"
-    bags = ", ".join(f"'{n}.ids' [nnz] and '{n}.lengths' [n]" for n in model.bag_features)
-    return (
-        f"'ids' (INT64/UINT64 [n, {len(model.single_features)}], the single-valued "
-        f"features), per multi-valued feature {bags} (INT64/UINT64), and 'dense' (FP32 [n, dense])"
-    )
-
-
-def _check_id_type(name: str, datatype: str) -> None:
-    if datatype not in ("INT64", "UINT64"):
-        raise ProtocolError(f"input {name!r} must be INT64 or UINT64, got {datatype}")
-
-
-def _bag_input(feature: str, inputs: dict, rows: int) -> RaggedIds:
-    """The bags of one multi-valued feature from `<feature>.ids` and `<feature>.lengths`."""
-    ids_name, lengths_name = f"{feature}.ids", f"{feature}.lengths"
-    id_type, id_shape, values = inputs[ids_name]
-    length_type, length_shape, lengths = inputs[lengths_name]
-    _check_id_type(ids_name, id_type)
-    _check_id_type(lengths_name, length_type)
-    if len(id_shape) != 1:
-        raise ProtocolError(
-            f"input {ids_name!r} must have shape [nnz] (every bag's ids, bag after bag), "
-            f"got {id_shape}"
-        )
-    if length_shape != [rows]:
-        raise ProtocolError(
-            f"input {lengths_name!r} must have shape [{rows}] (one bag size per row), "
-            f"got {length_shape}"
-        )
-    lengths = lengths.view(np.int64) if lengths.dtype == np.uint64 else lengths
-    if np.any(lengths < 0):
-        raise ProtocolError(f"input {lengths_name!r} holds a negative bag size")
-    total = int(lengths.sum())
-    if total != id_shape[0]:
-        raise ProtocolError(
-            f"input {lengths_name!r} sums to {total} but {ids_name!r} holds {id_shape[0]} ids"
-        )
-    offsets = np.zeros(rows + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return RaggedIds(values=np.ascontiguousarray(values.view(np.uint64)), offsets=offsets)
-
-
 def create_app(model: ServedModel, base: str | Path, options: ServeOptions) -> Starlette:
     """The ASGI application serving `model` (loaded from the export `base`)."""
     service = _Service(Path(base), model, options)
@@ -326,24 +208,12 @@ def create_app(model: ServedModel, base: str | Path, options: ServeOptions) -> S
 
     async def model_metadata(request: Request) -> Response:
         model = service.check_model(request.path_params["name"], request.path_params.get("version"))
-        singles = len(model.single_features)
-        bag_inputs = []
-        for name in model.bag_features:
-            bag_inputs += [
-                {"name": f"{name}.ids", "datatype": "UINT64", "shape": [-1]},
-                {"name": f"{name}.lengths", "datatype": "INT64", "shape": [-1]},
-            ]
         return JSONResponse(
             {
                 "name": model.name,
                 "versions": [str(model.version)],
                 "platform": "hybridrec_jax_export",
-                "inputs": [
-                    {"name": "rows", "datatype": "BYTES", "shape": [-1]},
-                    {"name": "ids", "datatype": "UINT64", "shape": [-1, singles]},
-                    *bag_inputs,
-                    {"name": "dense", "datatype": "FP32", "shape": [-1, model.num_dense]},
-                ],
+                "inputs": input_metadata(model),
                 "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1]}],
                 "parameters": {
                     "step": model.manifest["step"],

@@ -226,6 +226,7 @@ BAD_BAGS = [
     ("ids of every feature", 400, "'ids' must have shape [n, 2]"),
     ("bag ids as FP32", 400, "'genres.ids' must be INT64 or UINT64"),
     ("bag ids 2-D", 400, "'tags.ids' must have shape [nnz]"),
+    ("huge length", 400, "has a bag of"),
 ]
 
 
@@ -246,6 +247,9 @@ def test_bad_bag_input_is_a_4xx_and_the_server_keeps_serving(bags, headers, chan
         inputs["ids"] = _json_inputs({"ids": np.zeros((4, 4), np.uint64)})[0]
     elif change == "bag ids as FP32":
         inputs["genres.ids"]["datatype"] = "FP32"
+    elif change == "huge length":
+        # four bags of 2**62 ids and more: an int64 sum wraps around to the true count
+        tags["data"] = [2**62] * 3 + [2**62 + sum(tags["data"])]
     elif change == "bag ids 2-D":
         count = len(inputs["tags.ids"]["data"])
         inputs["tags.ids"]["shape"] = [1, count]
@@ -275,6 +279,53 @@ def test_metadata_lists_bag_inputs(bags, headers):
     ]
     assert answer["inputs"][1]["shape"] == [-1, 2]
     assert answer["parameters"]["pooling"] == "mean"
+
+
+def test_unseen_and_empty_bags(bags, headers):
+    """Unseen ids in a bag get the default row and are counted; an empty bag pools to zeros."""
+    from serving import ServedModel
+
+    arrays = _hashed_inputs(bags, 0, 4)
+    url = f"{bags.server.url}/v2/models/bags/infer"
+    with httpx.Client(timeout=60) as client:
+        before = client.post(url, json={"inputs": _json_inputs(arrays)}, headers=headers).json()
+        unseen = np.array([(2 << 56) + 7_777_777, (2 << 56) + 7_777_778], np.uint64)
+        first = int(arrays["tags.lengths"][0])
+        arrays["tags.ids"] = np.concatenate([unseen, arrays["tags.ids"][first:]])
+        arrays["tags.lengths"][0] = 2  # row 0's bag: two ids the export lacks
+        arrays["genres.ids"] = arrays["genres.ids"][int(arrays["genres.lengths"][0]) :]
+        arrays["genres.lengths"][0] = 0  # row 0's genres: an empty bag
+        after = client.post(url, json={"inputs": _json_inputs(arrays)}, headers=headers)
+    assert after.status_code == 200, after.text
+    after = after.json()
+    assert after["parameters"]["unseen_ids"] == before["parameters"]["unseen_ids"] + 2
+    np.testing.assert_array_equal(
+        after["outputs"][0]["data"][1:], before["outputs"][0]["data"][1:]
+    )  # the other rows of the batch are untouched
+    model = ServedModel(bags.out, max_batch=8)
+    try:
+        ids = {
+            "user": arrays["ids"][:, 0],
+            "tags": RaggedIds(
+                values=arrays["tags.ids"],
+                offsets=np.concatenate([[0], np.cumsum(arrays["tags.lengths"])]),
+            ),
+            "item": arrays["ids"][:, 1],
+            "genres": RaggedIds(
+                values=arrays["genres.ids"],
+                offsets=np.concatenate([[0], np.cumsum(arrays["genres.lengths"])]),
+            ),
+        }
+        embeddings, counted = model.embeddings(ids)
+        assert counted.tolist()[0] == 3  # the two tags, and the user (unique to each row)
+        assert not embeddings[0, 3].any()  # genres is feature 3: empty bag -> zeros
+        assert embeddings[0, 1].any()  # two unseen tags: the initializer's rows, averaged
+        probabilities, _ = model.predict(ids, arrays["dense"])
+        np.testing.assert_allclose(
+            probabilities, after["outputs"][0]["data"], rtol=0, atol=TOLERANCE
+        )
+    finally:
+        model.close()
 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean", "sqrtn"])
