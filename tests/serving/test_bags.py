@@ -217,6 +217,87 @@ def test_raw_rows_and_hashed_bags_over_http_equal_evaluate(bags, headers):
     np.testing.assert_allclose(result, bags.probabilities, rtol=0, atol=TOLERANCE)
 
 
+def test_concurrent_requests_batched_together(bags, headers):
+    """Raw and hashed requests of 8 clients share batches; each gets its own rows back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lines = _eval_lines(bags)
+    url = f"{bags.server.url}/v2/models/bags/infer"
+    bad_line = "1,2.0,30,u1,i1"  # two fields short: fails its own request only
+
+    def request(start: int) -> tuple[int, int, list[float]]:
+        stop = start + 7
+        if start % 3 == 0:
+            inputs = [
+                {"name": "rows", "datatype": "BYTES", "shape": [7], "data": lines[start:stop]}
+            ]
+        elif start % 3 == 1:
+            inputs = _json_inputs(_hashed_inputs(bags, start, stop))
+        else:
+            inputs = [
+                {
+                    "name": "rows",
+                    "datatype": "BYTES",
+                    "shape": [2],
+                    "data": [lines[start], bad_line],
+                }
+            ]
+        with httpx.Client(timeout=60) as client:
+            response = client.post(url, json={"inputs": inputs}, headers=headers)
+        data = response.json()["outputs"][0]["data"] if response.status_code == 200 else []
+        return start, response.status_code, data
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(request, range(0, 7 * 40, 7)))
+    for start, status, data in answers:
+        if start % 3 == 2:
+            assert status == 400
+            continue
+        assert status == 200
+        np.testing.assert_allclose(
+            data, bags.probabilities[start : start + 7], rtol=0, atol=TOLERANCE
+        )
+
+
+def test_one_batch_of_raw_hashed_and_bad_requests(bags):
+    """Raw rows and hashed bags of several requests run as one batch; a bad row fails alone."""
+    import asyncio
+
+    from serving import ServedModel
+    from serving.bags import slice_rows
+    from serving.batching import DynamicBatcher
+
+    lines = _eval_lines(bags)
+    model = ServedModel(bags.out, max_batch=32)
+
+    async def run():
+        batcher = DynamicBatcher(max_batch=5 + 4 + 2 + 6, max_delay=60.0)
+        batcher.start()
+        try:
+            return await asyncio.gather(
+                batcher.predict(model, lines=lines[0:5]),
+                batcher.predict(model, ids=slice_rows(bags.ids, 5, 9), dense=bags.dense[5:9]),
+                batcher.predict(model, lines=[lines[9], "0,1.0,20,u9,i9"]),
+                batcher.predict(model, lines=lines[11:17]),
+                return_exceptions=True,
+            ), batcher.batches
+        finally:
+            await batcher.stop()
+
+    try:
+        answers, batches = asyncio.run(run())
+    finally:
+        model.close()
+    assert batches == 1
+    assert "row 1: wrong_field_count" in str(answers[2])
+    for (start, stop), answer in zip(
+        [(0, 5), (5, 9), (11, 17)], [answers[i] for i in (0, 1, 3)], strict=True
+    ):
+        np.testing.assert_allclose(
+            answer[0], bags.probabilities[start:stop], rtol=0, atol=TOLERANCE
+        )
+
+
 BAD_BAGS = [
     # (what is changed, expected status, a phrase of the error)
     ("lengths sum", 400, "sums to"),
