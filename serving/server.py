@@ -311,17 +311,6 @@ def _version() -> str:
         return "unknown"
 
 
-def read_token(path: str | Path) -> str:
-    """The bearer token in `path` (surrounding whitespace ignored)."""
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as error:
-        raise UserError(f"{path}: cannot read the token file ({error.strerror})") from None
-    if not token:
-        raise UserError(f"{path}: the token file is empty")
-    return token
-
-
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0: a free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
