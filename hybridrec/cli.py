@@ -96,7 +96,10 @@ SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "serve an export over HTTP (Open Inference Protocol / KServe v2)"),
     "serve-embeddings": (_serve_embeddings, "host embedding shards behind an RPC server"),
     "launch": (_launch, "start shard servers and N trainer processes on this machine"),
-    "quickstart": (_quickstart, "generate -> preprocess -> train -> evaluate on a built-in default"),
+    "quickstart": (
+        _quickstart,
+        "generate -> preprocess -> train -> evaluate -> serve on a built-in default",
+    ),
 }
 
 
