@@ -272,3 +272,33 @@ def new_manifest(
         "num_shards": len(parts),
         "tables": chains,
     }
+
+
+def read_table_rows(url: str, step: int, table: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of `table` in the embedding checkpoint of `step` under `url`.
+
+    Replays the manifest's chain (the last full snapshot, then each incremental one:
+    deletions, then upserts) the way a restore does.
+
+    Returns:
+        ids [rows] uint64 sorted, values [rows, dim] float32 in the same order.
+    """
+    manifest = read_manifest(url, step)
+    if table not in manifest["tables"]:
+        raise CheckpointNotFoundError(
+            f"{url}: the checkpoint of step {step} has no table {table!r}"
+        )
+    ids = np.zeros(0, np.uint64)
+    values = None
+    for group in manifest["tables"][table]["chain"]:
+        blocks = [read_part(url, entry) for entry in group["parts"]]
+        new_ids = np.concatenate([b.ids for b in blocks]).astype(np.uint64)
+        new_values = np.concatenate([b.values for b in blocks]).astype(np.float32)
+        deleted = np.concatenate([b.deleted for b in blocks]).astype(np.uint64)
+        if values is None:
+            values = np.zeros((0, new_values.shape[1]), np.float32)
+        keep = ~np.isin(ids, np.concatenate([deleted, new_ids]))
+        ids = np.concatenate([ids[keep], new_ids])
+        values = np.concatenate([values[keep], new_values])
+    order = np.argsort(ids, kind="stable")
+    return ids[order], (values if values is not None else np.zeros((0, 0), np.float32))[order]

@@ -37,34 +37,6 @@ from training.tables import plan_tables
 PLATFORMS = ("cpu", "cuda")  # where the exported tower runs
 
 
-def checkpoint_rows(url: str, step: int, table: str) -> tuple[np.ndarray, np.ndarray]:
-    """Every row of `table` in the embedding checkpoint of `step` under `url`.
-
-    Replays the manifest's chain (the last full snapshot, then each incremental one:
-    deletions, then upserts) the way a restore does.
-
-    Returns:
-        ids [rows] uint64 sorted, values [rows, dim] float32 in the same order.
-    """
-    manifest = store_checkpoint.read_manifest(url, step)
-    if table not in manifest["tables"]:
-        raise UserError(f"{url}: the checkpoint of step {step} has no table {table!r}")
-    ids = np.zeros(0, np.uint64)
-    values = None
-    for group in manifest["tables"][table]["chain"]:
-        blocks = [store_checkpoint.read_part(url, entry) for entry in group["parts"]]
-        new_ids = np.concatenate([b.ids for b in blocks]).astype(np.uint64)
-        new_values = np.concatenate([b.values for b in blocks]).astype(np.float32)
-        deleted = np.concatenate([b.deleted for b in blocks]).astype(np.uint64)
-        if values is None:
-            values = np.zeros((0, new_values.shape[1]), np.float32)
-        keep = ~np.isin(ids, np.concatenate([deleted, new_ids]))
-        ids = np.concatenate([ids[keep], new_ids])
-        values = np.concatenate([values[keep], new_values])
-    order = np.argsort(ids, kind="stable")
-    return ids[order], (values if values is not None else np.zeros((0, 0), np.float32))[order]
-
-
 def _restore_params(run_dir: Path, config: Any, metadata: Any, step: int) -> tuple[Any, Any]:
     """(graphdef, host params) of the dense state at `step`, restored onto one device."""
     mesh_config = dataclasses.replace(config.mesh, shape=(1,) * len(config.mesh.shape))
@@ -178,7 +150,7 @@ def export_run(
         (temporary / _format.MODEL_FILE).write_bytes(tower)
         table_summaries = {}
         for table in tables:
-            ids, values = checkpoint_rows(checkpoints.embeddings_url, step, table)
+            ids, values = store_checkpoint.read_table_rows(checkpoints.embeddings_url, step, table)
             if values.shape[1:] not in ((config.embedding.dim,), (0,)):
                 raise UserError(
                     f"{checkpoints.embeddings_url}: table {table!r} has rows of width "

@@ -20,6 +20,7 @@ from embedding_store import (
     LocalShard,
     SparseOptimizerConfig,
     TableConfig,
+    checkpoint,
     latest_checkpoint_step,
 )
 
@@ -153,6 +154,30 @@ def test_incremental_checkpoint_records_evictions(tmp_path):
         rows = store.stats()["rows"]
     with EmbeddingStore.restore(url, [table], num_shards=2) as restored:
         assert restored.stats()["rows"] == rows
+
+
+def test_table_rows_replay_the_incremental_chain(tmp_path):
+    url = str(tmp_path / "ckpt")
+    table = TableConfig(name="t", dim=2, capacity=50)
+    with EmbeddingStore([table], num_shards=3) as store:
+        store.lookup("t", np.arange(50, dtype=np.uint64)).result()
+        store.checkpoint(url, step=1)
+        rows_at_1 = store.stats()["rows"]
+        store.set_step(5)
+        store.lookup("t", np.arange(100, 110, dtype=np.uint64)).result()  # evicts old rows
+        store.apply_gradients(
+            "t", np.arange(100, 105, dtype=np.uint64), np.ones((5, 2), np.float32)
+        )
+        store.checkpoint(url, step=2)
+        ids, values = checkpoint.read_table_rows(url, 2, "t")
+        assert len(ids) == store.stats()["rows"]
+        assert np.all(np.diff(ids.astype(np.int64)) > 0)  # sorted, unique
+        assert set(range(100, 110)) <= set(ids.tolist()) and len(ids) < 60
+        np.testing.assert_array_equal(values, store.lookup("t", ids, train=False).result())
+    first_ids, _ = checkpoint.read_table_rows(url, 1, "t")
+    assert len(first_ids) == rows_at_1 and set(first_ids.tolist()) <= set(range(50))
+    with pytest.raises(CheckpointNotFoundError, match="no table 'u'"):
+        checkpoint.read_table_rows(url, 2, "u")
 
 
 class _FailingShard(LocalShard):
