@@ -9,6 +9,8 @@ os.environ["XLA_FLAGS"] = " ".join(
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -23,3 +25,29 @@ def criteo_sample() -> Path:
     if not CRITEO_SAMPLE.exists():
         pytest.skip(f"real Criteo sample not present at {CRITEO_SAMPLE}")
     return CRITEO_SAMPLE
+
+
+def hybridrec(
+    *args: str, env: dict | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Runs the real `hybridrec` command line in a subprocess; fails the test on error."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hybridrec", *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if result.returncode != 0:
+        pytest.fail(
+            f"hybridrec {' '.join(args)} exited {result.returncode}\n"
+            f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"
+        )
+    return result
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """The `hybridrec(*args, env=None, timeout=300)` subprocess runner."""
+    return hybridrec

@@ -28,23 +28,6 @@ SMALL_RUN = [
 ]
 
 
-def hybridrec(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs the real command line; fails the test with its output on a non-zero exit."""
-    result = subprocess.run(
-        [sys.executable, "-m", "hybridrec", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if result.returncode != 0:
-        pytest.fail(
-            f"hybridrec {' '.join(args)} exited {result.returncode}\n"
-            f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
-        )
-    return result
-
-
 class Server:
     """A `hybridrec serve` subprocess on a free loopback port."""
 
@@ -78,24 +61,24 @@ class Server:
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, cli):
     """generate -> preprocess -> train (quickstart preset, small) through the CLI."""
     root = tmp_path_factory.mktemp("serving")
     raw = root / "raw.tsv"
-    hybridrec("generate", "--output", str(raw), "--rows", str(ROWS), "--seed", "11")
+    cli("generate", "--output", str(raw), "--rows", str(ROWS), "--seed", "11")
     data = root / "data"
-    hybridrec("preprocess", "--input", str(raw), "--output", str(data))
+    cli("preprocess", "--input", str(raw), "--output", str(data))
     run = root / "run"
     sets = [item for key in SMALL_RUN for item in ("--set", key)]
-    hybridrec("train", "--data", str(data), "--run-dir", str(run), "--config", "quickstart", *sets)
+    cli("train", "--data", str(data), "--run-dir", str(run), "--config", "quickstart", *sets)
     return types.SimpleNamespace(root=root, raw=raw, data=data, run=run)
 
 
 @pytest.fixture(scope="session")
-def exported(trained):
+def exported(trained, cli):
     """`hybridrec export` of the run at fp32: the export base directory."""
     out = trained.root / "export" / "ctr"
-    hybridrec("export", "--run", str(trained.run), "--out", str(out), "--precision", "fp32")
+    cli("export", "--run", str(trained.run), "--out", str(out), "--precision", "fp32")
     return out
 
 
@@ -115,12 +98,6 @@ def reference(trained):
 
     ids, dense, labels, probabilities = evaluate_rows(trained.run, trained.data)
     return types.SimpleNamespace(ids=ids, dense=dense, labels=labels, probabilities=probabilities)
-
-
-@pytest.fixture(scope="session")
-def cli():
-    """The `hybridrec(*args)` subprocess runner."""
-    return hybridrec
 
 
 @pytest.fixture(scope="session")

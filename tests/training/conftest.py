@@ -32,26 +32,6 @@ SMALL_MODEL = [
 ]
 
 
-def hybridrec(
-    *args: str, env: dict | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess:
-    """Runs the real `hybridrec` command line in a subprocess; fails the test on error."""
-    result = subprocess.run(
-        [sys.executable, "-m", "hybridrec", *args],
-        cwd=REPO_ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if result.returncode != 0:
-        pytest.fail(
-            f"hybridrec {' '.join(args)} exited {result.returncode}\n"
-            f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"
-        )
-    return result
-
-
 def overrides(*extra: str) -> list[str]:
     """`--set` arguments for the small model plus `extra` keys."""
     return [item for key in (*SMALL_MODEL, *extra) for item in ("--set", key)]
@@ -114,23 +94,17 @@ def training():
 
 
 @pytest.fixture(scope="session")
-def cli():
-    """The `hybridrec(*args)` subprocess runner."""
-    return hybridrec
-
-
-@pytest.fixture(scope="session")
 def small_model():
     """`overrides(*extra)`: --set arguments of the small test model."""
     return overrides
 
 
 @pytest.fixture(scope="session")
-def dataset(tmp_path_factory) -> Path:
+def dataset(tmp_path_factory, cli) -> Path:
     """generate -> preprocess through the CLI: a preprocessed directory with train and eval."""
     root = tmp_path_factory.mktemp("trainer_data")
     raw = root / "raw.tsv"
-    hybridrec("generate", "--output", str(raw), "--rows", str(ROWS), "--seed", "5")
+    cli("generate", "--output", str(raw), "--rows", str(ROWS), "--seed", "5")
     out = root / "data"
-    hybridrec("preprocess", "--input", str(raw), "--output", str(out))
+    cli("preprocess", "--input", str(raw), "--output", str(out))
     return out
