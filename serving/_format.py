@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
+from common.files import fsync_directory
 
 FORMAT = "hybridrec-export"
 FORMAT_VERSION = 1
@@ -104,11 +105,7 @@ def commit(temporary: Path, final: Path, manifest: dict[str, Any]) -> None:
     if final.exists():
         raise ExportError(f"{final}: another export took this version while writing; re-run")
     os.rename(temporary, final)
-    directory = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    fsync_directory(final.parent)
 
 
 def read_manifest(

@@ -18,7 +18,6 @@ resume (`discard_after`).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from common.errors import UserError
+from common.files import atomic_write_text
 from embedding_store import checkpoint as store_checkpoint
 
 CHECKPOINT_DIR = "checkpoints"
@@ -42,20 +42,6 @@ def make_checkpoint_manager(directory: str | Path, *, keep: int) -> ocp.Checkpoi
         enable_async_checkpointing=False,
     )
     return ocp.CheckpointManager(Path(directory).absolute(), options=options)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + f".tmp{os.getpid()}")
-    with temporary.open("w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 class RunCheckpoints:
@@ -107,11 +93,11 @@ class RunCheckpoints:
         """
         directory = self.root / "positions" / f"{step:010d}"
         directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write(directory / f"process_{process_index}.json", json.dumps(position))
+        atomic_write_text(directory / f"process_{process_index}.json", json.dumps(position))
 
     def commit(self, step: int) -> None:
         """Marks step complete (process 0 only, after every part of every process exists)."""
-        _atomic_write(self.root / LAST_FILE, json.dumps({"step": int(step)}))
+        atomic_write_text(self.root / LAST_FILE, json.dumps({"step": int(step)}))
         positions = sorted((self.root / "positions").glob("*"))
         for old in positions[: -self.keep] if self.keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
