@@ -29,6 +29,7 @@ import threading
 import time
 
 from common.errors import UserError
+from hybridrec._chatter import QUIET_ENVIRONMENT, VERBOSE_ENV, is_chatter
 
 
 def free_port() -> int:
@@ -60,16 +61,11 @@ def process_environment(
     return env
 
 
-# Lines of the libraries' own chatter, dropped from the relayed output unless --verbose:
-# Gloo prints one per process and collective context from C++ straight to stdout.
-CHATTER_PREFIXES = ("[Gloo] ",)
-# ... and the C++ logging of XLA / absl, raised to errors only in the processes' environment
-QUIET_ENVIRONMENT = {"TF_CPP_MIN_LOG_LEVEL": "2", "GLOG_minloglevel": "2"}
-
-
-def _relay(stream, prefix: str, target, drop: tuple[str, ...] = ()) -> None:
+def _relay(stream, prefix: str, target, verbose: bool = False) -> None:
+    """Copies a process's output lines to `target` with `prefix`, without library chatter
+    (Gloo's connection lines) unless `verbose`."""
     for line in iter(stream.readline, ""):
-        if drop and line.startswith(drop):
+        if not verbose and is_chatter(line):
             continue
         target.write(prefix + line)
         target.flush()
@@ -99,7 +95,9 @@ def launch(
     relays: list[threading.Thread] = []
     for process_id in range(num_processes):
         env = process_environment(process_id, num_processes, coordinator, devices_per_process)
-        if not verbose:
+        if verbose:
+            env[VERBOSE_ENV] = "1"
+        else:
             env = {**QUIET_ENVIRONMENT, **env}  # a level the user set still wins
         child = subprocess.Popen(
             [sys.executable, "-m", "hybridrec", *command],
@@ -114,7 +112,7 @@ def launch(
         for stream, target in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
             relay = threading.Thread(
                 target=_relay,
-                args=(stream, prefix, target, () if verbose else CHATTER_PREFIXES),
+                args=(stream, prefix, target, verbose),
                 daemon=True,
             )
             relay.start()

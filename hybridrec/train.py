@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import jax
 
 from common.errors import UserError
 from hybridrec import _flags
+from hybridrec._chatter import VERBOSE_ENV, native_output_filtered, quiet_native_logging
 from hybridrec._embedding_servers import embedding_servers
 from training.job import load_config
 from training.run_log import run_name
@@ -67,6 +69,11 @@ def main(argv: list[str]) -> int:
         "--overwrite", action="store_true", help="delete run-dir's old contents first"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the libraries' own logging (Gloo connection lines, XLA C++ logs)",
+    )
     _flags.add_config_flags(parser)
     _flags.add_distributed_flags(parser)
     args = parser.parse_args(argv)
@@ -78,6 +85,18 @@ def main(argv: list[str]) -> int:
         raise UserError("--overwrite and --resume contradict each other")
     if args.overwrite and run_dir.exists() and (args.process_id or 0) == 0:
         shutil.rmtree(run_dir)
+    distributed = _flags.distributed_options(args)
+    verbose = args.verbose or os.environ.get(VERBOSE_ENV) == "1"
+    if not verbose:
+        quiet_native_logging()
+    multi_process = (distributed.get("num_processes") or 1) > 1 or bool(distributed.get("cluster"))
+    with native_output_filtered(enabled=multi_process and not verbose):
+        return _train(args, run_dir, overrides, distributed)
+
+
+def _train(
+    args: argparse.Namespace, run_dir: Path, overrides: list[str], distributed: dict[str, Any]
+) -> int:
     config = load_config(args.config, overrides, run_dir if args.resume else None)
     servers = embedding_servers(config.embedding.servers)
     if servers.source.startswith("$") and not args.quiet and (args.process_id or 0) == 0:
@@ -86,7 +105,7 @@ def main(argv: list[str]) -> int:
         config,
         run_dir,
         resume=args.resume,
-        distributed=_flags.distributed_options(args),
+        distributed=distributed,
         quiet=args.quiet,
         servers=servers,
     )

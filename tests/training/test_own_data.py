@@ -134,14 +134,44 @@ def test_own_schema_trains_evaluates_and_plots_with_the_defaults(tmp_path, cli):
 
 
 def test_launch_relays_output_without_library_chatter_unless_verbose():
-    from hybridrec.launch import CHATTER_PREFIXES, _relay
+    from hybridrec.launch import _relay
 
     lines = "step 5\n[Gloo] Rank 0 is connected to 1 peer ranks.\ndone\n"
     quiet, verbose = io.StringIO(), io.StringIO()
-    _relay(io.StringIO(lines), "[p1] ", quiet, CHATTER_PREFIXES)
-    _relay(io.StringIO(lines), "", verbose)
+    _relay(io.StringIO(lines), "[p1] ", quiet)
+    _relay(io.StringIO(lines), "", verbose, verbose=True)
     assert quiet.getvalue() == "[p1] step 5\n[p1] done\n"
     assert verbose.getvalue() == lines
+
+
+NATIVE_WRITER = """
+import os, sys
+from hybridrec._chatter import native_output_filtered
+with native_output_filtered(enabled=sys.argv[1] == "quiet"):
+    print("step 5", flush=True)
+    os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks.\\nstep 6\\n")
+    os.write(2, b"[Gloo] Rank 1 is connected to 1 peer ranks.\\nwarning kept\\n")
+    print("done", end="")
+print(" after")
+"""
+
+
+def test_a_process_filters_chatter_written_to_its_own_descriptors():
+    """What Gloo writes from C++ to descriptors 1 and 2 is dropped, the rest kept in order."""
+    results = {
+        mode: subprocess.run(
+            [sys.executable, "-c", NATIVE_WRITER, mode],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        for mode in ("quiet", "verbose")
+    }
+    assert results["quiet"].stdout == "step 5\nstep 6\ndone after\n"
+    assert results["quiet"].stderr == "warning kept\n"
+    assert results["verbose"].stdout.count("[Gloo]") == 1
+    assert results["verbose"].stderr.count("[Gloo]") == 1
 
 
 def test_evaluate_and_plot_of_a_missing_run_name_the_command_that_makes_one(tmp_path, capsys):
