@@ -7,7 +7,11 @@ to `PipelineOptions` untouched, so any runner's own flags work unchanged.
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
+import threading
 
+from common.errors import UserError
 from pipeline import PreprocessConfig, PreprocessResult, run_preprocess
 from pipeline.config import COMPRESSIONS, INPUT_FORMATS, SPLIT_MODES
 from pipeline.runners import RUNNER_NAMES
@@ -44,6 +48,20 @@ def _parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace a complete output directory"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    stream = parser.add_argument_group("follow mode (docs/online.md)")
+    stream.add_argument("--follow", action="store_true",
+                        help="keep running: each new complete input file becomes a shard of a stream dataset")  # fmt: skip
+    stream.add_argument("--stats", metavar="REFERENCE_DATA",
+                        help="--follow: a preprocessed dataset whose spec and statistics are applied, frozen")  # fmt: skip
+    stream.add_argument("--poll-interval", type=float, default=0.5, help="--follow: seconds between looks")  # fmt: skip
+    stream.add_argument("--settle-seconds", type=float, default=0.5,
+                        help="--follow: a file must be unchanged this long to count as complete")  # fmt: skip
+    stream.add_argument("--grow-timeout", type=float, default=60.0,
+                        help="--follow: a file still changing after this many seconds is a dead letter")  # fmt: skip
+    stream.add_argument("--marker-suffix", default="",
+                        help="--follow: NAME counts once NAME<suffix> exists (e.g. .done)")  # fmt: skip
+    stream.add_argument("--max-idle", type=float, default=0.0,
+                        help="--follow: stop after this many seconds without a new file (0: run until SIGTERM)")  # fmt: skip
     runner = parser.add_argument_group("runner")
     runner.add_argument("--runner", default="direct",
                         help=f"Beam runner: {', '.join(RUNNER_NAMES)} (any case, 'Runner' suffix optional) or a fully qualified class name")  # fmt: skip
@@ -83,6 +101,10 @@ def _print_summary(result: PreprocessResult) -> None:
 def main(argv: list[str]) -> int:
     """`hybridrec preprocess`."""
     args, beam_args = _parser().parse_known_args(argv)
+    if args.follow:
+        return _follow(args, beam_args)
+    if args.stats:
+        raise UserError("--stats applies to --follow only")
     config = PreprocessConfig(
         inputs=args.input,
         output=args.output,
@@ -101,4 +123,42 @@ def main(argv: list[str]) -> int:
     )
     result = run_preprocess(config, beam_args=beam_args, quiet=args.quiet)
     _print_summary(result)
+    return 0
+
+
+def _follow(args: argparse.Namespace, beam_args: list[str]) -> int:
+    """`hybridrec preprocess --follow`: until SIGTERM (or --max-idle), new files -> shards."""
+    from pipeline.follow import FollowConfig, follow
+
+    if not args.stats:
+        raise UserError("--follow needs --stats REFERENCE_DATA (its spec and statistics are used)")
+    config = FollowConfig(
+        inputs=args.input,
+        output=args.output,
+        reference=args.stats,
+        poll_interval=args.poll_interval,
+        settle_seconds=args.settle_seconds,
+        grow_timeout=args.grow_timeout,
+        marker_suffix=args.marker_suffix,
+        block_mb=args.block_mb,
+        compression=args.compression,
+    )
+    stop = threading.Event()
+    for signal_number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signal_number, lambda *_: stop.set())
+    if not args.quiet:
+        print(
+            f"following {' '.join(args.input)} -> {args.output} (SIGTERM to stop)", file=sys.stderr
+        )
+    summary = follow(
+        config, stop=stop, max_idle=args.max_idle, beam_args=beam_args, quiet=args.quiet
+    )
+    print(
+        f"followed for {summary.seconds:.1f}s: {summary.files} files -> {summary.rows:,} rows "
+        f"({summary.rows / max(summary.seconds, 1e-9):,.0f} rows/s), {summary.rejected_rows:,} "
+        f"rows rejected, {len(summary.dead_letters)} dead letters"
+    )
+    for source, reason in summary.dead_letters:
+        print(f"  dead letter {source}: {reason}")
+    print(f"  output:   {args.output}/ (manifest.jsonl, shards/, rejected/, dead_letter/)")
     return 0

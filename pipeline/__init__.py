@@ -8,8 +8,11 @@ Public surface:
     generate(path, rows, seed=...)               synthetic Criteo-format logs
     list_chunks, count_lines, process_chunk, SplitRule, BlockParser, ParquetParser,
     PartialStats                                 the per-chunk steps, usable without Beam
+    follow(FollowConfig(...))                    follow mode: new files -> shards + manifest
+    read_shards(data_dir)                        the committed shards of a stream dataset
 """
 
+from pipeline.manifest import ManifestEntry, read_manifest, read_shards  # noqa: F401
 from pipeline.metadata import CategoricalFeature, DatasetMetadata, read_metadata
 from pipeline.rows import EncodedRows, RowEncoder, RowError, spec_from_json  # noqa: F401
 from pipeline.spec import CategoricalSpec, FeatureSpec, builtin_specs, load_spec
@@ -19,6 +22,7 @@ from pipeline.spec import CategoricalSpec, FeatureSpec, builtin_specs, load_spec
 _LAZY = {
     "BlockParser": "pipeline._parse",
     "Chunk": "pipeline._chunks",
+    "FollowConfig": "pipeline.follow",
     "ParquetParser": "pipeline._parquet",
     "PartialStats": "pipeline.stats",
     "Preprocess": "pipeline.job",
@@ -26,6 +30,7 @@ _LAZY = {
     "PreprocessResult": "pipeline.job",
     "SplitRule": "pipeline._chunks",
     "count_lines": "pipeline._chunks",
+    "follow": "pipeline.follow",
     "generate": "pipeline.synthetic",
     "generate_block": "pipeline.synthetic",
     "list_chunks": "pipeline._chunks",
