@@ -7,6 +7,13 @@ gs://, s3://):
     step-000000000042/<table>/shard-00001-of-00004/{ids,values,state,last_step,
         deleted,counter_ids,counter_counts}/   zarr3 arrays of one shard's part
 
+A part's rows and optimizer state are stored at the precision the snapshot was taken
+with (`precision`: fp32, fp16, or row-wise quantized int8 / int4, see `_quantize`);
+below fp32, `values` and `state` are replaced by `values`, `values_scale_bias` and one
+array (plus scale and bias) per optimizer-state field. Ids are always exact. The part's
+manifest entry records its precision, so a restore decodes it whatever precision the
+reader would write, and a CRC32 per stored array, so a corrupt array is named.
+
 A manifest lists, per table, the chain of snapshot groups needed to rebuild the
 table: the last full snapshot followed by the incremental ones (rows changed and ids
 deleted since the previous group). Parts are keyed by id, so any number of shards
@@ -27,6 +34,7 @@ import numpy as np
 import tensorstore as ts
 
 from common import config as _config
+from embedding_store import _quantize
 from embedding_store._kvstore import context, kvstore_spec
 from embedding_store.config import TableConfig
 from embedding_store.errors import (
@@ -39,7 +47,8 @@ from embedding_store.errors import (
 FORMAT_VERSION = 1
 MAX_CHAIN = 16  # snapshot groups in one manifest chain before a full snapshot is forced
 _MANIFEST_PREFIX = "manifest-"
-_ARRAYS = ("ids", "values", "state", "last_step", "deleted", "counter_ids", "counter_counts")
+_ROW_ARRAYS = ("ids", "last_step", "deleted", "counter_ids", "counter_counts")
+PRECISIONS = _quantize.PRECISIONS
 
 
 @dataclasses.dataclass
@@ -129,9 +138,32 @@ def _checksum(array: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
 
 
-def write_part(url: str, path: str, block: RowBlock) -> dict[str, Any]:
-    """Writes one shard's part of one table; returns its manifest entry."""
-    arrays = {name: getattr(block, name) for name in _ARRAYS}
+def check_precision(precision: object) -> str:
+    """`precision` if it names a checkpoint precision; CheckpointError otherwise."""
+    if precision not in PRECISIONS:
+        raise CheckpointError(
+            f"checkpoint precision {precision!r} is not one of {', '.join(PRECISIONS)}"
+        )
+    return str(precision)
+
+
+def write_part(
+    url: str, path: str, block: RowBlock, *, optimizer: str = "sgd", precision: str = "fp32"
+) -> dict[str, Any]:
+    """Writes one shard's part of one table; returns its manifest entry.
+
+    Args:
+        url: the checkpoint URL.
+        path: the part's path under `url` (`part_path`).
+        block: the rows (float32 values and state).
+        optimizer: the table's optimizer name (how its state columns are stored).
+        precision: fp32 | fp16 | int8 | int4, for values and optimizer state.
+    """
+    check_precision(precision)
+    arrays = {name: getattr(block, name) for name in _ROW_ARRAYS}
+    if len(block.last_step) and block.last_step.max() < 2**31 and block.last_step.min() >= 0:
+        arrays["last_step"] = block.last_step.astype(np.int32)
+    arrays.update(_quantize.encode_block(block.values, block.state, optimizer, precision))
     opened = []
     for name, array in arrays.items():
         array = np.ascontiguousarray(array)
@@ -152,6 +184,9 @@ def write_part(url: str, path: str, block: RowBlock) -> dict[str, Any]:
         write.result()
     return {
         "path": path,
+        "precision": precision,
+        "optimizer": optimizer,
+        "dim": int(block.values.shape[1]),
         "rows": len(block.ids),
         "deleted": len(block.deleted),
         "counters": len(block.counter_ids),
@@ -162,10 +197,13 @@ def write_part(url: str, path: str, block: RowBlock) -> dict[str, Any]:
 
 
 def read_part(url: str, entry: dict[str, Any]) -> RowBlock:
-    """Reads and verifies one part named by a manifest entry."""
+    """Reads and verifies one part named by a manifest entry; rows decoded to float32.
+
+    The entry's own precision decides the decoding (entries without one are fp32).
+    """
     path = entry["path"]
     arrays = {}
-    for name in _ARRAYS:
+    for name in entry["shapes"]:
         where = f"{url.rstrip('/')}/{path}/{name}"
         try:
             store = ts.open(
@@ -183,7 +221,24 @@ def read_part(url: str, entry: dict[str, Any]) -> RowBlock:
         if _checksum(array) != entry["checksums"][name]:
             raise CheckpointCorruptedError(f"{where}: checksum mismatch (corrupted data)")
         arrays[name] = array
-    return RowBlock(**arrays)
+    precision = entry.get("precision", "fp32")
+    if precision not in PRECISIONS or not set(_ROW_ARRAYS) <= set(arrays):
+        raise CheckpointCorruptedError(
+            f"{url.rstrip('/')}/{path}: not a part this version reads "
+            f"(precision {precision!r}, arrays {sorted(arrays)})"
+        )
+    dim = entry.get("dim", arrays["values"].shape[1] if "values" in arrays else 0)
+    try:
+        values, state = _quantize.decode_block(
+            arrays, entry.get("optimizer", "sgd"), precision, dim
+        )
+    except (KeyError, ValueError) as error:
+        raise CheckpointCorruptedError(
+            f"{url.rstrip('/')}/{path}: {precision} arrays incomplete ({error})"
+        ) from None
+    rows = {name: arrays[name] for name in _ROW_ARRAYS}
+    rows["last_step"] = rows["last_step"].astype(np.int64)
+    return RowBlock(values=values, state=state, **rows)
 
 
 def check_compatible(url: str, manifest: Mapping[str, Any], tables: Sequence[TableConfig]) -> None:

@@ -328,7 +328,14 @@ class RemoteShard:
         return self.connection.action("stats")
 
     def write_checkpoint(
-        self, url: str, step: int, shard_index: int, *, num_shards: int, full: bool
+        self,
+        url: str,
+        step: int,
+        shard_index: int,
+        *,
+        num_shards: int,
+        full: bool,
+        precision: str = "fp32",
     ) -> dict[str, dict[str, Any]]:
         """The server writes this shard's part of `step` straight to `url`."""
         self._check_index(shard_index)
@@ -338,6 +345,7 @@ class RemoteShard:
             "step": int(step),
             "num_shards": int(num_shards),
             "full": bool(full),
+            "precision": str(precision),
             "step_now": self._step,
         }
         return self.connection.action("checkpoint", body, slow=True)

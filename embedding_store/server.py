@@ -32,7 +32,12 @@ import pyarrow.flight as flight
 from common.errors import UserError
 from embedding_store import wire
 from embedding_store._fingerprint import table_fingerprint
-from embedding_store.checkpoint import check_compatible, latest_checkpoint_step, read_manifest
+from embedding_store.checkpoint import (
+    PRECISIONS,
+    check_compatible,
+    latest_checkpoint_step,
+    read_manifest,
+)
 from embedding_store.config import TableConfig
 from embedding_store.errors import EmbeddingStoreError
 from embedding_store.shard import LocalShard
@@ -276,7 +281,10 @@ class ShardServer(flight.FlightServerBase):
             ("stats", "rows, latency p50/p99, pending updates (JSON)"),
             ("shard_stats", '{"shard"}: the shard\'s per-table counters'),
             ("set_step", '{"shard", "step"}'),
-            ("checkpoint", '{"shard", "url", "step", "num_shards", "full"}: write a part'),
+            (
+                "checkpoint",
+                '{"shard", "url", "step", "num_shards", "full", "precision"}: write a part',
+            ),
             ("commit_checkpoint", '{"shard", "step"}: the manifest of step is committed'),
             ("load_checkpoint", '{"shard", "url", "step", "num_shards"}: reset, then load'),
         ]
@@ -312,10 +320,18 @@ class ShardServer(flight.FlightServerBase):
             shard = self._shard(index)
             url, step = _field(body, "url", str), _field(body, "step", int)
             self._check_num_shards(_field(body, "num_shards", int))
+            precision = body.get("precision", "fp32")  # older clients send none
+            if precision not in PRECISIONS:
+                raise wire.WireError(f"field 'precision' must be one of {PRECISIONS}")
             self._step_from(index, body, "step_now")
             self.wait_idle()
             return shard.write_checkpoint(
-                url, step, index, num_shards=self.num_shards, full=_field(body, "full", bool)
+                url,
+                step,
+                index,
+                num_shards=self.num_shards,
+                full=_field(body, "full", bool),
+                precision=precision,
             )
         if kind == "commit_checkpoint":
             self._shard(body.get("shard")).commit_checkpoint(_field(body, "step", int))

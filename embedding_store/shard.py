@@ -51,12 +51,20 @@ class Shard(Protocol):
         ...
 
     def write_checkpoint(
-        self, url: str, step: int, shard_index: int, *, num_shards: int, full: bool
+        self,
+        url: str,
+        step: int,
+        shard_index: int,
+        *,
+        num_shards: int,
+        full: bool,
+        precision: str = "fp32",
     ) -> dict[str, dict[str, Any]]:
         """Writes this shard's part of snapshot `step` under `url`: {table: manifest entry}.
 
         `full=False` writes only rows changed (and ids deleted) since the last
-        committed snapshot. Nothing counts as saved until `commit_checkpoint(step)`.
+        committed snapshot; `precision` (fp32 | fp16 | int8 | int4) is how rows and
+        optimizer state are stored. Nothing counts as saved until `commit_checkpoint(step)`.
         """
         ...
 
@@ -135,7 +143,14 @@ class LocalShard:
         return {name: table.stats() for name, table in self._tables.items()}
 
     def write_checkpoint(
-        self, url: str, step: int, shard_index: int, *, num_shards: int, full: bool
+        self,
+        url: str,
+        step: int,
+        shard_index: int,
+        *,
+        num_shards: int,
+        full: bool,
+        precision: str = "fp32",
     ) -> dict[str, dict[str, Any]]:
         """See `Shard.write_checkpoint`: writes one part per table, returns their entries.
 
@@ -145,7 +160,9 @@ class LocalShard:
         for name, table in self._tables.items():
             block, captures[name] = table.snapshot(full=full)
             path = _checkpoint.part_path(step, name, shard_index, num_shards)
-            entries[name] = _checkpoint.write_part(url, path, block)
+            entries[name] = _checkpoint.write_part(
+                url, path, block, optimizer=table.config.optimizer.name, precision=precision
+            )
         self._captures[step] = captures
         return entries
 

@@ -347,24 +347,40 @@ class EmbeddingStore:
 
     # ----------------------------------------------------------------- checkpoints
 
-    def checkpoint(self, url: str, step: int, *, full: bool | None = None) -> dict[str, Any]:
+    def checkpoint(
+        self, url: str, step: int, *, full: bool | None = None, precision: str = "fp32"
+    ) -> dict[str, Any]:
         """Snapshots every table at `step` under `url` (local path or tensorstore kvstore URL).
 
         Atomic: the manifest is written only after every shard wrote its part.
         Incremental: when `url` holds the checkpoint this store last wrote or was
         restored from, only rows changed since then are written (unless `full`).
+        Precision: fp32 (exact), fp16, or int8 / int4 row-wise quantization with a
+        per-row scale and bias (ids stay exact; see `embedding_store._quantize`). The
+        precision is recorded per part, so `restore` needs no setting for it.
 
         Returns:
-            {"step", "url", "full", "rows_written", "ids_deleted", "bytes_written", "seconds"}
+            {"step", "url", "full", "precision", "rows_written", "ids_deleted",
+            "bytes_written", "seconds"}
         """
         start = time.perf_counter()
+        _checkpoint.check_precision(precision)
         self.flush()
         tables = list(self._configs.values())
         extends = self._chain[1] if self._chain and self._chain[0] == url else None
         base = _checkpoint.snapshot_base(url, step, tables, None if full else extends)
         n = self.num_shards
         futures = [
-            self._submit(s, "write_checkpoint", url, step, s, num_shards=n, full=base is None)
+            self._submit(
+                s,
+                "write_checkpoint",
+                url,
+                step,
+                s,
+                num_shards=n,
+                full=base is None,
+                precision=precision,
+            )
             for s in range(n)
         ]
         parts, failures = [], []
@@ -385,6 +401,7 @@ class EmbeddingStore:
             "step": step,
             "url": url,
             "full": base is None,
+            "precision": precision,
             "rows_written": sum(entry["rows"] for entry in written),
             "ids_deleted": sum(entry["deleted"] for entry in written),
             "bytes_written": sum(entry["bytes"] for entry in written),

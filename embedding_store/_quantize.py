@@ -1,0 +1,175 @@
+"""Row-wise quantization of checkpoint rows (Check-N-Run, arXiv 2010.08679).
+
+Each row is quantized on its own, asymmetrically: `bits`-bit codes `q` with a
+per-row scale and bias, `row ≈ q * scale + bias`. The bias is the row's minimum
+rounded down and the scale covers the row's range rounded up, both to float16 (2 + 2
+bytes per row), and the codes are computed from the rounded pair, so the error per
+value stays within half a step: `|row - decoded| <= scale / 2`. A part whose scale or
+bias would overflow float16 keeps them in float32 (the stored dtype says which).
+
+Optimizer state (see `state_fields`): Check-N-Run's models train with row-wise
+Adagrad, whose state is one accumulator per row, and that state is kept exact.
+hybridrec does the same for every per-row scalar (the row-wise accumulator, Adam's
+step count). Per-value state (Adagrad's accumulators, Adam's moments) is as large as
+the rows themselves, so it is quantized at the checkpoint's precision like the rows;
+second-moment accumulators are quantized as their square roots, the quantity the
+update divides by, which keeps small accumulators (large steps) accurate.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+Precision = Literal["fp32", "fp16", "int8", "int4"]
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
+
+# How a block of optimizer-state columns is stored at reduced precision.
+SIGNED, SQUARED, EXACT = "signed", "squared", "exact"
+
+
+def state_fields(optimizer: str, dim: int) -> list[tuple[str, int, int, str]]:
+    """The optimizer state's column blocks: [(name, start, stop, kind)].
+
+    kind: "signed" (quantized as is), "squared" (non-negative second moments,
+    quantized as square roots) or "exact" (per-row scalars, kept float32).
+    """
+    return {
+        "sgd": [],
+        "adagrad": [("accumulator", 0, dim, SQUARED)],
+        "rowwise_adagrad": [("accumulator", 0, 1, EXACT)],
+        "adam": [
+            ("mu", 0, dim, SIGNED),
+            ("nu", dim, 2 * dim, SQUARED),
+            ("count", 2 * dim, 2 * dim + 1, EXACT),
+        ],
+    }[optimizer]
+
+
+def _round_float16(values: np.ndarray, toward: float) -> np.ndarray:
+    """float32 [n] -> float16 [n] rounded toward -inf or +inf (never past `values`)."""
+    with np.errstate(over="ignore"):  # overflow is checked by the caller
+        rounded = values.astype(np.float16)
+    wrong = (
+        rounded.astype(np.float32) > values if toward < 0 else rounded.astype(np.float32) < values
+    )
+    rounded[wrong] = np.nextafter(rounded[wrong], np.float16(toward))
+    return rounded
+
+
+def quantize(rows: np.ndarray, precision: str) -> dict[str, np.ndarray]:
+    """Encodes rows at `precision`.
+
+    Args:
+        rows: [n, width] float32, finite.
+        precision: fp32 | fp16 | int8 | int4.
+
+    Returns:
+        {"": codes, "scale_bias": [n, 2]} for int8 ([n, width] uint8) and int4
+        ([n, ceil(width / 2)] uint8, two codes per byte, low nibble first);
+        {"": [n, width] float16 or float32} otherwise.
+    """
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if precision == "fp32":
+        return {"": rows}
+    if precision == "fp16":
+        with np.errstate(over="ignore"):
+            half = rows.astype(np.float16)
+        # A value past float16's range keeps the whole array in float32 (dtype says so).
+        return {"": half if np.isfinite(half).all() else rows}
+    bits = BITS[precision]
+    levels = (1 << bits) - 1
+    n, width = rows.shape
+    low = rows.min(axis=1) if width else np.zeros(n, np.float32)
+    high = rows.max(axis=1) if width else np.zeros(n, np.float32)
+    bias16 = _round_float16(low, -np.inf)
+    scale16 = _round_float16((high - bias16.astype(np.float32)) / np.float32(levels), np.inf)
+    if np.isfinite(bias16).all() and np.isfinite(scale16).all():
+        bias, scale, pair_dtype = bias16.astype(np.float32), scale16.astype(np.float32), np.float16
+    else:
+        bias = low
+        scale = (high - low) / np.float32(levels)
+        pair_dtype = np.float32
+    divisor = np.where(scale > 0, scale, np.float32(1))
+    codes = np.rint((rows - bias[:, None]) / divisor[:, None])
+    codes = np.clip(codes, 0, levels).astype(np.uint8)
+    if bits == 4:
+        if width % 2:
+            codes = np.concatenate([codes, np.zeros((n, 1), np.uint8)], axis=1)
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scale_bias = np.stack([scale, bias], axis=1).astype(pair_dtype)
+    return {"": np.ascontiguousarray(codes), "scale_bias": scale_bias}
+
+
+def dequantize(arrays: dict[str, np.ndarray], precision: str, width: int) -> np.ndarray:
+    """Decodes what `quantize` returned: [n, width] float32."""
+    codes = arrays[""]
+    if codes.dtype.kind == "f":
+        return codes.astype(np.float32)
+    if precision not in BITS:
+        raise ValueError(f"{codes.dtype} codes for precision {precision!r}")
+    if BITS[precision] == 4:
+        unpacked = np.empty((len(codes), 2 * codes.shape[1]), np.uint8)
+        unpacked[:, 0::2] = codes & 0x0F
+        unpacked[:, 1::2] = codes >> 4
+        codes = unpacked[:, :width]
+    scale_bias = arrays["scale_bias"].astype(np.float32)
+    return codes.astype(np.float32) * scale_bias[:, :1] + scale_bias[:, 1:]
+
+
+def encode_block(
+    values: np.ndarray, state: np.ndarray, optimizer: str, precision: str
+) -> dict[str, np.ndarray]:
+    """A part's rows and optimizer state as named arrays at `precision`.
+
+    Args:
+        values: [n, dim] float32 rows.
+        state: [n, state_width] float32 optimizer state.
+        optimizer: the table's optimizer name (fixes the state's column blocks).
+        precision: fp32 | fp16 | int8 | int4.
+
+    Returns:
+        {"values", "values_scale_bias"?, "state_<field>", "state_<field>_scale_bias"?};
+        at fp32 just {"values", "state"}, the full-precision layout.
+    """
+    if precision == "fp32":
+        return {"values": values, "state": state}
+    arrays = _named("values", quantize(values, precision))
+    for name, start, stop, kind in state_fields(optimizer, values.shape[1]):
+        block = state[:, start:stop]
+        if kind == EXACT:
+            arrays[f"state_{name}"] = np.ascontiguousarray(block, dtype=np.float32)
+            continue
+        if kind == SQUARED:
+            block = np.sqrt(np.maximum(block, 0))
+        arrays.update(_named(f"state_{name}", quantize(block, precision)))
+    return arrays
+
+
+def decode_block(
+    arrays: dict[str, np.ndarray], optimizer: str, precision: str, dim: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of `encode_block`: (values [n, dim], state [n, state_width]) float32."""
+    if precision == "fp32" or "state" in arrays:
+        return arrays["values"].astype(np.float32), arrays["state"].astype(np.float32)
+    values = dequantize(_field(arrays, "values"), precision, dim)
+    blocks = []
+    for name, start, stop, kind in state_fields(optimizer, dim):
+        block = dequantize(_field(arrays, f"state_{name}"), precision, stop - start)
+        blocks.append(block * block if kind == SQUARED else block)
+    width = sum(stop - start for _, start, stop, _ in state_fields(optimizer, dim))
+    state = np.concatenate(blocks, axis=1) if blocks else np.zeros((len(values), width))
+    return values, state.astype(np.float32)
+
+
+def _named(prefix: str, encoded: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {f"{prefix}_{key}" if key else prefix: array for key, array in encoded.items()}
+
+
+def _field(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    found = {"": arrays[prefix]}
+    if f"{prefix}_scale_bias" in arrays:
+        found["scale_bias"] = arrays[f"{prefix}_scale_bias"]
+    return found
