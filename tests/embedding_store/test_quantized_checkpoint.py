@@ -15,8 +15,8 @@ from embedding_store import (
     checkpoint,
 )
 from embedding_store._quantize import dequantize, quantize
-from embedding_store.server import ShardServer
 from embedding_store.remote import connect
+from embedding_store.server import ShardServer
 
 IDS = np.arange(3000, dtype=np.uint64)
 
