@@ -143,6 +143,9 @@ class CheckpointConfig:
 
     every_steps: int = 0  # checkpoint every this many steps; 0 = only at the end
     keep: int = 2  # complete checkpoints kept
+    # embedding rows and optimizer state on disk: fp32 (exact), fp16, or int8 / int4 row-wise
+    # quantized (per-row scale and bias; ids exact); a restore reads the precision it was written at
+    precision: Literal["fp32", "fp16", "int8", "int4"] = "fp32"
 
     def __post_init__(self):
         if self.every_steps < 0 or self.keep < 1:

@@ -223,7 +223,9 @@ class HybridTrainer:
         )
         job.barrier(f"checkpoint-parts-{step}")
         if job.is_chief:  # replicas are identical; remote shards are shared
-            self.store.checkpoint(self.checkpoints.embeddings_url, step)
+            self.store.checkpoint(
+                self.checkpoints.embeddings_url, step, precision=self.config.checkpoint.precision
+            )
         job.barrier(f"checkpoint-embeddings-{step}")
         if job.is_chief:
             self.checkpoints.commit(step)
