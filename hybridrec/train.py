@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from common.errors import UserError
-from hybridrec import _flags
+from hybridrec import _flags, _train_follow
 from hybridrec._chatter import VERBOSE_ENV, native_output_filtered, quiet_native_logging
 from hybridrec._embedding_servers import embedding_servers
 from training.job import load_config
@@ -76,6 +76,7 @@ def main(argv: list[str]) -> int:
     )
     _flags.add_config_flags(parser)
     _flags.add_distributed_flags(parser)
+    _train_follow.add_flags(parser)
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     overrides = [*args.overrides, *args.positional_overrides]
@@ -85,6 +86,8 @@ def main(argv: list[str]) -> int:
         raise UserError("--overwrite and --resume contradict each other")
     if args.overwrite and run_dir.exists() and (args.process_id or 0) == 0:
         shutil.rmtree(run_dir)
+    if args.follow:
+        return _train_follow.train_follow(args, run_dir, overrides)
     distributed = _flags.distributed_options(args)
     verbose = args.verbose or os.environ.get(VERBOSE_ENV) == "1"
     if not verbose:
