@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="--follow: a file still changing after this many seconds is a dead letter")  # fmt: skip
     stream.add_argument("--marker-suffix", default="",
                         help="--follow: NAME counts once NAME<suffix> exists (e.g. .done)")  # fmt: skip
+    stream.add_argument("--max-files-per-run", type=int, default=16,
+                        help="--follow: most new files in one bounded Beam run")  # fmt: skip
     stream.add_argument("--max-idle", type=float, default=0.0,
                         help="--follow: stop after this many seconds without a new file (0: run until SIGTERM)")  # fmt: skip
     runner = parser.add_argument_group("runner")
@@ -140,6 +142,7 @@ def _follow(args: argparse.Namespace, beam_args: list[str]) -> int:
         settle_seconds=args.settle_seconds,
         grow_timeout=args.grow_timeout,
         marker_suffix=args.marker_suffix,
+        max_files_per_run=args.max_files_per_run,
         block_mb=args.block_mb,
         compression=args.compression,
     )
