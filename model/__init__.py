@@ -1,7 +1,7 @@
 """Dense side of hybridrec: Flax towers and the synchronous sharded train step.
 
 Public API (see docs/model.md):
-    ModelConfig, DLRMConfig, DCNv2Config, MLPConfig, DenseOptimizerConfig, MeshConfig
+    ModelConfig, DLRMConfig, DCNv2Config, DHENConfig, MLPConfig, DenseOptimizerConfig, MeshConfig
     make_mesh, maybe_initialize_distributed, make_global_batch, local_rows
     create_train_state, abstract_train_state, TrainState
     make_train_step, make_eval_step, train_step, eval_step, fetch_metrics, NonFiniteLossError
@@ -13,6 +13,7 @@ from model.config import (
     MODEL_AXIS,
     DCNv2Config,
     DenseOptimizerConfig,
+    DHENConfig,
     DLRMConfig,
     MeshConfig,
     MLPConfig,
@@ -40,6 +41,7 @@ __all__ = [
     "DATA_AXIS",
     "MODEL_AXIS",
     "DCNv2Config",
+    "DHENConfig",
     "DLRMConfig",
     "DenseOptimizerConfig",
     "MLPConfig",

@@ -18,7 +18,10 @@ import dataclasses
 import math
 from typing import Literal
 
-TowerName = Literal["auto", "dlrm", "dcnv2", "mlp"]
+TowerName = Literal["auto", "dlrm", "dcnv2", "mlp", "dhen"]
+
+# The interaction modules a DHEN layer can hold (see model/dhen.py).
+DHEN_MODULES = ("dot", "cross", "attention", "mlp")
 
 # The mesh axis names; every mesh has DATA_AXIS, MODEL_AXIS is optional.
 DATA_AXIS = "data"
@@ -83,6 +86,55 @@ class MLPConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DHENConfig:
+    """DHEN (Zhang et al. 2022): stacked layers, each an ensemble of interaction modules.
+
+    The dense features go through `bottom_mlp` into one more D-vector beside the F
+    embeddings; every layer maps the [F+1, D] vectors through each module, concatenates
+    the module outputs per vector, projects them back to D, adds the layer input
+    (residual) and normalizes; `top_mlp` and a 1-unit logit read the last layer.
+    """
+
+    # number of stacked ensemble layers
+    num_layers: int = 2
+    # the interaction modules of every layer, any of "dot" (pairwise dot products),
+    # "cross" (a DCN-V2 cross layer), "attention" (self-attention over the vectors), "mlp"
+    modules: tuple[str, ...] = DHEN_MODULES
+    # widths of the bottom MLP over the dense features; the last must equal the embedding dim
+    bottom_mlp: tuple[int, ...] = (512, 256, 64, 16)
+    # hidden widths of the "mlp" module (its output is always the layer's width F' * D)
+    module_mlp: tuple[int, ...] = (256,)
+    # rank of the "cross" module's W = U V^T; 0 = full rank ((F' * D)^2 weights)
+    cross_low_rank: int = 32
+    # attention heads of the "attention" module; the embedding dim must divide by it
+    attention_heads: int = 2
+    # hidden widths of the top MLP; a 1-unit logit layer always follows
+    top_mlp: tuple[int, ...] = (512, 256)
+    # LayerNorm after each layer's residual sum
+    layer_norm: bool = True
+
+    def __post_init__(self):
+        if self.num_layers < 1:
+            raise ValueError(f"dhen.num_layers must be >= 1, got {self.num_layers}")
+        if not self.modules:
+            raise ValueError(f"dhen.modules must name at least one of {list(DHEN_MODULES)}")
+        unknown = [name for name in self.modules if name not in DHEN_MODULES]
+        if unknown:
+            raise ValueError(
+                f"dhen.modules: unknown module(s) {unknown}; choose from {list(DHEN_MODULES)}"
+            )
+        if len(set(self.modules)) != len(self.modules):
+            raise ValueError(f"dhen.modules names a module twice: {list(self.modules)}")
+        _check_widths("dhen.bottom_mlp", self.bottom_mlp)
+        _check_widths("dhen.module_mlp", self.module_mlp, allow_empty=True)
+        _check_widths("dhen.top_mlp", self.top_mlp, allow_empty=True)
+        if self.cross_low_rank < 0:
+            raise ValueError(f"dhen.cross_low_rank must be >= 0, got {self.cross_low_rank}")
+        if self.attention_heads < 1:
+            raise ValueError(f"dhen.attention_heads must be >= 1, got {self.attention_heads}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Which dense tower, its sizes, its precision and how its parameters are sharded."""
 
@@ -95,6 +147,8 @@ class ModelConfig:
     dcnv2: DCNv2Config = dataclasses.field(default_factory=DCNv2Config)
     # plain MLP sizes (used when tower = "mlp")
     mlp: MLPConfig = dataclasses.field(default_factory=MLPConfig)
+    # DHEN sizes and module set (used when tower = "dhen")
+    dhen: DHENConfig = dataclasses.field(default_factory=DHENConfig)
     # dtype of activations and matmuls; parameters and optimizer state are always float32
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # logical axis name used by the layers -> mesh axis; names missing here or mapped to an

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from common.errors import ConfigError
 from model.config import DATA_AXIS, MeshConfig, ModelConfig
-from model.towers import LOGICAL_AXES
+from model.layers import LOGICAL_AXES
 
 P = jax.sharding.PartitionSpec
 

@@ -1,4 +1,4 @@
-"""The dense towers (flax.nnx): DLRM, DCN-V2 and a plain MLP.
+"""The dense towers (flax.nnx): DLRM, DCN-V2, a plain MLP and DHEN (model/dhen.py).
 
 Every tower maps pooled embeddings `[batch, features, dim]` and dense features
 `[batch, num_dense]` to one logit per example `[batch]`. Layers only *name* the
@@ -15,8 +15,6 @@ Logical axis names:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,50 +22,8 @@ from flax import nnx
 
 from common.errors import ConfigError
 from model.config import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig, choose_tower
-
-LOGICAL_AXES = "logical_axes"  # Param metadata key holding one logical name per dimension
-
-
-def _linear(
-    in_features: int,
-    out_features: int,
-    axes: tuple[str | None, str | None],
-    *,
-    dtype,
-    rngs: nnx.Rngs,
-    use_bias: bool = True,
-) -> nnx.Linear:
-    """An f32-parameter linear layer computing in `dtype` (None = the inputs' dtype)."""
-    return nnx.Linear(
-        in_features,
-        out_features,
-        use_bias=use_bias,
-        dtype=dtype,
-        param_dtype=jnp.float32,
-        kernel_metadata={LOGICAL_AXES: axes},
-        bias_metadata={LOGICAL_AXES: (axes[1],)},
-        rngs=rngs,
-    )
-
-
-class MLP(nnx.Module):
-    """Linear + ReLU layers; hidden widths named "mlp", alternately column/row parallel."""
-
-    def __init__(self, in_features: int, widths: Sequence[int], *, dtype, rngs: nnx.Rngs):
-        previous = in_features
-        # Attributes named layer_0, layer_1, ... keep parameter paths string-keyed
-        # (checkpoint friendly) rather than list-indexed.
-        for index, width in enumerate(widths):
-            axes = (None, "mlp") if index % 2 == 0 else ("mlp", None)
-            setattr(self, f"layer_{index}", _linear(previous, width, axes, dtype=dtype, rngs=rngs))
-            previous = width
-        self.num_layers = len(widths)
-        self.out_features = previous
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for index in range(self.num_layers):
-            x = jax.nn.relu(getattr(self, f"layer_{index}")(x))
-        return x
+from model.dhen import DHEN
+from model.layers import MLP, CrossLayer, cast, flat_input, linear
 
 
 class DLRM(nnx.Module):
@@ -97,35 +53,17 @@ class DLRM(nnx.Module):
         self.pair_rows = tuple(int(i) for i in rows)
         self.pair_cols = tuple(int(i) for i in cols)
         self.top = MLP(embedding_dim + len(rows), config.top_mlp, dtype=dtype, rngs=rngs)
-        self.logit = _linear(self.top.out_features, 1, (None, None), dtype=dtype, rngs=rngs)
+        self.logit = linear(self.top.out_features, 1, (None, None), dtype=dtype, rngs=rngs)
         self.dtype = dtype
 
     def __call__(self, embeddings: jax.Array, dense: jax.Array) -> jax.Array:
-        embeddings, dense = _cast(self.dtype, embeddings, dense)
+        embeddings, dense = cast(self.dtype, embeddings, dense)
         bottom = self.bottom(dense)  # [B, D]
         vectors = jnp.concatenate([bottom[:, None, :], embeddings], axis=1)  # [B, F+1, D]
         dots = jnp.einsum("bid,bjd->bij", vectors, vectors)  # [B, F+1, F+1]
         pairs = dots[:, np.asarray(self.pair_rows), np.asarray(self.pair_cols)]  # [B, P]
         hidden = self.top(jnp.concatenate([bottom, pairs], axis=-1))
         return self.logit(hidden)[:, 0]
-
-
-class CrossLayer(nnx.Module):
-    """One DCN-V2 cross layer: x0 * (W x + b) + x, with W full rank or U V (rank r)."""
-
-    def __init__(self, width: int, low_rank: int, *, dtype, rngs: nnx.Rngs):
-        if low_rank:
-            self.down = _linear(
-                width, low_rank, (None, None), dtype=dtype, rngs=rngs, use_bias=False
-            )
-            self.up = _linear(low_rank, width, (None, "cross"), dtype=dtype, rngs=rngs)
-        else:
-            self.down = None
-            self.up = _linear(width, width, (None, "cross"), dtype=dtype, rngs=rngs)
-
-    def __call__(self, x0: jax.Array, x: jax.Array) -> jax.Array:
-        projected = self.up(self.down(x) if self.down is not None else x)
-        return x0 * projected + x
 
 
 class DCNv2(nnx.Module):
@@ -150,11 +88,11 @@ class DCNv2(nnx.Module):
         self.parallel = config.structure == "parallel"
         self.deep = MLP(width, config.deep_mlp, dtype=dtype, rngs=rngs)
         logit_in = self.deep.out_features + (width if self.parallel else 0)
-        self.logit = _linear(logit_in, 1, (None, None), dtype=dtype, rngs=rngs)
+        self.logit = linear(logit_in, 1, (None, None), dtype=dtype, rngs=rngs)
         self.dtype = dtype
 
     def __call__(self, embeddings: jax.Array, dense: jax.Array) -> jax.Array:
-        x0 = _flat_input(self.dtype, embeddings, dense)
+        x0 = flat_input(self.dtype, embeddings, dense)
         crossed = x0
         for index in range(self.num_cross_layers):
             crossed = getattr(self, f"cross_{index}")(x0, crossed)
@@ -180,23 +118,11 @@ class MLPTower(nnx.Module):
     ):
         width = num_dense + num_features * embedding_dim
         self.hidden = MLP(width, config.hidden, dtype=dtype, rngs=rngs)
-        self.logit = _linear(self.hidden.out_features, 1, (None, None), dtype=dtype, rngs=rngs)
+        self.logit = linear(self.hidden.out_features, 1, (None, None), dtype=dtype, rngs=rngs)
         self.dtype = dtype
 
     def __call__(self, embeddings: jax.Array, dense: jax.Array) -> jax.Array:
-        return self.logit(self.hidden(_flat_input(self.dtype, embeddings, dense)))[:, 0]
-
-
-def _cast(dtype, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-    if dtype is None:
-        return arrays
-    return tuple(array.astype(dtype) for array in arrays)
-
-
-def _flat_input(dtype, embeddings: jax.Array, dense: jax.Array) -> jax.Array:
-    embeddings, dense = _cast(dtype, embeddings, dense)
-    flat = embeddings.reshape(embeddings.shape[0], -1)  # [B, F*D]
-    return jnp.concatenate([dense, flat], axis=-1)
+        return self.logit(self.hidden(flat_input(self.dtype, embeddings, dense)))[:, 0]
 
 
 def compute_dtype(config: ModelConfig):
@@ -233,6 +159,7 @@ def build_tower(
         "dlrm": (DLRM, config.dlrm),
         "dcnv2": (DCNv2, config.dcnv2),
         "mlp": (MLPTower, config.mlp),
+        "dhen": (DHEN, config.dhen),
     }
     name, _ = choose_tower(config.tower, num_dense, num_features)
     cls, tower_config = towers[name]
@@ -271,4 +198,6 @@ def forward_flops_per_example(
         flops += 2 * (num_features + 1) ** 2 * embedding_dim  # the full Gram matrix
     if isinstance(tower, DCNv2):
         flops += 2 * (num_dense + num_features * embedding_dim) * tower.num_cross_layers
+    if isinstance(tower, DHEN):
+        flops += tower.interaction_flops(num_features + (1 if num_dense else 0), embedding_dim)
     return flops

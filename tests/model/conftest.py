@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model import DCNv2Config, DenseOptimizerConfig, DLRMConfig, MLPConfig, ModelConfig
+from model import (
+    DCNv2Config,
+    DenseOptimizerConfig,
+    DHENConfig,
+    DLRMConfig,
+    MLPConfig,
+    ModelConfig,
+)
 
 NUM_DENSE = 6  # DCN-V2 width 6 + 3 * 8 = 30 splits over a model axis of 2
 NUM_FEATURES = 3
@@ -25,6 +32,9 @@ def tiny_model_config(tower: str, **overrides) -> ModelConfig:
         dlrm=DLRMConfig(bottom_mlp=(16, EMBEDDING_DIM), top_mlp=(32, 16)),
         dcnv2=DCNv2Config(num_cross_layers=2, low_rank=0, deep_mlp=(32, 16)),
         mlp=MLPConfig(hidden=(32, 16, 8)),
+        dhen=DHENConfig(
+            bottom_mlp=(16, EMBEDDING_DIM), module_mlp=(16,), top_mlp=(32, 16), cross_low_rank=4
+        ),
         min_sharded_width=8,
         **overrides,
     )

@@ -26,6 +26,9 @@ BATCH = 32
 # up to ~1e-3 of a step (learning rate 1e-2 -> ~1e-5 absolute).
 RTOL, ATOL = 2e-5, 2e-6
 PARAM_ATOL = 2e-5
+# DHEN's attention and LayerNorm leave more weights with a near-zero gradient (softmax
+# and normalization cancel most of a shift), so a few move by rounding noise of ~1e-4.
+PARAM_ATOL_BY_TOWER = {"dhen": 1e-4}
 
 MESHES = {
     "1": (MeshConfig(shape=(1,), axis_names=("data",)), 1),
@@ -36,6 +39,7 @@ TOWERS = {
     "dlrm": {},
     "dcnv2_lowrank_parallel": {"low_rank": 4, "structure": "parallel"},
     "mlp": {},
+    "dhen": {},
 }
 OPTIMIZER = DenseOptimizerConfig(  # as the `optimizer` fixture
     name="adam", learning_rate=1e-2, warmup_steps=2, decay="cosine", decay_steps=10
@@ -83,13 +87,15 @@ def _reference(config, dims, batch_factory):
 _REFERENCES: dict[str, tuple] = {}
 
 # DLRM on all three meshes; DCN-V2 (its cross layers split too) and the MLP on the
-# model-parallel mesh. Full-rank DCN-V2 is checked against numpy in test_towers.py.
+# model-parallel mesh; DHEN (all four modules) there too. Full-rank DCN-V2
+# and DHEN are checked against numpy in test_towers.py and test_dhen.py.
 CASES = [
     ("dlrm", "1"),
     ("dlrm", "8"),
     ("dlrm", "4x2"),
     ("dcnv2_lowrank_parallel", "4x2"),
     ("mlp", "4x2"),
+    ("dhen", "4x2"),
 ]
 
 
@@ -107,7 +113,9 @@ def test_mesh_matches_single_device(tower_name, mesh_name, tiny_config, dims, ba
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(grads, ref_grads, rtol=RTOL, atol=ATOL)
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=PARAM_ATOL),
+        lambda a, b: np.testing.assert_allclose(
+            a, b, rtol=RTOL, atol=PARAM_ATOL_BY_TOWER.get(tower_name, PARAM_ATOL)
+        ),
         params,
         ref_params,
     )

@@ -12,7 +12,8 @@ from flax import nnx
 
 from common.errors import ConfigError
 from model import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig, build_tower
-from model.towers import LOGICAL_AXES, forward_flops_per_example
+from model.layers import LOGICAL_AXES
+from model.towers import forward_flops_per_example
 
 B, F, D, N = 6, 4, 8, 5
 
