@@ -47,7 +47,9 @@ class SparseOptimizerConfig:
     name: OptimizerName = (
         "adagrad"  # sgd | adagrad | rowwise_adagrad (one accumulator per row) | adam
     )
-    learning_rate: float = 0.01  # step size
+    # step size; 0 = not chosen yet (a trainer picks one for its batch: training.defaults),
+    # a table needs a positive one
+    learning_rate: float = 0.01
     initial_accumulator: float = (
         0.1  # adagrad / rowwise_adagrad: accumulator of a new row (optax: 0.1)
     )
@@ -56,8 +58,10 @@ class SparseOptimizerConfig:
     beta2: float = 0.999  # adam: second-moment decay
 
     def __post_init__(self):
-        if not self.learning_rate > 0 or not math.isfinite(self.learning_rate):
-            raise ValueError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
+        if not self.learning_rate >= 0 or not math.isfinite(self.learning_rate):
+            raise ValueError(
+                f"optimizer.learning_rate must be > 0 (0 = auto), got {self.learning_rate}"
+            )
         if self.initial_accumulator < 0:
             raise ValueError(
                 f"optimizer.initial_accumulator must be >= 0, got {self.initial_accumulator}"
@@ -181,6 +185,8 @@ class TableConfig:
             raise ValueError(f"table {self.name}: dim must be >= 1, got {self.dim}")
         if self.capacity < 1:
             raise ValueError(f"table {self.name}: capacity must be >= 1, got {self.capacity}")
+        if not self.optimizer.learning_rate > 0:
+            raise ValueError(f"table {self.name}: optimizer.learning_rate must be > 0")
 
     def shard_capacity(self, num_shards: int) -> int:
         """Rows one shard may hold."""

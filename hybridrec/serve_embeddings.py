@@ -36,6 +36,7 @@ from hybridrec import _flags
 from hybridrec._embedding_servers import read_token
 from pipeline import read_metadata
 from training.config import PRESET_DIR, TrainConfig
+from training.defaults import resolve_auto
 from training.tables import plan_tables
 
 
@@ -278,4 +279,5 @@ def training_tables(preset: str, data: str | None, overrides: Sequence[str]) -> 
     if not train_config.data.path:
         raise UserError("--config needs --data (or data.path in the preset): it names the tables")
     metadata = read_metadata(train_config.data.path)
+    train_config, _ = resolve_auto(train_config, metadata, divisor=1)  # as `train` resolves it
     return list(plan_tables(train_config.embedding, metadata.categorical).tables)

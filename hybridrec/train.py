@@ -113,8 +113,8 @@ def _train(
         servers=servers,
     )
     if trainer.is_chief and not args.quiet:
-        print(f"tower: {trainer.job.tower_reason}", flush=True)
-        print(f"batch: {trainer.job.batch_reason}", flush=True)
+        for choice in trainer.job.choices:
+            print(choice, flush=True)
         devices = jax.devices()
         print(
             f"devices: {len(devices)} {devices[0].platform} device(s) in "

@@ -49,18 +49,29 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EmbeddingOptimizerConfig(SparseOptimizerConfig):
+    """The store's per-row optimizer as a run configures it: the same keys, but the step
+    size defaults to 0 = auto (chosen for the optimizer and batch size, training.defaults)."""
+
+    learning_rate: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EmbeddingConfig:
     """The embedding tables (one per table named in the dataset's feature spec) and their store."""
 
-    dim: int = 16  # values per embedding row (all tables; the dense tower sees [B, F, dim])
+    # values per embedding row (all tables; the dense tower sees [B, F, dim]); 0 = auto: a
+    # power of two near the fourth root of the largest feature's distinct ids (training.defaults)
+    dim: int = 0
     capacity: int = 4_000_000  # maximum rows per table across all shards
     pooling: Literal["sum", "mean", "sqrtn"] = "sum"  # how multi-valued features are pooled
     initializer: InitializerConfig = dataclasses.field(
         default_factory=InitializerConfig
     )  # new rows
-    optimizer: SparseOptimizerConfig = dataclasses.field(
-        default_factory=SparseOptimizerConfig
-    )  # per-row sparse optimizer
+    # per-row sparse optimizer
+    optimizer: EmbeddingOptimizerConfig = dataclasses.field(
+        default_factory=EmbeddingOptimizerConfig
+    )
     admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)  # new ids
     eviction: EvictionConfig = dataclasses.field(default_factory=EvictionConfig)  # dropping rows
     storage_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # stored value dtype
@@ -79,11 +90,13 @@ class EmbeddingConfig:
 
     def __post_init__(self):
         if (
-            self.dim < 1
+            self.dim < 0
             or self.capacity < 1
             or (self.num_shards is not None and self.num_shards < 1)
         ):
-            raise ValueError("embedding.dim, capacity and num_shards must be >= 1")
+            raise ValueError(
+                "embedding.dim must be >= 0 (0 = auto); capacity and num_shards must be >= 1"
+            )
 
     def table(self, name: str) -> TableConfig:
         return TableConfig(

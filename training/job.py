@@ -26,10 +26,10 @@ from common.errors import UserError
 from embedding_store import EmbeddingStore
 from embedding_store.remote import DEFAULT_RETRY_TIMEOUT, connect
 from model import create_train_state, make_mesh, maybe_initialize_distributed
-from model.config import choose_tower
 from pipeline import DatasetMetadata, read_metadata
 from training.checkpoint import RunCheckpoints
 from training.config import PRESET_DIR, TrainConfig
+from training.defaults import resolve_auto
 from training.input import ParquetReader
 from training.tables import TablePlan, plan_tables
 
@@ -58,8 +58,7 @@ class Job:
     servers: tuple[str, ...] = ()  # remote shard servers; empty: in-process shards
     server_token: str | None = None  # the servers' shared secret
     retry_timeout: float = DEFAULT_RETRY_TIMEOUT  # seconds to retry an unreachable server
-    tower_reason: str = ""  # which dense tower the run uses and why (one line)
-    batch_reason: str = ""  # the batch size the run uses and why (one line)
+    choices: tuple[str, ...] = ()  # what each "auto" config value became and why, a line each
 
     @property
     def is_chief(self) -> bool:
@@ -170,30 +169,6 @@ class Job:
         return store
 
 
-AUTO_STEPS_PER_EPOCH = 200  # data.batch_size = 0 aims at about this many steps per epoch
-AUTO_BATCH_RANGE = (256, 4096)  # ... with a power-of-two batch within this range
-
-
-def choose_batch_size(batch_size: int, train_rows: int, divisor: int) -> tuple[int, str]:
-    """The global batch a run uses and why: `batch_size` itself unless it is 0 (auto), which
-    takes the power of two nearest below `train_rows / AUTO_STEPS_PER_EPOCH`, clamped to
-    AUTO_BATCH_RANGE and rounded up to a multiple of `divisor` (devices, processes).
-
-    Returns:
-        (batch size, one-line reason).
-    """
-    if batch_size:
-        return batch_size, f"data.batch_size = {batch_size} as configured"
-    low, high = AUTO_BATCH_RANGE
-    target = max(train_rows // AUTO_STEPS_PER_EPOCH, 1)
-    chosen = min(max(1 << (target.bit_length() - 1), low), high)
-    chosen = -(-chosen // divisor) * divisor
-    return chosen, (
-        f"data.batch_size = 0 (auto): {chosen}, about {max(train_rows // chosen, 1)} steps "
-        f"per epoch over {train_rows:,} training rows"
-    )
-
-
 def prepare(
     config: TrainConfig, *, distributed: dict[str, Any] | None = None, servers: Any = None
 ) -> Job:
@@ -211,22 +186,10 @@ def prepare(
             "no data: pass --data DIR (a `hybridrec preprocess` output) or set data.path"
         )
     metadata = read_metadata(config.data.path)
-    tower, tower_reason = choose_tower(
-        config.model.tower, len(metadata.dense_columns), len(metadata.categorical)
-    )
-    if tower != config.model.tower:  # saved resolved in the run's config.json
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, tower=tower))
     mesh = make_mesh(config.mesh)
     process_count = jax.process_count()
-    batch_size, batch_reason = choose_batch_size(
-        config.data.batch_size,
-        metadata.split_rows(config.data.train_split),
-        math.lcm(mesh.devices.size, process_count),
-    )
-    if batch_size != config.data.batch_size:  # saved resolved in the run's config.json
-        config = dataclasses.replace(
-            config, data=dataclasses.replace(config.data, batch_size=batch_size)
-        )
+    # the "auto" values become concrete here and are saved so in the run's config.json
+    config, choices = resolve_auto(config, metadata, math.lcm(mesh.devices.size, process_count))
     for name, size in (
         ("data.batch_size", config.data.batch_size),
         ("data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size),
@@ -246,8 +209,7 @@ def prepare(
         servers=tuple(servers.addresses if servers else config.embedding.servers),
         server_token=servers.token if servers else None,
         retry_timeout=servers.retry_timeout if servers else DEFAULT_RETRY_TIMEOUT,
-        tower_reason=tower_reason,
-        batch_reason=batch_reason,
+        choices=choices,
     )
 
 

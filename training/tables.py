@@ -33,7 +33,15 @@ class TablePlan:
 
 
 def plan_tables(embedding: EmbeddingConfig, features: Sequence[CategoricalFeature]) -> TablePlan:
-    """The tables of a run on a dataset whose categorical features are `features`."""
+    """The tables of a run on a dataset whose categorical features are `features`.
+
+    `embedding` must be resolved (`training.defaults.resolve_auto`): no auto dim or rate.
+    """
+    if not embedding.dim or not embedding.optimizer.learning_rate:
+        raise ValueError(
+            "embedding.dim / embedding.optimizer.learning_rate are still 0 (auto): resolve the "
+            "config for its dataset first (training.defaults.resolve_auto)"
+        )
     spec_tables = list(dict.fromkeys(feature.table for feature in features))
     if not embedding.fuse_tables:
         return TablePlan(

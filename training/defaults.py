@@ -1,0 +1,152 @@
+"""What the config's "auto" values become for one dataset: a run with no preset and no
+`--set` trains a model that fits the data it is given.
+
+Each choice is made once, at the start of a run, from the dataset's metadata (its
+feature kinds, row count and per-feature distinct ids); the resolved values are saved in
+the run's config.json, so resuming, evaluating and exporting see exactly what trained,
+and each choice is printed at start-up with its reason:
+
+| key (auto value)                        | becomes |
+|---|---|
+| `model.tower` ("auto")                  | DLRM with numeric features; DCN-V2 without (`model.config.choose_tower`) |
+| `data.batch_size` (0)                   | a power of two near rows / 200 in [256, 4096] |
+| `embedding.dim` (0)                     | a power of two near (distinct ids of the largest feature) ** 0.25, in [8, 128]; a bottom MLP's last width follows it |
+| `embedding.optimizer.learning_rate` (0) | Adagrad and row-wise Adagrad 0.5 * sqrt(batch / 512); SGD 2 * batch / 512; Adam 0.01 |
+
+The measurements behind the constants are in docs/training.md ("Defaults that fit the data").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from model.config import choose_tower
+from pipeline import DatasetMetadata
+from training.config import TrainConfig
+
+AUTO_STEPS_PER_EPOCH = 200  # data.batch_size = 0 aims at about this many steps per epoch
+AUTO_BATCH_RANGE = (256, 4096)  # ... with a power-of-two batch within this range
+AUTO_DIM_RANGE = (8, 128)  # embedding.dim = 0 picks a power of two within this range
+# embedding.optimizer.learning_rate = 0: the rate at batch 512, the best of those tried on
+# the Criteo sample (docs/training.md), and how it scales with the batch for each optimizer
+AUTO_SPARSE_RATES_AT_512 = {"adagrad": 0.5, "rowwise_adagrad": 0.5, "sgd": 2.0, "adam": 0.01}
+
+
+def choose_batch_size(batch_size: int, train_rows: int, divisor: int) -> tuple[int, str]:
+    """The global batch a run uses and why: `batch_size` itself unless it is 0 (auto), which
+    takes the power of two nearest below `train_rows / AUTO_STEPS_PER_EPOCH`, clamped to
+    AUTO_BATCH_RANGE and rounded up to a multiple of `divisor` (devices, processes).
+
+    Returns:
+        (batch size, one-line reason).
+    """
+    if batch_size:
+        return batch_size, f"data.batch_size = {batch_size} as configured"
+    low, high = AUTO_BATCH_RANGE
+    target = max(train_rows // AUTO_STEPS_PER_EPOCH, 1)
+    chosen = min(max(1 << (target.bit_length() - 1), low), high)
+    chosen = -(-chosen // divisor) * divisor
+    return chosen, (
+        f"data.batch_size = 0 (auto): {chosen}, about {max(train_rows // chosen, 1)} steps "
+        f"per epoch over {train_rows:,} training rows"
+    )
+
+
+def choose_embedding_dim(dim: int, distinct_ids: dict[str, int]) -> tuple[int, str]:
+    """The embedding dimension and why: `dim` itself unless it is 0 (auto), which takes the
+    power of two nearest to the fourth root of the largest feature's distinct ids (the
+    usual rule of thumb for an embedding's width), clamped to AUTO_DIM_RANGE.
+
+    Args:
+        dim: the configured `embedding.dim` (0 = auto).
+        distinct_ids: feature name -> distinct ids seen in the training split.
+    """
+    if dim:
+        return dim, f"embedding.dim = {dim} as configured"
+    low, high = AUTO_DIM_RANGE
+    feature, largest = max(distinct_ids.items(), key=lambda item: item[1], default=("", 1))
+    chosen = min(max(2 ** round(math.log2(max(largest, 1) ** 0.25)), low), high)
+    return chosen, (
+        f"embedding.dim = 0 (auto): {chosen}, near the fourth root of the largest feature's "
+        f"{largest:,} distinct ids ({feature})"
+    )
+
+
+def choose_sparse_learning_rate(rate: float, optimizer: str, batch_size: int) -> tuple[float, str]:
+    """The embedding optimizer's step size and why: `rate` itself unless it is 0 (auto).
+
+    The loss is a mean over the batch, so a row's gradient shrinks as the batch grows: SGD's
+    rate grows with the batch, Adagrad's (whose accumulator starts at a constant) with its
+    square root; Adam normalizes the gradient's scale away.
+    """
+    if rate:
+        return rate, f"embedding.optimizer.learning_rate = {rate:g} as configured"
+    scale = {"adagrad": math.sqrt, "rowwise_adagrad": math.sqrt, "sgd": float, "adam": None}
+    chosen = AUTO_SPARSE_RATES_AT_512[optimizer]
+    if scale[optimizer]:
+        chosen *= scale[optimizer](batch_size / 512)
+    chosen = float(f"{chosen:.3g}")
+    return chosen, (
+        f"embedding.optimizer.learning_rate = 0 (auto): {chosen:g} for {optimizer} at batch "
+        f"{batch_size}"
+    )
+
+
+def _with_bottom_mlp_ending(config: TrainConfig, tower: str, dim: int) -> TrainConfig:
+    """The config with the chosen tower's bottom MLP (if it has one) ending in `dim`."""
+    sizes = getattr(config.model, tower, None)
+    widths = getattr(sizes, "bottom_mlp", None)
+    if not widths or widths[-1] == dim:
+        return config
+    sizes = dataclasses.replace(sizes, bottom_mlp=(*widths[:-1], dim))
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **{tower: sizes}))
+
+
+def resolve_auto(
+    config: TrainConfig, metadata: DatasetMetadata, divisor: int
+) -> tuple[TrainConfig, tuple[str, ...]]:
+    """The config with every "auto" value chosen for `metadata`'s dataset, and one line
+    per choice saying what was chosen and why.
+
+    Args:
+        config: the run's configuration as loaded.
+        metadata: the dataset it trains on.
+        divisor: the global batch must divide evenly by this (devices, processes); 1 where
+            only the tables matter (an embedding server resolving a trainer's config).
+    """
+    tower, tower_reason = choose_tower(
+        config.model.tower, len(metadata.dense_columns), len(metadata.categorical)
+    )
+    train_rows = metadata.split_rows(config.data.train_split)
+    batch_size, batch_reason = choose_batch_size(config.data.batch_size, train_rows, divisor)
+    distinct = {
+        name: int(stats.get("distinct_estimate", 1))
+        for name, stats in ((metadata.raw.get("stats") or {}).get("categorical") or {}).items()
+    }
+    dim, dim_reason = choose_embedding_dim(config.embedding.dim, distinct)
+    # the rate follows the batch before it is rounded to `divisor`, so that embedding servers,
+    # which do not know the trainers' devices, resolve the same tables (`divisor` = 1)
+    nominal_batch, _ = choose_batch_size(config.data.batch_size, train_rows, 1)
+    optimizer = config.embedding.optimizer
+    rate, rate_reason = choose_sparse_learning_rate(
+        optimizer.learning_rate, optimizer.name, nominal_batch
+    )
+    resolved = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, tower=tower),
+        data=dataclasses.replace(config.data, batch_size=batch_size),
+        embedding=dataclasses.replace(
+            config.embedding,
+            dim=dim,
+            optimizer=dataclasses.replace(optimizer, learning_rate=rate),
+        ),
+    )
+    if not config.embedding.dim:
+        resolved = _with_bottom_mlp_ending(resolved, tower, dim)
+    return resolved, (
+        f"tower: {tower_reason}",
+        f"batch: {batch_reason}",
+        f"embedding dim: {dim_reason}",
+        f"embedding learning rate: {rate_reason}",
+    )
