@@ -59,6 +59,20 @@ def _round_float16(values: np.ndarray, toward: float) -> np.ndarray:
     return rounded
 
 
+def _row_min_max(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row minimum and maximum of [n, width] float32 (zeros when width is 0).
+
+    Column by column: numpy's reduction along a short last axis is several times slower.
+    """
+    if not rows.shape[1]:
+        return np.zeros(len(rows), np.float32), np.zeros(len(rows), np.float32)
+    low, high = rows[:, 0].copy(), rows[:, 0].copy()
+    for column in range(1, rows.shape[1]):
+        np.minimum(low, rows[:, column], out=low)
+        np.maximum(high, rows[:, column], out=high)
+    return low, high
+
+
 def quantize(rows: np.ndarray, precision: str) -> dict[str, np.ndarray]:
     """Encodes rows at `precision`.
 
@@ -82,8 +96,7 @@ def quantize(rows: np.ndarray, precision: str) -> dict[str, np.ndarray]:
     bits = BITS[precision]
     levels = (1 << bits) - 1
     n, width = rows.shape
-    low = rows.min(axis=1) if width else np.zeros(n, np.float32)
-    high = rows.max(axis=1) if width else np.zeros(n, np.float32)
+    low, high = _row_min_max(rows)
     bias16 = _round_float16(low, -np.inf)
     scale16 = _round_float16((high - bias16.astype(np.float32)) / np.float32(levels), np.inf)
     if np.isfinite(bias16).all() and np.isfinite(scale16).all():
@@ -92,9 +105,12 @@ def quantize(rows: np.ndarray, precision: str) -> dict[str, np.ndarray]:
         bias = low
         scale = (high - low) / np.float32(levels)
         pair_dtype = np.float32
-    divisor = np.where(scale > 0, scale, np.float32(1))
-    codes = np.rint((rows - bias[:, None]) / divisor[:, None])
-    codes = np.clip(codes, 0, levels).astype(np.uint8)
+    inverse = np.float32(1) / np.where(scale > 0, scale, np.float32(1))
+    codes = rows - bias[:, None]
+    codes *= inverse[:, None]
+    np.rint(codes, out=codes)
+    np.clip(codes, 0, levels, out=codes)
+    codes = codes.astype(np.uint8)
     if bits == 4:
         if width % 2:
             codes = np.concatenate([codes, np.zeros((n, 1), np.uint8)], axis=1)

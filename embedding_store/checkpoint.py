@@ -168,7 +168,11 @@ def write_part(
     for name, array in arrays.items():
         array = np.ascontiguousarray(array)
         # zarr chunk extents must be >= 1 even where the array's is 0 (SGD keeps no state).
-        chunk = [max(1, min(len(array), 1 << 18)), *(max(1, d) for d in array.shape[1:])]
+        # Equal chunks of at most 2^18 rows: a last chunk is stored whole, so it must not
+        # be mostly padding.
+        chunks = max(1, -(-len(array) // (1 << 18)))
+        rows = max(1, -(-len(array) // chunks))
+        chunk = [rows, *(max(1, d) for d in array.shape[1:])]
         spec = {
             "driver": "zarr3",
             "kvstore": kvstore_spec(url, path, name),
