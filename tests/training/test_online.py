@@ -1,0 +1,121 @@
+"""train --follow: exactly once across a kill -9 of the trainer, SIGTERM ends with an export."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline import PreprocessConfig, read_shards, run_preprocess
+from pipeline.follow import FollowConfig, follow
+from pipeline.synthetic import generate_block
+from training.online import batch_sizes
+
+
+@pytest.mark.parametrize(
+    ("rows", "flush", "expected"),
+    [
+        (200, False, [64, 64, 64]),
+        (200, True, [64, 64, 64, 8]),
+        (61, True, [32, 16, 8]),  # 5 rows short of a device multiple wait
+        (7, True, []),
+    ],
+)
+def test_batch_sizes_are_full_batches_then_powers_of_two(rows, flush, expected):
+    sizes = batch_sizes(rows, 64, 8, flush=flush)
+    assert sizes == expected
+    assert all(size % 8 == 0 for size in sizes)
+
+
+def _drop(directory: Path, name: str, rows: int, seed: int) -> None:
+    temporary = directory / f".{name}"
+    temporary.write_bytes(generate_block(seed, 0, rows)[0])
+    temporary.rename(directory / name)
+
+
+def _position(run_dir: Path, step: int) -> dict:
+    path = run_dir / "checkpoints" / "positions" / f"{step:010d}" / "process_0.json"
+    return json.loads(path.read_text())
+
+
+def test_kill_9_then_resume_trains_every_row_once_and_sigterm_publishes(
+    tmp_path, training, small_model
+):
+    root = tmp_path
+    (root / "reference.tsv").write_bytes(generate_block(9, 0, 300)[0])
+    reference = root / "reference"
+    run_preprocess(
+        PreprocessConfig(inputs=[str(root / "reference.tsv")], output=str(reference)),
+        beam_args=["--direct_num_workers=1"],
+        quiet=True,
+    )
+    inputs, stream, run_dir = root / "in", root / "stream", root / "run"
+    inputs.mkdir()
+    config = FollowConfig(
+        inputs=[str(inputs / "*.tsv")],
+        output=str(stream),
+        reference=str(reference),
+        poll_interval=0.05,
+        settle_seconds=0.0,
+    )
+    for index in range(4):  # rows a multiple of the 8 devices: none waits for more data
+        _drop(inputs, f"{index:03d}.tsv", 1504 + 8 * index, seed=index)
+    follow(config, max_idle=0.2, quiet=True)
+
+    flags = [
+        "train", "--follow", str(stream), "--run-dir", str(run_dir), "--config", "quickstart",
+        *small_model("data.batch_size=64", "hybrid.staleness=2"),
+        "--checkpoint-every", "0.2", "--flush-after", "0.3", "--quiet",
+        "--export", str(root / "export"),
+    ]  # fmt: skip
+    first = training.start(*flags)
+    training.wait_for_checkpoint(first, run_dir, 3)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    killed_at = training.last_step(run_dir)
+
+    for index in range(4, 6):  # the stream goes on while the trainer is down
+        _drop(inputs, f"{index:03d}.tsv", 1504 + 8 * index, seed=index)
+    follow(config, max_idle=0.2, quiet=True)
+    shards = read_shards(stream)
+    total = sum(entry.rows for entry in shards)
+
+    second = training.start(*flags, "--resume")
+    deadline = time.monotonic() + 120
+    while True:  # until a checkpoint holds every row of the stream
+        step = training.last_step(run_dir)
+        if step and _position(run_dir, step)["rows"] >= total:
+            break
+        assert second.poll() is None, second.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "the resumed run did not catch up"
+        time.sleep(0.1)
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(timeout=120) == 0, second.stderr.read()[-3000:]
+
+    final = training.last_step(run_dir)
+    assert final > killed_at
+    saved = _position(run_dir, final)
+    # each shard's rows were trained once: counted batch by batch, restored with the model
+    assert saved["rows_by_shard"] == {str(i): entry.rows for i, entry in enumerate(shards)}
+    assert saved["rows"] == total
+    assert saved["stream"]["shard"] == len(shards) and saved["stream"]["offset"] == 0
+
+    # SIGTERM published the final checkpoint as an export that serving loads
+    from serving.model import ServedModel
+
+    published = [
+        json.loads(line) for line in (run_dir / "published.jsonl").read_text().splitlines()
+    ]
+    assert published[-1]["step"] == final and published[-1]["rows_trained"] == total
+    model = ServedModel(root / "export")
+    assert model.manifest["step"] == final
+    lines = generate_block(5, 0, 16)[0].splitlines()
+    encoded = model.encoder.encode(lines)
+    ids = np.stack([encoded.ids[name] for name in model.feature_names], axis=1)
+    probabilities = model.predict(ids, encoded.dense)[0]
+    assert probabilities.shape == (16,) and np.all((probabilities > 0) & (probabilities < 1))
+    model.close()
