@@ -191,8 +191,9 @@ def choose_tower(tower: str, num_dense: int, num_categorical: int) -> tuple[str,
 class DenseOptimizerConfig:
     """Optax optimizer and learning-rate schedule for the dense parameters."""
 
-    # optimizer: "sgd" (with optional momentum), "adagrad" or "adam"
-    name: Literal["sgd", "adagrad", "adam"] = "adam"
+    # optimizer: "sgd" (with optional momentum), "adagrad", "adam", or "shampoo" (blocked
+    # Shampoo grafted onto Adam or AdaGrad, model/shampoo.py)
+    name: Literal["sgd", "adagrad", "adam", "shampoo"] = "adam"
     # peak learning rate, reached at the end of warmup (per step, unitless)
     learning_rate: float = 1e-3
     # steps of linear warmup from 0 to learning_rate
@@ -215,6 +216,16 @@ class DenseOptimizerConfig:
     initial_accumulator: float = 0.1
     # clip the dense gradient to this global L2 norm before the update; 0 = no clipping
     gradient_clip_norm: float = 0.0
+    # shampoo: largest rows/cols of one preconditioner block (matrices are cut into blocks)
+    shampoo_block_size: int = 128
+    # shampoo: steps between recomputations of the preconditioners' inverse 4th roots;
+    # the first this-many steps use the grafting method alone
+    shampoo_precondition_every: int = 10
+    # shampoo: the diagonal method whose per-block step size the Shampoo direction takes
+    shampoo_grafting: Literal["adam", "adagrad"] = "adam"
+    # shampoo: added to each statistics block before the inverse root, relative to its
+    # largest eigenvalue
+    shampoo_epsilon: float = 1e-6
 
     def __post_init__(self):
         if not self.learning_rate > 0 or not math.isfinite(self.learning_rate):
@@ -232,6 +243,13 @@ class DenseOptimizerConfig:
                 raise ValueError(f"{name} must be within [0, 1)")
         if self.epsilon <= 0 or self.initial_accumulator < 0 or self.gradient_clip_norm < 0:
             raise ValueError("epsilon must be > 0; initial_accumulator, gradient_clip_norm >= 0")
+        if self.shampoo_block_size < 1 or self.shampoo_precondition_every < 1:
+            raise ValueError(
+                "shampoo_block_size and shampoo_precondition_every must be >= 1, got "
+                f"{self.shampoo_block_size} and {self.shampoo_precondition_every}"
+            )
+        if not 0 < self.shampoo_epsilon < 1:
+            raise ValueError(f"shampoo_epsilon must be within (0, 1), got {self.shampoo_epsilon}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
 from common.errors import UserError
+from model import shampoo as shampoo_lib
 from model import sharding as sharding_lib
 from model.config import DenseOptimizerConfig, ModelConfig
 from model.towers import build_tower
@@ -93,6 +94,17 @@ def make_optimizer(
         optimizer = optax.adagrad(
             schedule, initial_accumulator_value=config.initial_accumulator, eps=config.epsilon
         )
+    elif config.name == "shampoo":
+        optimizer = shampoo_lib.shampoo(
+            schedule,
+            block_size=config.shampoo_block_size,
+            precondition_every=config.shampoo_precondition_every,
+            grafting=config.shampoo_grafting,
+            beta1=config.beta1,
+            beta2=config.beta2,
+            epsilon=config.epsilon,
+            matrix_epsilon=config.shampoo_epsilon,
+        )
     else:
         optimizer = optax.adam(schedule, b1=config.beta1, b2=config.beta2, eps=config.epsilon)
     if config.gradient_clip_norm > 0:
@@ -151,11 +163,11 @@ def abstract_train_state(
     param_specs = sharding_lib.param_specs(abstract_params, model_config, mesh)
     opt_specs = optax.tree_map_params(
         abstract.tx,
-        lambda _, spec: spec,
+        _optimizer_spec(mesh),
         abstract.opt_state,
         param_specs,
         transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, P),
+        is_leaf=lambda x: isinstance(x, P) or _has_own_layout(x),
     )
     specs = abstract.replace(step=P(), params=param_specs, opt_state=opt_specs)
     shardings = sharding_lib.named(mesh, specs)
@@ -164,6 +176,23 @@ def abstract_train_state(
         abstract,
         shardings,
     )
+
+
+def _has_own_layout(node: Any) -> bool:
+    """Per-parameter optimizer state not shaped like its parameter (Shampoo's blocks)."""
+    return node is None or isinstance(node, shampoo_lib.ShampooBlocks)
+
+
+def _optimizer_spec(mesh: Mesh) -> Callable[[Any, P], Any]:
+    """`spec(state entry, its parameter's spec)`: state shaped like its parameter is laid out
+    like it; Shampoo's block statistics spread their block dimension over the mesh."""
+
+    def spec(node: Any, param_spec: P) -> Any:
+        if isinstance(node, shampoo_lib.ShampooBlocks):
+            return node.partition_specs(mesh)
+        return None if node is None else param_spec
+
+    return spec
 
 
 def create_train_state(

@@ -193,14 +193,20 @@ def test_eval_probabilities_match_logits(tiny_config, dims, batch_factory):
     np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
 
 
-def test_orbax_restores_into_the_abstract_state(tmp_path, tiny_config, dims, batch_factory):
+SHAMPOO = DenseOptimizerConfig(name="shampoo", shampoo_block_size=8, shampoo_precondition_every=1)
+
+
+@pytest.mark.parametrize("optimizer", [OPTIMIZER, SHAMPOO], ids=["adam", "shampoo"])
+def test_orbax_restores_into_the_abstract_state(
+    tmp_path, tiny_config, dims, batch_factory, optimizer
+):
     import orbax.checkpoint as ocp
 
     from model import abstract_train_state
 
     mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
     config = tiny_config("dlrm")
-    state = create_train_state(config, OPTIMIZER, mesh, 0, **dims)
+    state = create_train_state(config, optimizer, mesh, 0, **dims)
     step = make_train_step(mesh)
     state, _, _ = step(state, make_global_batch(batch_factory(0, BATCH), mesh))
     executables = step.num_compilations()
@@ -208,7 +214,7 @@ def test_orbax_restores_into_the_abstract_state(tmp_path, tiny_config, dims, bat
     with ocp.CheckpointManager(tmp_path) as manager:
         manager.save(1, args=ocp.args.StandardSave(state))
         manager.wait_until_finished()
-        target = abstract_train_state(config, OPTIMIZER, mesh, **dims)
+        target = abstract_train_state(config, optimizer, mesh, **dims)
         restored = manager.restore(1, args=ocp.args.StandardRestore(target))
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), saved)

@@ -1,0 +1,243 @@
+"""Blocked Shampoo with grafting, as an optax `GradientTransformation`.
+
+Shampoo (Gupta et al. 2018; the distributed, blocked form of Anil et al. 2020 and Shi et
+al. 2023) preconditions a matrix gradient G [m, n] from both sides,
+
+    L = sum_t G_t G_t^T  [m, m],   R = sum_t G_t^T G_t  [n, n],
+    direction = L^{-1/4} M R^{-1/4}          (M: the momentum of G)
+
+a Kronecker-factored approximation of full-matrix AdaGrad. To bound the cost, every matrix
+is cut into blocks of at most `block_size` x `block_size` (zero-padded at the edges) and
+each block gets its own L and R: the preconditioner is block-diagonal. The inverse roots
+(an eigendecomposition per block) are recomputed only every `precondition_every` steps.
+Grafting takes the step *size* from a diagonal method (Adam or AdaGrad) and the
+*direction* from Shampoo: each block's direction is rescaled to the norm the diagonal
+method's update has on that block. Vectors (biases, norms) use the diagonal method alone.
+
+The block statistics of a parameter are stacked along a leading block dimension
+`[blocks, rows, rows]`; `ShampooBlocks.partition_specs` spreads that dimension over the
+mesh (each device keeps and decomposes its share of blocks, as distributed Shampoo
+assigns blocks to workers) when it divides evenly, and replicates it otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from common.errors import ConfigError
+
+P = jax.sharding.PartitionSpec
+
+
+class ShampooBlocks(NamedTuple):
+    """The Kronecker-factor statistics of one matrix parameter, one entry per block."""
+
+    left: jax.Array  # [blocks, rows, rows] f32, (decayed) sum of G G^T per block
+    right: jax.Array  # [blocks, cols, cols] f32, (decayed) sum of G^T G per block
+    left_root: jax.Array  # [blocks, rows, rows] f32, (left + eps)^(-1/4) at the last refresh
+    right_root: jax.Array  # [blocks, cols, cols] f32, (right + eps)^(-1/4)
+
+    def partition_specs(self, mesh: Mesh) -> ShampooBlocks:
+        """Specs that split the block dimension over as many mesh devices as divide it."""
+        blocks = self.left.shape[0]
+        spec = P()
+        for axes in (tuple(mesh.axis_names), *((name,) for name in mesh.axis_names)):
+            size = math.prod(mesh.shape[name] for name in axes)
+            if size > 1 and blocks % size == 0:
+                spec = P(axes if len(axes) > 1 else axes[0])
+                break
+        return ShampooBlocks(spec, spec, spec, spec)
+
+
+class ShampooState(NamedTuple):
+    """Optimizer state; `momentum`, `second_moment` and `blocks` mirror the parameters."""
+
+    count: jax.Array  # int32 [], updates applied
+    momentum: Any  # first moment of the gradient, like the params
+    second_moment: Any  # the grafting method's per-coordinate accumulator, like the params
+    blocks: Any  # ShampooBlocks per matrix parameter, None per vector parameter
+
+
+def _block_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, int] | None:
+    """(rows, cols) of one block of a parameter, or None for a vector (diagonal only)."""
+    if len(shape) < 2 or math.prod(shape) == 0:
+        return None
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    return min(block_size, rows), min(block_size, cols)
+
+
+def _to_blocks(array: jax.Array, rows: int, cols: int) -> jax.Array:
+    """[..., n] -> [blocks, rows, cols]: the matrix cut into zero-padded tiles, row-major."""
+    matrix = array.reshape(-1, array.shape[-1])
+    pad_rows, pad_cols = -matrix.shape[0] % rows, -matrix.shape[1] % cols
+    matrix = jnp.pad(matrix, ((0, pad_rows), (0, pad_cols)))
+    grid_rows, grid_cols = matrix.shape[0] // rows, matrix.shape[1] // cols
+    tiles = matrix.reshape(grid_rows, rows, grid_cols, cols).transpose(0, 2, 1, 3)
+    return tiles.reshape(grid_rows * grid_cols, rows, cols)
+
+
+def _from_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The inverse of `_to_blocks`: [blocks, rows, cols] -> `shape` (padding dropped)."""
+    _, rows, cols = blocks.shape
+    total_rows, total_cols = math.prod(shape[:-1]), shape[-1]
+    grid_rows, grid_cols = -(-total_rows // rows), -(-total_cols // cols)
+    matrix = blocks.reshape(grid_rows, grid_cols, rows, cols).transpose(0, 2, 1, 3)
+    matrix = matrix.reshape(grid_rows * rows, grid_cols * cols)
+    return matrix[:total_rows, :total_cols].reshape(shape)
+
+
+def inverse_fourth_root(statistics: jax.Array, epsilon: float) -> jax.Array:
+    """(S + epsilon * max eigenvalue * I)^(-1/4) of symmetric PSD blocks [..., n, n]."""
+    values, vectors = jnp.linalg.eigh(statistics)
+    values = jnp.maximum(values, 0.0)
+    floor = epsilon * jnp.maximum(values.max(axis=-1, keepdims=True), 1e-30)
+    scaled = vectors * (values + floor)[..., None, :] ** -0.25
+    return scaled @ jnp.swapaxes(vectors, -1, -2)
+
+
+def scale_by_shampoo(
+    *,
+    block_size: int,
+    precondition_every: int,
+    grafting: str,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    matrix_epsilon: float,
+) -> optax.GradientTransformation:
+    """The Shampoo direction grafted onto Adam's or AdaGrad's step size (no learning rate).
+
+    Args:
+        block_size: largest rows/cols of one preconditioner block.
+        precondition_every: steps between recomputations of the inverse roots; the first
+            `precondition_every` steps use the grafting method alone.
+        grafting: "adam" (bias-corrected moments) or "adagrad" (sum of squares).
+        beta1: momentum of the gradient (0 = none), used by both directions.
+        beta2: decay of Adam's second moment and of the Shampoo statistics; 1 = plain sums.
+        epsilon: added to the grafting method's denominator.
+        matrix_epsilon: added to each statistics block, relative to its largest eigenvalue.
+
+    Raises:
+        ConfigError: `block_size` larger than every dimension of every matrix parameter.
+    """
+
+    def init(params) -> ShampooState:
+        dimensions = [max(leaf.shape) for leaf in jax.tree.leaves(params) if leaf.ndim >= 2]
+        if dimensions and block_size > max(dimensions):
+            raise ConfigError(
+                f"optimizer.shampoo_block_size = {block_size} is larger than every layer of "
+                f"the tower (its largest parameter dimension is {max(dimensions)}); use at "
+                f"most {max(dimensions)}"
+            )
+
+        def blocks_of(leaf):
+            shape = _block_shape(leaf.shape, block_size)
+            if shape is None:
+                return None
+            rows, cols = shape
+            count = _to_blocks(jnp.zeros(leaf.shape, jnp.float32), rows, cols).shape[0]
+            return ShampooBlocks(
+                left=jnp.zeros((count, rows, rows), jnp.float32),
+                right=jnp.zeros((count, cols, cols), jnp.float32),
+                left_root=jnp.broadcast_to(jnp.eye(rows, dtype=jnp.float32), (count, rows, rows)),
+                right_root=jnp.broadcast_to(jnp.eye(cols, dtype=jnp.float32), (count, cols, cols)),
+            )
+
+        zeros = lambda tree: jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), tree)  # noqa: E731
+        return ShampooState(
+            count=jnp.zeros((), jnp.int32),
+            momentum=zeros(params),
+            second_moment=zeros(params),
+            blocks=jax.tree.map(blocks_of, params),
+        )
+
+    def update(updates, state: ShampooState, params=None):
+        del params
+        count = state.count + 1
+        refresh = count % precondition_every == 0  # roots recomputed after this step's stats
+        preconditioned = count >= precondition_every  # roots exist from the first refresh on
+
+        def one(gradient, momentum, second_moment, blocks):
+            gradient = gradient.astype(jnp.float32)
+            momentum = beta1 * momentum + (1 - beta1) * gradient if beta1 else gradient
+            if grafting == "adam":
+                second_moment = beta2 * second_moment + (1 - beta2) * gradient**2
+                mean = momentum / (1 - beta1**count) if beta1 else momentum
+                graft = mean / (jnp.sqrt(second_moment / (1 - beta2**count)) + epsilon)
+            else:
+                second_moment = second_moment + gradient**2
+                graft = momentum / (jnp.sqrt(second_moment) + epsilon)
+            if blocks is None:
+                return graft, momentum, second_moment, None
+            rows, cols = blocks.left.shape[-1], blocks.right.shape[-1]
+            tiles = _to_blocks(gradient, rows, cols)  # [blocks, rows, cols]
+            keep = beta2 if beta2 < 1 else 1.0
+            add = 1 - beta2 if beta2 < 1 else 1.0
+            left = keep * blocks.left + add * tiles @ jnp.swapaxes(tiles, -1, -2)
+            right = keep * blocks.right + add * jnp.swapaxes(tiles, -1, -2) @ tiles
+            left_root, right_root = jax.lax.cond(
+                refresh,
+                lambda: (
+                    inverse_fourth_root(left, matrix_epsilon),
+                    inverse_fourth_root(right, matrix_epsilon),
+                ),
+                lambda: (blocks.left_root, blocks.right_root),
+            )
+            direction = left_root @ _to_blocks(momentum, rows, cols) @ right_root
+            graft_tiles = _to_blocks(graft, rows, cols)
+            norms = jnp.linalg.norm(graft_tiles, axis=(1, 2), keepdims=True)
+            direction_norms = jnp.linalg.norm(direction, axis=(1, 2), keepdims=True)
+            direction = direction * norms / jnp.maximum(direction_norms, 1e-30)
+            shampoo = _from_blocks(direction, gradient.shape)
+            step = jnp.where(preconditioned, shampoo, graft)
+            return step, momentum, second_moment, ShampooBlocks(left, right, left_root, right_root)
+
+        results = jax.tree.map(
+            one,
+            updates,
+            state.momentum,
+            state.second_moment,
+            state.blocks,
+            is_leaf=lambda node: node is None or isinstance(node, ShampooBlocks),
+        )
+        treedef = jax.tree.structure(updates)
+        parts = treedef.flatten_up_to(results)
+        steps, momenta, moments, blocks = (
+            treedef.unflatten([part[index] for part in parts]) for index in range(4)
+        )
+        steps = jax.tree.map(lambda step, gradient: step.astype(gradient.dtype), steps, updates)
+        return steps, ShampooState(count, momenta, moments, blocks)
+
+    return optax.GradientTransformation(init, update)
+
+
+def shampoo(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    block_size: int = 128,
+    precondition_every: int = 10,
+    grafting: str = "adam",
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    epsilon: float = 1e-8,
+    matrix_epsilon: float = 1e-6,
+) -> optax.GradientTransformation:
+    """Blocked Shampoo grafted onto Adam/AdaGrad, then scaled by `-learning_rate`."""
+    return optax.chain(
+        scale_by_shampoo(
+            block_size=block_size,
+            precondition_every=precondition_every,
+            grafting=grafting,
+            beta1=beta1,
+            beta2=beta2,
+            epsilon=epsilon,
+            matrix_epsilon=matrix_epsilon,
+        ),
+        optax.scale_by_learning_rate(learning_rate),
+    )
