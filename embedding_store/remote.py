@@ -20,6 +20,8 @@ incarnation, logs what was lost and carries on.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import logging
 import threading
@@ -38,6 +40,7 @@ from embedding_store.config import TableConfig
 from embedding_store.wire import AUTH_HEADER, TOKEN_ENV
 
 DEFAULT_RETRY_TIMEOUT = 60.0
+_RECENT_LOOKUPS = 16  # training lookups per shard whose ids an update may reuse
 
 log = logging.getLogger(__name__)
 
@@ -249,11 +252,24 @@ class RemoteShard:
         table_dims: table name -> dim, to shape lookup results.
     """
 
-    def __init__(self, connection: ServerConnection, index: int, table_dims: Mapping[str, int]):
+    def __init__(
+        self,
+        connection: ServerConnection,
+        index: int,
+        table_dims: Mapping[str, int],
+        wire_dtype: str = "float32",
+    ):
         self.connection = connection
         self.index = index
         self.table_dims = dict(table_dims)
+        self.wire_dtype = wire_dtype
         self._step = -1  # the client's training step, sent with every request (-1: unset)
+        # Recent training lookups (seq, {table: ids}): an update of the same ids names
+        # the lookup and sends gradients only (the server kept the ids).
+        self._recent: collections.deque[tuple[int, Mapping[str, np.ndarray]]] = collections.deque(
+            maxlen=_RECENT_LOOKUPS
+        )
+        self._recent_lock = threading.Lock()
 
     @property
     def address(self) -> str:
@@ -265,7 +281,16 @@ class RemoteShard:
         """Rows for each table's ids, in one call: table -> [n, dim] float32."""
         if not requests:
             return {}
-        header = wire.Header(op=wire.LOOKUP, shard=self.index, train=bool(train), step=self._step)
+        header = wire.Header(
+            op=wire.LOOKUP,
+            shard=self.index,
+            train=bool(train),
+            step=self._step,
+            dtype=self.wire_dtype,
+            # A training lookup is remembered by the server under (client, seq).
+            client=self.connection.client_id if train else "",
+            seq=self.connection.next_seq() if train else 0,
+        )
         descriptor = flight.FlightDescriptor.for_command(wire.encode_header(header))
         batches = list(wire.lookup_batches(requests))
 
@@ -276,33 +301,75 @@ class RemoteShard:
                 for table, ids in requests.items():
                     chunk = reader.read_chunk()
                     view = wire.decode_values(
-                        chunk.data, chunk.app_metadata, table, len(ids), self.table_dims[table]
+                        chunk.data,
+                        chunk.app_metadata,
+                        table,
+                        len(ids),
+                        self.table_dims[table],
+                        self.wire_dtype,
                     )
-                    # Writable, like the in-process shard's rows (one memcpy; the receive
-                    # buffer itself is immutable).
-                    rows[table] = view.copy()
+                    # Writable, like the in-process shard's rows (at float32 one memcpy;
+                    # the receive buffer itself is immutable).
+                    rows[table] = view if view.flags.writeable else view.copy()
                 return rows
             finally:
                 writer.close()
 
-        return self.connection.call(attempt, f"lookup on shard {self.index}")
+        rows = self.connection.call(attempt, f"lookup on shard {self.index}")
+        if train:
+            with self._recent_lock:
+                self._recent.append((header.seq, dict(requests)))
+        return rows
+
+    def _lookup_of(self, updates: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> int:
+        """The seq of a recent training lookup of exactly these ids (then forgotten), or -1."""
+        with self._recent_lock:
+            for position in range(len(self._recent) - 1, -1, -1):
+                seq, requests = self._recent[position]
+                if requests.keys() == updates.keys() and all(
+                    np.array_equal(requests[table], ids) for table, (ids, _) in updates.items()
+                ):
+                    del self._recent[position]
+                    return seq
+        return -1
 
     def apply_gradients(self, updates: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
         """Sends every table's (ids [n], grads [n, dim]) in one call; returns once applied."""
         if not updates:
             return
+        exponents = None
+        if self.wire_dtype == "float16":
+            exponents = {table: wire.gradient_exponent(g) for table, (_, g) in updates.items()}
         header = wire.Header(
             op=wire.APPLY,
             shard=self.index,
             client=self.connection.client_id,
             seq=self.connection.next_seq(),
             step=self._step,
+            dtype=self.wire_dtype,
+            lookup=self._lookup_of(updates),
+            grad_exponents=exponents,
         )
+        try:
+            self._send_update(header, updates)
+        except RemoteShardError as error:
+            if header.lookup < 0 or wire.UNKNOWN_LOOKUP not in str(error):
+                raise
+            # The server forgot the lookup (restarted, or too many in flight): send the ids.
+            self._send_update(dataclasses.replace(header, lookup=-1), updates)
+
+    def _send_update(self, header: wire.Header, updates) -> None:
         descriptor = flight.FlightDescriptor.for_command(wire.encode_header(header))
-        batches = list(wire.apply_batches(updates))
+        with_ids = header.lookup < 0
+        schema = wire.apply_schema(header.dtype) if with_ids else wire.values_schema(header.dtype)
+        batches = list(
+            wire.apply_batches(
+                updates, header.dtype, with_ids=with_ids, exponents=header.grad_exponents
+            )
+        )
 
         def attempt(client, options):
-            writer, reader = _send(client, options, descriptor, wire.APPLY_SCHEMA, batches)
+            writer, reader = _send(client, options, descriptor, schema, batches)
             try:
                 chunk = reader.read_chunk()
                 return wire.decode_json(chunk.app_metadata, "apply reply")
@@ -383,6 +450,7 @@ def connect(
     *,
     token: str | None = None,
     retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
+    wire_dtype: str = "float32",
 ) -> list[RemoteShard]:
     """Connects to shard servers and returns their shards ordered by global index.
 
@@ -391,6 +459,8 @@ def connect(
         tables: the TableConfigs the client uses; every server must host the same.
         token: the shared secret, or None for no token.
         retry_timeout: seconds to wait for an unreachable server (also at startup).
+        wire_dtype: float32 | bfloat16 | float16: how looked-up rows and gradients
+            travel (the servers keep rows and run the optimizer in float32 either way).
 
     Raises:
         RemoteShardError: no addresses; a server unreachable within `retry_timeout`;
@@ -399,6 +469,10 @@ def connect(
     """
     if not addresses:
         raise RemoteShardError("no embedding server addresses (embedding.servers)")
+    if wire_dtype not in wire.WIRE_DTYPES:
+        raise RemoteShardError(
+            f"embedding wire dtype {wire_dtype!r} is not one of {', '.join(wire.WIRE_DTYPES)}"
+        )
     uris = parse_addresses(addresses)
     expected_fingerprint = table_fingerprint(tables)
     table_dims = {table.name: int(table.dim) for table in tables}
@@ -438,4 +512,4 @@ def connect(
         for connection in connections:
             connection.close()
         raise
-    return [RemoteShard(owner[index], index, table_dims) for index in range(num_shards)]
+    return [RemoteShard(owner[index], index, table_dims, wire_dtype) for index in range(num_shards)]

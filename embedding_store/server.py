@@ -48,6 +48,8 @@ DEFAULT_MAX_REQUEST_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_REQUEST_ROWS = 16 * 1024 * 1024
 # Remembered (client, seq) pairs of applied updates, so a retried update is applied once.
 _APPLIED_MEMORY = 65536
+# Remembered training lookups (their ids), so the update of the same batch sends gradients only.
+_LOOKUP_MEMORY = 256
 _LATENCY_WINDOW = 8192
 
 
@@ -135,6 +137,9 @@ class ShardServer(flight.FlightServerBase):
         self._applied: collections.OrderedDict[tuple[str, int], threading.Event] = (
             collections.OrderedDict()
         )
+        self._lookups: collections.OrderedDict[
+            tuple[str, int], tuple[int, dict[str, np.ndarray]]
+        ] = collections.OrderedDict()
         self._latency = {op: _Latency() for op in wire.OPERATIONS}
         self._counters: collections.Counter[str] = collections.Counter()
         self._step = 0
@@ -191,21 +196,38 @@ class ShardServer(flight.FlightServerBase):
                 max_rows=self.max_request_rows, max_bytes=self.max_request_bytes
             )
             chunks = ((chunk.data, chunk.app_metadata) for chunk in reader)
+            received = len(descriptor.command)
             if header.op == wire.LOOKUP:
                 requests = wire.decode_lookup(chunks, reader.schema, self.table_dims, limits)
                 rows = shard.lookup(requests, train=header.train)
-                writer.begin(wire.VALUES_SCHEMA)
+                if header.train and header.client:
+                    self._remember(header, requests)
+                writer.begin(wire.values_schema(header.dtype))
+                sent = 0
                 for table in requests:
-                    writer.write_with_metadata(wire.values_batch(rows[table]), table.encode())
+                    batch = wire.values_batch(rows[table], header.dtype)
+                    writer.write_with_metadata(batch, table.encode())
+                    sent += batch.nbytes + len(table)
                 self._count("rows_looked_up", limits.rows)
+                kind = "lookup" if header.train else "eval_lookup"
+                received += sum(len(table) for table in requests)
             else:
-                updates = wire.decode_apply(chunks, reader.schema, self.table_dims, limits)
-                duplicate = self._apply_once(shard, header, updates)
-                applied = 0 if duplicate else limits.rows
-                writer.write_metadata(
-                    json.dumps({"applied": applied, "duplicate": duplicate}).encode()
+                lookup_ids = self._recall(header)
+                updates = wire.decode_apply(
+                    chunks, reader.schema, self.table_dims, limits, header, lookup_ids
                 )
+                duplicate = self._apply_once(shard, header, updates)
+                if lookup_ids is not None:
+                    with self._lock:
+                        self._lookups.pop((header.client, header.lookup), None)
+                applied = 0 if duplicate else limits.rows
+                reply = json.dumps({"applied": applied, "duplicate": duplicate}).encode()
+                writer.write_metadata(reply)
                 self._count("rows_applied", applied)
+                kind, sent = "apply", len(reply)
+                received += sum(len(table) for table in updates)
+            # Payload bytes (Arrow buffers, headers, table names), without gRPC framing.
+            self._count(f"wire_bytes_{kind}", received + limits.bytes + sent)
         except (wire.WireError, EmbeddingStoreError) as error:
             self._count("rejected")
             raise flight.FlightServerError(f"rejected: {error}") from None
@@ -239,6 +261,26 @@ class ShardServer(flight.FlightServerBase):
                 f"shard {index!r} is not hosted here (hosted: {sorted(self.shards)})"
             )
         return shard
+
+    def _remember(self, header: wire.Header, requests: dict[str, np.ndarray]) -> None:
+        """Keeps the ids of a training lookup for the update of the same batch."""
+        with self._lock:
+            self._lookups[(header.client, header.seq)] = (header.shard, requests)
+            while len(self._lookups) > _LOOKUP_MEMORY:
+                self._lookups.popitem(last=False)
+
+    def _recall(self, header: wire.Header) -> dict[str, np.ndarray] | None:
+        """The ids of the lookup an update names, None if it names none; WireError if forgotten."""
+        if header.lookup < 0:
+            return None
+        with self._lock:
+            shard, requests = self._lookups.get((header.client, header.lookup), (None, None))
+        if requests is None or shard != header.shard:
+            raise wire.WireError(
+                f"{wire.UNKNOWN_LOOKUP} {header.lookup} of client {header.client[:16]!r} on "
+                f"shard {header.shard} (forgotten or never seen here); send the ids"
+            )
+        return requests
 
     def _apply_once(self, shard, header: wire.Header, updates) -> bool:
         """Applies `updates` unless (client, seq) was applied already; True for a duplicate."""

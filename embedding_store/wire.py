@@ -13,11 +13,24 @@ costs one call per shard for lookups and one for updates, nothing more.
 Streams (version 1):
 
     lookup request    schema {ids: uint64}                      one batch per table
-    lookup response   schema {values: float32}                  one batch per table,
+    lookup response   schema {values: T}                        one batch per table,
                                                                 n * dim values, row-major
-    apply request     schema {ids: uint64, grads: list<float32>}  one batch per table,
+    apply request     schema {ids: uint64, grads: list<T>}      one batch per table,
                                                                 each list exactly dim long
+                  or  schema {grads: T}                         n * dim values, row-major,
+                                                                for the ids of a lookup
     apply response    metadata only: JSON {"applied": rows, "duplicate": bool}
+
+`T` is the header's wire dtype (`dtype`): float32 (default), float16, or bfloat16 sent
+as its 16 raw bits (uint16; Arrow has no bfloat16). Gradients sent as float16 are
+multiplied by 2^e per table (`grad_exponents`, chosen by the client so the largest
+fits) and divided again on the server, so small gradients do not underflow. The server
+decodes to float32 and runs the optimizer in float32.
+
+Reusing a lookup's ids: a training lookup carries (client, seq); the server remembers
+its ids for a while, and an update of exactly those ids (the backward of that batch)
+names the lookup (`lookup`) and sends gradients only. A server that no longer has them
+answers "unknown lookup" and the client resends the update with its ids.
 
 Control calls (health, stats, set_step, checkpoint, commit_checkpoint,
 load_checkpoint) are Flight actions whose bodies and results are small JSON objects.
@@ -34,6 +47,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pyarrow as pa
 
@@ -43,14 +57,27 @@ LOOKUP = "lookup"
 APPLY = "apply"
 OPERATIONS = (LOOKUP, APPLY)
 
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+_ARROW_TYPES = {"float32": pa.float32(), "bfloat16": pa.uint16(), "float16": pa.float16()}
+UNKNOWN_LOOKUP = "unknown lookup"  # the server's answer when it no longer has a lookup's ids
+
+
+def values_schema(dtype: str = "float32") -> pa.Schema:
+    """Lookup responses, and updates that reuse a lookup's ids: {values|grads: T}."""
+    return pa.schema([pa.field("values", _ARROW_TYPES[dtype], nullable=False)])
+
+
+def apply_schema(dtype: str = "float32") -> pa.Schema:
+    """Updates that carry their ids: {ids: uint64, grads: list<T>}."""
+    item = pa.field("item", _ARROW_TYPES[dtype], nullable=False)
+    return pa.schema(
+        [pa.field("ids", pa.uint64(), nullable=False), pa.field("grads", pa.list_(item), False)]
+    )
+
+
 IDS_SCHEMA = pa.schema([pa.field("ids", pa.uint64(), nullable=False)])
-VALUES_SCHEMA = pa.schema([pa.field("values", pa.float32(), nullable=False)])
-APPLY_SCHEMA = pa.schema(
-    [
-        pa.field("ids", pa.uint64(), nullable=False),
-        pa.field("grads", pa.list_(pa.field("item", pa.float32(), nullable=False)), nullable=False),
-    ]
-)
+VALUES_SCHEMA = values_schema()
+APPLY_SCHEMA = apply_schema()
 
 # The shared secret: its environment variable and the header that carries it.
 TOKEN_ENV = "HYBRIDREC_EMBEDDING_TOKEN"
@@ -77,6 +104,10 @@ class Header:
         train: lookup only: count sightings and admit new ids (False for evaluation).
         step: the training step to set on the shard before this request, or -1 for none
             (`set_step` rides on the next data request instead of costing a call).
+        dtype: the wire dtype of values and gradients (float32, bfloat16, float16).
+        lookup: apply only: the seq of this client's lookup whose ids the update is for
+            (gradients only on the wire), or -1 (the update carries its ids).
+        grad_exponents: apply only, float16: {table: e}, gradients were sent times 2^e.
     """
 
     op: str
@@ -85,6 +116,9 @@ class Header:
     seq: int = 0
     train: bool = True
     step: int = -1
+    dtype: str = "float32"
+    lookup: int = -1
+    grad_exponents: Mapping[str, int] | None = None
 
 
 def encode_header(header: Header) -> bytes:
@@ -97,6 +131,9 @@ def encode_header(header: Header) -> bytes:
             "seq": header.seq,
             "train": header.train,
             "step": header.step,
+            "dtype": header.dtype,
+            "lookup": header.lookup,
+            **({"grad_exponents": dict(header.grad_exponents)} if header.grad_exponents else {}),
         }
     ).encode()
 
@@ -137,6 +174,15 @@ def decode_header(raw: bytes | pa.Buffer | None) -> Header:
     train = data.get("train", True)
     if not isinstance(train, bool):
         raise WireError("request header: 'train' must be true or false")
+    dtype = data.get("dtype", "float32")
+    if dtype not in WIRE_DTYPES:
+        raise WireError(f"request header: wire dtype {dtype!r} is not one of {WIRE_DTYPES}")
+    exponents = data.get("grad_exponents") or {}
+    if not isinstance(exponents, dict) or not all(
+        isinstance(e, int) and not isinstance(e, bool) and -64 <= e <= 64
+        for e in exponents.values()
+    ):
+        raise WireError("request header: 'grad_exponents' must map tables to integers in [-64, 64]")
     return Header(
         op=op,
         train=train,
@@ -144,6 +190,9 @@ def decode_header(raw: bytes | pa.Buffer | None) -> Header:
         client=client,
         seq=_int_field(data, "seq", "request header"),
         step=_int_field(data, "step", "request header", minimum=-1) if "step" in data else -1,
+        dtype=dtype,
+        lookup=_int_field(data, "lookup", "request header", minimum=-1) if "lookup" in data else -1,
+        grad_exponents=exponents,
     )
 
 
@@ -152,6 +201,44 @@ def _check_ids(ids: np.ndarray, where: str) -> np.ndarray:
     if ids.dtype != np.uint64 or ids.ndim != 1:
         raise WireError(f"{where}: ids must be a 1-D uint64 array, got {ids.dtype} {ids.shape}")
     return ids
+
+
+# --- floats in a wire dtype ---------------------------------------------------------------
+
+
+def to_wire(values: np.ndarray, dtype: str) -> pa.Array:
+    """float32 values (any shape) -> a flat Arrow array of `dtype` (no copy at float32)."""
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    if dtype == "float32":
+        return pa.array(flat)
+    if dtype == "float16":
+        return pa.array(flat.astype(np.float16), type=pa.float16())
+    return pa.array(flat.astype(ml_dtypes.bfloat16).view(np.uint16), type=pa.uint16())
+
+
+def from_wire(column: pa.Array, dtype: str, where: str) -> np.ndarray:
+    """A flat Arrow array of `dtype` -> float32 numpy (a view at float32, else a copy)."""
+    if not column.type.equals(_ARROW_TYPES[dtype]):
+        raise WireError(f"{where}: expected {dtype} values, got {column.type}")
+    if column.null_count:
+        raise WireError(f"{where}: nulls are not allowed")
+    raw = column.to_numpy(zero_copy_only=True)
+    if dtype == "bfloat16":
+        return raw.view(ml_dtypes.bfloat16).astype(np.float32)
+    return raw.astype(np.float32, copy=False)
+
+
+def gradient_exponent(grads: np.ndarray) -> int:
+    """The power of two that brings the largest |gradient| near 2^14 (float16's max is ~2^16).
+
+    Float16's smallest normal is 2^-14: unscaled, gradients of a batch-mean loss (often
+    1e-6 and below) would lose most of their bits or vanish.
+    """
+    finite = np.abs(grads[np.isfinite(grads)])
+    largest = float(finite.max()) if finite.size else 0.0
+    if largest == 0.0:
+        return 0
+    return int(np.clip(14 - int(np.ceil(np.log2(largest))), -64, 64))
 
 
 # --- request encoding (client side) -------------------------------------------------------
@@ -166,11 +253,19 @@ def lookup_batches(requests: Mapping[str, np.ndarray]) -> Iterable[tuple[pa.Reco
 
 def apply_batches(
     updates: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    dtype: str = "float32",
+    *,
+    with_ids: bool = True,
+    exponents: Mapping[str, int] | None = None,
 ) -> Iterable[tuple[pa.RecordBatch, bytes]]:
     """Yields (record batch, table name) for a multi-table gradient update.
 
     Args:
         updates: table -> (ids [n] uint64, grads [n, dim] float32).
+        dtype: the wire dtype of the gradients.
+        with_ids: False when the update names the lookup whose ids it is for: gradients
+            only, in `values_schema(dtype)`; True: `apply_schema(dtype)`.
+        exponents: float16 only: {table: e}, gradients are sent times 2^e.
     """
     for table, (ids, grads) in updates.items():
         ids = np.ascontiguousarray(_check_ids(ids, f"table {table!r}"))
@@ -179,17 +274,23 @@ def apply_batches(
             raise WireError(
                 f"table {table!r}: grads must be [{ids.shape[0]}, dim], got {grads.shape}"
             )
+        exponent = (exponents or {}).get(table, 0)
+        values = to_wire(np.ldexp(grads, exponent) if exponent else grads, dtype)
+        if not with_ids:
+            yield pa.record_batch([values], schema=values_schema(dtype)), table.encode()
+            continue
         dim = grads.shape[1]
         offsets = pa.array(np.arange(ids.shape[0] + 1, dtype=np.int32) * np.int32(dim))
-        lists = pa.ListArray.from_arrays(offsets, pa.array(grads.reshape(-1)))
-        batch = pa.record_batch([pa.array(ids, type=pa.uint64()), lists], schema=APPLY_SCHEMA)
+        lists = pa.ListArray.from_arrays(offsets, values)
+        batch = pa.record_batch(
+            [pa.array(ids, type=pa.uint64()), lists], schema=apply_schema(dtype)
+        )
         yield batch, table.encode()
 
 
-def values_batch(rows: np.ndarray) -> pa.RecordBatch:
-    """One lookup-response batch: rows [n, dim] float32, flattened without a copy."""
-    rows = np.ascontiguousarray(rows, dtype=np.float32)
-    return pa.record_batch([pa.array(rows.reshape(-1))], schema=VALUES_SCHEMA)
+def values_batch(rows: np.ndarray, dtype: str = "float32") -> pa.RecordBatch:
+    """One lookup-response batch: rows [n, dim] float32, flattened (no copy at float32)."""
+    return pa.record_batch([to_wire(rows, dtype)], schema=values_schema(dtype))
 
 
 # --- request decoding (server side) -------------------------------------------------------
@@ -262,25 +363,48 @@ def decode_apply(
     schema: pa.Schema,
     dims: Mapping[str, int],
     limits: RequestLimits,
+    header: Header | None = None,
+    lookup_ids: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Reads an update into table -> (ids [n] uint64, grads [n, dim] float32), validated."""
-    if not schema.equals(APPLY_SCHEMA):
-        raise WireError(f"apply request schema must be {APPLY_SCHEMA}, got {schema}")
+    """Reads an update into table -> (ids [n] uint64, grads [n, dim] float32), validated.
+
+    Args:
+        header: the request header (wire dtype, float16 exponents); default float32.
+        lookup_ids: {table: ids} of the lookup the header names, when it names one:
+            the batches then hold gradients only, for exactly those ids.
+    """
+    dtype = header.dtype if header is not None else "float32"
+    exponents = (header.grad_exponents if header is not None else None) or {}
+    expected_schema = values_schema(dtype) if lookup_ids is not None else apply_schema(dtype)
+    if not schema.equals(expected_schema):
+        raise WireError(f"apply request schema must be {expected_schema}, got {schema}")
     updates: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for batch, metadata in chunks:
         table = _table_name(metadata, dims, set(updates))
         limits.charge(batch.num_rows, batch.nbytes)
         dim = dims[table]
-        ids = _column_numpy(batch.column(0), np.uint64, f"table {table!r} ids")
-        lists = batch.column(1)
-        if lists.null_count:
-            raise WireError(f"table {table!r} grads: nulls are not allowed")
-        offsets = lists.offsets.to_numpy(zero_copy_only=True)
-        expected = np.int64(offsets[0]) + np.arange(len(ids) + 1, dtype=np.int64) * dim
-        if offsets.shape != expected.shape or not np.array_equal(offsets, expected):
-            raise WireError(f"table {table!r} grads: every gradient must have dim {dim}")
-        values = lists.values.slice(int(offsets[0]), len(ids) * dim)
-        flat = _column_numpy(values, np.float32, f"table {table!r} grads")
+        where = f"table {table!r} grads"
+        if lookup_ids is not None:
+            if table not in lookup_ids:
+                raise WireError(f"table {table!r} was not in the lookup this update names")
+            ids = lookup_ids[table]
+            if batch.num_rows != len(ids) * dim:
+                raise WireError(
+                    f"{where}: {batch.num_rows} values for the lookup's {len(ids)} ids of dim {dim}"
+                )
+            flat = from_wire(batch.column(0), dtype, where)
+        else:
+            ids = _column_numpy(batch.column(0), np.uint64, f"table {table!r} ids")
+            lists = batch.column(1)
+            if lists.null_count:
+                raise WireError(f"{where}: nulls are not allowed")
+            offsets = lists.offsets.to_numpy(zero_copy_only=True)
+            expected = np.int64(offsets[0]) + np.arange(len(ids) + 1, dtype=np.int64) * dim
+            if offsets.shape != expected.shape or not np.array_equal(offsets, expected):
+                raise WireError(f"{where}: every gradient must have dim {dim}")
+            flat = from_wire(lists.values.slice(int(offsets[0]), len(ids) * dim), dtype, where)
+        if exponents.get(table):
+            flat = np.ldexp(flat, -exponents[table]).astype(np.float32)
         updates[table] = (ids, flat.reshape(len(ids), dim))
     return updates
 
@@ -289,18 +413,23 @@ def decode_apply(
 
 
 def decode_values(
-    batch: pa.RecordBatch, metadata: pa.Buffer | None, table: str, n: int, dim: int
+    batch: pa.RecordBatch,
+    metadata: pa.Buffer | None,
+    table: str,
+    n: int,
+    dim: int,
+    dtype: str = "float32",
 ) -> np.ndarray:
     """One lookup-response batch as rows [n, dim] float32.
 
-    A view of the received buffer (no copy): read-only. Callers that hand the rows
-    on as their own result copy them.
+    At float32 a view of the received buffer (no copy): read-only. Callers that hand
+    the rows on as their own result copy them.
     """
     if metadata is None or bytes(metadata).decode("utf-8", "replace") != table:
         raise WireError(f"lookup response out of order: expected table {table!r}")
-    if not batch.schema.equals(VALUES_SCHEMA) or batch.num_rows != n * dim:
+    if not batch.schema.equals(values_schema(dtype)) or batch.num_rows != n * dim:
         raise WireError(
-            f"lookup response for table {table!r}: expected {n} x {dim} float32 values, "
+            f"lookup response for table {table!r}: expected {n} x {dim} {dtype} values, "
             f"got {batch.num_rows} of {batch.schema}"
         )
-    return _column_numpy(batch.column(0), np.float32, table).reshape(n, dim)
+    return from_wire(batch.column(0), dtype, table).reshape(n, dim)
