@@ -63,7 +63,10 @@ def read_metadata(out_dir: str | Path) -> DatasetMetadata:
     if not root.exists():
         raise UserError(f"dataset directory {root} does not exist; make one with {make}")
     if not root.is_dir():
-        raise UserError(f"dataset path {root} is a file, not a directory written by {make}")
+        raise UserError(
+            f"dataset path {root} is a file, not a dataset directory; if it is a raw log, "
+            f"preprocess it first: `hybridrec preprocess --input {root} --output DATA_DIR`"
+        )
     if not (root / SUCCESS_FILE).exists():
         raise UserError(
             f"incomplete dataset directory {root}: no {SUCCESS_FILE} marker (preprocessing did "

@@ -76,11 +76,15 @@ def resolve(path: str | Path) -> Path:
     if (path / MANIFEST_FILE).exists():
         return path
     if not path.exists():
-        raise ExportError(f"{path}: no such export directory")
+        raise ExportError(
+            f"export directory {path} does not exist; make one with "
+            f"`hybridrec export --run RUN_DIR --out {path}`"
+        )
     found = versions(path)
     if not found:
         raise ExportError(
-            f"{path}: no export in it (neither {MANIFEST_FILE} nor numbered version directories)"
+            f"{path}: no export in it (neither {MANIFEST_FILE} nor numbered version directories); "
+            f"write one with `hybridrec export --run RUN_DIR --out {path}`"
         )
     return path / str(found[-1])
 

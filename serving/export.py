@@ -119,7 +119,14 @@ def export_run(
     if precision not in _format.PRECISIONS:
         raise UserError(f"precision {precision!r} is not one of {', '.join(_format.PRECISIONS)}")
     if not (run_dir / CONFIG_FILE).exists():
-        raise UserError(f"{run_dir}: not a run directory (no {CONFIG_FILE})")
+        what = (
+            "does not exist"
+            if not run_dir.exists()
+            else f"is not a run directory (no {CONFIG_FILE})"
+        )
+        raise UserError(
+            f"{run_dir} {what}; train one with `hybridrec train --data DATA_DIR --run-dir {run_dir}`"
+        )
     name = name or out.resolve().name
     if not name or not all(c.isalnum() or c in "_-." for c in name):
         raise UserError(f"model name {name!r} must use only letters, digits, _ - .")

@@ -265,6 +265,16 @@ def test_export_of_a_directory_that_is_not_a_run(tmp_path):
         timeout=120,
     )  # fmt: skip
     assert result.returncode == 2 and "not a run directory" in result.stderr
+    assert f"hybridrec train --data DATA_DIR --run-dir {tmp_path}" in result.stderr
+
+
+def test_serving_a_missing_export_names_the_command_that_makes_one(tmp_path):
+    from serving._format import ExportError, resolve
+
+    with pytest.raises(ExportError, match="does not exist.*hybridrec export --run RUN_DIR --out"):
+        resolve(tmp_path / "missing")
+    with pytest.raises(ExportError, match="no export in it.*hybridrec export --run RUN_DIR"):
+        resolve(tmp_path)
 
 
 def test_failed_export_leaves_nothing_visible(trained, tmp_path):

@@ -144,6 +144,15 @@ def test_launch_relays_output_without_library_chatter_unless_verbose():
     assert verbose.getvalue() == lines
 
 
+def test_train_on_a_raw_log_file_says_to_preprocess_it_first(tmp_path):
+    raw = tmp_path / "day_0.tsv"
+    raw.write_text("1\t5\ta1\n")
+    result = _run("train", "--data", str(raw), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert f"hybridrec preprocess --input {raw} --output DATA_DIR" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 NATIVE_WRITER = """
 import os, sys
 from hybridrec._chatter import native_output_filtered
