@@ -83,6 +83,9 @@ class EmbeddingConfig:
     num_shards: int | None = None
     # remote shard servers "host:port" (`hybridrec serve-embeddings`); empty = in-process shards
     servers: tuple[str, ...] = ()
+    # with servers: dtype of looked-up rows and gradients on the wire (servers keep float32
+    # rows and optimizer math); bfloat16 / float16 halve the float bytes
+    wire_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # keep the rows of every feature in one physical table (ids carry a per-feature prefix, so
     # they never collide): one store request per shard and batch instead of one per table, as
     # table-batched embeddings do; capacity and tiering.ram_rows then count per feature table

@@ -151,7 +151,11 @@ class Job:
                 checkpoints.embeddings_url, tables, step=step, num_shards=num_shards
             )
         shards = connect(
-            list(self.servers), tables, token=self.server_token, retry_timeout=self.retry_timeout
+            list(self.servers),
+            tables,
+            token=self.server_token,
+            retry_timeout=self.retry_timeout,
+            wire_dtype=embedding.wire_dtype,
         )
         if embedding.num_shards is not None and embedding.num_shards != len(shards):
             raise UserError(
