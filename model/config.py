@@ -149,6 +149,14 @@ class ModelConfig:
     mlp: MLPConfig = dataclasses.field(default_factory=MLPConfig)
     # DHEN sizes and module set (used when tower = "dhen")
     dhen: DHENConfig = dataclasses.field(default_factory=DHENConfig)
+    # Disaggregated Multi-Tower: groups of categorical feature positions (0-based, in the
+    # dataset's feature order), each interacted and compressed by its own Tower Module
+    # before the global tower above; every feature in exactly one group. [] = no towers
+    towers: tuple[tuple[int, ...], ...] = ()
+    # vectors (of the embedding dim) each Tower Module compresses its group into
+    tower_outputs: int = 2
+    # hidden widths of each Tower Module's MLP
+    tower_mlp: tuple[int, ...] = (128,)
     # dtype of activations and matmuls; parameters and optimizer state are always float32
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # logical axis name used by the layers -> mesh axis; names missing here or mapped to an
@@ -161,6 +169,17 @@ class ModelConfig:
     def __post_init__(self):
         if self.min_sharded_width < 1:
             raise ValueError(f"min_sharded_width must be >= 1, got {self.min_sharded_width}")
+        if any(not tower for tower in self.towers):
+            raise ValueError("towers: every tower must list at least one feature position")
+        seen = [index for tower in self.towers for index in tower]
+        repeated = sorted({index for index in seen if seen.count(index) > 1})
+        if repeated:
+            raise ValueError(f"towers: feature position(s) {repeated} are in several towers")
+        if any(index < 0 for index in seen):
+            raise ValueError(f"towers: feature positions must be >= 0, got {sorted(seen)[0]}")
+        if self.tower_outputs < 1:
+            raise ValueError(f"tower_outputs must be >= 1, got {self.tower_outputs}")
+        _check_widths("tower_mlp", self.tower_mlp, allow_empty=True)
         names = [name for name, _ in self.partition_rules]
         if len(set(names)) != len(names):
             raise ValueError(f"partition_rules name a logical axis twice: {names}")

@@ -23,6 +23,7 @@ from flax import nnx
 from common.errors import ConfigError
 from model.config import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig, choose_tower
 from model.dhen import DHEN
+from model.dmt import DMT, TowerModule, check_towers
 from model.layers import MLP, CrossLayer, cast, flat_input, linear
 
 
@@ -163,10 +164,29 @@ def build_tower(
     }
     name, _ = choose_tower(config.tower, num_dense, num_features)
     cls, tower_config = towers[name]
-    return cls(
+    if not config.towers:
+        return cls(
+            tower_config,
+            num_dense=num_dense,
+            num_features=num_features,
+            embedding_dim=embedding_dim,
+            dtype=compute_dtype(config),
+            rngs=rngs,
+        )
+    check_towers(config.towers, num_features)
+    global_tower = cls(
         tower_config,
         num_dense=num_dense,
-        num_features=num_features,
+        num_features=len(config.towers) * config.tower_outputs,
+        embedding_dim=embedding_dim,
+        dtype=compute_dtype(config),
+        rngs=rngs,
+    )
+    return DMT(
+        config.towers,
+        outputs=config.tower_outputs,
+        hidden=config.tower_mlp,
+        global_tower=global_tower,
         embedding_dim=embedding_dim,
         dtype=compute_dtype(config),
         rngs=rngs,
@@ -191,13 +211,22 @@ def forward_flops_per_example(
         )
     )
     flops = 0
+    interaction = tower
+    if isinstance(tower, DMT):
+        num_features = len(config.towers) * config.tower_outputs
+        interaction = tower.global_tower
+        for _, module in nnx.iter_modules(tower):
+            if isinstance(module, TowerModule):
+                flops += 2 * module.num_features**2 * embedding_dim  # its group's Gram matrix
     for _, module in nnx.iter_modules(tower):
         if isinstance(module, nnx.Linear):
             flops += 2 * int(np.prod(module.kernel.get_value().shape))
-    if isinstance(tower, DLRM):
+    if isinstance(interaction, DLRM):
         flops += 2 * (num_features + 1) ** 2 * embedding_dim  # the full Gram matrix
-    if isinstance(tower, DCNv2):
-        flops += 2 * (num_dense + num_features * embedding_dim) * tower.num_cross_layers
-    if isinstance(tower, DHEN):
-        flops += tower.interaction_flops(num_features + (1 if num_dense else 0), embedding_dim)
+    if isinstance(interaction, DCNv2):
+        flops += 2 * (num_dense + num_features * embedding_dim) * interaction.num_cross_layers
+    if isinstance(interaction, DHEN):
+        flops += interaction.interaction_flops(
+            num_features + (1 if num_dense else 0), embedding_dim
+        )
     return flops
