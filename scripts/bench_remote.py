@@ -10,9 +10,17 @@ In one run:
   4. lost updates: the per-row update counts the clients report are applied to an
      in-process reference store, and every touched row is compared with the remote one.
 
-Last line: JSON {"remote_over_local", "lost_updates", "p99_ms", ...}.
+  5. wire dtypes (on the shared Criteo sample, or --input files): the `criteo_dlrm` preset
+     trained for one epoch against 2 fresh servers per `embedding.wire_dtype`
+     (synchronous, so the runs differ only by the wire dtype); wire bytes per training
+     sample (lookups and updates: Arrow buffers, headers and table names as the servers
+     count them, without gRPC framing) and the eval AUC, against float32.
+
+Last line: JSON {"remote_over_local", "lost_updates", "p99_ms", ..., "bfloat16_wire_bytes_ratio",
+"bfloat16_auc_delta", "float16_wire_bytes_ratio", "float16_auc_delta", ...}.
 
     python scripts/bench_remote.py --duration 120
+    python scripts/bench_remote.py --skip-load          # only the wire dtypes
 """
 
 from __future__ import annotations
@@ -20,17 +28,20 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from bench_criteo import REPO, SAMPLE, _check_criteo, _dataset
 
 from common.progress import Progress
 from embedding_store import EmbeddingStore, InitializerConfig, SparseOptimizerConfig, TableConfig
-from embedding_store.processes import start_server_process
-from embedding_store.remote import connect
+from embedding_store.processes import start_server_process, start_servers, stop_servers
+from embedding_store.remote import ServerConnection, connect
 
 TABLE = "bench"
 DIM = 16
@@ -104,6 +115,105 @@ def _lookup_throughput(store, batches, seconds: float) -> float:
     return rows / (time.perf_counter() - start)
 
 
+WIRE_TARGET = {"bytes_ratio": 0.55, "auc_delta": 0.001}
+
+
+def _train_over_wire(data: Path, wire_dtype: str, batch: int, workdir: Path) -> dict:
+    """One epoch of criteo_dlrm against 2 fresh servers; AUC and wire bytes per sample."""
+    servers = start_servers(
+        2, num_shards=2, config="criteo_dlrm", data=data, log_dir=workdir / f"servers-{wire_dtype}"
+    )
+    try:
+        addresses = json.dumps([server.address for server in servers])
+        run_dir = workdir / f"run-{wire_dtype}"
+        command = [sys.executable, "-m", "hybridrec", "train", "--config", "criteo_dlrm"]
+        command += ["--data", str(data), "--run-dir", str(run_dir), "--quiet"]
+        settings = [
+            f"embedding.servers={addresses}",
+            f"embedding.wire_dtype={wire_dtype}",
+            f"data.batch_size={batch}",
+            "hybrid.staleness=0",
+            "log.tensorboard=false",
+        ]
+        for setting in settings:
+            command += ["--set", setting]
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)
+        start = time.perf_counter()
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        if result.returncode:
+            sys.stderr.write(result.stdout[-3000:] + result.stderr[-3000:])
+            raise SystemExit(f"bench_remote: training with wire dtype {wire_dtype} failed")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        counters = {}
+        for server in servers:
+            connection = ServerConnection(f"grpc://{server.address}")
+            for key, value in connection.action("stats")["counters"].items():
+                counters[key] = counters.get(key, 0) + value
+            connection.close()
+    finally:
+        stop_servers(servers)
+    train_bytes = counters.get("wire_bytes_lookup", 0) + counters.get("wire_bytes_apply", 0)
+    out = {
+        "auc": summary["eval"]["auc"],
+        "samples": summary["samples"],
+        "bytes_per_sample": train_bytes / summary["samples"],
+        "lookup_bytes_per_sample": counters.get("wire_bytes_lookup", 0) / summary["samples"],
+        "apply_bytes_per_sample": counters.get("wire_bytes_apply", 0) / summary["samples"],
+        "eval_bytes_per_row": counters.get("wire_bytes_eval_lookup", 0)
+        / max(1, summary["eval"]["count"]),
+        "seconds": time.perf_counter() - start,
+    }
+    print(
+        f"wire {wire_dtype}: AUC {out['auc']:.5f}, {out['bytes_per_sample']:.1f} bytes per "
+        f"training sample (lookup {out['lookup_bytes_per_sample']:.1f}, update "
+        f"{out['apply_bytes_per_sample']:.1f}), eval {out['eval_bytes_per_row']:.1f} bytes per "
+        f"row, {out['seconds']:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return out
+
+
+def _wire_dtypes(args) -> dict:
+    """Phase 5: bytes per sample and AUC per wire dtype, against float32."""
+    inputs = args.input or [SAMPLE]
+    if not args.input and not SAMPLE.exists():
+        print(f"wire dtypes skipped: {SAMPLE} is absent (pass --input)", file=sys.stderr)
+        return {}
+    for path in inputs:
+        _check_criteo(path)
+    data = _dataset(inputs, args.cache)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-remote-wire-"))
+    runs = {dtype: _train_over_wire(data, dtype, args.batch, workdir) for dtype in args.wire_dtypes}
+    base = runs.get("float32")
+    out = {f"{d}_wire_bytes_per_sample": round(r["bytes_per_sample"], 1) for d, r in runs.items()}
+    out.update({f"{d}_auc": round(r["auc"], 5) for d, r in runs.items()})
+    if base:
+        for dtype, run in runs.items():
+            if dtype == "float32":
+                continue
+            ratio = run["bytes_per_sample"] / base["bytes_per_sample"]
+            delta = run["auc"] - base["auc"]
+            out[f"{dtype}_wire_bytes_ratio"] = round(ratio, 4)
+            out[f"{dtype}_auc_delta"] = round(delta, 5)
+            out[f"{dtype}_targets_met"] = bool(
+                ratio <= WIRE_TARGET["bytes_ratio"] and abs(delta) <= WIRE_TARGET["auc_delta"]
+            )
+    print("\n| wire dtype | bytes/sample | x float32 | AUC | delta |", file=sys.stderr)
+    print("|---|---|---|---|---|", file=sys.stderr)
+    for dtype, run in runs.items():
+        ratio = run["bytes_per_sample"] / base["bytes_per_sample"] if base else float("nan")
+        delta = run["auc"] - base["auc"] if base else float("nan")
+        print(
+            f"| {dtype} | {run['bytes_per_sample']:.1f} | {ratio:.3f} | {run['auc']:.5f} | "
+            f"{delta:+.5f} |",
+            file=sys.stderr,
+        )
+    out["wire_batch"] = args.batch
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=120.0, help="load phase, seconds")
@@ -112,7 +222,21 @@ def main(argv=None) -> int:
     parser.add_argument("--distinct", type=int, default=2_000_000, help="id universe size")
     parser.add_argument("--capacity", type=int, default=8_000_000, help="table rows")
     parser.add_argument("--compare-seconds", type=float, default=15.0, help="per store")
+    parser.add_argument("--skip-load", action="store_true", help="only the wire-dtype phase")
+    parser.add_argument(
+        "--wire-dtypes",
+        nargs="*",
+        default=["float32", "bfloat16", "float16"],
+        choices=["float32", "bfloat16", "float16"],
+        help="wire dtypes to train with (none: skip)",
+    )
+    parser.add_argument("--input", nargs="+", type=Path, help="Criteo-format files (phase 5)")
+    parser.add_argument("--cache", type=Path, default=REPO / "runs" / "bench_criteo")
+    parser.add_argument("--batch", type=int, default=1024, help="phase 5 global batch size")
     args = parser.parse_args(argv)
+    if args.skip_load:
+        print(json.dumps(_wire_dtypes(args)))
+        return 0
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-remote-"))
     tables_file = workdir / "tables.toml"
@@ -222,6 +346,7 @@ def main(argv=None) -> int:
         f"{len(touched)} rows checked, {lost} lost",
         file=sys.stderr,
     )
+    summary.update(_wire_dtypes(args) if args.wire_dtypes else {})
     print(json.dumps(summary))
     return 0
 
