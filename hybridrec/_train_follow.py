@@ -40,6 +40,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) -> int:
     """Runs `OnlineTrainer` until SIGTERM / SIGINT (or --max-idle); prints its summary."""
+    from hybridrec._embedding_servers import embedding_servers
     from serving.export import export_run
     from training.online import OnlineTrainer
 
@@ -66,6 +67,7 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
         flush_after=args.flush_after,
         max_idle=args.max_idle,
         quiet=args.quiet,
+        servers=embedding_servers(config.embedding.servers),
     )
     stop = threading.Event()
     for signal_number in (signal.SIGTERM, signal.SIGINT):

@@ -157,6 +157,7 @@ class OnlineTrainer:
         poll_interval: seconds between looks at the manifest when idle.
         max_idle: also stop after this many seconds without new rows (0: never).
         quiet: no progress lines.
+        servers: the remote shard servers as the command resolved them (see `prepare`).
     """
 
     def __init__(
@@ -172,9 +173,10 @@ class OnlineTrainer:
         poll_interval: float = 0.5,
         max_idle: float = 0.0,
         quiet: bool = False,
+        servers: Any = None,
     ):
         self.run_dir = Path(run_dir)
-        self.job = prepare(config)
+        self.job = prepare(config, servers=servers)
         self.config = self.job.config
         if self.job.process_count > 1:
             raise UserError("train --follow runs in one process (use remote embedding servers to scale the store)")  # fmt: skip
