@@ -16,8 +16,10 @@ method's update has on that block. Vectors (biases, norms) use the diagonal meth
 
 The block statistics of a parameter are stacked along a leading block dimension
 `[blocks, rows, rows]`; `ShampooBlocks.partition_specs` spreads that dimension over the
-mesh (each device keeps and decomposes its share of blocks, as distributed Shampoo
-assigns blocks to workers) when it divides evenly, and replicates it otherwise.
+mesh when it divides evenly (each device keeps its share of the statistics, as
+distributed Shampoo assigns blocks to workers), and replicates it otherwise. The inverse
+roots of all blocks are one batched eigendecomposition (see `_inverse_roots`); XLA decides
+where it runs.
 """
 
 from __future__ import annotations
@@ -101,6 +103,34 @@ def inverse_fourth_root(statistics: jax.Array, epsilon: float) -> jax.Array:
     return scaled @ jnp.swapaxes(vectors, -1, -2)
 
 
+def _inverse_roots(
+    statistics: list[tuple[jax.Array, jax.Array]], epsilon: float
+) -> list[tuple[jax.Array, jax.Array]]:
+    """`inverse_fourth_root` of every (left, right) block stack, as one eigendecomposition.
+
+    All blocks are zero-padded to the largest block and decomposed in a single batched
+    call: padding a symmetric matrix with zero rows and columns leaves the root of its
+    top-left corner unchanged (a matrix function acts on each invariant subspace), and one
+    call instead of one per parameter avoids concurrent batched eigendecompositions, which
+    can deadlock the CPU runtime's shared thread pool.
+    """
+    if not statistics:
+        return []
+    matrices = [matrix for pair in statistics for matrix in pair]
+    size = max(matrix.shape[-1] for matrix in matrices)
+    padded = [
+        jnp.pad(matrix, ((0, 0), (0, size - matrix.shape[-1]), (0, size - matrix.shape[-1])))
+        for matrix in matrices
+    ]
+    roots = inverse_fourth_root(jnp.concatenate(padded), epsilon)  # [all blocks, size, size]
+    out, start = [], 0
+    for matrix in matrices:
+        count, width = matrix.shape[0], matrix.shape[-1]
+        out.append(roots[start : start + count, :width, :width])
+        start += count
+    return [(out[2 * i], out[2 * i + 1]) for i in range(len(statistics))]
+
+
 def scale_by_shampoo(
     *,
     block_size: int,
@@ -162,57 +192,65 @@ def scale_by_shampoo(
         count = state.count + 1
         refresh = count % precondition_every == 0  # roots recomputed after this step's stats
         preconditioned = count >= precondition_every  # roots exist from the first refresh on
+        treedef = jax.tree.structure(updates)
+        gradients = [leaf.astype(jnp.float32) for leaf in treedef.flatten_up_to(updates)]
+        momenta = treedef.flatten_up_to(state.momentum)
+        moments = treedef.flatten_up_to(state.second_moment)
+        old_blocks = treedef.flatten_up_to(state.blocks)
 
-        def one(gradient, momentum, second_moment, blocks):
-            gradient = gradient.astype(jnp.float32)
-            momentum = beta1 * momentum + (1 - beta1) * gradient if beta1 else gradient
+        grafts = []
+        for index, gradient in enumerate(gradients):
+            momentum = beta1 * momenta[index] + (1 - beta1) * gradient if beta1 else gradient
             if grafting == "adam":
-                second_moment = beta2 * second_moment + (1 - beta2) * gradient**2
+                moment = beta2 * moments[index] + (1 - beta2) * gradient**2
                 mean = momentum / (1 - beta1**count) if beta1 else momentum
-                graft = mean / (jnp.sqrt(second_moment / (1 - beta2**count)) + epsilon)
+                grafts.append(mean / (jnp.sqrt(moment / (1 - beta2**count)) + epsilon))
             else:
-                second_moment = second_moment + gradient**2
-                graft = momentum / (jnp.sqrt(second_moment) + epsilon)
-            if blocks is None:
-                return graft, momentum, second_moment, None
-            rows, cols = blocks.left.shape[-1], blocks.right.shape[-1]
-            tiles = _to_blocks(gradient, rows, cols)  # [blocks, rows, cols]
-            keep = beta2 if beta2 < 1 else 1.0
-            add = 1 - beta2 if beta2 < 1 else 1.0
-            left = keep * blocks.left + add * tiles @ jnp.swapaxes(tiles, -1, -2)
-            right = keep * blocks.right + add * jnp.swapaxes(tiles, -1, -2) @ tiles
-            left_root, right_root = jax.lax.cond(
-                refresh,
-                lambda: (
-                    inverse_fourth_root(left, matrix_epsilon),
-                    inverse_fourth_root(right, matrix_epsilon),
-                ),
-                lambda: (blocks.left_root, blocks.right_root),
-            )
-            direction = left_root @ _to_blocks(momentum, rows, cols) @ right_root
-            graft_tiles = _to_blocks(graft, rows, cols)
+                moment = moments[index] + gradient**2
+                grafts.append(momentum / (jnp.sqrt(moment) + epsilon))
+            momenta[index], moments[index] = momentum, moment
+
+        keep, add = (beta2, 1 - beta2) if beta2 < 1 else (1.0, 1.0)
+        statistics = {}  # leaf index -> (left, right)
+        for index, blocks in enumerate(old_blocks):
+            if blocks is not None:
+                rows, cols = blocks.left.shape[-1], blocks.right.shape[-1]
+                tiles = _to_blocks(gradients[index], rows, cols)  # [blocks, rows, cols]
+                statistics[index] = (
+                    keep * blocks.left + add * tiles @ jnp.swapaxes(tiles, -1, -2),
+                    keep * blocks.right + add * jnp.swapaxes(tiles, -1, -2) @ tiles,
+                )
+        stale = [(old_blocks[i].left_root, old_blocks[i].right_root) for i in statistics]
+        roots = jax.lax.cond(
+            refresh,
+            lambda: _inverse_roots(list(statistics.values()), matrix_epsilon),
+            lambda: stale,
+        )
+
+        steps, new_blocks = list(grafts), list(old_blocks)
+        for (index, (left, right)), (left_root, right_root) in zip(
+            statistics.items(), roots, strict=True
+        ):
+            rows, cols = left.shape[-1], right.shape[-1]
+            direction = left_root @ _to_blocks(momenta[index], rows, cols) @ right_root
+            graft_tiles = _to_blocks(grafts[index], rows, cols)
             norms = jnp.linalg.norm(graft_tiles, axis=(1, 2), keepdims=True)
             direction_norms = jnp.linalg.norm(direction, axis=(1, 2), keepdims=True)
             direction = direction * norms / jnp.maximum(direction_norms, 1e-30)
-            shampoo = _from_blocks(direction, gradient.shape)
-            step = jnp.where(preconditioned, shampoo, graft)
-            return step, momentum, second_moment, ShampooBlocks(left, right, left_root, right_root)
-
-        results = jax.tree.map(
-            one,
-            updates,
-            state.momentum,
-            state.second_moment,
-            state.blocks,
-            is_leaf=lambda node: node is None or isinstance(node, ShampooBlocks),
+            shampoo_step = _from_blocks(direction, gradients[index].shape)
+            steps[index] = jnp.where(preconditioned, shampoo_step, grafts[index])
+            new_blocks[index] = ShampooBlocks(left, right, left_root, right_root)
+        steps = [
+            step.astype(leaf.dtype)
+            for step, leaf in zip(steps, treedef.flatten_up_to(updates), strict=True)
+        ]
+        new_state = ShampooState(
+            count,
+            treedef.unflatten(momenta),
+            treedef.unflatten(moments),
+            treedef.unflatten(new_blocks),
         )
-        treedef = jax.tree.structure(updates)
-        parts = treedef.flatten_up_to(results)
-        steps, momenta, moments, blocks = (
-            treedef.unflatten([part[index] for part in parts]) for index in range(4)
-        )
-        steps = jax.tree.map(lambda step, gradient: step.astype(gradient.dtype), steps, updates)
-        return steps, ShampooState(count, momenta, moments, blocks)
+        return treedef.unflatten(steps), new_state
 
     return optax.GradientTransformation(init, update)
 
