@@ -8,14 +8,16 @@ from embedding_store._hashing import SALT_INIT, mix64, unit_float
 from embedding_store.config import InitializerConfig
 
 
-def initial_rows(config: InitializerConfig, ids: np.ndarray, dim: int) -> np.ndarray:
-    """ids: [n] uint64 -> [n, dim] float32 initial values, identical on any shard and run."""
+def initial_rows(
+    config: InitializerConfig, ids: np.ndarray, dim: int, first_column: int = 0
+) -> np.ndarray:
+    """ids: [n] uint64 -> [n, dim] float32 initial values of columns [first_column,
+    first_column + dim), identical on any shard and run (and for any column slicing)."""
     if config.kind == "zeros" or not len(ids):
         return np.zeros((len(ids), dim), np.float32)
     row_key = mix64(ids, SALT_INIT + config.seed)
-    counters = row_key[:, None] + np.arange(dim, dtype=np.uint64)[None, :] * np.uint64(
-        0xD1B54A32D192ED03
-    )
+    columns = np.arange(first_column, first_column + dim, dtype=np.uint64)
+    counters = row_key[:, None] + columns[None, :] * np.uint64(0xD1B54A32D192ED03)
     bits = mix64(counters, SALT_INIT)
     if config.kind == "uniform":
         values = config.low + (config.high - config.low) * unit_float(bits)

@@ -33,8 +33,9 @@ class _TableIds:
     inverse: np.ndarray  # [total] int64: occurrence -> index in `unique`
     order: np.ndarray | None = None  # [total] occurrences grouped by id (backward pass)
     bounds: np.ndarray | None = None  # [u + 1] group boundaries in `order`
-    route_order: np.ndarray | None = None  # [u] unique ids grouped by shard
-    route_bounds: np.ndarray | None = None  # [num_shards + 1]
+    # {stored table (the table or a column slice): (order [u] unique ids grouped by shard,
+    # bounds [num_shards + 1])}, set by the store's routing
+    routes: dict | None = None
 
 
 @dataclasses.dataclass

@@ -170,7 +170,9 @@ class ShardTable:
             out[hit] = self._rows.gather(present)
             if not train and config.admission.admits_all:
                 # Evaluation never creates rows; an id training would admit reads its initial value.
-                out[~hit] = initial_rows(config.initializer, ids[~hit], config.dim)
+                out[~hit] = initial_rows(
+                    config.initializer, ids[~hit], config.dim, config.first_column
+                )
             return out
 
     def apply_gradients(self, ids: np.ndarray, grads: np.ndarray) -> None:
@@ -247,7 +249,7 @@ class ShardTable:
         self._modified[slots] = self._sequence
         self._rows.write_rows(
             slots,
-            initial_rows(config.initializer, ids, config.dim),
+            initial_rows(config.initializer, ids, config.dim, config.first_column),
             _optimizers.initial_state(config.optimizer, len(ids), config.dim),
         )
 

@@ -175,6 +175,11 @@ class TableConfig:
     tiering: TieringConfig = dataclasses.field(
         default_factory=TieringConfig
     )  # RAM budget + cold tier
+    # split each row's columns into this many equal slices, each routed to another shard
+    # (1 = whole rows); `embedding_store.columns.plan_column_shards` proposes it per table
+    column_shards: int = 1
+    # set on a column slice only: the first column of the whole table that this slice holds
+    first_column: int = 0
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "_-." for c in self.name):
@@ -185,6 +190,18 @@ class TableConfig:
             raise ValueError(f"table {self.name}: dim must be >= 1, got {self.dim}")
         if self.capacity < 1:
             raise ValueError(f"table {self.name}: capacity must be >= 1, got {self.capacity}")
+        if self.column_shards < 1 or self.dim % self.column_shards:
+            raise ValueError(
+                f"table {self.name}: column_shards must be >= 1 and divide dim {self.dim}, "
+                f"got {self.column_shards}"
+            )
+        if self.column_shards > 1 and self.optimizer.name == "rowwise_adagrad":
+            raise ValueError(
+                f"table {self.name}: rowwise_adagrad needs whole rows (one accumulator per "
+                "row); use column_shards = 1 or another optimizer"
+            )
+        if self.first_column < 0:
+            raise ValueError(f"table {self.name}: first_column must be >= 0")
         if not self.optimizer.learning_rate > 0:
             raise ValueError(f"table {self.name}: optimizer.learning_rate must be > 0")
 

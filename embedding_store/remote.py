@@ -36,6 +36,7 @@ import pyarrow.flight as flight
 from common.errors import UserError
 from embedding_store import wire
 from embedding_store._fingerprint import table_fingerprint
+from embedding_store.columns import stored_tables
 from embedding_store.config import TableConfig
 from embedding_store.wire import AUTH_HEADER, TOKEN_ENV
 
@@ -475,7 +476,7 @@ def connect(
         )
     uris = parse_addresses(addresses)
     expected_fingerprint = table_fingerprint(tables)
-    table_dims = {table.name: int(table.dim) for table in tables}
+    table_dims = {table.name: int(table.dim) for table in stored_tables(tables)}
     connections = [ServerConnection(uri, token=token, retry_timeout=retry_timeout) for uri in uris]
     owner: dict[int, ServerConnection] = {}
     num_shards = None

@@ -38,6 +38,7 @@ from embedding_store.checkpoint import (
     latest_checkpoint_step,
     read_manifest,
 )
+from embedding_store.columns import stored_tables
 from embedding_store.config import TableConfig
 from embedding_store.errors import EmbeddingStoreError
 from embedding_store.shard import LocalShard
@@ -119,10 +120,11 @@ class ShardServer(flight.FlightServerBase):
         restore: str | None = None,
         restore_step: int | None = None,
     ):
-        self.tables = tuple(tables)
+        # The shards hold each table or its column slices; clients compare the tables given.
+        self.fingerprint = table_fingerprint(tuple(tables))
+        self.tables = tuple(stored_tables(tables))
         self.num_shards = num_shards
         self.table_dims = {table.name: int(table.dim) for table in self.tables}
-        self.fingerprint = table_fingerprint(self.tables)
         self.shards = {index: self._new_shard(index) for index in sorted(set(shard_indices))}
         self.max_request_bytes = max_request_bytes
         self.max_request_rows = max_request_rows

@@ -18,7 +18,7 @@ from embedding_store._kvstore import context
 from embedding_store._table import ShardTable
 from embedding_store.config import TableConfig
 from embedding_store.errors import UnknownTableError
-from embedding_store.routing import shard_of
+from embedding_store.routing import shard_of, table_offset
 
 
 @runtime_checkable
@@ -185,19 +185,20 @@ class LocalShard:
         """
         loaded = {}
         for name, table in self._tables.items():
+            offset = table_offset(table.config)
             groups = manifest["tables"][name]["chain"]
             for position, group in enumerate(groups):
                 counters = []
                 for entry in group["parts"]:
                     block = _checkpoint.read_part(url, entry)
-                    mine = shard_of(block.ids, num_shards) == shard_index
+                    mine = shard_of(block.ids, num_shards, offset) == shard_index
                     if len(block.deleted):
                         block.deleted = block.deleted[
-                            shard_of(block.deleted, num_shards) == shard_index
+                            shard_of(block.deleted, num_shards, offset) == shard_index
                         ]
                     table.load(block, keep=mine)
                     if position == len(groups) - 1:
-                        keep = shard_of(block.counter_ids, num_shards) == shard_index
+                        keep = shard_of(block.counter_ids, num_shards, offset) == shard_index
                         counters.append((block.counter_ids[keep], block.counter_counts[keep]))
                 if position == len(groups) - 1 and counters:
                     table.load_counters(

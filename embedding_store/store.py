@@ -21,14 +21,30 @@ from embedding_store import _pooling
 from embedding_store import checkpoint as _checkpoint
 from embedding_store._arrays import put_rows, take_rows
 from embedding_store._pooling import FeatureIds, PooledLookup
+from embedding_store.columns import column_slices, stored_tables
 from embedding_store.config import TableConfig
 from embedding_store.errors import CheckpointError, InvalidInputError, UnknownTableError
-from embedding_store.routing import partition
+from embedding_store.routing import partition, table_offset
 from embedding_store.shard import LocalShard, Shard
 
 
 def _rows(array: np.ndarray, where: np.ndarray | slice) -> np.ndarray:
     return array[where] if isinstance(where, slice) else take_rows(array, where)
+
+
+def _columns(rows: np.ndarray, piece: TableConfig) -> np.ndarray:
+    """The columns of [n, dim] `rows` that column slice `piece` holds (all for a whole table)."""
+    if piece.first_column == 0 and piece.dim == rows.shape[1]:
+        return rows
+    return np.ascontiguousarray(rows[:, piece.first_column : piece.first_column + piece.dim])
+
+
+def _put_columns(out: np.ndarray, where, piece: TableConfig, rows: np.ndarray) -> None:
+    """out[where, piece's columns] = rows."""
+    if piece.first_column == 0 and piece.dim == out.shape[1]:
+        put_rows(out, where, rows)
+    else:
+        out[where, piece.first_column : piece.first_column + piece.dim] = rows
 
 
 def _when_all(futures: Sequence[Future], combine: Callable[[list], Any], pool) -> Future:
@@ -97,6 +113,12 @@ class EmbeddingStore:
         self._configs = {table.name: table for table in tables}
         if len(self._configs) != len(tables):
             raise InvalidInputError(f"duplicate table names in {[t.name for t in tables]}")
+        # What the shards hold: each table, or its column slices (see `columns`).
+        self._slices = {table.name: column_slices(table) for table in tables}
+        try:
+            self._stored = stored_tables(tables)
+        except ValueError as error:
+            raise InvalidInputError(str(error)) from None
         if shards is not None:
             shards = list(shards)
             num_shards = len(shards)
@@ -104,7 +126,8 @@ class EmbeddingStore:
             raise InvalidInputError(f"num_shards must be >= 1, got {num_shards}")
         if shards is None:
             shards = [
-                LocalShard(tables, shard_index=i, num_shards=num_shards) for i in range(num_shards)
+                LocalShard(self._stored, shard_index=i, num_shards=num_shards)
+                for i in range(num_shards)
             ]
         self._shards: list[Shard] = shards
         self._executors = [
@@ -159,11 +182,11 @@ class EmbeddingStore:
 
     # ----------------------------------------------------------------- routing
 
-    def _route(self, ids: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
+    def _route(self, ids: np.ndarray, offset: int = 0) -> list[tuple[int, np.ndarray | slice]]:
         """[(shard, positions)] for the shards that receive any of `ids`."""
         if self.num_shards == 1:
             return [(0, slice(None))]
-        order, bounds = partition(ids, self.num_shards)
+        order, bounds = partition(ids, self.num_shards, offset)
         return [
             (shard, order[bounds[shard] : bounds[shard + 1]])
             for shard in range(self.num_shards)
@@ -189,18 +212,22 @@ class EmbeddingStore:
         ids = _pooling._check_ids(f"table {table!r}", ids)
         if self.num_shards == 1:
             ids = ids.copy()  # the caller may reuse its array before the lookup runs
-        routes = self._route(ids)
+        routes = [
+            (piece, shard, where)
+            for piece in self._slices[table]
+            for shard, where in self._route(ids, table_offset(piece))
+        ]
         futures = [
-            self._submit(shard, "lookup", {table: ids[where]}, train=train)
-            for shard, where in routes
+            self._submit(shard, "lookup", {piece.name: ids[where]}, train=train)
+            for piece, shard, where in routes
         ]
 
         def combine(results):
-            if len(results) == 1 and isinstance(routes[0][1], slice):
+            if len(results) == 1 and isinstance(routes[0][2], slice):
                 return results[0][table]
             out = np.empty((len(ids), config.dim), np.float32)
-            for (_, where), result in zip(routes, results, strict=True):
-                put_rows(out, where, result[table])
+            for (piece, _, where), result in zip(routes, results, strict=True):
+                _put_columns(out, where, piece, result[piece.name])
             return out
 
         return _when_all(futures, combine, self._pool)
@@ -219,8 +246,13 @@ class EmbeddingStore:
         if self.num_shards == 1:  # routing copies; otherwise copy: the caller may reuse them
             ids, grads = ids.copy(), grads.copy()
         futures = [
-            self._submit(shard, "apply_gradients", {table: (ids[where], _rows(grads, where))})
-            for shard, where in self._route(ids)
+            self._submit(
+                shard,
+                "apply_gradients",
+                {piece.name: (ids[where], _rows(_columns(grads, piece), where))},
+            )
+            for piece in self._slices[table]
+            for shard, where in self._route(ids, table_offset(piece))
         ]
         return _when_all(futures, lambda _: None, self._pool)
 
@@ -250,13 +282,15 @@ class EmbeddingStore:
         planned, tables, batch, dim = _pooling.plan(features, feature_tables, dims, pooling)
         requests: dict[int, dict[str, np.ndarray]] = {}
         for table, ids in tables.items():
-            order, bounds = partition(ids.unique, self.num_shards)
-            ids.route_order, ids.route_bounds = order, bounds
-            for shard in range(self.num_shards):
-                if bounds[shard + 1] > bounds[shard]:
-                    requests.setdefault(shard, {})[table] = ids.unique[
-                        order[bounds[shard] : bounds[shard + 1]]
-                    ]
+            ids.routes = {}
+            for piece in self._slices[table]:
+                order, bounds = partition(ids.unique, self.num_shards, table_offset(piece))
+                ids.routes[piece.name] = (order, bounds)
+                for shard in range(self.num_shards):
+                    if bounds[shard + 1] > bounds[shard]:
+                        requests.setdefault(shard, {})[piece.name] = ids.unique[
+                            order[bounds[shard] : bounds[shard + 1]]
+                        ]
         shards = sorted(requests)
         futures = [self._submit(s, "lookup", requests[s], train=train) for s in shards]
 
@@ -264,11 +298,12 @@ class EmbeddingStore:
             rows = {}
             for table, ids in tables.items():
                 unique_rows = np.empty((len(ids.unique), dim), np.float32)
-                for shard, result in zip(shards, results, strict=True):
-                    if table in result:
-                        bounds = ids.route_bounds
-                        where = ids.route_order[bounds[shard] : bounds[shard + 1]]
-                        put_rows(unique_rows, where, result[table])
+                for piece in self._slices[table]:
+                    order, bounds = ids.routes[piece.name]
+                    for shard, result in zip(shards, results, strict=True):
+                        if piece.name in result:
+                            where = order[bounds[shard] : bounds[shard + 1]]
+                            _put_columns(unique_rows, where, piece, result[piece.name])
                 rows[table] = unique_rows
             embeddings = _pooling.pool(planned, tables, rows, batch, dim, pooling)
             return PooledLookup(embeddings, tuple(features), pooling, planned, tables)
@@ -295,14 +330,16 @@ class EmbeddingStore:
         requests: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
         for table, table_grads in per_table.items():
             ids = lookup._tables[table]
-            order, bounds = ids.route_order, ids.route_bounds
-            for shard in range(self.num_shards):
-                if bounds[shard + 1] > bounds[shard]:
-                    where = order[bounds[shard] : bounds[shard + 1]]
-                    requests.setdefault(shard, {})[table] = (
-                        ids.unique[where],
-                        take_rows(table_grads, where),
-                    )
+            for piece in self._slices[table]:
+                order, bounds = ids.routes[piece.name]
+                piece_grads = _columns(table_grads, piece)
+                for shard in range(self.num_shards):
+                    if bounds[shard + 1] > bounds[shard]:
+                        where = order[bounds[shard] : bounds[shard + 1]]
+                        requests.setdefault(shard, {})[piece.name] = (
+                            ids.unique[where],
+                            take_rows(piece_grads, where),
+                        )
         futures = [self._submit(s, "apply_gradients", r) for s, r in sorted(requests.items())]
         return _when_all(futures, lambda _: None, self._pool)
 
@@ -366,7 +403,7 @@ class EmbeddingStore:
         start = time.perf_counter()
         _checkpoint.check_precision(precision)
         self.flush()
-        tables = list(self._configs.values())
+        tables = self._stored
         extends = self._chain[1] if self._chain and self._chain[0] == url else None
         base = _checkpoint.snapshot_base(url, step, tables, None if full else extends)
         n = self.num_shards
@@ -426,7 +463,7 @@ class EmbeddingStore:
         stored rows depend on (dim, optimizer, table set) must match.
         """
         manifest = _checkpoint.read_manifest(url, step)
-        _checkpoint.check_compatible(url, manifest, tables)
+        _checkpoint.check_compatible(url, manifest, stored_tables(tables))
         store = cls(tables, num_shards=num_shards, shards=shards, num_workers=num_workers)
         try:
             n = store.num_shards

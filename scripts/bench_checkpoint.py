@@ -13,7 +13,12 @@ the same run and a difference in AUC is the checkpoint's):
   4. the reference's final embeddings restored in this process and written in full at
      each precision: bytes (as counted and on disk) and write seconds (median of --repeats).
 
+Steps 2 and 3 run for every `--seeds` seed; the AUC deltas are their means (a restore
+perturbs the rows slightly, and training carries any perturbation on, so one seed's delta
+is noisy at the 1e-3 scale).
+
     python scripts/bench_checkpoint.py                     # the shared Criteo sample
+    python scripts/bench_checkpoint.py --seeds 0 1 2       # more seeds
     python scripts/bench_checkpoint.py --input day_0.gz    # any Criteo-format files
 
 The last line is one JSON object (keys: int8_bytes_ratio, int8_auc_delta, int4_bytes_ratio,
@@ -124,6 +129,9 @@ def main() -> None:
         "--restore-precisions", nargs="+", default=["fp32", "int8", "int4"], choices=PRECISIONS
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed writes per precision")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="seeds; AUC deltas are their mean"
+    )
     args = parser.parse_args()
     inputs = args.input or [SAMPLE]
     if not args.input and not SAMPLE.exists():
@@ -139,25 +147,50 @@ def main() -> None:
     print(json.dumps(summary))
 
 
-def _run(data: Path, work: Path, args) -> dict:
-    batch = [f"data.batch_size={args.batch}", "log.every_steps=50"]
-    print("\n== reference: one epoch, no restore", flush=True)
-    reference = _train(data, work / "reference", batch, resume=False)
-    end, auc = reference["steps"], reference["eval"]["auc"]
+def _restore_runs(data: Path, work: Path, args, seed: int) -> dict:
+    """The reference and the restored runs of one seed: AUCs, steps, checkpoint bytes."""
+    common = [f"data.batch_size={args.batch}", "log.every_steps=50", f"seed={seed}"]
+    print(f"\n== seed {seed}, reference: one epoch, no restore", flush=True)
+    reference_dir = work / f"reference-seed{seed}"
+    reference = _train(data, reference_dir, common, resume=False)
+    end = reference["steps"]
     middle = end // 2
-    full_fp32_end = _group_bytes(_embeddings(work / "reference"), end)
-    aucs, incremental = {}, None
+    result = {
+        "auc": reference["eval"]["auc"],
+        "end": end,
+        "middle": middle,
+        "reference_dir": reference_dir,
+        "full_fp32_end": _group_bytes(_embeddings(reference_dir), end),
+        "aucs": {},
+        "incremental": None,
+    }
     for precision in args.restore_precisions:
-        print(f"\n== {precision}: checkpoint at step {middle}, restore, finish the epoch")
-        run_dir = work / f"restored-{precision}"
-        settings = [*batch, f"checkpoint.precision={precision}"]
+        print(f"\n== seed {seed}, {precision}: checkpoint at step {middle}, restore, finish")
+        run_dir = work / f"restored-{precision}-seed{seed}"
+        settings = [*common, f"checkpoint.precision={precision}"]
         _train(data, run_dir, [*settings, f"data.max_steps={middle}"], resume=False)
-        aucs[precision] = _train(data, run_dir, settings, resume=True)["eval"]["auc"]
+        result["aucs"][precision] = _train(data, run_dir, settings, resume=True)["eval"]["auc"]
         if precision == "int8":
-            incremental = _group_bytes(_embeddings(run_dir), end)
+            result["incremental"] = _group_bytes(_embeddings(run_dir), end)
+    return result
+
+
+def _run(data: Path, work: Path, args) -> dict:
+    runs = [_restore_runs(data, work, args, seed) for seed in args.seeds]
+    first = runs[0]
+    end, middle, incremental = first["end"], first["middle"], first["incremental"]
+    full_fp32_end = first["full_fp32_end"]
+    auc = statistics.mean(run["auc"] for run in runs)
+    deltas = {
+        precision: [run["aucs"][precision] - run["auc"] for run in runs]
+        for precision in args.restore_precisions
+    }
+    aucs = {p: auc + statistics.mean(d) for p, d in deltas.items()}
+    for precision, values in deltas.items():
+        print(f"AUC delta per seed, {precision}: {[round(v, 5) for v in values]}")
     print(f"\n== full checkpoints of the reference's {end}-step embeddings", flush=True)
     written = _write_each_precision(
-        _embeddings(work / "reference"), end, args.repeats, work / "full"
+        _embeddings(first["reference_dir"]), end, args.repeats, work / "full"
     )
     fp32 = written["fp32"]
     print(
@@ -172,12 +205,17 @@ def _run(data: Path, work: Path, args) -> dict:
             f"{result['seconds']:.2f} | {result['seconds'] / fp32['seconds']:.2f} | "
             + (f"{restored:.5f} | {restored - auc:+.5f} |" if restored is not None else "- | - |")
         )
-    print(f"reference AUC (no restore): {auc:.5f}; steps {end}, checkpoint at {middle}")
+    print(
+        f"reference AUC (no restore, mean of seeds {args.seeds}): {auc:.5f}; steps {end}, "
+        f"checkpoint at {middle}; AUC after restore and delta: means over the seeds"
+    )
     out = {
         f"{p}_bytes_ratio": round(written[p]["bytes"] / fp32["bytes"], 4) for p in PRECISIONS[1:]
     }
     out.update(
         {f"{p}_auc_delta": round(aucs[p] - auc, 5) for p in aucs if p != "fp32"},
+        auc_deltas_per_seed={p: [round(v, 5) for v in d] for p, d in deltas.items()},
+        seeds=args.seeds,
         fp32_restore_auc_delta=round(aucs["fp32"] - auc, 5) if "fp32" in aucs else None,
         incremental_int8_bytes_ratio=round(incremental / full_fp32_end, 4)
         if incremental is not None
