@@ -31,7 +31,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--export-precision", default="fp32", choices=("fp32", "fp16", "int8"),
                        help="--follow: embedding rows of the exports")  # fmt: skip
     group.add_argument("--keep-exports", type=int, default=3,
-                       help="--follow: export versions kept (older ones are removed)")  # fmt: skip
+                       help="--follow: export versions kept besides those the newest is a delta of")  # fmt: skip
+    group.add_argument("--full-export-every", type=int, default=10, metavar="N",
+                       help="--follow: exports are deltas of the previous one (changed rows + tower), every N-th full; 1: always full")  # fmt: skip
     group.add_argument("--flush-after", type=float, default=1.0, metavar="SECONDS",
                        help="--follow: without a new shard this long, train the rows short of a batch")  # fmt: skip
     group.add_argument("--max-idle", type=float, default=0.0, metavar="SECONDS",
@@ -52,7 +54,12 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
 
     def publish(step: int) -> dict:
         result = export_run(
-            run_dir, export_dir, step=step, precision=args.export_precision, quiet=True
+            run_dir,
+            export_dir,
+            step=step,
+            precision=args.export_precision,
+            quiet=True,
+            delta_from=_delta_base(export_dir, args.full_export_every),
         )
         _prune_exports(export_dir, args.keep_exports)
         return result
@@ -90,10 +97,26 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
     return 0
 
 
+def _delta_base(export_dir: Path, full_every: int) -> int | None:
+    """The version the next export is a delta of: the newest, unless its chain is full."""
+    from serving import _format
+
+    found = _format.versions(export_dir)
+    if not found or full_every <= 1:
+        return None
+    manifest = json.loads((export_dir / str(found[-1]) / _format.MANIFEST_FILE).read_text())
+    return found[-1] if manifest.get("chain_length", 1) < full_every else None
+
+
 def _prune_exports(export_dir: Path, keep: int) -> None:
-    """Removes all but the newest `keep` export versions (a server maps the newest)."""
+    """Removes versions older than the newest `keep`, except those the newest reads through."""
     import shutil
 
-    versions = sorted(int(p.name) for p in export_dir.iterdir() if p.name.isdigit())
-    for version in versions[:-keep] if keep > 0 else []:
-        shutil.rmtree(export_dir / str(version), ignore_errors=True)
+    from serving import _format
+    from serving.delta import version_chain
+
+    found = _format.versions(export_dir)
+    needed = {int(path.name) for path in version_chain(export_dir / str(found[-1]))}
+    for version in found[:-keep] if keep > 0 else []:
+        if version not in needed:
+            shutil.rmtree(export_dir / str(version), ignore_errors=True)

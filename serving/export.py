@@ -28,7 +28,7 @@ from embedding_store import checkpoint as store_checkpoint
 from model import abstract_train_state, eval_step, make_mesh
 from pipeline import read_metadata
 from pipeline.hashing import hash_scheme
-from serving import _format
+from serving import _format, delta
 from serving.quantize import encode_table
 from training.checkpoint import RunCheckpoints
 from training.job import CONFIG_FILE, load_config
@@ -100,6 +100,7 @@ def export_run(
     precision: str = "fp32",
     name: str | None = None,
     quiet: bool = False,
+    delta_from: int | None = None,
 ) -> dict[str, Any]:
     """Writes the next version of the export `out` from the checkpoint of `run_dir`.
 
@@ -110,9 +111,13 @@ def export_run(
         precision: embedding rows as fp32, fp16 or int8 (row-wise, fp16 scale and bias).
         name: model name served under /v2/models/{name} (default: out's directory name).
         quiet: no progress lines.
+        delta_from: write a delta of this version of `out` (same run, same precision, an
+            earlier step): only the embedding rows changed since it (`serving.delta`);
+            a full export when the run's checkpoint chain does not allow one.
 
     Returns:
-        A summary: path, version, name, step, precision, bytes per part, seconds.
+        A summary: path, version, name, step, precision, kind ("full" | "delta"),
+        base_version, bytes per part, seconds.
     """
     started = time.perf_counter()
     run_dir, out = Path(run_dir), Path(out)
@@ -141,6 +146,7 @@ def export_run(
 
     plan = plan_tables(config.embedding, metadata.categorical)  # the tables the run trained
     tables = [table.name for table in plan.tables]
+    base = _delta_base(out, delta_from, run_dir, step, precision)
     progress = None if quiet else Progress("export", total=len(tables) + 1, unit="parts")
     graphdef, params = _restore_params(run_dir, config, metadata, step)
     tower = export_tower(
@@ -156,8 +162,21 @@ def export_run(
     try:
         (temporary / _format.MODEL_FILE).write_bytes(tower)
         table_summaries = {}
+        changed = {}
+        if base is not None:
+            for table in tables:
+                rows = delta.changed_rows(checkpoints.embeddings_url, base["step"], step, table)
+                if rows is None:  # a full snapshot after the base: no delta
+                    changed, base = {}, None
+                    break
+                changed[table] = rows
         for table in tables:
-            ids, values = store_checkpoint.read_table_rows(checkpoints.embeddings_url, step, table)
+            if base is not None:
+                ids, values, deleted = changed[table]
+            else:
+                ids, values = store_checkpoint.read_table_rows(
+                    checkpoints.embeddings_url, step, table
+                )
             if values.shape[1:] not in ((config.embedding.dim,), (0,)):
                 raise UserError(
                     f"{checkpoints.embeddings_url}: table {table!r} has rows of width "
@@ -166,8 +185,11 @@ def export_run(
             directory = temporary / _format.TABLES_DIR / table
             directory.mkdir(parents=True)
             np.save(directory / "ids.npy", ids)
-            for part, array in encode_table(values.reshape(len(ids), -1), precision).items():
+            values = values.reshape(len(ids), config.embedding.dim)
+            for part, array in encode_table(values, precision).items():
                 np.save(directory / f"{part}.npy", array)
+            if base is not None:
+                np.save(directory / "deleted.npy", deleted)
             table_summaries[table] = {"rows": len(ids), "dim": config.embedding.dim}
             if progress:
                 progress.update(1)
@@ -201,6 +223,9 @@ def export_run(
             "tables": table_summaries,
             "files": files,
         }
+        if base is not None:
+            manifest["base_version"] = base["version"]
+            manifest["chain_length"] = base.get("chain_length", 1) + 1
         _format.commit(temporary, final, manifest)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -214,9 +239,27 @@ def export_run(
         "name": name,
         "step": int(step),
         "precision": precision,
+        "kind": "full" if base is None else "delta",
+        "base_version": None if base is None else base["version"],
         **sizes,
         "seconds": round(time.perf_counter() - started, 2),
     }
+
+
+def _delta_base(
+    out: Path, version: int | None, run_dir: Path, step: int, precision: str
+) -> dict[str, Any] | None:
+    """The manifest of version `version` of `out` if a delta of it can be written, else None."""
+    if version is None:
+        return None
+    try:
+        base = _format.read_manifest(out / str(version), verify=False)
+    except _format.ExportError:
+        return None
+    same_run = base.get("run_dir") == str(run_dir.resolve())
+    if not same_run or base.get("precision") != precision or base["step"] >= step:
+        return None
+    return base
 
 
 def _sizes(files: dict[str, dict[str, Any]]) -> dict[str, int]:

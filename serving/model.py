@@ -31,6 +31,7 @@ from embedding_store import EmbeddingStore, RaggedIds, TableConfig
 from pipeline import RowEncoder, spec_from_json
 from serving import _format
 from serving.bags import POOLINGS, Ids, bag_rows, check_bag, pool_bags
+from serving.delta import LayeredTable, version_chain
 
 MIN_BUCKET = 8  # smallest padded batch: one compiled shape serves 1..8 rows
 
@@ -124,10 +125,9 @@ class ServedModel:
         self.num_dense = len(self.spec.dense)
         self.dim = int(self.features["embedding_dim"])
         feature_tables = self.features["feature_tables"]
-        self.tables = {
-            table: ServedTable(self.path / _format.TABLES_DIR / table, table, self.precision)
-            for table in dict.fromkeys(feature_tables[name] for name in self.feature_names)
-        }
+        self.tables = self._open_tables(
+            list(dict.fromkeys(feature_tables[name] for name in self.feature_names)), checksums
+        )
         self._feature_tables = [self.tables[feature_tables[n]] for n in self.feature_names]
         self._defaults = _DefaultRows(self.features["default_rows"])
         model_path = self.path / _format.MODEL_FILE
@@ -146,6 +146,25 @@ class ServedModel:
                 np.zeros((bucket, len(self.feature_names), self.dim), np.float32),
                 np.zeros((bucket, self.num_dense), np.float32),
             )
+
+    def _open_tables(self, names: list[str], checksums: bool) -> dict[str, Any]:
+        """The tables, memory-mapped; a delta version's read through its chain of versions."""
+        chain = version_chain(self.path)
+        for base in chain[1:]:
+            _format.read_manifest(base, checksums=checksums)
+        tables: dict[str, Any] = {}
+        for table in names:
+            layers, deleted = [], []
+            for version in chain:
+                directory = version / _format.TABLES_DIR / table
+                precision = json.loads((version / _format.MANIFEST_FILE).read_text())["precision"]
+                layers.append(ServedTable(directory, table, precision))
+                removed = directory / "deleted.npy"
+                deleted.append(
+                    _load(removed, np.uint64, 1) if removed.exists() else np.zeros(0, np.uint64)
+                )
+            tables[table] = layers[0] if len(layers) == 1 else LayeredTable(layers, deleted)
+        return tables
 
     # ------------------------------------------------------------------ inputs
 

@@ -359,6 +359,8 @@ class OnlineTrainer:
         record = {
             "step": self.step,
             "version": result.get("version"),
+            "kind": result.get("kind", "full"),
+            "export_bytes": result.get("total_bytes"),
             "rows_trained": self.counters["rows"],
             "position": self.position.to_dict(),
             "shards_complete": self.position.shard,
@@ -369,7 +371,8 @@ class OnlineTrainer:
             handle.write(json.dumps(record) + "\n")
         if not self.quiet:
             print(
-                f"[train --follow] published version {record['version']} (step {self.step}, "
+                f"[train --follow] published version {record['version']} ({record['kind']}, "
+                f"{(record['export_bytes'] or 0) / 2**20:.1f} MiB, step {self.step}, "
                 f"{record['shards_complete']} shards complete) in {record['seconds']:.1f}s",
                 file=sys.stderr,
                 flush=True,

@@ -84,7 +84,8 @@ def test_kill_9_then_resume_trains_every_row_once_and_sigterm_publishes(
     shards = read_shards(stream)
     total = sum(entry.rows for entry in shards)
 
-    second = training.start(*flags, "--resume")
+    # the resumed run publishes often: the first export full, the next ones deltas
+    second = training.start(*flags, "--resume", "--publish-every", "0.5", "--keep-exports", "1")
     deadline = time.monotonic() + 120
     while True:  # until a checkpoint holds every row of the stream
         step = training.last_step(run_dir)
@@ -104,18 +105,22 @@ def test_kill_9_then_resume_trains_every_row_once_and_sigterm_publishes(
     assert saved["rows"] == total
     assert saved["stream"]["shard"] == len(shards) and saved["stream"]["offset"] == 0
 
-    # SIGTERM published the final checkpoint as an export that serving loads
+    # SIGTERM published the final checkpoint; deltas serve exactly what a full export does
+    from serving.export import export_run
     from serving.model import ServedModel
 
-    published = [
-        json.loads(line) for line in (run_dir / "published.jsonl").read_text().splitlines()
-    ]
+    records = (run_dir / "published.jsonl").read_text().splitlines()
+    published = [json.loads(line) for line in records]
     assert published[-1]["step"] == final and published[-1]["rows_trained"] == total
-    model = ServedModel(root / "export")
-    assert model.manifest["step"] == final
-    lines = generate_block(5, 0, 16)[0].splitlines()
-    encoded = model.encoder.encode(lines)
-    ids = np.stack([encoded.ids[name] for name in model.feature_names], axis=1)
-    probabilities = model.predict(ids, encoded.dense)[0]
-    assert probabilities.shape == (16,) and np.all((probabilities > 0) & (probabilities < 1))
-    model.close()
+    assert published[0]["kind"] == "full" and "delta" in {p["kind"] for p in published[1:]}
+    served = ServedModel(root / "export")
+    assert served.manifest["step"] == final
+    full_export = export_run(run_dir, root / "full", step=final, quiet=True, name="export")
+    assert full_export["kind"] == "full"
+    full = ServedModel(root / "full")
+    lines = [line for index in (0, 5) for line in generate_block(index, 0, 64)[0].splitlines()]
+    ids, dense = full.encode_rows(lines + generate_block(77, 0, 16)[0].splitlines())
+    np.testing.assert_array_equal(served.predict(ids, dense)[0], full.predict(ids, dense)[0])
+    np.testing.assert_array_equal(served.predict(ids, dense)[1], full.predict(ids, dense)[1])
+    served.close()
+    full.close()
