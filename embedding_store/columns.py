@@ -11,11 +11,12 @@ gradients by column and joins the slices' rows again; optimizers that work per v
 function of the whole table's column index. `rowwise_adagrad` (one accumulator per row)
 cannot be split.
 
-Why: with ids hashed over shards, a table's average load is already even; what is not is
-a hot row (Zipf traffic), whose every lookup and update lands on one shard. Splitting the
-columns of a table with hot rows spreads each hot row's bytes over C shards.
-`plan_column_shards` chooses C per table from its dim and a sample of its measured
-accesses, simulating the routing itself.
+Why: with ids hashed over shards and each batch deduplicated, a table with many distinct
+rows per batch is already spread evenly. A wide table with few distinct rows per batch
+(a handful of hot rows, or a low-cardinality feature with a large dim) is not: each of
+its rows sends all its bytes to one shard, every step. Splitting its columns spreads each
+row's bytes over C shards. `plan_column_shards` chooses C per table from its dim and a
+sample of measured batches, simulating the routing itself.
 """
 
 from __future__ import annotations
@@ -53,47 +54,53 @@ def stored_tables(tables: Sequence[TableConfig]) -> list[TableConfig]:
     return stored
 
 
-def shard_loads(
-    tables: Sequence[TableConfig], accesses: Mapping[str, np.ndarray], num_shards: int
-) -> np.ndarray:
-    """Bytes of rows each shard serves for the sampled accesses: [num_shards] float64.
+Accesses = Mapping[str, Sequence[np.ndarray]]  # {table: [ids [n] uint64 of one batch, ...]}
+
+
+def shard_loads(tables: Sequence[TableConfig], accesses: Accesses, num_shards: int) -> np.ndarray:
+    """Float bytes each shard sends and receives for the sampled batches: [num_shards] float64.
+
+    Each batch's ids are deduplicated first, as the store does: a row costs its shard
+    one row and one gradient per batch however often the batch names it.
 
     Args:
         tables: the tables with their `column_shards`.
-        accesses: {table: ids [n] uint64}, a sample of lookups (repeats count).
+        accesses: {table: [ids of one batch, ...]}, measured batches.
         num_shards: shard count.
     """
     loads = np.zeros(num_shards)
     for table in tables:
-        ids = accesses.get(table.name)
-        if ids is None or not len(ids):
+        batches = accesses.get(table.name) or []
+        if not len(batches):
             continue
-        unique, counts = np.unique(ids, return_counts=True)
+        sent = np.concatenate([np.unique(batch) for batch in batches])
+        unique, counts = np.unique(sent, return_counts=True)
         for position, piece in enumerate(column_slices(table)):
             shards = shard_of(unique, num_shards, position)
-            loads += np.bincount(shards, weights=counts * 4.0 * piece.dim, minlength=num_shards)
+            weights = counts * 2 * 4.0 * piece.dim  # a float32 row out, a gradient back
+            loads += np.bincount(shards, weights=weights, minlength=num_shards)
     return loads
 
 
 def plan_column_shards(
     tables: Sequence[TableConfig],
-    accesses: Mapping[str, np.ndarray],
+    accesses: Accesses,
     num_shards: int,
     *,
     tolerance: float = 0.05,
 ) -> dict[str, int]:
     """A column split per table that evens out the shards' load: {table: column_shards}.
 
-    Greedy, in the spirit of ZionEX's and TorchRec's planners: start from whole rows,
-    and while the busiest shard serves more than (1 + tolerance) times the mean, double
-    the split of the table that puts the most bytes on that shard, if its dim allows
-    (slices of at least MIN_SLICE_DIM columns, at most `num_shards` slices, not
-    rowwise_adagrad) and the busiest shard's load drops. Tables never accessed in the
-    sample keep their split.
+    Greedy, in the spirit of ZionEX's and TorchRec's planners: start from the tables'
+    current splits, and while the busiest shard serves more than (1 + tolerance) times
+    the mean, raise the split of one table to whichever split lowers the busiest shard's
+    load most (by at least 1% of the mean), where its dim allows (equal slices of at
+    least MIN_SLICE_DIM columns, at most `num_shards` slices, not rowwise_adagrad).
+    Tables not in the sample keep their split.
 
     Args:
         tables: the tables (their current `column_shards` are the starting point).
-        accesses: {table: ids [n] uint64}: measured lookups, e.g. a few batches.
+        accesses: {table: [ids of one batch, ...]}: measured batches (a few suffice).
         num_shards: shard count.
         tolerance: acceptable busiest-over-mean load.
     """
@@ -104,37 +111,31 @@ def plan_column_shards(
 
     loads = shard_loads(with_plan(plan), accesses, num_shards)
     while loads.max() > (1 + tolerance) * loads.mean():
-        busiest = int(np.argmax(loads))
-        candidates = []
+        trials = []
         for table in tables:
-            split = plan[table.name] * 2
-            if (
-                table.name not in accesses
-                or split > num_shards
-                or table.dim % split
-                or table.dim // split < MIN_SLICE_DIM
-                or table.optimizer.name == "rowwise_adagrad"
-            ):
+            if table.name not in accesses or table.optimizer.name == "rowwise_adagrad":
                 continue
-            current = dataclasses.replace(table, column_shards=plan[table.name])
-            share = shard_loads([current], accesses, num_shards)
-            candidates.append((share[busiest], table.name, split))
-        improved = False
-        for _, name, split in sorted(candidates, reverse=True):
-            trial = {**plan, name: split}
-            trial_loads = shard_loads(with_plan(trial), accesses, num_shards)
-            if trial_loads.max() < loads.max():
-                plan, loads, improved = trial, trial_loads, True
-                break
-        if not improved:
+            for split in range(plan[table.name] + 1, num_shards + 1):
+                if table.dim % split or table.dim // split < MIN_SLICE_DIM:
+                    continue
+                trial = {**plan, table.name: split}
+                loads_with = shard_loads(with_plan(trial), accesses, num_shards)
+                trials.append((loads_with.max(), split, loads_with, trial))
+        if not trials:
             break
+        # The lowest busiest shard; among equals, the smallest split.
+        _, _, best_loads, best = min(trials, key=lambda trial: trial[:2])
+        # Only a clear gain: splitting an evenly spread table just reshuffles sampling noise.
+        if loads.max() - best_loads.max() < 0.01 * loads.mean():
+            break
+        plan, loads = best, best_loads
     return plan
 
 
 def describe_plan(
     tables: Sequence[TableConfig],
     plan: Mapping[str, int],
-    accesses: Mapping[str, np.ndarray],
+    accesses: Accesses,
     num_shards: int,
 ) -> str:
     """The plan as lines to print at start-up: per table, then busiest/mean before and after."""
@@ -146,9 +147,10 @@ def describe_plan(
         f"sharding plan over {num_shards} shards (rows by id hash; columns split where shown):"
     ]
     for table in tables:
-        count = len(accesses.get(table.name, ()))
+        batches = accesses.get(table.name) or []
+        rows = np.mean([len(np.unique(batch)) for batch in batches]) if len(batches) else 0
         lines.append(
-            f"  {table.name}: dim {table.dim}, {count:,} sampled lookups, "
+            f"  {table.name}: dim {table.dim}, {rows:,.0f} distinct rows per batch, "
             f"column_shards {plan[table.name]}"
             + (f" ({table.dim // plan[table.name]} columns each)" if plan[table.name] > 1 else "")
         )
