@@ -16,16 +16,25 @@ In one run:
      sample (lookups and updates: Arrow buffers, headers and table names as the servers
      count them, without gRPC framing) and the eval AUC, against float32.
 
+  6. load balance (--balance-steps > 0): a skewed workload (Zipf ids; a 16-wide table with
+     many distinct rows per batch, a 64-wide one with a few hundred, a 512-wide one with 4)
+     through 4 servers of one shard each, with whole rows and with the column split
+     `plan_column_shards` picks from the first batches; per-server payload bytes (the
+     servers' counters) and busiest/mean, and seconds per step.
+
 Last line: JSON {"remote_over_local", "lost_updates", "p99_ms", ..., "bfloat16_wire_bytes_ratio",
-"bfloat16_auc_delta", "float16_wire_bytes_ratio", "float16_auc_delta", ...}.
+"bfloat16_auc_delta", "float16_wire_bytes_ratio", "float16_auc_delta", ...,
+"balance_busiest_over_mean_whole", "balance_busiest_over_mean_planned", ...}.
 
     python scripts/bench_remote.py --duration 120
-    python scripts/bench_remote.py --skip-load          # only the wire dtypes
+    python scripts/bench_remote.py --skip-load          # only phases 5 and 6
+    python scripts/bench_remote.py --skip-load --wire-dtypes --balance-steps 200   # only 6
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -40,6 +49,7 @@ from bench_criteo import REPO, SAMPLE, _check_criteo, _dataset
 
 from common.progress import Progress
 from embedding_store import EmbeddingStore, InitializerConfig, SparseOptimizerConfig, TableConfig
+from embedding_store.columns import describe_plan, plan_column_shards
 from embedding_store.processes import start_server_process, start_servers, stop_servers
 from embedding_store.remote import ServerConnection, connect
 
@@ -175,6 +185,87 @@ def _train_over_wire(data: Path, wire_dtype: str, batch: int, workdir: Path) -> 
     return out
 
 
+BALANCE_TABLES = (("items", 16, 10**6, 1.1), ("category", 64, 300, 1.3), ("device", 512, 4, 1.5))
+
+
+def _balance_batches(steps: int, batch: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Per step {table: ids [batch]}: Zipf ranks over each table's ids."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            name: _ids((rng.zipf(skew, size=batch) - 1) % distinct)
+            for name, _, distinct, skew in BALANCE_TABLES
+        }
+        for _ in range(steps)
+    ]
+
+
+def _balance_run(tables, batches, workdir: Path, label: str) -> dict:
+    """Steps of pooled lookups + updates through 4 servers; per-server bytes and step time."""
+    path = workdir / f"balance-{label}.toml"
+    path.write_text(
+        "".join(
+            f'[[tables]]\nname = "{t.name}"\ndim = {t.dim}\ncapacity = {t.capacity}\n'
+            f"column_shards = {t.column_shards}\n"
+            for t in tables
+        )
+    )
+    servers = start_servers(4, num_shards=4, tables=path, log_dir=workdir / f"balance-{label}")
+    try:
+        shards = connect([server.address for server in servers], tables)
+        feature_tables = {t.name: t.name for t in tables}
+        with EmbeddingStore(tables, num_shards=4, shards=shards) as store:
+            start = time.perf_counter()
+            for features in batches:
+                lookups = [
+                    store.lookup_features({n: features[n]}, feature_tables={n: n}).result()
+                    for n in feature_tables
+                ]
+                for lookup in lookups:
+                    grads = np.full(lookup.embeddings.shape, 1e-3, np.float32)
+                    store.apply_pooled_gradients(lookup, grads).result()
+            seconds = (time.perf_counter() - start) / len(batches)
+        loads = []
+        for server in servers:
+            connection = ServerConnection(f"grpc://{server.address}")
+            counters = connection.action("stats")["counters"]
+            connection.close()
+            loads.append(counters.get("wire_bytes_lookup", 0) + counters.get("wire_bytes_apply", 0))
+    finally:
+        stop_servers(servers)
+    loads = np.array(loads, np.float64)
+    print(
+        f"balance {label}: bytes per server {[f'{x / 2**20:.1f} MiB' for x in loads]}, "
+        f"busiest/mean {loads.max() / loads.mean():.3f}, {seconds * 1e3:.1f} ms per step",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {"busiest_over_mean": loads.max() / loads.mean(), "seconds_per_step": seconds}
+
+
+def _balance(args) -> dict:
+    """Phase 6: per-server load of a skewed workload with whole rows and with the plan."""
+    tables = [
+        TableConfig(name=name, dim=dim, capacity=max(1024, 2 * distinct))
+        for name, dim, distinct, _ in BALANCE_TABLES
+    ]
+    batches = _balance_batches(args.balance_steps, args.balance_batch)
+    sample = {t.name: [batch[t.name] for batch in batches[:20]] for t in tables}
+    plan = plan_column_shards(tables, sample, num_shards=4)
+    print(describe_plan(tables, plan, sample, 4), file=sys.stderr, flush=True)
+    planned = [dataclasses.replace(t, column_shards=plan[t.name]) for t in tables]
+    workdir = Path(tempfile.mkdtemp(prefix="bench-remote-balance-"))
+    whole = _balance_run(tables, batches, workdir, "whole-rows")
+    split = _balance_run(planned, batches, workdir, "planned")
+    return {
+        "balance_busiest_over_mean_whole": round(whole["busiest_over_mean"], 4),
+        "balance_busiest_over_mean_planned": round(split["busiest_over_mean"], 4),
+        "balance_ms_per_step_whole": round(whole["seconds_per_step"] * 1e3, 2),
+        "balance_ms_per_step_planned": round(split["seconds_per_step"] * 1e3, 2),
+        "balance_plan": plan,
+    }
+
+
 def _wire_dtypes(args) -> dict:
     """Phase 5: bytes per sample and AUC per wire dtype, against float32."""
     inputs = args.input or [SAMPLE]
@@ -233,9 +324,13 @@ def main(argv=None) -> int:
     parser.add_argument("--input", nargs="+", type=Path, help="Criteo-format files (phase 5)")
     parser.add_argument("--cache", type=Path, default=REPO / "runs" / "bench_criteo")
     parser.add_argument("--batch", type=int, default=1024, help="phase 5 global batch size")
+    parser.add_argument("--balance-steps", type=int, default=200, help="phase 6 (0: skip)")
+    parser.add_argument("--balance-batch", type=int, default=1024, help="phase 6 ids per table")
     args = parser.parse_args(argv)
     if args.skip_load:
-        print(json.dumps(_wire_dtypes(args)))
+        summary = _wire_dtypes(args) if args.wire_dtypes else {}
+        summary.update(_balance(args) if args.balance_steps else {})
+        print(json.dumps(summary))
         return 0
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-remote-"))
@@ -347,6 +442,7 @@ def main(argv=None) -> int:
         file=sys.stderr,
     )
     summary.update(_wire_dtypes(args) if args.wire_dtypes else {})
+    summary.update(_balance(args) if args.balance_steps else {})
     print(json.dumps(summary))
     return 0
 
