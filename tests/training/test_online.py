@@ -63,7 +63,7 @@ def test_kill_9_then_resume_trains_every_row_once_and_sigterm_publishes(
         settle_seconds=0.0,
     )
     for index in range(4):  # rows a multiple of the 8 devices: none waits for more data
-        _drop(inputs, f"{index:03d}.tsv", 1504 + 8 * index, seed=index)
+        _drop(inputs, f"{index:03d}.tsv", 608 + 8 * index, seed=index)
     follow(config, max_idle=0.2, quiet=True)
 
     flags = [
@@ -79,7 +79,7 @@ def test_kill_9_then_resume_trains_every_row_once_and_sigterm_publishes(
     killed_at = training.last_step(run_dir)
 
     for index in range(4, 6):  # the stream goes on while the trainer is down
-        _drop(inputs, f"{index:03d}.tsv", 1504 + 8 * index, seed=index)
+        _drop(inputs, f"{index:03d}.tsv", 608 + 8 * index, seed=index)
     follow(config, max_idle=0.2, quiet=True)
     shards = read_shards(stream)
     total = sum(entry.rows for entry in shards)
@@ -113,11 +113,11 @@ def test_kill_9_then_resume_trains_every_row_once_and_sigterm_publishes(
     published = [json.loads(line) for line in records]
     assert published[-1]["step"] == final and published[-1]["rows_trained"] == total
     assert published[0]["kind"] == "full" and "delta" in {p["kind"] for p in published[1:]}
-    served = ServedModel(root / "export")
+    served = ServedModel(root / "export", max_batch=8)
     assert served.manifest["step"] == final
     full_export = export_run(run_dir, root / "full", step=final, quiet=True, name="export")
     assert full_export["kind"] == "full"
-    full = ServedModel(root / "full")
+    full = ServedModel(root / "full", max_batch=8)
     lines = [line for index in (0, 5) for line in generate_block(index, 0, 64)[0].splitlines()]
     ids, dense = full.encode_rows(lines + generate_block(77, 0, 16)[0].splitlines())
     np.testing.assert_array_equal(served.predict(ids, dense)[0], full.predict(ids, dense)[0])
