@@ -8,6 +8,7 @@ import json
 import jax
 
 from hybridrec import _flags
+from hybridrec._compilation_cache import use_compilation_cache
 from training.evaluate import evaluate_checkpoint
 from training.run_log import run_name
 
@@ -24,6 +25,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     _flags.add_distributed_flags(parser)
     args = parser.parse_args(argv)
+    use_compilation_cache()
     overrides = [f"data.path={json.dumps(str(args.data))}"] if args.data else []
     results = evaluate_checkpoint(
         args.run,

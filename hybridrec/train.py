@@ -15,6 +15,7 @@ import jax
 from common.errors import UserError
 from hybridrec import _flags, _train_follow
 from hybridrec._chatter import VERBOSE_ENV, native_output_filtered, quiet_native_logging
+from hybridrec._compilation_cache import use_compilation_cache
 from hybridrec._embedding_servers import embedding_servers
 from training.job import load_config
 from training.run_log import run_name
@@ -86,6 +87,7 @@ def main(argv: list[str]) -> int:
         raise UserError("--overwrite and --resume contradict each other")
     if args.overwrite and run_dir.exists() and (args.process_id or 0) == 0:
         shutil.rmtree(run_dir)
+    use_compilation_cache()
     if args.follow:
         return _train_follow.train_follow(args, run_dir, overrides)
     distributed = _flags.distributed_options(args)

@@ -8,6 +8,11 @@ os.environ["XLA_FLAGS"] = " ".join(
     if flag
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The commands' compilation cache lives in one fresh directory per test session: nothing
+# written to the home directory, and no entry from an earlier session is reused.
+os.environ.setdefault(
+    "HYBRIDREC_COMPILATION_CACHE", __import__("tempfile").mkdtemp(prefix="hybridrec-jax-cache-")
+)
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
