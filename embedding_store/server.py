@@ -49,8 +49,10 @@ DEFAULT_MAX_REQUEST_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_REQUEST_ROWS = 16 * 1024 * 1024
 # Remembered (client, seq) pairs of applied updates, so a retried update is applied once.
 _APPLIED_MEMORY = 65536
-# Remembered training lookups (their ids), so the update of the same batch sends gradients only.
-_LOOKUP_MEMORY = 256
+# Remembered training lookups (their ids), so the update of the same batch sends gradients
+# only: at most this many lookups and ids (8 bytes each) per server, oldest forgotten first.
+_LOOKUP_MEMORY = 1024
+_LOOKUP_MEMORY_IDS = 8 * 1024 * 1024
 _LATENCY_WINDOW = 8192
 
 
@@ -142,6 +144,7 @@ class ShardServer(flight.FlightServerBase):
         self._lookups: collections.OrderedDict[
             tuple[str, int], tuple[int, dict[str, np.ndarray]]
         ] = collections.OrderedDict()
+        self._lookup_ids = 0  # ids held by self._lookups
         self._latency = {op: _Latency() for op in wire.OPERATIONS}
         self._counters: collections.Counter[str] = collections.Counter()
         self._step = 0
@@ -221,7 +224,7 @@ class ShardServer(flight.FlightServerBase):
                 duplicate = self._apply_once(shard, header, updates)
                 if lookup_ids is not None:
                     with self._lock:
-                        self._lookups.pop((header.client, header.lookup), None)
+                        self._forget((header.client, header.lookup))
                 applied = 0 if duplicate else limits.rows
                 reply = json.dumps({"applied": applied, "duplicate": duplicate}).encode()
                 writer.write_metadata(reply)
@@ -268,8 +271,14 @@ class ShardServer(flight.FlightServerBase):
         """Keeps the ids of a training lookup for the update of the same batch."""
         with self._lock:
             self._lookups[(header.client, header.seq)] = (header.shard, requests)
-            while len(self._lookups) > _LOOKUP_MEMORY:
-                self._lookups.popitem(last=False)
+            self._lookup_ids += sum(len(ids) for ids in requests.values())
+            while len(self._lookups) > _LOOKUP_MEMORY or self._lookup_ids > _LOOKUP_MEMORY_IDS:
+                self._forget(next(iter(self._lookups)))
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        """Drops a remembered lookup (call with the lock held)."""
+        _, requests = self._lookups.pop(key, (None, {}))
+        self._lookup_ids -= sum(len(ids) for ids in requests.values())
 
     def _recall(self, header: wire.Header) -> dict[str, np.ndarray] | None:
         """The ids of the lookup an update names, None if it names none; WireError if forgotten."""

@@ -97,8 +97,11 @@ def test_an_update_whose_lookup_the_server_forgot_is_resent_with_its_ids(remote)
     with EmbeddingStore(TABLES, num_shards=2) as reference:
         for target in (store, reference):
             target.lookup("ads", ids).result()
-        for server in servers:
-            server._lookups.clear()  # as after a restart, or when too many are in flight
+        for server in servers:  # as after a restart, or when too many are in flight
+            with server._lock:
+                for key in list(server._lookups):
+                    server._forget(key)
+            assert server._lookup_ids == 0
         for target in (store, reference):
             target.apply_gradients("ads", ids, grads).result()
         np.testing.assert_array_equal(
