@@ -10,16 +10,22 @@ bias would overflow float16 keeps them in float32 (the stored dtype says which).
 Optimizer state (see `state_fields`): Check-N-Run's models train with row-wise
 Adagrad, whose state is one accumulator per row, and that state is kept exact.
 hybridrec does the same for every per-row scalar (the row-wise accumulator, Adam's
-step count). Per-value state (Adagrad's accumulators, Adam's moments) is as large as
-the rows themselves, so it is quantized at the checkpoint's precision like the rows;
-second-moment accumulators are quantized as their square roots, the quantity the
-update divides by, which keeps small accumulators (large steps) accurate.
+step count). Adagrad's per-value accumulators are as large as the rows themselves, so
+they are quantized at the checkpoint's precision like the rows, as their square roots
+(the quantity the update divides by; never below the initial accumulator, so the
+relative error stays bounded). Adam's moments are stored as bfloat16 below fp32: its
+update is the ratio of one to the other's square root per value, so a small moment
+next to large ones in the same row needs relative precision, which a row-wise integer
+grid does not give (int8 moments moved some values by more than the learning rate after
+a restore), and a second moment of a small gradient (1e-7 and below) needs float32's
+range, which float16 does not have.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+import ml_dtypes
 import numpy as np
 
 Precision = Literal["fp32", "fp16", "int8", "int4"]
@@ -27,22 +33,23 @@ PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 
 # How a block of optimizer-state columns is stored at reduced precision.
-SIGNED, SQUARED, EXACT = "signed", "squared", "exact"
+SQUARED, BFLOAT16, EXACT = "squared", "bfloat16", "exact"
 
 
 def state_fields(optimizer: str, dim: int) -> list[tuple[str, int, int, str]]:
     """The optimizer state's column blocks: [(name, start, stop, kind)].
 
-    kind: "signed" (quantized as is), "squared" (non-negative second moments,
-    quantized as square roots) or "exact" (per-row scalars, kept float32).
+    kind: "squared" (non-negative accumulators, quantized as square roots at the
+    checkpoint's precision), "bfloat16" (Adam's moments, below fp32) or "exact"
+    (per-row scalars, kept float32).
     """
     return {
         "sgd": [],
         "adagrad": [("accumulator", 0, dim, SQUARED)],
         "rowwise_adagrad": [("accumulator", 0, 1, EXACT)],
         "adam": [
-            ("mu", 0, dim, SIGNED),
-            ("nu", dim, 2 * dim, SQUARED),
+            ("mu", 0, dim, BFLOAT16),
+            ("nu", dim, 2 * dim, BFLOAT16),
             ("count", 2 * dim, 2 * dim + 1, EXACT),
         ],
     }[optimizer]
@@ -122,7 +129,7 @@ def quantize(rows: np.ndarray, precision: str) -> dict[str, np.ndarray]:
 def dequantize(arrays: dict[str, np.ndarray], precision: str, width: int) -> np.ndarray:
     """Decodes what `quantize` returned: [n, width] float32."""
     codes = arrays[""]
-    if codes.dtype.kind == "f":
+    if codes.dtype.kind == "f" or codes.dtype == ml_dtypes.bfloat16:
         return codes.astype(np.float32)
     if precision not in BITS:
         raise ValueError(f"{codes.dtype} codes for precision {precision!r}")
@@ -158,9 +165,10 @@ def encode_block(
         if kind == EXACT:
             arrays[f"state_{name}"] = np.ascontiguousarray(block, dtype=np.float32)
             continue
-        if kind == SQUARED:
-            block = np.sqrt(np.maximum(block, 0))
-        arrays.update(_named(f"state_{name}", quantize(block, precision)))
+        if kind == BFLOAT16:
+            arrays[f"state_{name}"] = np.ascontiguousarray(block).astype(ml_dtypes.bfloat16)
+            continue
+        arrays.update(_named(f"state_{name}", quantize(np.sqrt(np.maximum(block, 0)), precision)))
     return arrays
 
 
