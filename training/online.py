@@ -213,6 +213,12 @@ class OnlineTrainer:
         self.last_save = self.last_publish = last_new = started = time.monotonic()
         known = 0
         try:
+            if self.reader.refresh() < self.position.shard + (self.position.offset > 0):
+                raise UserError(
+                    f"{self.run_dir}: the checkpoint is at shard {self.position.shard} of "
+                    f"{self.reader.root}, which has {len(self.reader.shards)} committed shards; "
+                    "a run follows one stream (start a new --run-dir for another)"
+                )
             while True:
                 if self.reader.refresh() > known:  # new shards: flush partial batches later
                     known, last_new = len(self.reader.shards), time.monotonic()
