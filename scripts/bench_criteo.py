@@ -18,7 +18,10 @@ devices, in its own process.
 
 The last line is one JSON object (keys: auc_b512, auc_sync_b512, steady_over_dense_b128,
 steady_over_dense_b512, steady_over_dense_b4096, e2e_over_dense_b512,
-steady_samples_per_s_b512, e2e_samples_per_s_b512, hybrid_over_sync_b512, peak_rss_gb).
+steady_samples_per_s_b512, e2e_samples_per_s_b512, hybrid_over_sync_b512, peak_rss_gb;
+the e2e keys are of the first batch-512 run, which compiles: the run has a compilation
+cache of its own, so later seeds' runs load the programs instead, reported as
+e2e_warm_over_dense_b512 and e2e_warm_samples_per_s_b512).
 """
 
 from __future__ import annotations
@@ -168,6 +171,10 @@ def _mean_run(runs: list[dict]) -> dict:
     out["peak_rss_gb"] = max(run["peak_rss_gb"] for run in runs)
     out["slowest_step_ms"] = max(run["slowest_step_ms"] for run in runs)
     out["auc_per_seed"] = [round(run["auc"], 4) for run in runs]
+    # the first run compiles (a cold compilation cache), later seeds load the same programs
+    out["e2e_samples_per_s"] = runs[0]["e2e_samples_per_s"]
+    warm = [run["e2e_samples_per_s"] for run in runs[1:]]
+    out["e2e_warm_samples_per_s"] = sum(warm) / len(warm) if warm else None
     return out
 
 
@@ -256,6 +263,9 @@ def main() -> None:
         _check_criteo(path)
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the trainer's own device layout (1 CPU device here)
+    # a compilation cache of this run alone: each shape's first run compiles (cold), as a
+    # user's first run does; the batch-512 runs of later seeds find the programs (warm)
+    env["HYBRIDREC_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="bench-criteo-jax-cache-")
     data = _dataset(inputs, args.cache)
     work = args.cache / "runs"
     results, dense = {}, {}
@@ -298,6 +308,11 @@ def main() -> None:
             steady_samples_per_s_b512=round(b512["steady_samples_per_s"]),
             e2e_samples_per_s_b512=round(b512["e2e_samples_per_s"]),
         )
+        if b512.get("e2e_warm_samples_per_s"):
+            summary.update(
+                e2e_warm_over_dense_b512=round(b512["e2e_warm_samples_per_s"] / dense[512], 3),
+                e2e_warm_samples_per_s_b512=round(b512["e2e_warm_samples_per_s"]),
+            )
     if sync:
         print(
             f"AUC per seed at batch 512: hybrid {results[512]['auc_per_seed']}, "
@@ -309,6 +324,7 @@ def main() -> None:
                 results[512]["steady_samples_per_s"] / sync["steady_samples_per_s"], 3
             ),
         )
+    shutil.rmtree(env["HYBRIDREC_COMPILATION_CACHE"], ignore_errors=True)
     print(json.dumps(summary))
 
 
