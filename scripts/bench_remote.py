@@ -8,14 +8,13 @@ In one run:
      (SGD, learning rate 1, zero init, gradient 1 per distinct id per batch), so a
      row's final value is minus the number of updates it took;
   4. lost updates: the per-row update counts the clients report are applied to an
-     in-process reference store, and every touched row is compared with the remote one.
-
+     in-process reference store, and every touched row is compared with the remote one;
   5. wire dtypes (on the shared Criteo sample, or --input files): the `criteo_dlrm` preset
      trained for one epoch against 2 fresh servers per `embedding.wire_dtype`
      (synchronous, so the runs differ only by the wire dtype); wire bytes per training
      sample (lookups and updates: Arrow buffers, headers and table names as the servers
-     count them, without gRPC framing) and the eval AUC, against float32.
-
+     count them, without gRPC framing) and the eval AUC, against float32, for every
+     --wire-seeds seed (AUC deltas taken per seed, then averaged);
   6. load balance (--balance-steps > 0): a skewed workload (Zipf ids; a 16-wide table with
      many distinct rows per batch, a 64-wide one with a few hundred, a 512-wide one with 4)
      through 4 servers of one shard each, with whole rows and with the column split
@@ -128,14 +127,14 @@ def _lookup_throughput(store, batches, seconds: float) -> float:
 WIRE_TARGET = {"bytes_ratio": 0.55, "auc_delta": 0.001}
 
 
-def _train_over_wire(data: Path, wire_dtype: str, batch: int, workdir: Path) -> dict:
+def _train_over_wire(data: Path, wire_dtype: str, batch: int, workdir: Path, seed: int) -> dict:
     """One epoch of criteo_dlrm against 2 fresh servers; AUC and wire bytes per sample."""
     servers = start_servers(
         2, num_shards=2, config="criteo_dlrm", data=data, log_dir=workdir / f"servers-{wire_dtype}"
     )
     try:
         addresses = json.dumps([server.address for server in servers])
-        run_dir = workdir / f"run-{wire_dtype}"
+        run_dir = workdir / f"run-{wire_dtype}-seed{seed}"
         command = [sys.executable, "-m", "hybridrec", "train", "--config", "criteo_dlrm"]
         command += ["--data", str(data), "--run-dir", str(run_dir), "--quiet"]
         settings = [
@@ -144,6 +143,7 @@ def _train_over_wire(data: Path, wire_dtype: str, batch: int, workdir: Path) -> 
             f"data.batch_size={batch}",
             "hybrid.staleness=0",
             "log.tensorboard=false",
+            f"seed={seed}",
         ]
         for setting in settings:
             command += ["--set", setting]
@@ -175,7 +175,7 @@ def _train_over_wire(data: Path, wire_dtype: str, batch: int, workdir: Path) -> 
         "seconds": time.perf_counter() - start,
     }
     print(
-        f"wire {wire_dtype}: AUC {out['auc']:.5f}, {out['bytes_per_sample']:.1f} bytes per "
+        f"wire {wire_dtype}, seed {seed}: AUC {out['auc']:.5f}, {out['bytes_per_sample']:.1f} bytes per "
         f"training sample (lookup {out['lookup_bytes_per_sample']:.1f}, update "
         f"{out['apply_bytes_per_sample']:.1f}), eval {out['eval_bytes_per_row']:.1f} bytes per "
         f"row, {out['seconds']:.0f} s",
@@ -276,7 +276,21 @@ def _wire_dtypes(args) -> dict:
         _check_criteo(path)
     data = _dataset(inputs, args.cache)
     workdir = Path(tempfile.mkdtemp(prefix="bench-remote-wire-"))
-    runs = {dtype: _train_over_wire(data, dtype, args.batch, workdir) for dtype in args.wire_dtypes}
+    per_seed = [
+        {
+            dtype: _train_over_wire(data, dtype, args.batch, workdir, seed)
+            for dtype in args.wire_dtypes
+        }
+        for seed in args.wire_seeds
+    ]
+    # Means over the seeds; the AUC deltas are taken per seed, then averaged.
+    runs = {
+        dtype: {
+            key: float(np.mean([seed_runs[dtype][key] for seed_runs in per_seed]))
+            for key in ("auc", "bytes_per_sample")
+        }
+        for dtype in args.wire_dtypes
+    }
     base = runs.get("float32")
     out = {f"{d}_wire_bytes_per_sample": round(r["bytes_per_sample"], 1) for d, r in runs.items()}
     out.update({f"{d}_auc": round(r["auc"], 5) for d, r in runs.items()})
@@ -288,6 +302,9 @@ def _wire_dtypes(args) -> dict:
             delta = run["auc"] - base["auc"]
             out[f"{dtype}_wire_bytes_ratio"] = round(ratio, 4)
             out[f"{dtype}_auc_delta"] = round(delta, 5)
+            out[f"{dtype}_auc_deltas_per_seed"] = [
+                round(r[dtype]["auc"] - r["float32"]["auc"], 5) for r in per_seed
+            ]
             out[f"{dtype}_targets_met"] = bool(
                 ratio <= WIRE_TARGET["bytes_ratio"] and abs(delta) <= WIRE_TARGET["auc_delta"]
             )
@@ -302,6 +319,7 @@ def _wire_dtypes(args) -> dict:
             file=sys.stderr,
         )
     out["wire_batch"] = args.batch
+    out["wire_seeds"] = args.wire_seeds
     return out
 
 
@@ -324,6 +342,9 @@ def main(argv=None) -> int:
     parser.add_argument("--input", nargs="+", type=Path, help="Criteo-format files (phase 5)")
     parser.add_argument("--cache", type=Path, default=REPO / "runs" / "bench_criteo")
     parser.add_argument("--batch", type=int, default=1024, help="phase 5 global batch size")
+    parser.add_argument(
+        "--wire-seeds", type=int, nargs="+", default=[0], help="phase 5 seeds (AUC: their mean)"
+    )
     parser.add_argument("--balance-steps", type=int, default=200, help="phase 6 (0: skip)")
     parser.add_argument("--balance-batch", type=int, default=1024, help="phase 6 ids per table")
     args = parser.parse_args(argv)
