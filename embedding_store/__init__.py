@@ -16,7 +16,9 @@ Public surface:
 
 Modules for remote shards: `server` (ShardServer, the Flight transport), `remote`
 (connect, the client side), `processes` (start servers as subprocesses), `wire`
-(the request format). `checkpoint` holds the on-disk format of snapshots.
+(the request format and wire dtypes). `checkpoint` holds the on-disk format of
+snapshots (fp32, fp16, int8 or int4 rows: `EmbeddingStore.checkpoint(precision=...)`).
+`columns` holds column-wise sharding (`TableConfig.column_shards`) and its planner.
 """
 
 from embedding_store._pooling import FeatureIds, PooledLookup, RaggedIds
