@@ -254,8 +254,14 @@ def check_compatible(url: str, manifest: Mapping[str, Any], tables: Sequence[Tab
     stored = manifest["tables"]
     names = {t.name for t in tables}
     if names != set(stored):
+        split = any(".col" in name for name in set(stored) ^ names)
         raise IncompatibleCheckpointError(
             f"{url}: checkpoint has tables {sorted(stored)}, the store was given {sorted(names)}"
+            + (
+                "; column slices (<table>.col<i>) need the column_shards they were written with"
+                if split
+                else ""
+            )
         )
     for table in tables:
         saved = stored[table.name]["config"]

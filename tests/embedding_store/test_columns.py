@@ -5,7 +5,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from embedding_store import EmbeddingStore, RaggedIds, SparseOptimizerConfig, TableConfig
+from embedding_store import (
+    EmbeddingStore,
+    IncompatibleCheckpointError,
+    RaggedIds,
+    SparseOptimizerConfig,
+    TableConfig,
+)
 from embedding_store.columns import (
     column_slices,
     describe_plan,
@@ -66,6 +72,8 @@ def test_split_tables_equal_the_unsplit_table_exactly(column_shards, num_shards,
         assert "ads.col1" in split.stats()["tables"]
         split.checkpoint(str(tmp_path), step=4)
         after = split.lookup("ads", np.arange(500, dtype=np.uint64), train=False).result()
+    with pytest.raises(IncompatibleCheckpointError, match="need the column_shards"):
+        EmbeddingStore.restore(str(tmp_path), _tables(1))
     # The slices restore onto another shard count, each id routed with its slice's offset.
     with EmbeddingStore.restore(str(tmp_path), _tables(column_shards), num_shards=2) as restored:
         np.testing.assert_array_equal(
