@@ -200,7 +200,9 @@ def test_tables_from_the_training_preset(tmp_path):
             {"name": "C3", "table": "ads", "multi_valued": False},
         ],
     }
-    (data / "metadata.json").write_text(json.dumps({"format_version": 1, "spec": spec}))
+    splits = {name: {"files": [], "rows": 1000} for name in ("train", "eval")}
+    metadata = {"format_version": 1, "spec": spec, "splits": splits}
+    (data / "metadata.json").write_text(json.dumps(metadata))
     (data / "_SUCCESS").write_text("")
     settings = ["embedding.dim=8", "embedding.capacity=1000"]
     (fused,) = training_tables("quickstart", str(data), settings)  # embedding.fuse_tables
