@@ -125,3 +125,27 @@ def test_wire_dtype_bad_input():
     exponent = wire.gradient_exponent(np.array([[3e-7, -1e-6]], np.float32))
     assert 2**13 <= 1e-6 * 2**exponent <= 2**14  # the largest lands just under float16's top
     assert wire.gradient_exponent(np.zeros((2, 2), np.float32)) == 0
+
+
+def test_gradients_only_updates_are_validated_against_the_named_lookup():
+    dims = {"ads": 16, "users": 8}
+    lookup_ids = {"ads": np.arange(3, dtype=np.uint64)}
+    header = wire.Header(op=wire.APPLY, shard=0, client="c", seq=2, dtype="float16", lookup=1)
+
+    def decode(batches, schema=None):
+        limits = wire.RequestLimits(max_rows=10**6, max_bytes=10**9)
+        schema = schema or wire.values_schema("float16")
+        return wire.decode_apply(batches, schema, dims, limits, header, lookup_ids)
+
+    def batch(values, dtype="float16"):
+        return wire.values_batch(np.asarray(values, np.float32).reshape(-1, 1), dtype)
+
+    good = decode([(batch(np.ones(48)), b"ads")])
+    np.testing.assert_array_equal(good["ads"][0], lookup_ids["ads"])
+    assert good["ads"][1].shape == (3, 16) and good["ads"][1].dtype == np.float32
+    with pytest.raises(wire.WireError, match="47 values for the lookup's 3 ids of dim 16"):
+        decode([(batch(np.ones(47)), b"ads")])
+    with pytest.raises(wire.WireError, match="'users' was not in the lookup"):
+        decode([(batch(np.ones(24)), b"users")])
+    with pytest.raises(wire.WireError, match="apply request schema must be"):
+        decode([(batch(np.ones(48), "float32"), b"ads")], wire.values_schema("float32"))
