@@ -8,7 +8,8 @@ not trained on them yet), then renames the file into the watched folder. It meas
 per file the time from its rename until the server answers with a model version whose
 export has trained on every row of it (`published.jsonl` of the run maps versions to
 the shards they cover). With `--kill-trainer` the trainer gets a kill -9 after half the
-files and is restarted with --resume at once.
+files and is restarted with --resume at once; with `--kill-follower` the follower gets
+one three files later and is restarted at once.
 
 At the end: rows of every input file against the rows trained per shard in the final
 checkpoint (lost: in a file, not rejected, not trained; duplicated: trained more than
@@ -17,6 +18,7 @@ epoch of the same preset, its eval AUC against the prequential AUC on the same t
 
     python scripts/bench_online.py                   # the shared Criteo sample
     python scripts/bench_online.py --kill-trainer    # the same with a kill -9 mid-stream
+    python scripts/bench_online.py --kill-trainer --kill-follower
 
 Last line: one JSON object (freshness_p50_s, freshness_p99_s, rows_lost, rows_duplicated,
 prequential_auc, batch_auc, prequential_auc_tail, ...).
@@ -142,6 +144,8 @@ def main() -> None:
     parser.add_argument("--publish-every", type=float, default=5.0)
     parser.add_argument("--score-rows", type=int, default=2000, help="rows per file scored")
     parser.add_argument("--kill-trainer", action="store_true", help="kill -9 mid-stream")
+    parser.add_argument("--kill-follower", action="store_true",
+                        help="kill -9 of the follower 3 files after the middle")  # fmt: skip
     parser.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
     parser.add_argument("--set", action="append", default=["data.batch_size=512"],
                         help="training override (repeatable)")  # fmt: skip
@@ -161,11 +165,12 @@ def main() -> None:
 
     stream, run_dir, export = work / "stream", work / "run", work / "export"
     sets = [item for key in args.set for item in ("--set", key)]
-    follower = hybridrec(
+    follower_args = [
         "preprocess", "--follow", "--input", str(inputs / "*.tsv"), "--output", str(stream),
         "--stats", str(work / "reference"), "--poll-interval", "0.2", "--settle-seconds", "0.2",
-        stderr=(work / "follower.log").open("w"), stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    ]  # fmt: skip
+    follower_log = (work / "follower.log").open("a")
+    follower = hybridrec(*follower_args, stderr=follower_log, stdout=follower_log)
     trainer_args = [
         "train", "--follow", str(stream), "--run-dir", str(run_dir), "--config", PRESET, *sets,
         "--publish-every", str(args.publish_every), "--checkpoint-every", "30",
@@ -212,6 +217,12 @@ def main() -> None:
             while len(published(run_dir)) == restart_at and trainer.poll() is None:
                 time.sleep(0.2)
             restart_seconds = time.time() - killed
+        if args.kill_follower and index == args.files // 2 + 3:
+            time.sleep(0.3)  # inside the follower's run over this file, most likely
+            follower.send_signal(signal.SIGKILL)
+            follower.wait()
+            print(f"   kill -9 of the follower after file {index}; restarting", flush=True)
+            follower = hybridrec(*follower_args, stderr=follower_log, stdout=follower_log)
         time.sleep(max(0.0, started + args.interval - time.time()))
 
     deadline = time.time() + 300
@@ -237,13 +248,18 @@ def main() -> None:
         (run_dir / "checkpoints" / "positions" / f"{last:010d}" / "process_0.json").read_text()
     )
     entries = [json.loads(line) for line in (stream / "manifest.jsonl").read_text().splitlines()]
-    shard_of = {Path(e["source"]).name: i for i, e in enumerate(e for e in entries if e["kind"] == "shard")}  # fmt: skip
+    shards = [e for e in entries if e["kind"] == "shard"]
     rejected = {Path(e["source"]).name: e.get("rejected", 0) for e in entries}
     lost = duplicated = 0
     for index, chunk in enumerate(cut):
         name = f"part-{index:03d}.tsv"
         expected = len(chunk) - rejected.get(name, 0)
-        trained = saved["rows_by_shard"].get(str(shard_of.get(name, -1)), 0)
+        # a file committed twice would be two shards: their rows add up
+        trained = sum(
+            saved["rows_by_shard"].get(str(i), 0)
+            for i, e in enumerate(shards)
+            if Path(e["source"]).name == name
+        )
         lost += max(0, expected - trained)
         duplicated += max(0, trained - expected)
 
@@ -271,6 +287,7 @@ def main() -> None:
         "publish_every_s": args.publish_every,
         "versions_published": len(covered),
         "kill_trainer": args.kill_trainer,
+        "kill_follower": args.kill_follower,
         "trainer_restart_to_publish_s": round(restart_seconds, 2) if restart_seconds else None,
         "rows_trained_in_checkpoint": int(saved["rows"]),
     }
