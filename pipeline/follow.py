@@ -154,12 +154,10 @@ class FileWatcher:
             except FileNotFoundError:  # renamed away between the glob and the stat
                 continue
             seen = self._seen.get(path)
-            if seen is None:
-                self._seen[path] = _Seen(stat.st_size, stat.st_mtime_ns, now, now)
-                age = time.time() - stat.st_mtime_ns / 1e9
-                if age < config.settle_seconds or config.marker_suffix:
-                    continue
-                seen = self._seen[path]
+            if seen is None:  # unchanged since its mtime, as far as anyone can tell
+                age = max(0.0, time.time() - stat.st_mtime_ns / 1e9)
+                seen = _Seen(stat.st_size, stat.st_mtime_ns, now, now - age)
+                self._seen[path] = seen
             elif (stat.st_size, stat.st_mtime_ns) != (seen.size, seen.mtime_ns):
                 seen.size, seen.mtime_ns, seen.changed = stat.st_size, stat.st_mtime_ns, now
             marked = not config.marker_suffix or os.path.exists(path + config.marker_suffix)

@@ -36,12 +36,13 @@ import pyarrow.parquet as pq
 
 from common import config as config_lib
 from common.errors import UserError
-from model import make_train_step
+from model import NonFiniteLossError, make_train_step
 from pipeline import ManifestEntry, read_shards
 from training.checkpoint import RunCheckpoints
 from training.hybrid import HybridPipeline
 from training.input import Batch, _Columns, _concat, _rows_from_arrow, _take
 from training.job import CONFIG_FILE, prepare
+from training.run_log import RunLog
 
 PUBLISHED_FILE = "published.jsonl"  # one line per published export: step, version, position
 
@@ -209,6 +210,9 @@ class OnlineTrainer:
         self.step, self.state, self.position, self.counters = self._restore()
         self.store = job.open_store(self.checkpoints, self.step or None)
         self.train_step = make_train_step(job.mesh)
+        self.log = RunLog(
+            self.run_dir, tensorboard=self.config.log.tensorboard, resume_step=self.step or None
+        )
         self.saved_step, self.published_step = self.step, None
         self.last_save = self.last_publish = last_new = started = time.monotonic()
         known = 0
@@ -241,6 +245,7 @@ class OnlineTrainer:
             if self.publish:
                 self._publish()
         finally:
+            self.log.close()
             self.store.close()
             self.checkpoints.close()
         return {
@@ -313,12 +318,23 @@ class OnlineTrainer:
                     pipeline.resume()
                 if last:
                     break
-        self.counters["seconds"] += time.monotonic() - started
+        seconds = time.monotonic() - started
+        self.counters["seconds"] += seconds
+        loss = float(jax.device_get(loss))
+        if not np.isfinite(loss):
+            raise NonFiniteLossError(
+                f"loss is {loss} at step {self.step}; lower the learning rates or check the "
+                "stream's input features (the last checkpoint is intact: --resume after a fix)"
+            )
+        self.log.write(
+            "train", self.step, loss=loss, rows=rows, rows_per_s=rows / max(seconds, 1e-9),
+            rows_trained=self.counters["rows"], shard=self.position.shard,
+            shards_seen=len(self.reader.shards), staleness_max=int(pipeline.gate.max_staleness),
+        )  # fmt: skip
         if not self.quiet:
-            seconds = time.monotonic() - started
             print(
                 f"[train --follow] step {self.step}: +{rows:,} rows in {seconds:.1f}s "
-                f"({rows / max(seconds, 1e-9):,.0f} rows/s), loss {float(jax.device_get(loss)):.4f}, "
+                f"({rows / max(seconds, 1e-9):,.0f} rows/s), loss {loss:.4f}, "
                 f"{self.counters['rows']:,} rows trained, shard {self.position.shard}/"
                 f"{len(self.reader.shards)}",
                 file=sys.stderr,

@@ -65,7 +65,7 @@ def test_follow_commits_complete_files_and_dead_letters_bad_ones(tmp_path, refer
     done = threading.Event()
 
     def keep_writing():  # a producer that never finishes its file
-        while not done.wait(0.05):
+        while not done.wait(0.02):
             with growing.open("ab") as handle:
                 handle.write(generate_block(3, 1, 1)[0])
 
@@ -73,9 +73,9 @@ def test_follow_commits_complete_files_and_dead_letters_bad_ones(tmp_path, refer
     writer.start()
     try:
         out = tmp_path / "stream"
-        summary = follow(
-            _config(inputs, out, reference, grow_timeout=0.6), max_idle=1.5, quiet=True
-        )
+        # the good files settle; the growing one changes every 0.02 s, never for 0.6 s
+        config = _config(inputs, out, reference, settle_seconds=0.6, grow_timeout=1.5)
+        summary = follow(config, max_idle=2.0, quiet=True)
     finally:
         done.set()
         writer.join()
