@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ import pyarrow.parquet as pq
 
 from common import config as config_lib
 from common.errors import UserError
+from embedding_store import checkpoint as store_checkpoint
 from model import NonFiniteLossError, make_train_step
 from pipeline import ManifestEntry, read_shards
 from training.checkpoint import RunCheckpoints
@@ -141,6 +143,30 @@ class StreamReader:
                 )
             self._cached = (index, _rows_from_arrow(table, self.columns, str(path)))
         return self._cached[1]
+
+
+def prune_embedding_checkpoints(url: str, keep: int) -> None:
+    """Removes embedding snapshots that none of the newest `keep` committed ones reads.
+
+    A run that never stops checkpoints without end; each snapshot's manifest names the
+    chain of snapshot groups it is rebuilt from (a full one every `MAX_CHAIN`), so
+    disk use stays within about two chains.
+    """
+    steps = store_checkpoint.committed_steps(url)
+    if keep < 1 or len(steps) <= keep:
+        return
+    kept = steps[-keep:]
+    needed = set()
+    for step in kept:
+        for table in store_checkpoint.read_manifest(url, step)["tables"].values():
+            needed.update(group["step"] for group in table["chain"])
+    root = Path(url)
+    for step in steps[:-keep]:  # manifests first: they are what makes a snapshot visible
+        (root / store_checkpoint.manifest_key(step)).unlink(missing_ok=True)
+    for directory in root.glob("step-*"):
+        number = directory.name.removeprefix("step-")
+        if number.isdigit() and int(number) < kept[0] and int(number) not in needed:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 class OnlineTrainer:
@@ -369,6 +395,7 @@ class OnlineTrainer:
         self.store.checkpoint(self.checkpoints.embeddings_url, self.step)
         self.checkpoints.commit(self.step)
         self.saved_step = self.step
+        prune_embedding_checkpoints(self.checkpoints.embeddings_url, self.checkpoints.keep)
 
     def _publish(self) -> None:
         self.last_publish = time.monotonic()

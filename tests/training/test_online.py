@@ -104,6 +104,9 @@ def test_kill_9_then_resume_trains_every_row_once_and_sigterm_publishes(
     assert saved["rows_by_shard"] == {str(i): entry.rows for i, entry in enumerate(shards)}
     assert saved["rows"] == total
     assert saved["stream"]["shard"] == len(shards) and saved["stream"]["offset"] == 0
+    # old embedding snapshots are removed: the two kept manifests and what they read
+    manifests = sorted((run_dir / "checkpoints" / "embeddings").glob("manifest-*.json"))
+    assert len(manifests) == 2
 
     # SIGTERM published the final checkpoint; deltas serve exactly what a full export does
     from serving.export import export_run
