@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from serving.delta import LayeredTable
+from embedding_store import EmbeddingStore, TableConfig, checkpoint
+from serving.delta import LayeredTable, changed_rows
 from serving.model import ServedTable
 
 
@@ -30,3 +31,28 @@ def test_layered_table_takes_the_newest_row_and_hides_deleted_ids(tmp_path):
     assert found.tolist() == [True, True, True, False, True, False]
     rows = table.rows(index[found])
     np.testing.assert_array_equal(rows[:, 0], [1, 20, 300, 500])
+
+
+def test_changed_rows_applied_to_the_base_give_the_newer_snapshot(tmp_path):
+    url = str(tmp_path / "ckpt")
+    table = TableConfig(name="t", dim=2, capacity=50)
+    with EmbeddingStore([table], num_shards=3) as store:
+        store.lookup("t", np.arange(50, dtype=np.uint64)).result()
+        store.checkpoint(url, step=1)
+        for step, first in ((5, 100), (9, 200)):  # each evicts old rows and updates some
+            store.set_step(step)
+            store.lookup("t", np.arange(first, first + 10, dtype=np.uint64)).result()
+            ids = np.arange(first, first + 5, dtype=np.uint64)
+            store.apply_gradients("t", ids, np.ones((5, 2), np.float32))
+            store.checkpoint(url, step=step)
+    base_ids, base_values = checkpoint.read_table_rows(url, 1, "t")
+    ids, values, deleted = changed_rows(url, 1, 9, "t")
+    assert len(deleted) > 0  # evictions since the base are carried
+    keep = ~np.isin(base_ids, np.concatenate([ids, deleted]))
+    merged_ids = np.concatenate([base_ids[keep], ids])
+    merged_values = np.concatenate([base_values[keep], values])
+    order = np.argsort(merged_ids)
+    expected_ids, expected_values = checkpoint.read_table_rows(url, 9, "t")
+    np.testing.assert_array_equal(merged_ids[order], expected_ids)
+    np.testing.assert_array_equal(merged_values[order], expected_values)
+    assert changed_rows(url, 2, 9, "t") is None  # not a step of the chain: no delta
