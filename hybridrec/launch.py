@@ -193,7 +193,8 @@ def launch_with_servers(
     try:
         addresses = ", ".join(f'"{server.address}"' for server in servers)
         print(f"hybridrec launch: embedding servers at {addresses}", file=sys.stderr, flush=True)
-        return launch([*command, "--set", f"embedding.servers=[{addresses}]"], **launch_args)
+        settings = [f"embedding.servers=[{addresses}]", f"embedding.num_shards={num_shards}"]
+        return launch([*command, *(f"--set={setting}" for setting in settings)], **launch_args)
     finally:
         stop_servers(servers)
 

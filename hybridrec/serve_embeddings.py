@@ -37,7 +37,7 @@ from hybridrec._embedding_servers import read_token
 from pipeline import read_metadata
 from training.config import PRESET_DIR, TrainConfig
 from training.defaults import resolve_auto
-from training.tables import plan_tables
+from training.job import resolve_tables
 
 
 def parse_shard_list(text: str, num_shards: int) -> list[int]:
@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
     if args.tables:
         tables = load_tables(args.tables)
     else:
-        tables = training_tables(args.config, args.data, args.overrides)
+        tables = training_tables(args.config, args.data, args.overrides, args.num_shards)
     server = ShardServer(
         tables,
         indices,
@@ -269,9 +269,11 @@ def _serve(server: ShardServer, args: argparse.Namespace) -> int:
     return 0
 
 
-def training_tables(preset: str, data: str | None, overrides: Sequence[str]) -> list[TableConfig]:
+def training_tables(
+    preset: str, data: str | None, overrides: Sequence[str], num_shards: int | None = None
+) -> list[TableConfig]:
     """The TableConfigs `hybridrec train --config preset --data data` builds, in its order
-    (see `training.tables.plan_tables`)."""
+    (see `training.job.resolve_tables`), over `num_shards` shards in all."""
     overrides = list(overrides)
     if data:
         overrides.append(f"data.path={json.dumps(str(data))}")
@@ -280,4 +282,7 @@ def training_tables(preset: str, data: str | None, overrides: Sequence[str]) -> 
         raise UserError("--config needs --data (or data.path in the preset): it names the tables")
     metadata = read_metadata(train_config.data.path)
     train_config, _ = resolve_auto(train_config, metadata, divisor=1)  # as `train` resolves it
-    return list(plan_tables(train_config.embedding, metadata.categorical).tables)
+    plan, plan_lines = resolve_tables(train_config, metadata, num_shards)
+    for line in plan_lines:
+        print(f"[serve-embeddings] {line}", file=sys.stderr, flush=True)
+    return list(plan.tables)

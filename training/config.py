@@ -90,6 +90,10 @@ class EmbeddingConfig:
     # they never collide): one store request per shard and batch instead of one per table, as
     # table-batched embeddings do; capacity and tiering.ram_rows then count per feature table
     fuse_tables: bool = True
+    # split each table's columns over this many shards, on top of the rows' split by id
+    # (ZionEX's column-wise sharding, embedding_store.columns): 1 = whole rows; 0 = planned per
+    # table at start-up from the ids of the first training batches and printed
+    column_shards: int = 1
 
     def __post_init__(self):
         if (
@@ -99,6 +103,10 @@ class EmbeddingConfig:
         ):
             raise ValueError(
                 "embedding.dim must be >= 0 (0 = auto); capacity and num_shards must be >= 1"
+            )
+        if self.column_shards < 0:
+            raise ValueError(
+                f"embedding.column_shards must be >= 1, or 0 to plan it; got {self.column_shards}"
             )
 
     def table(self, name: str) -> TableConfig:
@@ -112,6 +120,7 @@ class EmbeddingConfig:
             eviction=self.eviction,
             storage_dtype=self.storage_dtype,
             tiering=self.tiering,
+            column_shards=max(self.column_shards, 1),
         )
 
 

@@ -93,11 +93,16 @@ def choose_sparse_learning_rate(rate: float, optimizer: str, batch_size: int) ->
     )
 
 
-def _with_bottom_mlp_ending(config: TrainConfig, tower: str, dim: int) -> TrainConfig:
-    """The config with the chosen tower's bottom MLP (if it has one) ending in `dim`."""
+def _with_bottom_mlp_ending(
+    config: TrainConfig, tower: str, dim: int, *, only_default: bool = False
+) -> TrainConfig:
+    """The config with the chosen tower's bottom MLP (if it has one) ending in `dim`;
+    with `only_default`, only if the bottom MLP is the tower's default one."""
     sizes = getattr(config.model, tower, None)
     widths = getattr(sizes, "bottom_mlp", None)
     if not widths or widths[-1] == dim:
+        return config
+    if only_default and widths != type(sizes)().bottom_mlp:
         return config
     sizes = dataclasses.replace(sizes, bottom_mlp=(*widths[:-1], dim))
     return dataclasses.replace(config, model=dataclasses.replace(config.model, **{tower: sizes}))
@@ -142,8 +147,10 @@ def resolve_auto(
             optimizer=dataclasses.replace(optimizer, learning_rate=rate),
         ),
     )
-    if not config.embedding.dim:
-        resolved = _with_bottom_mlp_ending(resolved, tower, dim)
+    # a bottom MLP left at its default follows a configured dim too (an auto dim: any)
+    resolved = _with_bottom_mlp_ending(
+        resolved, tower, dim, only_default=bool(config.embedding.dim)
+    )
     return resolved, (
         f"tower: {tower_reason}",
         f"batch: {batch_reason}",

@@ -31,7 +31,7 @@ from training.checkpoint import RunCheckpoints
 from training.config import PRESET_DIR, TrainConfig
 from training.defaults import resolve_auto
 from training.input import ParquetReader
-from training.tables import TablePlan, plan_tables
+from training.tables import PLAN_SAMPLE_BATCHES, TablePlan, plan_columns, plan_tables
 
 CONFIG_FILE = "config.json"  # a run directory's config, as trained
 
@@ -203,18 +203,70 @@ def prepare(
                 f"{name} = {size} must divide evenly over {mesh.devices.size} devices and "
                 f"{process_count} processes"
             )
+    addresses = tuple(servers.addresses if servers else config.embedding.servers)
+    tables, plan_lines = resolve_tables(
+        config,
+        metadata,
+        config.embedding.num_shards
+        if addresses
+        else config.embedding.num_shards or default_local_shards(),
+    )
     return Job(
         config=config,
         metadata=metadata,
         mesh=mesh,
         process_index=jax.process_index(),
         process_count=process_count,
-        tables=plan_tables(config.embedding, metadata.categorical),
-        servers=tuple(servers.addresses if servers else config.embedding.servers),
+        tables=tables,
+        servers=addresses,
         server_token=servers.token if servers else None,
         retry_timeout=servers.retry_timeout if servers else DEFAULT_RETRY_TIMEOUT,
-        choices=choices,
+        choices=(*choices, *plan_lines),
     )
+
+
+def resolve_tables(
+    config: TrainConfig, metadata: DatasetMetadata, num_shards: int | None
+) -> tuple[TablePlan, tuple[str, ...]]:
+    """The store's tables for a resolved config, and the lines describing a column plan.
+
+    With `embedding.column_shards = 0` each table's column split is planned from the ids of
+    the first PLAN_SAMPLE_BATCHES training batches (read in file order, unshuffled, so an
+    embedding server resolving the same config and data plans the same tables).
+
+    Args:
+        num_shards: the shards the tables are spread over (None: not known, which a
+            planned split refuses).
+    """
+    plan = plan_tables(config.embedding, metadata.categorical)
+    if config.embedding.column_shards:
+        return plan, ()
+    if num_shards is None:
+        raise UserError(
+            "embedding.column_shards = 0 (planned) with embedding servers needs "
+            "embedding.num_shards: the servers' total shard count"
+        )
+    reader = ParquetReader(
+        metadata.split_files(config.data.train_split),
+        label=metadata.label_column,
+        dense=list(metadata.dense_columns),
+        single=[f.name for f in metadata.categorical if not f.multi_valued],
+        multi=[f.name for f in metadata.categorical if f.multi_valued],
+        batch_size=config.data.batch_size,
+        seed=config.seed,
+    )
+    sample = [batch.ids for batch in reader.batches(PLAN_SAMPLE_BATCHES)]
+    planned, description = plan_columns(plan, sample, num_shards)
+    header, *per_table, balance = description.splitlines()
+    split = [
+        line
+        for line, table in zip(per_table, planned.tables, strict=True)
+        if table.column_shards > 1
+    ]
+    if len(per_table) > 8:  # many tables: name the split ones only
+        split.append(f"  {len(per_table) - len(split)} of {len(per_table)} tables keep whole rows")
+        per_table = split
+    return planned, (header, *per_table, balance)
 
 
 def load_config(

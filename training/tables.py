@@ -15,9 +15,13 @@ used rows across all features.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
 
 from embedding_store import TableConfig
+from embedding_store.columns import describe_plan, plan_column_shards
 from pipeline import CategoricalFeature
 from training.config import EmbeddingConfig
 
@@ -56,3 +60,35 @@ def plan_tables(embedding: EmbeddingConfig, features: Sequence[CategoricalFeatur
     return TablePlan(
         tables=(fused,), feature_tables={feature.name: FUSED_TABLE for feature in features}
     )
+
+
+PLAN_SAMPLE_BATCHES = 20  # embedding.column_shards = 0 plans from this many first batches
+
+
+def plan_columns(
+    plan: TablePlan, batches: Sequence[Mapping[str, Any]], num_shards: int
+) -> tuple[TablePlan, str]:
+    """The plan with each table's column split chosen for how `batches` access it.
+
+    Args:
+        plan: the tables (their `column_shards` are the starting point).
+        batches: per batch, feature name -> ids ([batch] uint64, or ragged with `.values`).
+        num_shards: the shards the tables are spread over.
+
+    Returns:
+        (the plan with `column_shards` set per table, the lines to print at start-up).
+    """
+    accesses: dict[str, list[np.ndarray]] = {table.name: [] for table in plan.tables}
+    for batch in batches:
+        per_table: dict[str, list[np.ndarray]] = {}
+        for feature, ids in batch.items():
+            values = np.asarray(getattr(ids, "values", ids), np.uint64)
+            per_table.setdefault(plan.feature_tables[feature], []).append(values)
+        for table, parts in per_table.items():
+            accesses[table].append(np.concatenate(parts))
+    columns = plan_column_shards(plan.tables, accesses, num_shards)
+    planned = tuple(
+        dataclasses.replace(table, column_shards=columns[table.name]) for table in plan.tables
+    )
+    description = describe_plan(plan.tables, columns, accesses, num_shards)
+    return TablePlan(tables=planned, feature_tables=plan.feature_tables), description

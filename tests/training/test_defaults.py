@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from common import config as config_lib
@@ -84,3 +85,61 @@ def test_a_preset_keeps_what_it_sets(dataset):
     assert resolved.embedding == config.embedding
     assert resolved.data.batch_size == config.data.batch_size == 4096
     assert all("as configured" in line for line in choices)
+
+
+def test_a_column_plan_splits_a_wide_table_of_few_hot_rows_only():
+    """Rows spread by id hash balance a table of many distinct rows; a wide table whose
+    batches hit two rows loads two shards, unless its columns are split."""
+    from embedding_store import TableConfig
+    from training.tables import TablePlan, plan_columns
+
+    tables = (
+        TableConfig(name="wide", dim=64, capacity=100),
+        TableConfig(name="spread", dim=4, capacity=10_000),
+    )
+    plan = TablePlan(tables=tables, feature_tables={"hot": "wide", "many": "spread"})
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "hot": rng.integers(1, 3, 32).astype(np.uint64),
+            "many": rng.integers(1, 10**6, 32).astype(np.uint64),
+        }
+        for _ in range(10)
+    ]
+    planned, description = plan_columns(plan, batches, num_shards=4)
+    splits = {table.name: table.column_shards for table in planned.tables}
+    assert splits["wide"] > 1 and splits["spread"] == 1
+    assert "sharding plan over 4 shards" in description
+    balance = description.splitlines()[-1]  # "busiest shard / mean: X whole rows -> Y with ..."
+    before = float(balance.split(": ")[1].split()[0])
+    after = float(balance.split("-> ")[1].split()[0])
+    assert after < before
+
+
+def test_resolving_tables_with_a_planned_or_fixed_column_split(dataset):
+    from common.errors import UserError
+    from training.job import resolve_tables
+
+    metadata = read_metadata(dataset)
+    base = [f"data.path={json.dumps(str(dataset))}", "embedding.fuse_tables=false"]
+    fixed = config_lib.load(TrainConfig, None, [*base, "embedding.column_shards=2"])
+    fixed, _ = resolve_auto(fixed, metadata, divisor=1)
+    tables, lines = resolve_tables(fixed, metadata, num_shards=2)
+    assert lines == () and {table.column_shards for table in tables.tables} == {2}
+    planned = config_lib.load(TrainConfig, None, [*base, "embedding.column_shards=0"])
+    planned, _ = resolve_auto(planned, metadata, divisor=1)
+    with pytest.raises(UserError, match="embedding.num_shards"):
+        resolve_tables(planned, metadata, num_shards=None)  # servers of unknown shard count
+    tables, lines = resolve_tables(planned, metadata, num_shards=4)
+    assert lines[0].startswith("sharding plan over 4 shards")
+    assert lines[-1].startswith("  busiest shard / mean:")
+    assert resolve_tables(planned, metadata, num_shards=4)[0] == tables  # the same sample
+
+
+def test_a_default_bottom_mlp_follows_a_configured_dim_and_a_configured_one_stays(dataset):
+    metadata = read_metadata(dataset)
+    base = [f"data.path={json.dumps(str(dataset))}", "model.tower='dlrm'", "embedding.dim=32"]
+    follows = config_lib.load(TrainConfig, None, base)
+    assert resolve_auto(follows, metadata, divisor=1)[0].model.dlrm.bottom_mlp == (512, 256, 64, 32)
+    stays = config_lib.load(TrainConfig, None, [*base, "model.dlrm.bottom_mlp=[64, 16]"])
+    assert resolve_auto(stays, metadata, divisor=1)[0].model.dlrm.bottom_mlp == (64, 16)
