@@ -123,7 +123,7 @@ def published(run_dir: Path) -> dict[int, int]:
         return {}
     return {
         record["version"]: record["shards_complete"]
-        for record in map(json.loads, path.read_text().splitlines())
+        for record in map(json.loads, path.read_text().split("\n")[:-1])  # not a torn tail
     }
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import threading
@@ -143,6 +144,20 @@ class StreamReader:
                 )
             self._cached = (index, _rows_from_arrow(table, self.columns, str(path)))
         return self._cached[1]
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Appends one line in one write, after dropping a torn last line (a killed writer)."""
+    if path.exists():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(path, "r+b") as handle:
+                handle.truncate(data.rfind(b"\n") + 1)
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(descriptor, (line + "\n").encode())
+    finally:
+        os.close(descriptor)
 
 
 def prune_embedding_checkpoints(url: str, keep: int) -> None:
@@ -416,8 +431,7 @@ class OnlineTrainer:
             "published_unix": time.time(),
             "seconds": round(time.time() - started, 3),
         }
-        with open(self.run_dir / PUBLISHED_FILE, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        _append_line(self.run_dir / PUBLISHED_FILE, json.dumps(record))
         if not self.quiet:
             print(
                 f"[train --follow] published version {record['version']} ({record['kind']}, "
