@@ -97,6 +97,37 @@ class DMT(nnx.Module):
         return self.global_tower(jnp.concatenate(compressed, axis=1), dense)  # [B, T*k, D]
 
 
+def pooled_from_rows(ids: np.ndarray, values: np.ndarray, feature_ids: np.ndarray) -> np.ndarray:
+    """Embeddings of single-valued features from a table's rows (e.g. a checkpoint's).
+
+    Args:
+        ids: [rows] uint64 sorted row ids (as `read_table_rows` returns them).
+        values: [rows, D] float32 row values in the same order.
+        feature_ids: [examples, F] uint64 ids of each example's features.
+
+    Returns:
+        [examples, F, D] float32; ids the table lacks get zeros.
+    """
+    positions = np.clip(np.searchsorted(ids, feature_ids), 0, max(len(ids) - 1, 0))
+    found = (ids[positions] == feature_ids) if len(ids) else np.zeros(feature_ids.shape, bool)
+    return np.where(found[..., None], values[positions], 0.0).astype(np.float32)
+
+
+def lookup_loads(feature_ids: np.ndarray, batch_size: int) -> np.ndarray:
+    """[F] distinct ids per batch of each feature, the rows a deduplicated lookup moves.
+
+    Args:
+        feature_ids: [examples, F] ids of consecutive examples.
+        batch_size: examples per step.
+    """
+    batches = [
+        feature_ids[start : start + batch_size]
+        for start in range(0, len(feature_ids) - batch_size + 1, batch_size)
+    ] or [feature_ids]
+    counts = [[len(np.unique(batch[:, f])) for f in range(batch.shape[1])] for batch in batches]
+    return np.mean(counts, axis=0)
+
+
 def interaction_strength(pooled: np.ndarray) -> np.ndarray:
     """How strongly each pair of features interacts in a trained model.
 

@@ -9,7 +9,12 @@ the dense optimizer changes:
     dcnv2      DCN-V2, three rank-64 cross layers and a 512-256 deep MLP, Adam
     dhen       DHEN, two layers of dot + cross + attention + MLP modules, Adam
     shampoo    DLRM with blocked Shampoo grafted onto Adam (block 128, roots every 10 steps)
-    dmt        DLRM over four DMT towers of the 26 features, each compressing to 2 vectors
+    dmt        DLRM over four DMT towers, each compressing its features to 2 vectors; the
+               towers are proposed by the Tower Partitioner from the baseline run's
+               learned embeddings (interaction strength) and lookup loads
+
+Per technique also the jitted dense step alone (batches already on the device, whole
+Shampoo refresh periods), in its own process: what the tower or optimizer costs by itself.
 
 Training is synchronous (`hybrid.staleness = 0`) so that the runs differ only by the
 technique, not by the timing of the asynchronous embedding updates. Per run: eval AUC,
@@ -30,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,15 +43,14 @@ import bench_criteo  # the preprocessing cache and child-process runner shared w
 
 REPO = Path(__file__).resolve().parent.parent
 STEADY_AFTER = 20  # steps excluded from the steady rate (compilation, warm-up)
-# Four towers of the 26 Criteo features (C1..C26 in the dataset's order), each compressed
-# to two 16-dim vectors before the global DLRM interaction; see docs/models.md.
-DMT_TOWERS = "[[0,1,2,3,4,5,6],[7,8,9,10,11,12,13],[14,15,16,17,18,19],[20,21,22,23,24,25]]"
+DMT_TOWERS = 4  # towers the Tower Partitioner proposes, each compressed to 2 vectors
+PARTITION_ROWS = 8192  # eval examples whose learned embeddings the partitioner reads
 TECHNIQUES = {
     "baseline": [],
     "dcnv2": ["model.tower=dcnv2", "model.dcnv2.low_rank=64"],
     "dhen": ["model.tower=dhen"],
     "shampoo": ["optimizer.name=shampoo"],
-    "dmt": [f"model.towers={DMT_TOWERS}", "model.tower_outputs=2"],
+    "dmt": ["model.tower_outputs=2"],  # + model.towers from the baseline's embeddings
 }
 NOT_BUILT = ["learned_hash"]
 
@@ -70,6 +75,88 @@ def _dense_params(settings: list[str]) -> int:
         )
     )
     return sum(leaf.size for leaf in jax.tree.leaves(nnx.state(tower, nnx.Param)))
+
+
+def _proposed_towers(run_dir: Path, data: Path, batch: int) -> list[list[int]]:
+    """The Tower Partitioner on a finished run: its learned embeddings of eval examples give
+    the interaction strengths, distinct ids per batch the load of each feature."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from embedding_store.checkpoint import latest_checkpoint_step, read_manifest, read_table_rows
+    from model.dmt import interaction_strength, lookup_loads, pooled_from_rows, propose_towers
+
+    metadata = json.loads((data / "metadata.json").read_text())
+    features = [feature["name"] for feature in metadata["spec"]["categorical"]]
+    url = str(run_dir / "checkpoints" / "embeddings")
+    step = latest_checkpoint_step(url)
+    files = sorted((data / "eval").glob("*.parquet"))
+    table = pq.read_table(files[0], columns=features).slice(0, PARTITION_ROWS)
+    feature_ids = np.stack([table[name].to_numpy() for name in features], axis=1)
+    pooled = np.zeros((*feature_ids.shape, 0), np.float32)
+    tables = read_manifest(url, step)["tables"]  # the trainer's table plan (often one table)
+    for name in sorted(tables):  # ids carry their feature's prefix: no id is in two tables
+        ids, values = read_table_rows(url, step, name)
+        rows = pooled_from_rows(ids, values, feature_ids)
+        pooled = rows if pooled.shape[-1] == 0 else pooled + rows
+    towers = propose_towers(
+        interaction_strength(pooled), lookup_loads(feature_ids, batch), DMT_TOWERS
+    )
+    names = [[features[index] for index in tower] for tower in towers]
+    print(f"== Tower Partitioner on {run_dir.name}: {names}", flush=True)
+    return towers
+
+
+def _dense_step_rate(settings: list[str], batch: int, env: dict) -> float:
+    """Samples/s of the technique's jitted train step alone (batches already on the device),
+    over whole preconditioner periods, median of 3 rounds, in a fresh process."""
+    command = [sys.executable, __file__, "--dense-child", json.dumps(settings)]
+    command += ["--batch", str(batch)]
+    out = subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["samples_per_s"]
+
+
+def _dense_child(settings: list[str], batch: int) -> None:
+    import time
+
+    import jax
+    import numpy as np
+
+    from common import config as config_lib
+    from model import create_train_state, make_global_batch, make_mesh, make_train_step
+    from training.config import PRESET_DIR, TrainConfig
+
+    config = config_lib.load(TrainConfig, "criteo_dlrm", settings, preset_dir=PRESET_DIR)
+    mesh = make_mesh(config.mesh)
+    dim = config.embedding.dim
+    state = create_train_state(
+        config.model, config.optimizer, mesh, 0, num_dense=13, num_features=26, embedding_dim=dim
+    )
+    step = make_train_step(mesh)
+    rng = np.random.default_rng(0)
+    batches = [
+        make_global_batch(
+            {
+                "embeddings": rng.normal(0, 0.01, (batch, 26, dim)).astype(np.float32),
+                "dense": rng.random((batch, 13)).astype(np.float32),
+                "labels": (rng.random(batch) < 0.25).astype(np.float32),
+            },
+            mesh,
+        )
+        for _ in range(2)
+    ]
+    steps = 2 * config.optimizer.shampoo_precondition_every  # whole refresh periods
+    for index in range(steps):  # compiles both branches of a refresh
+        state, metrics, grads = step(state, batches[index % 2])
+    jax.block_until_ready((state, metrics, grads))
+    rates = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for index in range(steps * 2):
+            state, metrics, grads = step(state, batches[index % 2])
+        jax.block_until_ready((state, metrics, grads))
+        rates.append(batch * steps * 2 / (time.perf_counter() - start))
+    print(json.dumps({"samples_per_s": float(np.median(rates))}))
 
 
 def _train(data: Path, name: str, settings: list[str], seed: int, args, env) -> dict:
@@ -128,35 +215,56 @@ def main() -> None:
     parser.add_argument(
         "--techniques", nargs="+", choices=list(TECHNIQUES), default=list(TECHNIQUES)
     )
+    parser.add_argument("--dense-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.dense_child:
+        _dense_child(json.loads(args.dense_child), args.batch)
+        return
     inputs = args.input or [bench_criteo.SAMPLE]
     if not args.input and not bench_criteo.SAMPLE.exists():
         bench_criteo._fail(f"{bench_criteo.SAMPLE} is absent: pass --input FILE...")
     for path in inputs:
         bench_criteo._check_criteo(path)
-    parameters = {name: _dense_params(TECHNIQUES[name]) for name in args.techniques}
+    parameters = {
+        name: _dense_params(TECHNIQUES[name]) for name in args.techniques if name != "dmt"
+    }
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the trainer's own device layout
     data = bench_criteo._dataset(inputs, args.cache)
     results = {}
     for name in args.techniques:
+        if name == "dmt":
+            if "baseline" not in results:
+                bench_criteo._fail("dmt needs the baseline run first (its learned embeddings)")
+            baseline_run = args.cache / "model_runs" / f"baseline_seed{args.seeds[0]}"
+            towers = _proposed_towers(baseline_run, data, args.batch)
+            TECHNIQUES[name] = [*TECHNIQUES[name], f"model.towers={json.dumps(towers)}"]
+            parameters[name] = _dense_params(TECHNIQUES[name])
         runs = [_train(data, name, TECHNIQUES[name], seed, args, env) for seed in args.seeds]
         mean = {key: sum(run[key] for run in runs) / len(runs) for key in runs[0]}
         results[name] = {**mean, "auc_per_seed": [round(run["auc"], 4) for run in runs]}
+        results[name]["dense_step_samples_per_s"] = _dense_step_rate(
+            TECHNIQUES[name], args.batch, env
+        )
+        print(
+            f"   dense step alone: {results[name]['dense_step_samples_per_s']:,.0f} samples/s",
+            flush=True,
+        )
 
     base = results.get("baseline")
     print(
         f"\n| technique | AUC (mean of {len(args.seeds)}) | AUC per seed | logloss | NE | "
-        "NE vs baseline | steady samples/s | vs baseline | dense parameters |"
+        "NE vs baseline | steady samples/s | vs baseline | dense step alone, samples/s | "
+        "dense parameters |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         ne_change = f"{(r['ne'] / base['ne'] - 1) * 100:+.2f}%" if base else "-"
         speed = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
         print(
             f"| {name} | {r['auc']:.4f} | {r['auc_per_seed']} | {r['logloss']:.4f} | "
             f"{r['ne']:.4f} | {ne_change} | {r['samples_per_s']:,.0f} | {speed} | "
-            f"{parameters[name]:,} |"
+            f"{r['dense_step_samples_per_s']:,.0f} | {parameters[name]:,} |"
         )
     summary: dict[str, float | int | None] = {}
     for name in [*TECHNIQUES, *NOT_BUILT]:
@@ -165,6 +273,9 @@ def main() -> None:
         summary[f"{name}_ne"] = round(r["ne"], 4) if r else None
         summary[f"{name}_logloss"] = round(r["logloss"], 4) if r else None
         summary[f"{name}_samples_per_s"] = round(r["samples_per_s"]) if r else None
+        summary[f"{name}_dense_step_samples_per_s"] = (
+            round(r["dense_step_samples_per_s"]) if r else None
+        )
         summary[f"{name}_dense_params"] = parameters.get(name)
     print(json.dumps(summary))
 
