@@ -60,6 +60,12 @@ def _export(argv: list[str]) -> int:
     return export.main(argv)
 
 
+def _learn_hash(argv: list[str]) -> int:
+    from hybridrec import learn_hash
+
+    return learn_hash.main(argv)
+
+
 def _serve(argv: list[str]) -> int:
     from hybridrec import serve
 
@@ -92,6 +98,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "train a model with the hybrid (async embedding, sync dense) loop"),
     "evaluate": (_evaluate, "evaluate a checkpoint on a data split"),
     "plot": (_plot, "write PNG training curves for a run directory"),
+    "learn-hash": (_learn_hash, "learn an id -> bucket mapping for smaller tables from a run"),
     "export": (_export, "export a checkpoint for serving (StableHLO tower, embeddings, spec)"),
     "serve": (_serve, "serve an export over HTTP (Open Inference Protocol / KServe v2)"),
     "serve-embeddings": (_serve_embeddings, "host embedding shards behind an RPC server"),

@@ -32,6 +32,7 @@ from common.files import fsync_directory
 FORMAT = "hybridrec-export"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
+ID_MAP_DIR = "id_map"  # the id -> bucket mapping of a run trained with embedding.id_map
 MODEL_FILE = "model.stablehlo"
 FEATURES_FILE = "features.json"
 TABLES_DIR = "tables"

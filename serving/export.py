@@ -32,6 +32,7 @@ from serving import _format, delta
 from serving.quantize import encode_table
 from training.checkpoint import RunCheckpoints
 from training.job import CONFIG_FILE, load_config
+from training.learned_hash import ARRAYS_FILE, MAP_FILE
 from training.tables import plan_tables
 
 PLATFORMS = ("cpu", "cuda")  # where the exported tower runs
@@ -207,6 +208,13 @@ def export_run(
             "embedding_dim": config.embedding.dim,
             "default_rows": {table.name: _default_rule(table) for table in plan.tables},
         }
+        if config.embedding.id_map:  # the run trained on bucket ids: serve through the map
+            features["id_map_kind"] = config.embedding.id_map_kind
+            (temporary / _format.ID_MAP_DIR).mkdir()
+            for name in (MAP_FILE, ARRAYS_FILE):
+                shutil.copyfile(
+                    Path(config.embedding.id_map) / name, temporary / _format.ID_MAP_DIR / name
+                )
         (temporary / _format.FEATURES_FILE).write_text(json.dumps(features, indent=1) + "\n")
         files = _format.file_entries(temporary)
         manifest = {

@@ -32,6 +32,7 @@ from pipeline import RowEncoder, spec_from_json
 from serving import _format
 from serving.bags import POOLINGS, Ids, bag_rows, check_bag, pool_bags
 from serving.delta import LayeredTable, version_chain
+from training.learned_hash import read_id_map
 
 MIN_BUCKET = 8  # smallest padded batch: one compiled shape serves 1..8 rows
 
@@ -130,6 +131,9 @@ class ServedModel:
         )
         self._feature_tables = [self.tables[feature_tables[n]] for n in self.feature_names]
         self._defaults = _DefaultRows(self.features["default_rows"])
+        # a run trained with embedding.id_map: its mapping travels with the export
+        kind = self.features.get("id_map_kind")
+        self.id_map = read_id_map(self.path / _format.ID_MAP_DIR, kind) if kind else None
         model_path = self.path / _format.MODEL_FILE
         try:
             exported = jax.export.deserialize(bytearray(model_path.read_bytes()))
@@ -236,6 +240,10 @@ class ServedModel:
             ids: [n, F] uint64, or {feature: [n] uint64 | RaggedIds} in spec order.
         """
         n, columns = self._columns(ids)
+        if self.id_map is not None:  # the run trained on bucket ids (embedding.id_map)
+            columns = list(
+                self.id_map.apply(dict(zip(self.feature_names, columns, strict=True))).values()
+            )
         out = np.empty((n, len(columns), self.dim), np.float32)
         unseen = np.zeros(n, np.int64)
         for column, (feature, table) in enumerate(zip(columns, self._feature_tables, strict=True)):

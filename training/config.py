@@ -94,6 +94,12 @@ class EmbeddingConfig:
     # (ZionEX's column-wise sharding, embedding_store.columns): 1 = whole rows; 0 = planned per
     # table at start-up from the ids of the first training batches and printed
     column_shards: int = 1
+    # map each feature's ids to a fixed budget of rows (`hybridrec learn-hash` writes the map
+    # from a previous run, training.learned_hash): "" = every id its own row
+    id_map: str = ""
+    # with id_map: "learned" (frequent ids alone, the tail grouped by the previous run's
+    # embeddings) or "hashing_trick" (the same budgets, ids hashed into them)
+    id_map_kind: Literal["learned", "hashing_trick"] = "learned"
 
     def __post_init__(self):
         if (

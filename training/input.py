@@ -209,6 +209,7 @@ class ParquetReader:
         shuffle_buffer: minimum rows per shuffle window; 0 disables shuffling.
         shard_index, shard_count: this reader reads files[shard_index::shard_count].
         pad_final: pad the last partial batch (evaluation) instead of dropping it.
+        id_map: maps each batch's ids to bucket ids (`training.learned_hash.IdMap`), or None.
     """
 
     def __init__(
@@ -225,6 +226,7 @@ class ParquetReader:
         shard_index: int = 0,
         shard_count: int = 1,
         pad_final: bool = False,
+        id_map: Any = None,
     ):
         if batch_size <= 0:
             raise UserError(f"batch size must be positive, got {batch_size}")
@@ -239,6 +241,7 @@ class ParquetReader:
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
         self.pad_final = pad_final
+        self.id_map = id_map
         self.files = all_files[shard_index::shard_count]
         rows_per_shard = []
         self._row_groups: list[_RowGroup] = []
@@ -298,7 +301,10 @@ class ParquetReader:
             table = handle.read_row_group(group.index, columns=self.columns.all)
         except (OSError, pa.ArrowInvalid) as error:
             raise UserError(f"{path}: row group {group.index}: {error}") from None
-        return _rows_from_arrow(table, self.columns, f"{path} row group {group.index}")
+        rows = _rows_from_arrow(table, self.columns, f"{path} row group {group.index}")
+        if self.id_map is not None:
+            rows["ids"] = self.id_map.apply(rows["ids"])
+        return rows
 
     def _read_window(self, epoch: int, index: int, groups: list[_RowGroup]) -> _Rows:
         rows = _concat([self._read_group(g) for g in groups])

@@ -31,6 +31,7 @@ from training.checkpoint import RunCheckpoints
 from training.config import PRESET_DIR, TrainConfig
 from training.defaults import resolve_auto
 from training.input import ParquetReader
+from training.learned_hash import read_id_map
 from training.tables import PLAN_SAMPLE_BATCHES, TablePlan, plan_columns, plan_tables
 
 CONFIG_FILE = "config.json"  # a run directory's config, as trained
@@ -59,6 +60,7 @@ class Job:
     server_token: str | None = None  # the servers' shared secret
     retry_timeout: float = DEFAULT_RETRY_TIMEOUT  # seconds to retry an unreachable server
     choices: tuple[str, ...] = ()  # what each "auto" config value became and why, a line each
+    id_map: Any = None  # training.learned_hash.IdMap of embedding.id_map, or None
 
     @property
     def is_chief(self) -> bool:
@@ -103,6 +105,7 @@ class Job:
             shard_index=0 if whole else self.process_index,
             shard_count=1 if whole else self.process_count,
             pad_final=not train,
+            id_map=self.id_map,
         )
         return reader, rows
 
@@ -211,6 +214,14 @@ def prepare(
         if addresses
         else config.embedding.num_shards or default_local_shards(),
     )
+    id_map = None
+    if config.embedding.id_map:
+        id_map = read_id_map(config.embedding.id_map, config.embedding.id_map_kind)
+        choices = (
+            *choices,
+            f"id map: {config.embedding.id_map_kind} mapping of {config.embedding.id_map} "
+            f"({id_map.total_buckets():,} rows for {len(id_map.features)} features)",
+        )
     return Job(
         config=config,
         metadata=metadata,
@@ -222,6 +233,7 @@ def prepare(
         server_token=servers.token if servers else None,
         retry_timeout=servers.retry_timeout if servers else DEFAULT_RETRY_TIMEOUT,
         choices=(*choices, *plan_lines),
+        id_map=id_map,
     )
 
 
