@@ -6,7 +6,7 @@ import argparse
 import logging
 import time
 
-from training.learned_hash import learn_id_map
+from training.learn_hash import learn_id_map
 
 
 def main(argv: list[str]) -> int:
