@@ -33,7 +33,11 @@ def tiny_model_config(tower: str, **overrides) -> ModelConfig:
         dcnv2=DCNv2Config(num_cross_layers=2, low_rank=0, deep_mlp=(32, 16)),
         mlp=MLPConfig(hidden=(32, 16, 8)),
         dhen=DHENConfig(
-            bottom_mlp=(16, EMBEDDING_DIM), module_mlp=(16,), top_mlp=(32, 16), cross_low_rank=4
+            num_layers=1,
+            bottom_mlp=(16, EMBEDDING_DIM),
+            module_mlp=(16,),
+            top_mlp=(32, 16),
+            cross_low_rank=4,
         ),
         min_sharded_width=8,
         **overrides,

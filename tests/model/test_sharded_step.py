@@ -194,10 +194,6 @@ def test_eval_probabilities_match_logits(tiny_config, dims, batch_factory):
     np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
 
 
-SHAMPOO = DenseOptimizerConfig(name="shampoo", shampoo_block_size=8, shampoo_precondition_every=1)
-
-
-@pytest.mark.parametrize("optimizer", [OPTIMIZER, SHAMPOO], ids=["adam", "shampoo"])
 def test_orbax_restores_into_the_abstract_state(
     tmp_path, tiny_config, dims, batch_factory, optimizer
 ):
