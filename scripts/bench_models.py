@@ -89,29 +89,11 @@ def _dense_params(settings: list[str]) -> int:
 
 
 def _proposed_towers(run_dir: Path, data: Path, batch: int) -> list[list[int]]:
-    """The Tower Partitioner on a finished run: its learned embeddings of eval examples give
-    the interaction strengths, distinct ids per batch the load of each feature."""
-    import numpy as np
-    import pyarrow.parquet as pq
+    """The Tower Partitioner on a finished run (`model.dmt.propose_towers_from_run`)."""
+    from model.dmt import propose_towers_from_run
 
-    from embedding_store.checkpoint import latest_checkpoint_step, read_manifest, read_table_rows
-    from model.dmt import interaction_strength, lookup_loads, pooled_from_rows, propose_towers
-
-    metadata = json.loads((data / "metadata.json").read_text())
-    features = [feature["name"] for feature in metadata["spec"]["categorical"]]
-    url = str(run_dir / "checkpoints" / "embeddings")
-    step = latest_checkpoint_step(url)
-    files = sorted((data / "eval").glob("*.parquet"))
-    table = pq.read_table(files[0], columns=features).slice(0, PARTITION_ROWS)
-    feature_ids = np.stack([table[name].to_numpy() for name in features], axis=1)
-    pooled = np.zeros((*feature_ids.shape, 0), np.float32)
-    tables = read_manifest(url, step)["tables"]  # the trainer's table plan (often one table)
-    for name in sorted(tables):  # ids carry their feature's prefix: no id is in two tables
-        ids, values = read_table_rows(url, step, name)
-        rows = pooled_from_rows(ids, values, feature_ids)
-        pooled = rows if pooled.shape[-1] == 0 else pooled + rows
-    towers = propose_towers(
-        interaction_strength(pooled), lookup_loads(feature_ids, batch), DMT_TOWERS
+    towers, features = propose_towers_from_run(
+        run_dir, data, DMT_TOWERS, batch_size=batch, rows=PARTITION_ROWS
     )
     names = [[features[index] for index in tower] for tower in towers]
     print(f"== Tower Partitioner on {run_dir.name}: {names}", flush=True)

@@ -1,4 +1,4 @@
-"""The trainer with the model options of issue 15: DMT towers and Shampoo, on 8 devices.
+"""The trainer with DMT towers and Shampoo on 8 devices; the Tower Partitioner on its run.
 
 (DHEN is a tower like the others: its step on the 8-device mesh is tested in
 tests/model/test_sharded_step.py.)
@@ -7,6 +7,8 @@ tests/model/test_sharded_step.py.)
 from __future__ import annotations
 
 import json
+
+from model.dmt import propose_towers_from_run
 
 
 def test_dmt_towers_with_shampoo_train_end_to_end(cli, dataset, tmp_path, training, small_model):
@@ -29,3 +31,7 @@ def test_dmt_towers_with_shampoo_train_end_to_end(cli, dataset, tmp_path, traini
     assert summary["eval"]["auc"] > 0.55  # it learns: the synthetic labels depend on the ids
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model"]["towers"] == towers and config["optimizer"]["name"] == "shampoo"
+    # the Tower Partitioner reads the run's embeddings: a full partition into 3 towers
+    proposed, features = propose_towers_from_run(run_dir, dataset, 3, batch_size=256)
+    assert len(proposed) == 3 and len(features) == num_features
+    assert sorted(index for tower in proposed for index in tower) == list(range(num_features))
