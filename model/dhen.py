@@ -79,14 +79,14 @@ class AttentionModule(nnx.Module):
         batch, num_vectors, dim = x.shape
         head_dim = dim // self.heads
 
-        def split(projection):  # [B, V, D] -> [B, H, V, D/H]
-            return projection(x).reshape(batch, num_vectors, self.heads, head_dim).swapaxes(1, 2)
+        def split(projection):  # [B, V, D] -> [B, V, H, D/H], no transpose (faster on CPU)
+            return projection(x).reshape(batch, num_vectors, self.heads, head_dim)
 
         query, key, value = split(self.query), split(self.key), split(self.value)
-        scores = jnp.einsum("bhid,bhjd->bhij", query, key) / np.sqrt(head_dim)
+        scores = jnp.einsum("bihd,bjhd->bhij", query, key) / np.sqrt(head_dim)
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(value.dtype)
-        mixed = jnp.einsum("bhij,bhjd->bhid", weights, value)  # [B, H, V, D/H]
-        return self.output(mixed.swapaxes(1, 2).reshape(batch, num_vectors, dim))
+        mixed = jnp.einsum("bhij,bjhd->bihd", weights, value)  # [B, V, H, D/H]
+        return self.output(mixed.reshape(batch, num_vectors, dim))
 
 
 class MLPModule(nnx.Module):
