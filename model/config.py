@@ -243,7 +243,7 @@ class DenseOptimizerConfig:
     # shampoo: the diagonal method whose per-block step size the Shampoo direction takes
     shampoo_grafting: Literal["adam", "adagrad"] = "adam"
     # shampoo: added to each statistics block before the inverse root, relative to its
-    # largest eigenvalue
+    # largest eigenvalue (at least 1e-7: float32)
     shampoo_epsilon: float = 1e-6
 
     def __post_init__(self):
@@ -267,8 +267,11 @@ class DenseOptimizerConfig:
                 "shampoo_block_size and shampoo_precondition_every must be >= 1, got "
                 f"{self.shampoo_block_size} and {self.shampoo_precondition_every}"
             )
-        if not 0 < self.shampoo_epsilon < 1:
-            raise ValueError(f"shampoo_epsilon must be within (0, 1), got {self.shampoo_epsilon}")
+        if not 1e-7 <= self.shampoo_epsilon < 1:
+            raise ValueError(
+                f"shampoo_epsilon must be within [1e-7, 1), got {self.shampoo_epsilon} (below "
+                "1e-7 of the largest eigenvalue, float32 statistics cannot be inverted)"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -147,6 +147,12 @@ def inverse_fourth_root(
     return root
 
 
+def _finite_or(roots: jax.Array, previous: jax.Array) -> jax.Array:
+    """`roots` [blocks, n, n] where a block is all finite, else that block of `previous`."""
+    finite = jnp.all(jnp.isfinite(roots), axis=(-2, -1), keepdims=True)
+    return jnp.where(finite, roots, previous)
+
+
 def scale_by_shampoo(
     *,
     block_size: int,
@@ -237,17 +243,18 @@ def scale_by_shampoo(
                     keep * blocks.right + add * jnp.swapaxes(tiles, -1, -2) @ tiles,
                 )
         stale = [(old_blocks[i].left_root, old_blocks[i].right_root) for i in statistics]
-        roots = jax.lax.cond(
-            refresh,
-            lambda: [
-                (
-                    inverse_fourth_root(left, matrix_epsilon),
-                    inverse_fourth_root(right, matrix_epsilon),
+
+        def refreshed():
+            # a block whose root is not finite (the iteration failed) keeps its last root
+            return [
+                tuple(
+                    _finite_or(inverse_fourth_root(matrix, matrix_epsilon), previous)
+                    for matrix, previous in zip(pair, old, strict=True)
                 )
-                for left, right in statistics.values()
-            ],
-            lambda: stale,
-        )
+                for pair, old in zip(statistics.values(), stale, strict=True)
+            ]
+
+        roots = jax.lax.cond(refresh, refreshed, lambda: stale)
 
         steps, new_blocks = list(grafts), list(old_blocks)
         for (index, (left, right)), (left_root, right_root) in zip(

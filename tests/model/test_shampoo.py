@@ -189,5 +189,7 @@ def test_block_size_larger_than_every_layer_names_the_key(tiny_config, dims):
     too_large = DenseOptimizerConfig(name="shampoo", shampoo_block_size=4096)
     with pytest.raises(ConfigError, match=r"^optimizer.shampoo_block_size = 4096 is larger"):
         create_train_state(tiny_config("dlrm"), too_large, mesh, 0, **dims)
+    with pytest.raises(ConfigError, match=r"optimizer: shampoo_epsilon must be within \[1e-7"):
+        config_lib.from_dict(DenseOptimizerConfig, {"shampoo_epsilon": 1e-9}, where="optimizer")
     with pytest.raises(ConfigError, match="shampoo_grafting: 'sgd' is not one of"):
         config_lib.from_dict(DenseOptimizerConfig, {"shampoo_grafting": "sgd"}, where="optimizer")
