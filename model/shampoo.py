@@ -193,7 +193,7 @@ def scale_by_shampoo(
             if shape is None:
                 return None
             rows, cols = shape
-            count = _to_blocks(jnp.zeros(leaf.shape, jnp.float32), rows, cols).shape[0]
+            count = -(-math.prod(leaf.shape[:-1]) // rows) * -(-leaf.shape[-1] // cols)
             return ShampooBlocks(
                 left=jnp.zeros((count, rows, rows), jnp.float32),
                 right=jnp.zeros((count, cols, cols), jnp.float32),
@@ -201,7 +201,9 @@ def scale_by_shampoo(
                 right_root=jnp.broadcast_to(jnp.eye(cols, dtype=jnp.float32), (count, cols, cols)),
             )
 
-        zeros = lambda tree: jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), tree)  # noqa: E731
+        def zeros(tree):
+            return jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), tree)
+
         return ShampooState(
             count=jnp.zeros((), jnp.int32),
             momentum=zeros(params),
