@@ -147,6 +147,35 @@ def inverse_fourth_root(
     return root
 
 
+def _accumulate(
+    blocks: ShampooBlocks, gradient: jax.Array, beta2: float
+) -> tuple[jax.Array, jax.Array]:
+    """The block statistics with `gradient` added: (L, R), decayed by beta2 unless it is 1."""
+    keep, add = (beta2, 1 - beta2) if beta2 < 1 else (1.0, 1.0)
+    tiles = _to_blocks(gradient, blocks.left.shape[-1], blocks.right.shape[-1])
+    transposed = jnp.swapaxes(tiles, -1, -2)  # tiles: [blocks, rows, cols]
+    return (
+        keep * blocks.left + add * tiles @ transposed,
+        keep * blocks.right + add * transposed @ tiles,
+    )
+
+
+def _grafted_direction(
+    left_root: jax.Array, right_root: jax.Array, momentum: jax.Array, graft: jax.Array
+) -> jax.Array:
+    """L^-1/4 M R^-1/4 per block, each block rescaled to the norm of `graft` on it.
+
+    Args:
+        left_root: [blocks, rows, rows]; right_root: [blocks, cols, cols].
+        momentum, graft: like the parameter.
+    """
+    rows, cols = left_root.shape[-1], right_root.shape[-1]
+    direction = left_root @ _to_blocks(momentum, rows, cols) @ right_root
+    norms = jnp.linalg.norm(_to_blocks(graft, rows, cols), axis=(1, 2), keepdims=True)
+    direction_norms = jnp.linalg.norm(direction, axis=(1, 2), keepdims=True)
+    return _from_blocks(direction * norms / jnp.maximum(direction_norms, 1e-30), momentum.shape)
+
+
 def _finite_or(roots: jax.Array, previous: jax.Array) -> jax.Array:
     """`roots` [blocks, n, n] where a block is all finite, else that block of `previous`."""
     finite = jnp.all(jnp.isfinite(roots), axis=(-2, -1), keepdims=True)
@@ -211,6 +240,16 @@ def scale_by_shampoo(
             blocks=jax.tree.map(blocks_of, params),
         )
 
+    def diagonal_step(gradient, momentum, moment, count):
+        """The grafting method's step and its updated momentum and second moment."""
+        momentum = beta1 * momentum + (1 - beta1) * gradient if beta1 else gradient
+        if grafting == "adam":
+            moment = beta2 * moment + (1 - beta2) * gradient**2
+            mean = momentum / (1 - beta1**count) if beta1 else momentum
+            return mean / (jnp.sqrt(moment / (1 - beta2**count)) + epsilon), momentum, moment
+        moment = moment + gradient**2
+        return momentum / (jnp.sqrt(moment) + epsilon), momentum, moment
+
     def update(updates, state: ShampooState, params=None):
         del params
         count = state.count + 1
@@ -224,26 +263,15 @@ def scale_by_shampoo(
 
         grafts = []
         for index, gradient in enumerate(gradients):
-            momentum = beta1 * momenta[index] + (1 - beta1) * gradient if beta1 else gradient
-            if grafting == "adam":
-                moment = beta2 * moments[index] + (1 - beta2) * gradient**2
-                mean = momentum / (1 - beta1**count) if beta1 else momentum
-                grafts.append(mean / (jnp.sqrt(moment / (1 - beta2**count)) + epsilon))
-            else:
-                moment = moments[index] + gradient**2
-                grafts.append(momentum / (jnp.sqrt(moment) + epsilon))
-            momenta[index], moments[index] = momentum, moment
-
-        keep, add = (beta2, 1 - beta2) if beta2 < 1 else (1.0, 1.0)
-        statistics = {}  # leaf index -> (left, right)
-        for index, blocks in enumerate(old_blocks):
-            if blocks is not None:
-                rows, cols = blocks.left.shape[-1], blocks.right.shape[-1]
-                tiles = _to_blocks(gradients[index], rows, cols)  # [blocks, rows, cols]
-                statistics[index] = (
-                    keep * blocks.left + add * tiles @ jnp.swapaxes(tiles, -1, -2),
-                    keep * blocks.right + add * jnp.swapaxes(tiles, -1, -2) @ tiles,
-                )
+            graft, momenta[index], moments[index] = diagonal_step(
+                gradient, momenta[index], moments[index], count
+            )
+            grafts.append(graft)
+        statistics = {  # leaf index -> (left, right), updated with this step's gradient
+            index: _accumulate(blocks, gradients[index], beta2)
+            for index, blocks in enumerate(old_blocks)
+            if blocks is not None
+        }
         stale = [(old_blocks[i].left_root, old_blocks[i].right_root) for i in statistics]
 
         def refreshed():
@@ -262,13 +290,7 @@ def scale_by_shampoo(
         for (index, (left, right)), (left_root, right_root) in zip(
             statistics.items(), roots, strict=True
         ):
-            rows, cols = left.shape[-1], right.shape[-1]
-            direction = left_root @ _to_blocks(momenta[index], rows, cols) @ right_root
-            graft_tiles = _to_blocks(grafts[index], rows, cols)
-            norms = jnp.linalg.norm(graft_tiles, axis=(1, 2), keepdims=True)
-            direction_norms = jnp.linalg.norm(direction, axis=(1, 2), keepdims=True)
-            direction = direction * norms / jnp.maximum(direction_norms, 1e-30)
-            shampoo_step = _from_blocks(direction, gradients[index].shape)
+            shampoo_step = _grafted_direction(left_root, right_root, momenta[index], grafts[index])
             steps[index] = jnp.where(preconditioned, shampoo_step, grafts[index])
             new_blocks[index] = ShampooBlocks(left, right, left_root, right_root)
         steps = [
