@@ -31,7 +31,7 @@ from pipeline.hashing import hash_scheme
 from serving import _format, delta
 from serving.quantize import encode_table
 from training.checkpoint import RunCheckpoints
-from training.job import CONFIG_FILE, load_config
+from training.job import load_config, require_run_dir
 from training.learned_hash import ARRAYS_FILE, MAP_FILE
 from training.tables import plan_tables
 
@@ -124,15 +124,7 @@ def export_run(
     run_dir, out = Path(run_dir), Path(out)
     if precision not in _format.PRECISIONS:
         raise UserError(f"precision {precision!r} is not one of {', '.join(_format.PRECISIONS)}")
-    if not (run_dir / CONFIG_FILE).exists():
-        what = (
-            "does not exist"
-            if not run_dir.exists()
-            else f"is not a run directory (no {CONFIG_FILE})"
-        )
-        raise UserError(
-            f"{run_dir} {what}; train one with `hybridrec train --data DATA_DIR --run-dir {run_dir}`"
-        )
+    require_run_dir(run_dir)
     name = name or out.resolve().name
     if not name or not all(c.isalnum() or c in "_-." for c in name):
         raise UserError(f"model name {name!r} must use only letters, digits, _ - .")

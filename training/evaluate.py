@@ -11,7 +11,7 @@ from common.progress import Progress
 from model import StreamingMetrics, local_rows, make_eval_step, make_global_batch
 from training.checkpoint import RunCheckpoints
 from training.hybrid import feature_ids
-from training.job import CONFIG_FILE, Job, load_config, prepare
+from training.job import Job, load_config, prepare, require_run_dir
 
 
 def evaluate(
@@ -84,15 +84,7 @@ def evaluate_checkpoint(
     The result is also written to `run_dir/eval/step_<step>_<split>.json` (key `output`).
     """
     run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_FILE).exists():
-        what = (
-            "does not exist"
-            if not run_dir.exists()
-            else f"is not a run directory (no {CONFIG_FILE})"
-        )
-        raise UserError(
-            f"{run_dir} {what}; train one with `hybridrec train --data DATA_DIR --run-dir {run_dir}`"
-        )
+    require_run_dir(run_dir)
     job = prepare(load_config(None, list(overrides), run_dir), distributed=distributed)
     checkpoints = RunCheckpoints(run_dir, keep=job.config.checkpoint.keep)
     step = step if step is not None else checkpoints.latest_step()

@@ -281,6 +281,19 @@ def resolve_tables(
     return planned, (header, *per_table, balance)
 
 
+def require_run_dir(run_dir: Path) -> None:
+    """Raises a UserError naming the command that makes one unless `run_dir` holds a run."""
+    if not (run_dir / CONFIG_FILE).exists():
+        what = (
+            "does not exist"
+            if not run_dir.exists()
+            else f"is not a run directory (no {CONFIG_FILE})"
+        )
+        raise UserError(
+            f"{run_dir} {what}; train one with `hybridrec train --data DATA_DIR --run-dir {run_dir}`"
+        )
+
+
 def load_config(
     preset: str | None, overrides: list[str], run_dir: Path | None = None
 ) -> TrainConfig:

@@ -12,7 +12,7 @@ from embedding_store import checkpoint as store_checkpoint
 from pipeline import read_metadata
 from pipeline.id_counts import count_ids
 from training.checkpoint import RunCheckpoints
-from training.job import CONFIG_FILE, load_config
+from training.job import load_config, require_run_dir
 from training.learned_hash import build_feature_map, write_id_map
 from training.tables import plan_tables
 
@@ -39,11 +39,7 @@ def learn_id_map(
     if not 0 <= exclusive_share < 1:
         raise UserError(f"--exclusive-share must be in [0, 1), got {exclusive_share}")
     run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_FILE).exists():
-        raise UserError(
-            f"{run_dir} is not a run directory (no {CONFIG_FILE}); train one with "
-            f"`hybridrec train --data DATA_DIR --run-dir {run_dir}`"
-        )
+    require_run_dir(run_dir)
     config = load_config(None, [], run_dir)
     if config.embedding.id_map:
         raise UserError(f"{run_dir} trained with an id map already; learn from a run without one")
