@@ -110,9 +110,7 @@ def test_cli_train_evaluate_plot_beats_logistic_regression(
 
 def test_quickstart_runs_end_to_end_and_serves_its_model(tmp_path, cli):
     out = tmp_path / "quickstart"
-    result = cli(
-        "quickstart", "--rows", "20000", "--out", str(out), "--set", "data.batch_size=256"
-    )
+    result = cli("quickstart", "--rows", "20000", "--out", str(out), "--set", "data.batch_size=256")
     scores = [
         float(line.split("click probability")[1])
         for line in result.stdout.splitlines()

@@ -47,9 +47,7 @@ def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(
         with EmbeddingStore.restore(
             str(run_dir / "checkpoints" / "embeddings"), tables, step=20, num_shards=1
         ) as saved:
-            np.testing.assert_array_equal(
-                saved.lookup(table, ids, train=False).result(), trained
-            )
+            np.testing.assert_array_equal(saved.lookup(table, ids, train=False).result(), trained)
         # evaluating an older checkpoint restores it in-process, never onto the live servers
         result = json.loads(
             cli("evaluate", "--run", str(run_dir), "--step", "10", "--json", env=env).stdout
