@@ -345,10 +345,26 @@ def read_table_rows(url: str, step: int, table: str) -> tuple[np.ndarray, np.nda
     Replays the manifest's chain (the last full snapshot, then each incremental one:
     deletions, then upserts) the way a restore does.
 
+    A table stored as column slices (`column_shards`, `<table>.col<i>`) is read slice by
+    slice and its columns joined; an id a slice does not hold (slices admit and evict on
+    their own shards) reads zeros in that slice's columns.
+
     Returns:
         ids [rows] uint64 sorted, values [rows, dim] float32 in the same order.
     """
     manifest = read_manifest(url, step)
+    if table not in manifest["tables"] and f"{table}.col0" in manifest["tables"]:
+        pieces = []
+        while f"{table}.col{len(pieces)}" in manifest["tables"]:
+            pieces.append(read_table_rows(url, step, f"{table}.col{len(pieces)}"))
+        ids = np.unique(np.concatenate([piece_ids for piece_ids, _ in pieces]))
+        values = np.zeros((len(ids), sum(v.shape[1] for _, v in pieces)), np.float32)
+        column = 0
+        for piece_ids, piece_values in pieces:
+            width = piece_values.shape[1]
+            values[np.searchsorted(ids, piece_ids), column : column + width] = piece_values
+            column += width
+        return ids, values
     if table not in manifest["tables"]:
         raise CheckpointNotFoundError(
             f"{url}: the checkpoint of step {step} has no table {table!r}"
