@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from common.errors import UserError
 from embedding_store import RaggedIds
+from pipeline import DatasetMetadata
 
 FeatureIds = np.ndarray | RaggedIds
 
@@ -272,6 +273,21 @@ class ParquetReader:
             )
         self._handles: dict[int, pq.ParquetFile] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def of_dataset(
+        cls, metadata: DatasetMetadata, files: Sequence[str | Path], **options: Any
+    ) -> ParquetReader:
+        """A reader of `files` of the dataset `metadata` describes (its label, dense and
+        categorical columns); `options` are the other arguments (batch_size, seed, ...)."""
+        return cls(
+            files,
+            label=metadata.label_column,
+            dense=list(metadata.dense_columns),
+            single=[f.name for f in metadata.categorical if not f.multi_valued],
+            multi=[f.name for f in metadata.categorical if f.multi_valued],
+            **options,
+        )
 
     def _epoch_windows(self, epoch: int) -> list[list[_RowGroup]]:
         groups = list(self._row_groups)

@@ -93,12 +93,9 @@ class Job:
         rows = slice(None)
         if whole and self.process_count > 1:
             rows = slice(self.process_index * local_size, (self.process_index + 1) * local_size)
-        reader = ParquetReader(
+        reader = ParquetReader.of_dataset(
+            metadata,
             files,
-            label=metadata.label_column,
-            dense=list(metadata.dense_columns),
-            single=[f.name for f in metadata.categorical if not f.multi_valued],
-            multi=[f.name for f in metadata.categorical if f.multi_valued],
             batch_size=batch_size if whole else local_size,
             seed=self.config.seed,
             shuffle_buffer=self.config.data.shuffle_buffer if train else 0,
@@ -258,12 +255,9 @@ def resolve_tables(
             "embedding.column_shards = 0 (planned) with embedding servers needs "
             "embedding.num_shards: the servers' total shard count"
         )
-    reader = ParquetReader(
+    reader = ParquetReader.of_dataset(
+        metadata,
         metadata.split_files(config.data.train_split),
-        label=metadata.label_column,
-        dense=list(metadata.dense_columns),
-        single=[f.name for f in metadata.categorical if not f.multi_valued],
-        multi=[f.name for f in metadata.categorical if f.multi_valued],
         batch_size=config.data.batch_size,
         seed=config.seed,
     )
