@@ -13,7 +13,7 @@ from pipeline import read_metadata
 from pipeline.id_counts import count_ids
 from training.checkpoint import RunCheckpoints
 from training.job import load_config, require_run_dir
-from training.learned_hash import build_feature_map, write_id_map
+from training.learned_hash import build_feature_map, find_sorted, write_id_map
 from training.tables import plan_tables
 
 
@@ -60,11 +60,9 @@ def learn_id_map(
     for feature in metadata.categorical:
         ids, feature_counts = counts[feature.name]
         table_ids, table_values = rows[plan.feature_tables[feature.name]]
-        position = np.minimum(np.searchsorted(table_ids, ids), max(len(table_ids) - 1, 0))
+        position, held = find_sorted(table_ids, ids)
         vectors = np.zeros((len(ids), config.embedding.dim), np.float32)
-        if len(table_ids):
-            held = table_ids[position] == ids
-            vectors[held] = table_values[position[held]]
+        vectors[held] = table_values[position[held]]
         features[feature.name] = build_feature_map(
             ids, feature_counts, vectors, fraction=fraction, exclusive_share=exclusive_share
         )

@@ -38,6 +38,7 @@ import numpy as np
 
 from common.errors import UserError
 from common.files import atomic_write_text
+from pipeline.hashing import splitmix64
 
 MAP_FILE = "id_map.json"
 ARRAYS_FILE = "id_map.npz"
@@ -45,16 +46,13 @@ FORMAT_VERSION = 1
 KINDS = ("learned", "hashing_trick")
 
 
-def _mix(ids: np.ndarray) -> np.ndarray:
-    """A 64-bit finalizer (splitmix64) of `ids`: uniform low bits for `% buckets`."""
-    x = ids.astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        x ^= x >> np.uint64(30)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(27)
-        x *= np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
-    return x
+def find_sorted(sorted_ids: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where `ids` stand in `sorted_ids` (ascending): (position [m] int64, found [m] bool);
+    a position is only meaningful where found."""
+    if not len(sorted_ids):
+        return np.zeros(len(ids), np.int64), np.zeros(len(ids), bool)
+    position = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
+    return position, sorted_ids[position] == ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +67,10 @@ class FeatureMap:
     def bucket_of(self, ids: np.ndarray, kind: str) -> np.ndarray:
         """[m] buckets of `ids` under the learned mapping or the hashing trick."""
         if kind == "hashing_trick":
-            return (_mix(ids) % np.uint64(self.num_buckets)).astype(np.int64)
-        position = np.searchsorted(self.ids, ids)
-        position = np.minimum(position, max(len(self.ids) - 1, 0))
-        known = (self.ids[position] == ids) if len(self.ids) else np.zeros(len(ids), bool)
+            return (splitmix64(ids) % np.uint64(self.num_buckets)).astype(np.int64)
+        position, known = find_sorted(self.ids, ids)
         tail = max(self.num_buckets - self.exclusive, 1)
-        unseen = self.exclusive + (_mix(ids) % np.uint64(tail)).astype(np.int64)
+        unseen = self.exclusive + (splitmix64(ids) % np.uint64(tail)).astype(np.int64)
         unseen = np.minimum(unseen, self.num_buckets - 1)
         return np.where(known, self.buckets[position] if len(self.ids) else 0, unseen)
 
