@@ -38,6 +38,7 @@ from pipeline import read_metadata
 from training.config import PRESET_DIR, TrainConfig
 from training.defaults import resolve_auto
 from training.job import resolve_tables
+from training.learned_hash import read_id_map
 
 
 def parse_shard_list(text: str, num_shards: int) -> list[int]:
@@ -282,7 +283,9 @@ def training_tables(
         raise UserError("--config needs --data (or data.path in the preset): it names the tables")
     metadata = read_metadata(train_config.data.path)
     train_config, _ = resolve_auto(train_config, metadata, divisor=1)  # as `train` resolves it
-    plan, plan_lines = resolve_tables(train_config, metadata, num_shards)
+    embedding = train_config.embedding
+    id_map = read_id_map(embedding.id_map, embedding.id_map_kind) if embedding.id_map else None
+    plan, plan_lines = resolve_tables(train_config, metadata, num_shards, id_map=id_map)
     for line in plan_lines:
         print(f"[serve-embeddings] {line}", file=sys.stderr, flush=True)
     return list(plan.tables)

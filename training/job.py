@@ -31,7 +31,7 @@ from training.checkpoint import RunCheckpoints
 from training.config import PRESET_DIR, TrainConfig
 from training.defaults import resolve_auto
 from training.input import ParquetReader
-from training.learned_hash import read_id_map
+from training.learned_hash import IdMap, read_id_map
 from training.tables import PLAN_SAMPLE_BATCHES, TablePlan, plan_columns, plan_tables
 
 CONFIG_FILE = "config.json"  # a run directory's config, as trained
@@ -203,14 +203,6 @@ def prepare(
                 f"{name} = {size} must divide evenly over {mesh.devices.size} devices and "
                 f"{process_count} processes"
             )
-    addresses = tuple(servers.addresses if servers else config.embedding.servers)
-    tables, plan_lines = resolve_tables(
-        config,
-        metadata,
-        config.embedding.num_shards
-        if addresses
-        else config.embedding.num_shards or default_local_shards(),
-    )
     id_map = None
     if config.embedding.id_map:
         id_map = read_id_map(config.embedding.id_map, config.embedding.id_map_kind)
@@ -219,6 +211,15 @@ def prepare(
             f"id map: {config.embedding.id_map_kind} mapping of {config.embedding.id_map} "
             f"({id_map.total_buckets():,} rows for {len(id_map.features)} features)",
         )
+    addresses = tuple(servers.addresses if servers else config.embedding.servers)
+    tables, plan_lines = resolve_tables(
+        config,
+        metadata,
+        config.embedding.num_shards
+        if addresses
+        else config.embedding.num_shards or default_local_shards(),
+        id_map=id_map,
+    )
     return Job(
         config=config,
         metadata=metadata,
@@ -235,7 +236,11 @@ def prepare(
 
 
 def resolve_tables(
-    config: TrainConfig, metadata: DatasetMetadata, num_shards: int | None
+    config: TrainConfig,
+    metadata: DatasetMetadata,
+    num_shards: int | None,
+    *,
+    id_map: IdMap | None = None,
 ) -> tuple[TablePlan, tuple[str, ...]]:
     """The store's tables for a resolved config, and the lines describing a column plan.
 
@@ -246,6 +251,7 @@ def resolve_tables(
     Args:
         num_shards: the shards the tables are spread over (None: not known, which a
             planned split refuses).
+        id_map: `embedding.id_map` loaded: the sample's ids as training will see them.
     """
     plan = plan_tables(config.embedding, metadata.categorical)
     if config.embedding.column_shards:
@@ -260,6 +266,7 @@ def resolve_tables(
         metadata.split_files(config.data.train_split),
         batch_size=config.data.batch_size,
         seed=config.seed,
+        id_map=id_map,
     )
     sample = [batch.ids for batch in reader.batches(PLAN_SAMPLE_BATCHES)]
     planned, description = plan_columns(plan, sample, num_shards)
