@@ -5,12 +5,25 @@ fancy-indexing machinery; viewing each row as one opaque item (np.void) turns th
 same gather or scatter into a 1-D copy loop that is 3-5x faster. np.unique and
 np.argsort on uint64 are many times slower than np.sort (SIMD), so grouping packs
 (small key, position) into one int64 and sorts that instead.
+
+With the native kernels built (`embedding_store._native`), dedupe is one hash pass and
+summing rows by group one loop, both without the GIL; results are the same bits, only
+the order of the distinct values differs (first occurrence instead of sorted).
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import scipy.sparse
+
+try:
+    from embedding_store import _native
+except ImportError:  # a source tree without the built extension (see setup.py)
+    _native = None
+if os.environ.get("HYBRIDREC_NATIVE", "1") == "0":
+    _native = None
 
 
 def _row_view(array: np.ndarray) -> np.ndarray | None:
@@ -46,7 +59,17 @@ def unique_counts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted distinct values [u] and, for each input, its index among them [n] int64."""
+    """Distinct uint64 values [u] and, for each input, its index among them [n] int64.
+
+    The distinct values come in order of first occurrence (native kernels) or sorted.
+    """
+    if _native is not None:
+        values = np.ascontiguousarray(values, dtype=np.uint64)
+        unique = np.empty(len(values), np.uint64)
+        inverse = np.empty(len(values), np.int64)
+        scratch = np.zeros(1 << max(4, (2 * len(values) - 1).bit_length()), np.int64)
+        count = _native.dedupe(values, unique, inverse, scratch)
+        return unique[:count], inverse
     order = np.argsort(values)  # searchsorted of n random needles is far slower for large n
     ordered = values[order]
     first = np.empty(len(values), bool)
@@ -96,3 +119,25 @@ def segment_sum(rows: np.ndarray, order: np.ndarray, bounds: np.ndarray) -> np.n
         (np.ones(len(order), rows.dtype), order, bounds), shape=(groups, len(rows))
     )
     return np.asarray(matrix @ rows, dtype=rows.dtype)
+
+
+def sum_by_inverse(rows: np.ndarray, inverse: np.ndarray, groups: int) -> np.ndarray:
+    """[groups, width] float32: row g sums the rows i with inverse[i] == g, in input order."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if _native is not None and rows.ndim == 2 and rows.shape[1]:
+        out = np.zeros((groups, rows.shape[1]), np.float32)
+        _native.segment_sum(rows, np.ascontiguousarray(inverse, np.int64), out, rows.shape[1])
+        return out
+    _, order, bounds = group(inverse)
+    return segment_sum(rows, order, bounds)
+
+
+def sum_duplicates(keys: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct keys [u] and the float32 sum of each key's rows [u, width], in input order."""
+    if _native is not None:
+        unique, inverse = unique_inverse(keys.astype(np.uint64, copy=False))
+        if len(unique) == len(keys):
+            return keys, rows
+        return unique.astype(keys.dtype), sum_by_inverse(rows, inverse, len(unique))
+    unique, order, bounds = group(keys)
+    return unique, segment_sum(rows, order, bounds)

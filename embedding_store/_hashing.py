@@ -18,10 +18,14 @@ SALT_INIT = 0x5A17_0003
 SALT_ADMIT = 0x5A17_0004
 
 
+def salt_offset(salt: int) -> int:
+    """What `mix64` adds to each value before mixing: (salt + 1) * golden, mod 2^64."""
+    return ((salt + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+
+
 def mix64(values: np.ndarray, salt: int) -> np.ndarray:
     """splitmix64 of `values + (salt + 1) * golden`; uint64 in, new uint64 array out."""
-    offset = np.uint64(((salt + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
-    z = np.add(values, offset, dtype=np.uint64)
+    z = np.add(values, np.uint64(salt_offset(salt)), dtype=np.uint64)
     z ^= z >> np.uint64(30)
     z *= _MUL1
     z ^= z >> np.uint64(27)

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from embedding_store._arrays import _native, put_rows, take_rows
 from embedding_store.config import SparseOptimizerConfig
+
+# Optimizers the native kernel steps (the same float32 bits as `apply`); others use numpy.
+_NATIVE_KINDS = {"sgd": 0, "adagrad": 1}
 
 
 def initial_state(config: SparseOptimizerConfig, rows: int, dim: int) -> np.ndarray:
@@ -57,3 +61,48 @@ def apply(
     nu_hat = nu / (1 - b2**count)
     updates = mu_hat / (np.sqrt(nu_hat) + eps)
     return weights - lr * updates, np.concatenate([mu, nu, count], axis=1)
+
+
+def apply_in_place(
+    config: SparseOptimizerConfig,
+    values: np.ndarray,
+    state: np.ndarray,
+    lines: np.ndarray,
+    grads: np.ndarray,
+) -> int:
+    """One optimizer step on rows `lines` (unique) of a table's values and state, in place.
+
+    Rows whose gradient is not finite are left as they are; returns how many.
+    """
+    kind = _NATIVE_KINDS.get(config.name)
+    if (
+        _native is not None
+        and kind is not None
+        and values.dtype == np.float32
+        and values.flags.c_contiguous
+        and state.flags.c_contiguous
+    ):
+        return _native.sparse_step(
+            kind,
+            values,
+            state,
+            np.ascontiguousarray(lines, np.int64),
+            np.ascontiguousarray(grads, np.float32),
+            values.shape[1],
+            state.shape[1],
+            config.learning_rate,
+            config.eps,
+        )
+    finite = np.isfinite(grads).all(axis=1)
+    skipped = len(grads) - int(np.count_nonzero(finite))
+    if skipped:
+        lines, grads = lines[finite], grads[finite]
+    weights, new_state = apply(
+        config,
+        take_rows(values, lines).astype(np.float32, copy=False),
+        take_rows(state, lines),
+        grads,
+    )
+    put_rows(values, lines, weights)
+    put_rows(state, lines, new_state)
+    return skipped

@@ -8,7 +8,7 @@ from typing import Literal
 
 import numpy as np
 
-from embedding_store._arrays import group, segment_sum, take_rows, unique_inverse
+from embedding_store._arrays import sum_by_inverse, take_rows, unique_inverse
 from embedding_store.errors import InvalidInputError
 
 Pooling = Literal["sum", "mean", "sqrtn"]
@@ -29,10 +29,8 @@ FeatureIds = np.ndarray | RaggedIds
 class _TableIds:
     """All ids one call sends to one table, deduplicated."""
 
-    unique: np.ndarray  # [u] uint64 sorted
+    unique: np.ndarray  # [u] uint64 distinct ids
     inverse: np.ndarray  # [total] int64: occurrence -> index in `unique`
-    order: np.ndarray | None = None  # [total] occurrences grouped by id (backward pass)
-    bounds: np.ndarray | None = None  # [u + 1] group boundaries in `order`
     # {stored table (the table or a column slice): (order [u] unique ids grouped by shard,
     # bounds [num_shards + 1])}, set by the store's routing
     routes: dict | None = None
@@ -96,7 +94,7 @@ def _check_feature(name: str, ids: FeatureIds) -> tuple[np.ndarray, np.ndarray |
 
 
 def dedupe(ids: np.ndarray) -> _TableIds:
-    """Sort-based unique with everything the backward pass needs."""
+    """Distinct ids with everything the backward pass needs."""
     unique, inverse = unique_inverse(ids)
     return _TableIds(unique, inverse)
 
@@ -156,6 +154,10 @@ def pool(
     pooling: str,
 ) -> np.ndarray:
     """Unique rows per table -> [batch, features, dim] float32 pooled embeddings."""
+    if _one_table_of_single_values(features, batch):
+        # [batch, features] row indices: one gather writes the result in place
+        index = tables[features[0].table].inverse.reshape(len(features), batch).T
+        return take_rows(rows[features[0].table], index.reshape(-1)).reshape(batch, -1, dim)
     out = np.zeros((batch, len(features), dim), np.float32)
     for index, feature in enumerate(features):
         occurrences = tables[feature.table].inverse[feature.start : feature.stop]
@@ -171,6 +173,15 @@ def pool(
     return out
 
 
+def _one_table_of_single_values(features: list[_Feature], batch: int) -> bool:
+    """Whether every feature is single-valued and they fill one table's ids in order."""
+    table = features[0].table
+    return all(
+        f.counts is None and f.table == table and f.start == i * batch
+        for i, f in enumerate(features)
+    )
+
+
 def _scale(counts: np.ndarray, pooling: str) -> np.ndarray:
     counts = counts.astype(np.float32)
     return counts if pooling == "mean" else np.sqrt(counts)
@@ -178,6 +189,11 @@ def _scale(counts: np.ndarray, pooling: str) -> np.ndarray:
 
 def unpool(lookup: PooledLookup, grads: np.ndarray) -> dict[str, np.ndarray]:
     """dL/d(pooled) [batch, features, dim] -> {table: per-unique-id gradient [u, dim]}."""
+    features = lookup._features
+    if _one_table_of_single_values(features, len(grads)):
+        ids = lookup._tables[features[0].table]
+        occurrences = grads.transpose(1, 0, 2).reshape(-1, grads.shape[2])  # feature-major
+        return {features[0].table: sum_by_inverse(occurrences, ids.inverse, len(ids.unique))}
     per_table: dict[str, list[np.ndarray]] = {}
     for index, feature in enumerate(lookup._features):
         g = grads[:, index]
@@ -190,7 +206,5 @@ def unpool(lookup: PooledLookup, grads: np.ndarray) -> dict[str, np.ndarray]:
     for table, parts in per_table.items():
         ids = lookup._tables[table]
         occurrences = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        if ids.order is None:
-            _, ids.order, ids.bounds = group(ids.inverse)
-        result[table] = segment_sum(occurrences, ids.order, ids.bounds)
+        result[table] = sum_by_inverse(occurrences, ids.inverse, len(ids.unique))
     return result

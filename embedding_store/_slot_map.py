@@ -17,14 +17,28 @@ writing: a write fills an EMPTY entry (key, then slot) or sets a slot to TOMBSTO
 torn read sees (key, EMPTY) or (0, slot). Both come from journaled ids, except that the
 second could pose as id 0, which is why id 0 is never taken from the build but from
 this table.
+
+The probes run in native kernels (`embedding_store._native`, one C loop per call with
+the GIL released, so a background build truly runs beside the owner) when the package
+was installed with its extension; the numpy kernels below probe the same positions and
+serve a source tree used without installing (or HYBRIDREC_NATIVE=0).
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from embedding_store._growth import Ahead
-from embedding_store._hashing import SALT_SLOT, mix64
+from embedding_store._hashing import SALT_SLOT, mix64, salt_offset
+
+try:
+    from embedding_store import _native
+except ImportError:  # a source tree without the built extension
+    _native = None
+if os.environ.get("HYBRIDREC_NATIVE", "1") == "0":
+    _native = None
 
 EMPTY = np.uint64(0)
 TOMBSTONE = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -63,6 +77,10 @@ class SlotMap:
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """ids: [n] uint64 -> [n] int64 slots, -1 where absent."""
+        if _native is not None:
+            result = np.empty(len(ids), np.int64)
+            _native.slot_find(self._entries, _keys(ids), result, _OFFSET)
+            return result
         mask = np.uint64(len(self._entries) - 1)
         result = np.full(len(ids), -1, np.int64)
         position = (mix64(ids, SALT_SLOT) & mask).astype(np.intp)
@@ -161,8 +179,18 @@ def _probe(pairs: np.ndarray, position: np.ndarray) -> np.ndarray:
     return pairs[position].view(np.uint64).reshape(-1, 2)
 
 
+_OFFSET = salt_offset(SALT_SLOT)
+
+
+def _keys(ids: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(ids, dtype=np.uint64)
+
+
 def _place(pairs: np.ndarray, ids: np.ndarray, slots: np.ndarray) -> None:
     """ids [n] (unique, absent) with their stored slot values (slot + 1) [n] uint64."""
+    if _native is not None:
+        _native.slot_place(pairs, _keys(ids), _keys(slots), _OFFSET)
+        return
     mask = len(pairs) - 1
     position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
     while len(ids):
@@ -180,6 +208,8 @@ def _place(pairs: np.ndarray, ids: np.ndarray, slots: np.ndarray) -> None:
 
 def _remove(entries: np.ndarray, pairs: np.ndarray, ids: np.ndarray) -> int:
     """Tombstones the first live entry of each of `ids` [n] uint64; how many there were."""
+    if _native is not None:
+        return _native.slot_remove(entries, _keys(ids), _OFFSET)
     mask = len(entries) - 1
     position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
     keys = ids

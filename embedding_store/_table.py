@@ -12,7 +12,7 @@ import numpy as np
 import tensorstore as ts
 
 from embedding_store import _optimizers
-from embedding_store._arrays import group, put_rows, segment_sum, take_rows, unique_counts
+from embedding_store._arrays import sum_duplicates, unique_counts
 from embedding_store._growth import PREPARE_AT, Spare
 from embedding_store._hashing import SALT_ADMIT, mix64, unit_float
 from embedding_store._initializers import initial_rows
@@ -193,25 +193,16 @@ class ShardTable:
                     unadmitted = np.unique(ids[~present])
                     self._stats["updates_unadmitted"] += len(unadmitted)
                     slots, grads = slots[present], grads[present]
-            slots, order, bounds = group(slots)
-            grads = segment_sum(grads, order, bounds)
-            finite = np.isfinite(grads).all(axis=1)
-            if not finite.all():
-                self._stats["nonfinite_skipped"] += int(np.count_nonzero(~finite))
-                slots, grads = slots[finite], grads[finite]
+            slots, grads = sum_duplicates(slots, grads)
             lines = self._rows.lines(slots)
-            weights, state = _optimizers.apply(
-                self.config.optimizer,
-                take_rows(self._rows.values, lines).astype(np.float32, copy=False),
-                take_rows(self._rows.state, lines),
-                grads,
+            skipped = _optimizers.apply_in_place(
+                self.config.optimizer, self._rows.values, self._rows.state, lines, grads
             )
-            put_rows(self._rows.values, lines, weights)
-            put_rows(self._rows.state, lines, state)
-            self._rows.mark_dirty(lines)
+            self._stats["nonfinite_skipped"] += skipped
+            self._rows.mark_dirty(lines)  # (a skipped row is written back unchanged)
             self._modified[slots] = self._sequence
             self._last_step[slots] = self._step
-            self._stats["updates"] += len(slots)
+            self._stats["updates"] += len(slots) - skipped
 
     # ----------------------------------------------------------------- admission / eviction
 

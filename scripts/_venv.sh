@@ -1,5 +1,6 @@
 # Sourced by the entry scripts: creates .venv/ at the repo root on first use and
-# (re)installs the project whenever pyproject.toml changes. Idempotent.
+# (re)installs the project whenever pyproject.toml, setup.py or the native kernels change.
+# Idempotent.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$REPO_ROOT/.venv"
@@ -9,7 +10,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON_BIN" -m venv "$VENV"
 fi
 stamp="$VENV/.hybridrec-installed"
-want="$(sha256sum "$REPO_ROOT/pyproject.toml" | cut -d' ' -f1)"
+want="$(cat "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/setup.py" "$REPO_ROOT"/embedding_store/*.c \
+  | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[setup] installing hybridrec and its dependencies into $VENV (first run takes about a minute)" >&2
   # pip's own output (resolver notes, warnings about configured locations) goes to a

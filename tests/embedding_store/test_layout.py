@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from embedding_store import EmbeddingStore, InitializerConfig, TableConfig, shard_of
+from embedding_store import EmbeddingStore, InitializerConfig, TableConfig, _slot_map, shard_of
 from embedding_store._slot_map import SlotMap
 from embedding_store.routing import partition
 
@@ -54,7 +54,36 @@ def test_routing_balanced_and_independent_of_slots():
     assert np.bincount(shard_of(sequential, 3)).min() > 0.95 * 100_000 / 3
 
 
-def test_slot_map_insert_find_remove_grow():
+@pytest.fixture(params=["native", "numpy"])
+def kernels(request, monkeypatch):
+    """Runs a slot-map test with each kind of probe kernel."""
+    if request.param == "numpy":
+        monkeypatch.setattr(_slot_map, "_native", None)
+    return request.param
+
+
+def test_native_kernels_are_built():
+    """The install builds the C kernels; a missing build would silently run the numpy ones."""
+    assert _slot_map._native is not None, "embedding_store._native is not built: pip install -e ."
+
+
+def test_native_and_numpy_kernels_read_each_others_tables(monkeypatch):
+    ids = np.unique(_ids(20_000, seed=11))
+    slots = np.arange(len(ids), dtype=np.int64)
+    native = SlotMap(16)
+    native.insert(ids[:10_000], slots[:10_000])
+    native.remove(ids[:10_000:4])
+    with monkeypatch.context() as patch:
+        patch.setattr(_slot_map, "_native", None)
+        found = native.find(ids[:10_000])  # numpy probes over the native table
+        native.insert(ids[10_000:], slots[10_000:])
+    expected = slots.copy()
+    expected[:10_000:4] = -1
+    np.testing.assert_array_equal(found, expected[:10_000])
+    np.testing.assert_array_equal(native.find(ids), expected)  # native over numpy's inserts
+
+
+def test_slot_map_insert_find_remove_grow(kernels):
     slot_map = SlotMap(16)
     ids = np.unique(_ids(50_000))
     ids = np.concatenate([ids, np.array([2**64 - 1, 2**64 - 2, 0], np.uint64)])  # extremes
@@ -81,7 +110,7 @@ def test_slot_map_insert_find_remove_grow():
     assert len(live_ids) == len(ids)
 
 
-def test_slot_map_matches_a_dict_while_it_grows_in_the_background():
+def test_slot_map_matches_a_dict_while_it_grows_in_the_background(kernels):
     """Inserts and removals keep landing while the next table is built on another thread."""
     rng = np.random.default_rng(3)
     slot_map, reference = SlotMap(16), {}
