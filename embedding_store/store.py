@@ -369,7 +369,15 @@ class EmbeddingStore:
 
     def stats(self) -> dict[str, Any]:
         """Counters per table (summed over shards) and totals."""
-        per_shard = [f.result() for f in [self._submit(s, "stats") for s in range(self.num_shards)]]
+        return self.stats_async().result()
+
+    def stats_async(self) -> Future:
+        """A future of `stats()`, answered once each shard has done the work queued before it."""
+        step = self._step
+        futures = [self._submit(s, "stats") for s in range(self.num_shards)]
+        return _when_all(futures, lambda per_shard: self._merge_stats(step, per_shard), self._pool)
+
+    def _merge_stats(self, step: int, per_shard: list[dict]) -> dict[str, Any]:
         tables: dict[str, dict[str, int]] = {}
         for shard_stats in per_shard:
             for table, counters in shard_stats.items():
@@ -380,7 +388,7 @@ class EmbeddingStore:
         for counters in tables.values():
             for key, value in counters.items():
                 totals[key] = totals.get(key, 0) + value
-        return {"step": self._step, "num_shards": self.num_shards, **totals, "tables": tables}
+        return {"step": step, "num_shards": self.num_shards, **totals, "tables": tables}
 
     # ----------------------------------------------------------------- checkpoints
 

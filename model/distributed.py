@@ -97,7 +97,7 @@ def make_global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict
         axis (always true for meshes from `make_mesh`).
     """
     data_size = sharding_lib.data_parallel_size(mesh)
-    global_batch = {}
+    arrays, shardings = {}, {}
     for key, array in local_batch.items():
         array = np.asarray(array)
         rows = array.shape[0] * jax.process_count()
@@ -106,9 +106,13 @@ def make_global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict
                 f"global batch of {rows} rows ({key}) does not divide by the mesh's data axis "
                 f"({data_size} devices); pick a batch size that is a multiple of it"
             )
-        sharding = sharding_lib.batch_sharding(mesh, array.ndim)
-        global_batch[key] = jax.make_array_from_process_local_data(sharding, array)
-    return global_batch
+        arrays[key], shardings[key] = array, sharding_lib.batch_sharding(mesh, array.ndim)
+    if jax.process_count() == 1:  # the local rows are the global batch: one batched copy
+        return jax.device_put(arrays, shardings)
+    return {
+        key: jax.make_array_from_process_local_data(shardings[key], array)
+        for key, array in arrays.items()
+    }
 
 
 def local_rows(global_array: jax.Array) -> np.ndarray:
@@ -116,6 +120,8 @@ def local_rows(global_array: jax.Array) -> np.ndarray:
 
     Shards replicated over the model axis are taken once.
     """
+    if global_array.is_fully_addressable:  # one process: its rows are the whole array
+        return np.asarray(jax.device_get(global_array))
     shards = {}
     for shard in global_array.addressable_shards:
         start = (shard.index[0].start or 0) if shard.index else 0

@@ -135,6 +135,7 @@ class HybridTrainer:
             nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
         )
         meter = _IntervalMeter()
+        store_meter = _StoreMeter(self.store)
         eval_results: dict[str, float] = {}
         progress_fields: dict[str, float] = {}
         try:
@@ -150,10 +151,11 @@ class HybridTrainer:
                     if progress:
                         progress.update(config.data.batch_size, **progress_fields)
                     if is_due(step, config.log.every_steps, last_step):
-                        record = meter.flush(step, pipeline.timings())
+                        final = step == last_step
+                        record = meter.flush(step, pipeline.timings(), wait=final)
                         counters["seconds"] += record.pop("seconds")
                         progress_fields = {k: record[k] for k in ("loss", "staleness_mean")}
-                        held = self.store.stats()
+                        held = store_meter.read(wait=final)
                         log.write(
                             "train",
                             step,
@@ -265,9 +267,28 @@ class HybridTrainer:
             own.write_text(text)
 
 
+class _StoreMeter:
+    """The store's counters for the log without waiting for the shards: each read asks
+    for fresh counters and returns the latest answer at hand (the previous request's,
+    at most one log interval old), or waits for the fresh ones when `wait`."""
+
+    def __init__(self, store: Any):
+        self._store = store
+        self._pending = store.stats_async()
+        self._latest: dict[str, Any] = {}
+
+    def read(self, *, wait: bool = False) -> dict[str, Any]:
+        if wait or not self._latest or self._pending.done():
+            self._latest = self._pending.result()
+        if self._pending.done():
+            self._pending = self._store.stats_async()
+        return self._latest
+
+
 class _IntervalMeter:
     """Loss, throughput and staleness over one logging interval (losses stay on the
-    devices until the interval ends, so logging never stalls a step)."""
+    devices until the interval ends, so logging never stalls a step: a flush takes the
+    losses of the steps already done and leaves the rest to the next interval)."""
 
     def __init__(self):
         self.last_loss = float("nan")
@@ -285,9 +306,18 @@ class _IntervalMeter:
         self._staleness.append(result.staleness)
         self._samples += samples
 
-    def flush(self, step: int, timings: dict[str, float]) -> dict[str, Any]:
-        """The interval's record (raises NonFiniteLossError on a non-finite loss)."""
-        losses = np.asarray(jax.device_get(self._losses), np.float64)
+    def flush(self, step: int, timings: dict[str, float], *, wait: bool = False) -> dict[str, Any]:
+        """The interval's record (raises NonFiniteLossError on a non-finite loss).
+
+        Without `wait`, the losses of steps still running move to the next interval
+        (the oldest one is waited for when none is done yet).
+        """
+        done = len(self._losses)
+        if not wait:
+            done = next((i for i, loss in enumerate(self._losses) if not loss.is_ready()), done)
+            done = max(done, 1)
+        losses = np.asarray(jax.device_get(self._losses[:done]), np.float64)
+        carried = self._losses[done:]
         if not np.all(np.isfinite(losses)):
             raise NonFiniteLossError(
                 f"loss is {losses[~np.isfinite(losses)][0]} at or before step {step}; lower "
@@ -305,6 +335,7 @@ class _IntervalMeter:
             **timings,
         }
         self._start_interval()
+        self._losses = carried
         return record
 
     @contextlib.contextmanager
