@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import scipy.sparse
 
 try:
     from embedding_store import _native
@@ -112,6 +111,8 @@ def segment_sum(rows: np.ndarray, order: np.ndarray, bounds: np.ndarray) -> np.n
     A sparse 0/1 matrix product: each output row accumulates its inputs one after
     another in position order, so the result does not depend on how a batch was split.
     """
+    import scipy.sparse  # only here: the native kernels need no scipy (0.1 s of imports)
+
     groups = len(bounds) - 1
     if groups == len(order):
         return take_rows(rows, order)
