@@ -128,8 +128,9 @@ def _train(
     first = next((r for r in train if r["step"] >= STEADY_AFTER), train[0])
     last = train[-1]
     steady_steps = [r for r in train if r["step"] > first["step"]]
+    done = "samples_done" if "samples_done" in last else "samples"  # trained, not dispatched
     if last["step"] > first["step"]:
-        steady = (last["samples"] - first["samples"]) / (last["time"] - first["time"])
+        steady = (last[done] - first[done]) / (last["time"] - first["time"])
     else:
         steady = last["samples_per_s"]
     phases = {}

@@ -134,7 +134,7 @@ class HybridTrainer:
             # with k = 0 the step always waits for the host work: nothing to yield to
             nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
         )
-        meter = _IntervalMeter()
+        meter = _IntervalMeter(samples_done=counters["samples"])
         store_meter = _StoreMeter(self.store)
         eval_results: dict[str, float] = {}
         progress_fields: dict[str, float] = {}
@@ -290,19 +290,20 @@ class _IntervalMeter:
     devices until the interval ends, so logging never stalls a step: a flush takes the
     losses of the steps already done and leaves the rest to the next interval)."""
 
-    def __init__(self):
+    def __init__(self, samples_done: int = 0):
         self.last_loss = float("nan")
+        self.samples_done = samples_done  # samples of the steps whose loss has been fetched
+        self._losses: list[tuple[jax.Array, int]] = []  # (loss, samples) of steps not fetched
         self._start_interval()
 
     def _start_interval(self) -> None:
-        self._losses: list[jax.Array] = []
         self._staleness: list[int] = []
         self._samples = 0
         self._start = time.perf_counter()
         self._paused_seconds = 0.0
 
     def add(self, result: StepResult, samples: int) -> None:
-        self._losses.append(result.metrics["loss"])
+        self._losses.append((result.metrics["loss"], samples))
         self._staleness.append(result.staleness)
         self._samples += samples
 
@@ -314,10 +315,11 @@ class _IntervalMeter:
         """
         done = len(self._losses)
         if not wait:
-            done = next((i for i, loss in enumerate(self._losses) if not loss.is_ready()), done)
+            done = next((i for i, (loss, _) in enumerate(self._losses) if not loss.is_ready()), done)
             done = max(done, 1)
-        losses = np.asarray(jax.device_get(self._losses[:done]), np.float64)
-        carried = self._losses[done:]
+        finished, self._losses = self._losses[:done], self._losses[done:]
+        losses = np.asarray(jax.device_get([loss for loss, _ in finished]), np.float64)
+        self.samples_done += sum(samples for _, samples in finished)
         if not np.all(np.isfinite(losses)):
             raise NonFiniteLossError(
                 f"loss is {losses[~np.isfinite(losses)][0]} at or before step {step}; lower "
@@ -331,11 +333,12 @@ class _IntervalMeter:
             "samples_per_s": self._samples / max(seconds, 1e-9),
             "staleness_mean": float(np.mean(self._staleness)),
             "staleness_max": int(np.max(self._staleness)),
+            # steps finish behind their dispatch: what was trained by the time of this record
+            "samples_done": self.samples_done,
             "seconds": seconds,
             **timings,
         }
         self._start_interval()
-        self._losses = carried
         return record
 
     @contextlib.contextmanager

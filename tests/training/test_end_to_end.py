@@ -92,6 +92,12 @@ def test_cli_train_evaluate_plot_beats_logistic_regression(
     assert summary["staleness_max"] <= 4
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "eval"][-1] == summary["steps"]
+    # Logging does not wait for running steps; the records say what was trained by then,
+    # and everything is by the last one.
+    train = [r for r in records if r["kind"] == "train"]
+    done = [r["samples_done"] for r in train]
+    assert done == sorted(done) and all(d <= r["samples"] for d, r in zip(done, train))
+    assert done[-1] == train[-1]["samples"] == summary["samples"]
     assert any(p.name.startswith("events.out") for p in (run_dir / "tensorboard").iterdir())
 
     evaluated = json.loads(hybridrec("evaluate", "--run", str(run_dir), "--json").stdout)
