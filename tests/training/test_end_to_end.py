@@ -96,7 +96,7 @@ def test_cli_train_evaluate_plot_beats_logistic_regression(
     # and everything is by the last one.
     train = [r for r in records if r["kind"] == "train"]
     done = [r["samples_done"] for r in train]
-    assert done == sorted(done) and all(d <= r["samples"] for d, r in zip(done, train))
+    assert done == sorted(done) and all(d <= r["samples"] for d, r in zip(done, train, strict=True))
     assert done[-1] == train[-1]["samples"] == summary["samples"]
     assert any(p.name.startswith("events.out") for p in (run_dir / "tensorboard").iterdir())
 
