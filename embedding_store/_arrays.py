@@ -141,4 +141,4 @@ def sum_duplicates(keys: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.n
             return keys, rows
         return unique.astype(keys.dtype), sum_by_inverse(rows, inverse, len(unique))
     unique, order, bounds = group(keys)
-    return unique, segment_sum(rows, order, bounds)
+    return unique.astype(keys.dtype, copy=False), segment_sum(rows, order, bounds)

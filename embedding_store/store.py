@@ -19,7 +19,7 @@ import numpy as np
 from common.errors import UserError
 from embedding_store import _pooling
 from embedding_store import checkpoint as _checkpoint
-from embedding_store._arrays import put_rows, take_rows
+from embedding_store._arrays import put_rows, sum_duplicates, take_rows, unique_inverse
 from embedding_store._pooling import FeatureIds, PooledLookup
 from embedding_store.columns import column_slices, stored_tables
 from embedding_store.config import TableConfig
@@ -207,10 +207,18 @@ class EmbeddingStore:
             train: count sightings for admission and create admitted rows; with False
                 (evaluation) nothing changes and unknown ids read as their initial value
                 (or zeros when admission is restricted).
+
+        Each distinct id goes to its shard once, unless a repeat is a sighting that
+        admission counts (training lookups of a table with `min_count` or `probability`).
         """
         config = self._config(table)
         ids = _pooling._check_ids(f"table {table!r}", ids)
-        if self.num_shards == 1:
+        expand = None
+        if not train or config.admission.admits_all:
+            unique, inverse = unique_inverse(ids)
+            if len(unique) < len(ids):
+                ids, expand = unique, inverse
+        if self.num_shards == 1 and expand is None:
             ids = ids.copy()  # the caller may reuse its array before the lookup runs
         routes = [
             (piece, shard, where)
@@ -224,11 +232,12 @@ class EmbeddingStore:
 
         def combine(results):
             if len(results) == 1 and isinstance(routes[0][2], slice):
-                return results[0][table]
-            out = np.empty((len(ids), config.dim), np.float32)
-            for (piece, _, where), result in zip(routes, results, strict=True):
-                _put_columns(out, where, piece, result[piece.name])
-            return out
+                out = results[0][table]
+            else:
+                out = np.empty((len(ids), config.dim), np.float32)
+                for (piece, _, where), result in zip(routes, results, strict=True):
+                    _put_columns(out, where, piece, result[piece.name])
+            return out if expand is None else take_rows(out, expand)
 
         return _when_all(futures, combine, self._pool)
 
@@ -243,7 +252,10 @@ class EmbeddingStore:
         config = self._config(table)
         ids = _pooling._check_ids(f"table {table!r}", ids)
         grads = self._grads(config, grads, len(ids))
-        if self.num_shards == 1:  # routing copies; otherwise copy: the caller may reuse them
+        summed_ids, summed = sum_duplicates(ids, grads)  # in call order, as a shard would
+        if summed_ids is not ids:
+            ids, grads = summed_ids, summed  # new arrays: each distinct id is sent once
+        elif self.num_shards == 1:  # routing copies; otherwise copy: the caller may reuse them
             ids, grads = ids.copy(), grads.copy()
         futures = [
             self._submit(

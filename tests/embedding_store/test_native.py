@@ -9,6 +9,7 @@ from embedding_store import (
     SparseOptimizerConfig,
     TableConfig,
     _arrays,
+    _native,
     _optimizers,
     _slot_map,
 )
@@ -76,7 +77,7 @@ def test_in_place_step_matches_numpy_and_skips_nonfinite_rows(monkeypatch, name)
 def test_sparse_step_rejects_rows_outside_the_table():
     values = np.zeros((4, DIM), np.float32)
     with pytest.raises(IndexError, match="out of range"):
-        _arrays._native.sparse_step(
+        _native.sparse_step(
             1,
             values,
             values.copy(),

@@ -70,3 +70,29 @@ def test_lookup_features_one_request_per_shard():
         calls.clear()
         store.apply_pooled_gradients(result, np.ones((3, 3, 4), np.float32)).result()
         assert sorted(calls) == [(0, "apply_gradients"), (1, "apply_gradients")]
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_repeated_ids_go_to_their_shard_once(num_shards):
+    """A lookup or update with repeats sends each distinct id once; the results are those
+    of sending every occurrence (rows expanded back, gradients summed in call order)."""
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 50, 400).astype(np.uint64)
+    grads = rng.normal(size=(400, 4)).astype(np.float32)
+    adagrad = SparseOptimizerConfig(name="adagrad", learning_rate=0.3)
+    with EmbeddingStore([_table(optimizer=adagrad)], num_shards=num_shards) as store:
+        rows = store.lookup("ads", ids).result()
+        assert store.stats()["lookups"] == len(np.unique(ids))
+        store.apply_gradients("ads", ids, grads).result()
+        after = store.lookup("ads", ids, train=False).result()
+    with EmbeddingStore([_table(optimizer=adagrad)], num_shards=num_shards) as store:
+        for i in range(len(ids)):  # one occurrence per call: the first sighting creates the row
+            np.testing.assert_array_equal(
+                store.lookup("ads", ids[i : i + 1]).result(), rows[i : i + 1]
+            )
+        unique, inverse = np.unique(ids, return_inverse=True)
+        summed = np.zeros((len(unique), 4), np.float32)
+        for i, g in zip(inverse, grads, strict=True):
+            summed[i] += g  # in call order
+        store.apply_gradients("ads", unique, summed).result()
+        np.testing.assert_array_equal(store.lookup("ads", ids, train=False).result(), after)
