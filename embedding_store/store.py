@@ -80,6 +80,26 @@ def _when_all(futures: Sequence[Future], combine: Callable[[list], Any], pool) -
     return result
 
 
+class _Inline:
+    """An executor that runs each call at once on the calling thread.
+
+    The store's calls to one in-process shard go through it: the shard's tables lock
+    themselves, and the native kernels release the GIL, so a thread hand-off per request
+    (and another to combine the result) would cost more than it overlaps.
+    """
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's future
+            future.set_exception(error)
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
 class EmbeddingStore:
     """Sharded embedding tables with async lookups and sparse optimizer updates.
 
@@ -89,6 +109,10 @@ class EmbeddingStore:
         shards: shard backends (e.g. remote shards); shard i must own the ids with
             `routing.shard_of(id, len(shards)) == i`.
         num_workers: client threads that combine shard results and pool features.
+
+    With one in-process shard, calls run on the caller's thread (the returned futures
+    are done); with several shards or remote ones, each shard has a worker thread so
+    that shards work in parallel, and the futures complete as they answer.
 
     Example:
         store = EmbeddingStore([TableConfig(name="ads", dim=16, capacity=10**6)], num_shards=4)
@@ -130,11 +154,16 @@ class EmbeddingStore:
                 for i in range(num_shards)
             ]
         self._shards: list[Shard] = shards
-        self._executors = [
-            ThreadPoolExecutor(1, thread_name_prefix=f"embedding-shard-{i}")
-            for i in range(num_shards)
-        ]
-        self._pool = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="embedding-client")
+        if num_shards == 1 and isinstance(shards[0], LocalShard):
+            self._executors, self._pool = [_Inline()], _Inline()
+        else:
+            self._executors = [
+                ThreadPoolExecutor(1, thread_name_prefix=f"embedding-shard-{i}")
+                for i in range(num_shards)
+            ]
+            self._pool = ThreadPoolExecutor(
+                max(1, num_workers), thread_name_prefix="embedding-client"
+            )
         self._background: list[Future] = []
         self._step = 0
         self._chain: tuple[str, int] | None = None  # (url, step) this store's rows extend

@@ -136,6 +136,19 @@ def _take(rows: _Rows, index: np.ndarray) -> _Rows:
     return out
 
 
+def _slice(rows: _Rows, start: int, stop: int) -> _Rows:
+    """Rows [start, stop) as views (no copy), where `_take` of a range would copy."""
+    out: _Rows = {"label": rows["label"][start:stop], "dense": rows["dense"][start:stop], "ids": {}}
+    for name, ids in rows["ids"].items():
+        if isinstance(ids, np.ndarray):
+            out["ids"][name] = ids[start:stop]
+        else:
+            offsets = ids.offsets[start : stop + 1]
+            values = ids.values[offsets[0] : offsets[-1]]
+            out["ids"][name] = RaggedIds(values=values, offsets=offsets - offsets[0])
+    return out
+
+
 def _concat(parts: Sequence[_Rows]) -> _Rows:
     if len(parts) == 1:
         return parts[0]
@@ -368,7 +381,7 @@ class ParquetReader:
             count = len(rows["label"])
             while offset < count and produced < num_batches:
                 take = min(self.batch_size - pending_rows, count - offset)
-                pending.append(_take(rows, np.arange(offset, offset + take)))
+                pending.append(_slice(rows, offset, offset + take))
                 pending_rows += take
                 offset += take
                 if pending_rows == self.batch_size:

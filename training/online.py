@@ -43,7 +43,7 @@ from model import NonFiniteLossError, make_train_step
 from pipeline import ManifestEntry, read_shards
 from training.checkpoint import RunCheckpoints
 from training.hybrid import HybridPipeline
-from training.input import Batch, _Columns, _concat, _rows_from_arrow, _take
+from training.input import Batch, _Columns, _concat, _rows_from_arrow, _slice
 from training.job import CONFIG_FILE, prepare
 from training.run_log import RunLog
 
@@ -114,7 +114,7 @@ class StreamReader:
             while size:
                 rows = self._shard_rows(shard)
                 take = min(size, len(rows["label"]) - offset)
-                parts.append(_take(rows, np.arange(offset, offset + take)))
+                parts.append(_slice(rows, offset, offset + take))
                 pieces.append((shard, take))
                 offset += take
                 size -= take
