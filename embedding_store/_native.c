@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #define EMPTY 0ULL
+#define PREFETCH 8 /* entries or rows ahead to prefetch in scattered loops */
 #define TOMBSTONE 0xFFFFFFFFFFFFFFFFULL
 
 static inline uint64_t mix64(uint64_t z) {
@@ -52,6 +53,7 @@ static PyObject *slot_find(PyObject *self, PyObject *args) {
     int64_t *slots = (int64_t *)out.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH < n) __builtin_prefetch(table + 2 * (mix64(keys[i + PREFETCH] + offset) & mask));
         uint64_t key = keys[i], position = mix64(key + offset) & mask;
         int64_t found = -1;
         for (;;) {
@@ -251,6 +253,13 @@ static PyObject *sparse_step(PyObject *self, PyObject *args) {
     int bad = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH < n) {  /* rows are scattered: ask for a later one's lines now */
+            int64_t ahead = line[i + PREFETCH];
+            if (ahead >= 0 && ahead < rows) {
+                __builtin_prefetch(w + ahead * dim, 1);
+                if (kind == 1) __builtin_prefetch(acc + ahead * dim, 1);
+            }
+        }
         const float *gi = g + i * dim;
         int finite = 1;
         for (Py_ssize_t j = 0; j < dim; j++) finite &= isfinite(gi[j]) != 0;

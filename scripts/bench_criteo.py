@@ -134,7 +134,7 @@ def _train(
     else:
         steady = last["samples_per_s"]
     phases = {}
-    for name in ("wait_ms", "step_ms", "update_ms"):
+    for name in ("wait_ms", "step_ms", "device_ms", "update_ms"):
         values = [r[name] for r in steady_steps if name in r] or [0.0]
         phases[name] = round(sum(values) / len(values), 2)
     result = {
@@ -156,7 +156,8 @@ def _train(
     print(
         f"   e2e {result['e2e_samples_per_s']:,.0f} samples/s ({seconds:.1f} s), steady "
         f"{steady:,.0f} samples/s, AUC {result['auc']:.4f}, peak RSS {rss_gb:.2f} GB, per step: "
-        f"wait {phases['wait_ms']} ms, step {phases['step_ms']} ms, update "
+        f"wait {phases['wait_ms']} ms, step {phases['step_ms']} ms, device "
+        f"{phases['device_ms']} ms, update "
         f"{phases['update_ms']} ms, slowest {result['slowest_step_ms']:.0f} ms",
         flush=True,
     )
@@ -284,7 +285,7 @@ def main() -> None:
 
     print(
         "\n| batch | e2e samples/s | steady samples/s | dense-only | steady/dense | e2e/dense "
-        "| AUC | peak RSS GB | wait/step/update ms | slowest step ms |"
+        "| AUC | peak RSS GB | wait/step/device/update ms | slowest step ms |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for batch, r in [*results.items(), *([("512 sync", sync)] if sync else [])]:
@@ -293,7 +294,8 @@ def main() -> None:
             f"| {batch} | {r['e2e_samples_per_s']:,.0f} | {r['steady_samples_per_s']:,.0f} | "
             f"{limit:,.0f} | {r['steady_samples_per_s'] / limit:.2f} | "
             f"{r['e2e_samples_per_s'] / limit:.2f} | {r['auc']:.4f} | {r['peak_rss_gb']:.2f} | "
-            f"{r['wait_ms']}/{r['step_ms']}/{r['update_ms']} | {r['slowest_step_ms']:.0f} |"
+            f"{r['wait_ms']:.1f}/{r['step_ms']:.1f}/{r['device_ms']:.1f}/{r['update_ms']:.1f} | "
+            f"{r['slowest_step_ms']:.0f} |"
         )
     summary = {
         f"steady_over_dense_b{b}": round(results[b]["steady_samples_per_s"] / dense[b], 3)

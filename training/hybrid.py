@@ -7,7 +7,10 @@
                                the store's workers), at most `lookahead` batches ahead
     transfer  transfer thread  waits for each lookup in order and copies its embeddings,
                                dense features and labels to the devices
-    step      caller           the jitted dense step, dispatched without waiting for it
+    step      caller           the jitted dense step, dispatched without waiting for it;
+                               then the caller waits until at most `steps_ahead` steps
+                               are unfinished (the devices stay busy, the host does not
+                               run further ahead of them than that)
     update    update thread    once the step is done: its embedding gradients to the host,
                                mapped back to rows and handed to the store (applied by its
                                workers); the applied update returns the staleness slot
@@ -118,6 +121,9 @@ class HybridPipeline:
         staleness: the bound k (0 = synchronous).
         lookahead: lookups issued ahead of the batch being trained, within k (0 = as many
             as k allows); 1 hides the store's latency behind one dense step.
+        steps_ahead: after dispatching a step, wait until at most this many dispatched
+            steps are unfinished (0 = never wait): what runs ahead of the devices only
+            adds staleness.
         first_step: the step number of the first batch.
         prefetch: batches decoded ahead by the input thread.
         rows: the rows of each batch this process trains on (all unless each process reads
@@ -141,6 +147,7 @@ class HybridPipeline:
         pooling: str,
         staleness: int,
         lookahead: int = 1,
+        steps_ahead: int = 1,
         first_step: int = 1,
         prefetch: int = 4,
         rows: slice = slice(None),
@@ -160,6 +167,8 @@ class HybridPipeline:
         self._gather = gather
         self._nice = nice
         self._ahead = threading.Semaphore(lookahead) if lookahead > 0 else None
+        self._steps_ahead = steps_ahead
+        self._unfinished: list[Any] = []  # outputs of dispatched steps, oldest first
         self._lookup_lock = threading.Lock()
         self._paused = False
         # (lookup, embedding gradients) of each dense step, in order, for the update thread
@@ -200,6 +209,11 @@ class HybridPipeline:
         clock = self._time("wait_ms", clock)
         self.state, metrics, embedding_grads = self._train_step(self.state, item.device_batch)
         clock = self._time("step_ms", clock)
+        if self._steps_ahead:
+            self._unfinished.append(metrics)
+            while len(self._unfinished) > self._steps_ahead:
+                jax.block_until_ready(self._unfinished.pop(0))
+            clock = self._time("device_ms", clock)
         if quiesce:
             self._pause_lookups()  # no lookup may slip in between this update and the snapshot
         if self._replicated:  # a collective: every process, in step order, on this thread

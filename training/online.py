@@ -334,6 +334,7 @@ class OnlineTrainer:
             pooling=config.embedding.pooling,
             staleness=config.hybrid.staleness,
             lookahead=config.hybrid.lookahead,
+            steps_ahead=config.hybrid.steps_ahead,
             first_step=self.step + 1,
             prefetch=config.data.prefetch,
             nice=config.hybrid.background_nice if config.hybrid.staleness else 0,

@@ -126,6 +126,7 @@ class HybridTrainer:
             pooling=config.embedding.pooling,
             staleness=config.hybrid.staleness,
             lookahead=config.hybrid.lookahead,
+            steps_ahead=config.hybrid.steps_ahead,
             first_step=first_step,
             prefetch=config.data.prefetch,
             rows=rows,
