@@ -448,6 +448,7 @@ def _run_with_progress(pipeline, progress_dir: str | None, total_bytes: int, str
             result.wait_until_finish()
         except BaseException as error:  # re-raised on the calling thread
             failure.append(error)
+            runners.stop_runner(result)  # tasks still running would write after the cleanup
         finally:
             runners.close_runner_client(result)
 

@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import time
 from collections.abc import Iterator, Sequence
 
 from apache_beam.options.pipeline_options import (
@@ -230,6 +231,22 @@ def _link(cluster) -> str | None:
         return cluster.dashboard_link
     except Exception:  # no dashboard (bokeh missing): nothing to print
         return None
+
+
+def stop_runner(result, timeout: float = 60.0) -> None:
+    """After a failed Dask run: cancels the job's remaining tasks and waits (up to `timeout`
+    seconds) until no task is running on the cluster, so that no worker still writes into
+    the output once the caller removes the partial files. No-op for other runners."""
+    client = getattr(result, "client", None)
+    if client is None or not hasattr(result, "cancel"):
+        return
+    try:
+        result.cancel()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(client.processing().values()):
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the cluster is gone: nothing of it still writes
+        pass
 
 
 def close_runner_client(result) -> None:
