@@ -323,28 +323,28 @@ class EmbeddingStore:
         planned, tables, batch, dim = _pooling.plan(features, feature_tables, dims, pooling)
         requests: dict[int, dict[str, np.ndarray]] = {}
         for table, ids in tables.items():
+            # {stored piece: [(shard, positions in ids.unique)]}, kept for the backward pass
             ids.routes = {}
             for piece in self._slices[table]:
-                order, bounds = partition(ids.unique, self.num_shards, table_offset(piece))
-                ids.routes[piece.name] = (order, bounds)
-                for shard in range(self.num_shards):
-                    if bounds[shard + 1] > bounds[shard]:
-                        requests.setdefault(shard, {})[piece.name] = ids.unique[
-                            order[bounds[shard] : bounds[shard + 1]]
-                        ]
+                ids.routes[piece.name] = self._route(ids.unique, table_offset(piece))
+                for shard, where in ids.routes[piece.name]:
+                    requests.setdefault(shard, {})[piece.name] = ids.unique[where]
         shards = sorted(requests)
         futures = [self._submit(s, "lookup", requests[s], train=train) for s in shards]
 
         def combine(results):
+            by_shard = dict(zip(shards, results, strict=True))
             rows = {}
             for table, ids in tables.items():
+                pieces = self._slices[table]
+                routes = ids.routes[pieces[0].name]
+                if len(pieces) == 1 and len(routes) == 1 and isinstance(routes[0][1], slice):
+                    rows[table] = by_shard[routes[0][0]][pieces[0].name]  # one shard: as is
+                    continue
                 unique_rows = np.empty((len(ids.unique), dim), np.float32)
-                for piece in self._slices[table]:
-                    order, bounds = ids.routes[piece.name]
-                    for shard, result in zip(shards, results, strict=True):
-                        if piece.name in result:
-                            where = order[bounds[shard] : bounds[shard + 1]]
-                            _put_columns(unique_rows, where, piece, result[piece.name])
+                for piece in pieces:
+                    for shard, where in ids.routes[piece.name]:
+                        _put_columns(unique_rows, where, piece, by_shard[shard][piece.name])
                 rows[table] = unique_rows
             embeddings = _pooling.pool(planned, tables, rows, batch, dim, pooling)
             return PooledLookup(embeddings, tuple(features), pooling, planned, tables)
@@ -372,15 +372,12 @@ class EmbeddingStore:
         for table, table_grads in per_table.items():
             ids = lookup._tables[table]
             for piece in self._slices[table]:
-                order, bounds = ids.routes[piece.name]
                 piece_grads = _columns(table_grads, piece)
-                for shard in range(self.num_shards):
-                    if bounds[shard + 1] > bounds[shard]:
-                        where = order[bounds[shard] : bounds[shard + 1]]
-                        requests.setdefault(shard, {})[piece.name] = (
-                            ids.unique[where],
-                            take_rows(piece_grads, where),
-                        )
+                for shard, where in ids.routes[piece.name]:
+                    requests.setdefault(shard, {})[piece.name] = (
+                        ids.unique[where],
+                        _rows(piece_grads, where),
+                    )
         futures = [self._submit(s, "apply_gradients", r) for s, r in sorted(requests.items())]
         return _when_all(futures, lambda _: None, self._pool)
 
