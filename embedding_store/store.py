@@ -174,6 +174,12 @@ class EmbeddingStore:
         return len(self._shards)
 
     @property
+    def inline(self) -> bool:
+        """Whether calls run on the caller's thread (one in-process shard): every returned
+        future is done."""
+        return isinstance(self._pool, _Inline)
+
+    @property
     def tables(self) -> dict[str, TableConfig]:
         return dict(self._configs)
 

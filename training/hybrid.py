@@ -6,7 +6,8 @@
     lookup    lookup thread    takes a staleness slot, then `store.lookup_features` (run by
                                the store's workers), at most `lookahead` batches ahead
     transfer  transfer thread  waits for each lookup in order and copies its embeddings,
-                               dense features and labels to the devices
+                               dense features and labels to the devices (done by the
+                               lookup thread when the store answers on its thread)
     step      caller           the jitted dense step, dispatched without waiting for it;
                                then the caller waits until at most `steps_ahead` steps
                                are unfinished (the devices stay busy, the host does not
@@ -182,12 +183,16 @@ class HybridPipeline:
         self._looked_up: queue.Queue = queue.Queue()
         self._ready: queue.Queue = queue.Queue()
         self._next_step = first_step
+        # A store that answers on the caller's thread has its rows at hand when the lookup
+        # returns: the lookup thread then copies them to the devices itself (no hand-off).
+        self._direct = bool(getattr(store, "inline", False))
         self._threads = [
             threading.Thread(target=self._read, args=(batches,), name="hybridrec-input"),
             threading.Thread(target=self._lookup, args=(first_step,), name="hybridrec-lookup"),
-            threading.Thread(target=self._transfer, name="hybridrec-transfer"),
             threading.Thread(target=self._update, name="hybridrec-update"),
         ]
+        if not self._direct:
+            self._threads.append(threading.Thread(target=self._transfer, name="hybridrec-transfer"))
         for thread in self._threads:
             thread.daemon = True
             thread.start()
@@ -329,7 +334,7 @@ class HybridPipeline:
             while True:
                 item = self._get(self._input)
                 if item is _END or isinstance(item, BaseException):
-                    self._put(self._looked_up, item)
+                    self._put(self._ready if self._direct else self._looked_up, item)
                     return
                 if self._ahead is not None:
                     while not self._ahead.acquire(timeout=0.05):
@@ -348,34 +353,36 @@ class HybridPipeline:
                         feature_tables=self._feature_tables,
                         pooling=self._pooling,
                     )
-                self._put(self._looked_up, (step, item, future, staleness))
+                if self._direct:
+                    self._put(self._ready, self._to_devices(step, item, future, staleness))
+                else:
+                    self._put(self._looked_up, (step, item, future, staleness))
                 step += 1
         except BaseException as error:
-            self._put(self._looked_up, error)
+            self._put(self._ready if self._direct else self._looked_up, error)
 
     def _transfer(self) -> None:
         lower_thread_priority(self._nice)
-        rows = self._rows
         try:
             while True:
                 item = self._get(self._looked_up)
                 if item is _END or isinstance(item, BaseException):
                     self._put(self._ready, item)
                     return
-                step, batch, future, staleness = item
-                lookup = future.result()
-                embeddings = lookup.embeddings[rows] if self._replicated else lookup.embeddings
-                device_batch = make_global_batch(
-                    {
-                        "embeddings": embeddings,
-                        "dense": batch.dense[rows],
-                        "labels": batch.labels[rows],
-                    },
-                    self._mesh,
-                )
-                self._put(self._ready, _Ready(step, batch, lookup, device_batch, staleness))
+                self._put(self._ready, self._to_devices(*item))
         except BaseException as error:
             self._put(self._ready, error)
+
+    def _to_devices(self, step: int, batch: Batch, future: Future, staleness: int) -> _Ready:
+        """Waits for the batch's lookup and copies what the step needs to the devices."""
+        rows = self._rows
+        lookup = future.result()
+        embeddings = lookup.embeddings[rows] if self._replicated else lookup.embeddings
+        device_batch = make_global_batch(
+            {"embeddings": embeddings, "dense": batch.dense[rows], "labels": batch.labels[rows]},
+            self._mesh,
+        )
+        return _Ready(step, batch, lookup, device_batch, staleness)
 
     def _update(self) -> None:
         # Not lowered: an update that lags raises the staleness the next lookups see.
