@@ -13,16 +13,24 @@ the order of the distinct values differs (first occurrence instead of sorted).
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import numpy as np
 
-try:
-    from embedding_store import _native
-except ImportError:  # a source tree without the built extension (see setup.py)
-    _native = None
-if os.environ.get("HYBRIDREC_NATIVE", "1") == "0":
-    _native = None
+
+def _load_native():
+    """The compiled kernels (a C module that imports nothing of this package), or None in
+    a source tree without the built extension (see setup.py) or with HYBRIDREC_NATIVE=0."""
+    if os.environ.get("HYBRIDREC_NATIVE", "1") == "0":
+        return None
+    try:
+        return importlib.import_module("embedding_store._native")
+    except ImportError:
+        return None
+
+
+_native = _load_native()
 
 
 def _row_view(array: np.ndarray) -> np.ndarray | None:

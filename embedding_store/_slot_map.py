@@ -26,19 +26,11 @@ serve a source tree used without installing (or HYBRIDREC_NATIVE=0).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from embedding_store._arrays import _native
 from embedding_store._growth import Ahead
 from embedding_store._hashing import SALT_SLOT, mix64, salt_offset
-
-try:
-    from embedding_store import _native
-except ImportError:  # a source tree without the built extension
-    _native = None
-if os.environ.get("HYBRIDREC_NATIVE", "1") == "0":
-    _native = None
 
 EMPTY = np.uint64(0)
 TOMBSTONE = np.uint64(0xFFFFFFFFFFFFFFFF)

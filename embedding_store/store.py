@@ -8,9 +8,8 @@ thread reach every shard in that order, while different shards work in parallel
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -20,6 +19,7 @@ from common.errors import UserError
 from embedding_store import _pooling
 from embedding_store import checkpoint as _checkpoint
 from embedding_store._arrays import put_rows, sum_duplicates, take_rows, unique_inverse
+from embedding_store._calls import Inline, _when_all
 from embedding_store._pooling import FeatureIds, PooledLookup
 from embedding_store.columns import column_slices, stored_tables
 from embedding_store.config import TableConfig
@@ -45,59 +45,6 @@ def _put_columns(out: np.ndarray, where, piece: TableConfig, rows: np.ndarray) -
         put_rows(out, where, rows)
     else:
         out[where, piece.first_column : piece.first_column + piece.dim] = rows
-
-
-def _when_all(futures: Sequence[Future], combine: Callable[[list], Any], pool) -> Future:
-    """A future for `combine([results])`, computed on `pool` once every input is done."""
-    result: Future = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def finish():
-        try:
-            result.set_result(combine([f.result() for f in futures]))
-        except BaseException as error:  # noqa: BLE001 - handed to the caller's future
-            result.set_exception(error)
-
-    def done(_):
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            result.set_exception(errors[0])
-        else:
-            try:
-                pool.submit(finish)
-            except RuntimeError:  # pool shut down: finish here
-                finish()
-
-    if not futures:
-        pool.submit(finish)
-    for future in futures:
-        future.add_done_callback(done)
-    return result
-
-
-class _Inline:
-    """An executor that runs each call at once on the calling thread.
-
-    The store's calls to one in-process shard go through it: the shard's tables lock
-    themselves, and the native kernels release the GIL, so a thread hand-off per request
-    (and another to combine the result) would cost more than it overlaps.
-    """
-
-    def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as error:  # noqa: BLE001 - handed to the caller's future
-            future.set_exception(error)
-        return future
-
-    def shutdown(self, wait: bool = True) -> None:
-        pass
 
 
 class EmbeddingStore:
@@ -155,7 +102,7 @@ class EmbeddingStore:
             ]
         self._shards: list[Shard] = shards
         if num_shards == 1 and isinstance(shards[0], LocalShard):
-            self._executors, self._pool = [_Inline()], _Inline()
+            self._executors, self._pool = [Inline()], Inline()
         else:
             self._executors = [
                 ThreadPoolExecutor(1, thread_name_prefix=f"embedding-shard-{i}")
@@ -177,7 +124,7 @@ class EmbeddingStore:
     def inline(self) -> bool:
         """Whether calls run on the caller's thread (one in-process shard): every returned
         future is done."""
-        return isinstance(self._pool, _Inline)
+        return isinstance(self._pool, Inline)
 
     @property
     def tables(self) -> dict[str, TableConfig]:
