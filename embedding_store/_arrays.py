@@ -144,7 +144,7 @@ def sum_by_inverse(rows: np.ndarray, inverse: np.ndarray, groups: int) -> np.nda
 def sum_duplicates(keys: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct keys [u] and the float32 sum of each key's rows [u, width], in input order."""
     if _native is not None:
-        unique, inverse = unique_inverse(keys.astype(np.uint64, copy=False))
+        unique, inverse = unique_inverse(keys)
         if len(unique) == len(keys):
             return keys, rows
         return unique.astype(keys.dtype), sum_by_inverse(rows, inverse, len(unique))

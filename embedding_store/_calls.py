@@ -1,6 +1,6 @@
 """How the store runs its calls: a worker thread per shard, or on the caller's thread.
 
-`_when_all` joins the futures of one store call (one per shard) into the future the
+`when_all` joins the futures of one store call (one per shard) into the future the
 caller gets; `Inline` is the executor of a store with one in-process shard.
 """
 
@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from typing import Any
 
 
-def _when_all(futures: Sequence[Future], combine: Callable[[list], Any], pool) -> Future:
+def when_all(futures: Sequence[Future], combine: Callable[[list], Any], pool) -> Future:
     """A future for `combine([results])`, computed on `pool` once every input is done."""
     result: Future = Future()
     remaining = [len(futures)]

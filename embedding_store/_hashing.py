@@ -20,7 +20,7 @@ SALT_ADMIT = 0x5A17_0004
 
 def salt_offset(salt: int) -> int:
     """What `mix64` adds to each value before mixing: (salt + 1) * golden, mod 2^64."""
-    return ((salt + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    return ((salt + 1) * int(_GOLDEN)) & 0xFFFFFFFFFFFFFFFF
 
 
 def mix64(values: np.ndarray, salt: int) -> np.ndarray:

@@ -25,6 +25,21 @@ static inline uint64_t mix64(uint64_t z) {
     return z;
 }
 
+/* Where `key`'s probe chain starts. */
+static inline uint64_t home(uint64_t key, uint64_t offset, uint64_t mask) {
+    return mix64(key + offset) & mask;
+}
+
+/* The position of `key`'s live entry, or -1 when the chain holds none. */
+static inline int64_t live_entry(const uint64_t *table, uint64_t mask, uint64_t key,
+                                 uint64_t offset) {
+    for (uint64_t position = home(key, offset, mask);; position = (position + 1) & mask) {
+        uint64_t stored = table[2 * position + 1];
+        if (stored == EMPTY) return -1;
+        if (stored != TOMBSTONE && table[2 * position] == key) return (int64_t)position;
+    }
+}
+
 static int table_of(Py_buffer *entries, uint64_t **table, uint64_t *mask) {
     Py_ssize_t capacity = entries->len / 16;
     if (entries->len % 16 || capacity == 0 || (capacity & (capacity - 1))) {
@@ -53,19 +68,9 @@ static PyObject *slot_find(PyObject *self, PyObject *args) {
     int64_t *slots = (int64_t *)out.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH < n) __builtin_prefetch(table + 2 * (mix64(keys[i + PREFETCH] + offset) & mask));
-        uint64_t key = keys[i], position = mix64(key + offset) & mask;
-        int64_t found = -1;
-        for (;;) {
-            uint64_t stored = table[2 * position + 1];
-            if (stored == EMPTY) break;
-            if (stored != TOMBSTONE && table[2 * position] == key) {
-                found = (int64_t)(stored - 1);
-                break;
-            }
-            position = (position + 1) & mask;
-        }
-        slots[i] = found;
+        if (i + PREFETCH < n) __builtin_prefetch(table + 2 * home(keys[i + PREFETCH], offset, mask));
+        int64_t position = live_entry(table, mask, keys[i], offset);
+        slots[i] = position < 0 ? -1 : (int64_t)(table[2 * position + 1] - 1);
     }
     Py_END_ALLOW_THREADS
     result = Py_None;
@@ -94,7 +99,7 @@ static PyObject *slot_place(PyObject *self, PyObject *args) {
     const uint64_t *keys = (const uint64_t *)ids.buf, *values = (const uint64_t *)stored.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t position = mix64(keys[i] + offset) & mask;
+        uint64_t position = home(keys[i], offset, mask);
         while (table[2 * position + 1] != EMPTY) position = (position + 1) & mask;
         table[2 * position] = keys[i];
         table[2 * position + 1] = values[i];
@@ -122,16 +127,10 @@ static PyObject *slot_remove(PyObject *self, PyObject *args) {
     const uint64_t *keys = (const uint64_t *)ids.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t key = keys[i], position = mix64(key + offset) & mask;
-        for (;;) {
-            uint64_t stored = table[2 * position + 1];
-            if (stored == EMPTY) break;
-            if (stored != TOMBSTONE && table[2 * position] == key) {
-                table[2 * position + 1] = TOMBSTONE;
-                removed++;
-                break;
-            }
-            position = (position + 1) & mask;
+        int64_t position = live_entry(table, mask, keys[i], offset);
+        if (position >= 0) {
+            table[2 * position + 1] = TOMBSTONE;
+            removed++;
         }
     }
     Py_END_ALLOW_THREADS
@@ -202,7 +201,7 @@ static PyObject *segment_sum(PyObject *self, PyObject *args) {
     float *sums = (float *)out.buf;
     int bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && !bad; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         int64_t group = index[i];
         if (group < 0 || group >= groups) {
             bad = 1;

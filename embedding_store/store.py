@@ -19,7 +19,7 @@ from common.errors import UserError
 from embedding_store import _pooling
 from embedding_store import checkpoint as _checkpoint
 from embedding_store._arrays import put_rows, sum_duplicates, take_rows, unique_inverse
-from embedding_store._calls import Inline, _when_all
+from embedding_store._calls import Inline, when_all
 from embedding_store._pooling import FeatureIds, PooledLookup
 from embedding_store.columns import column_slices, stored_tables
 from embedding_store.config import TableConfig
@@ -221,7 +221,7 @@ class EmbeddingStore:
                     _put_columns(out, where, piece, result[piece.name])
             return out if expand is None else take_rows(out, expand)
 
-        return _when_all(futures, combine, self._pool)
+        return when_all(futures, combine, self._pool)
 
     def apply_gradients(self, table: str, ids: np.ndarray, grads: np.ndarray) -> Future:
         """Applies the table's optimizer; a future of None.
@@ -248,7 +248,7 @@ class EmbeddingStore:
             for piece in self._slices[table]
             for shard, where in self._route(ids, table_offset(piece))
         ]
-        return _when_all(futures, lambda _: None, self._pool)
+        return when_all(futures, lambda _: None, self._pool)
 
     # ----------------------------------------------------------------- pooled features
 
@@ -302,7 +302,7 @@ class EmbeddingStore:
             embeddings = _pooling.pool(planned, tables, rows, batch, dim, pooling)
             return PooledLookup(embeddings, tuple(features), pooling, planned, tables)
 
-        return _when_all(futures, combine, self._pool)
+        return when_all(futures, combine, self._pool)
 
     def apply_pooled_gradients(self, lookup: PooledLookup, grads: np.ndarray) -> Future:
         """Backward of `lookup_features`: a future of None.
@@ -332,7 +332,7 @@ class EmbeddingStore:
                         _rows(piece_grads, where),
                     )
         futures = [self._submit(s, "apply_gradients", r) for s, r in sorted(requests.items())]
-        return _when_all(futures, lambda _: None, self._pool)
+        return when_all(futures, lambda _: None, self._pool)
 
     # ----------------------------------------------------------------- control
 
@@ -366,7 +366,7 @@ class EmbeddingStore:
         """A future of `stats()`, answered once each shard has done the work queued before it."""
         step = self._step
         futures = [self._submit(s, "stats") for s in range(self.num_shards)]
-        return _when_all(futures, lambda per_shard: self._merge_stats(step, per_shard), self._pool)
+        return when_all(futures, lambda per_shard: self._merge_stats(step, per_shard), self._pool)
 
     def _merge_stats(self, step: int, per_shard: list[dict]) -> dict[str, Any]:
         tables: dict[str, dict[str, int]] = {}
