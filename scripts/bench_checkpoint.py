@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_criteo import REPO, SAMPLE, _check_criteo, _dataset, _fail
+from bench_criteo import REPO, _dataset, _fail, checked_inputs
 
 from common import config as config_lib
 from embedding_store import EmbeddingStore, TableConfig, checkpoint
@@ -133,11 +133,7 @@ def main() -> None:
         "--seeds", type=int, nargs="+", default=[0], help="seeds; AUC deltas are their mean"
     )
     args = parser.parse_args()
-    inputs = args.input or [SAMPLE]
-    if not args.input and not SAMPLE.exists():
-        _fail(f"{SAMPLE} is absent: pass --input FILE... (Criteo-format files)")
-    for path in inputs:
-        _check_criteo(path)
+    inputs = checked_inputs(args.input)
     data = _dataset(inputs, args.cache)
     work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     try:

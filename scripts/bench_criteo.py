@@ -67,6 +67,17 @@ def _check_criteo(path: Path) -> None:
         )
 
 
+def checked_inputs(given: list[Path] | None) -> list[Path]:
+    """The Criteo-format files to run on: `given`, else the shared sample; a one-line error
+    when the sample is absent or a file is not in the Criteo layout."""
+    if not given and not SAMPLE.exists():
+        _fail(f"{SAMPLE} is absent: pass --input FILE... (Criteo-format files)")
+    inputs = given or [SAMPLE]
+    for path in inputs:
+        _check_criteo(path)
+    return inputs
+
+
 def _dataset(inputs: list[Path], cache: Path) -> Path:
     """The preprocessed dataset of `inputs`, from the cache or written into it atomically."""
     key = hashlib.sha256()
@@ -258,11 +269,7 @@ def main() -> None:
     if args.dense_child:
         _dense_child(args.dense_child, args.rounds)
         return
-    inputs = args.input or [SAMPLE]
-    if not args.input and not SAMPLE.exists():
-        _fail(f"{SAMPLE} is absent: pass --input FILE... (Criteo-format files)")
-    for path in inputs:
-        _check_criteo(path)
+    inputs = checked_inputs(args.input)
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the trainer's own device layout (1 CPU device here)
     # a compilation cache of this run alone: each shape's first run compiles (cold), as a

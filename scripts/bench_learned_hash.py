@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_criteo import REPO, SAMPLE, _check_criteo, _dataset, _fail  # noqa: E402
+from bench_criteo import REPO, _dataset, _fail, checked_inputs  # noqa: E402
 
 
 def _train(data: Path, run_dir: Path, batch: int, seed: int, extra: list[str]) -> dict:
@@ -58,11 +58,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = parser.parse_args()
-    inputs = args.input or [SAMPLE]
-    if not args.input and not SAMPLE.exists():
-        _fail(f"{SAMPLE} is absent: pass --input FILE... (Criteo-format files)")
-    for path in inputs:
-        _check_criteo(path)
+    inputs = checked_inputs(args.input)
     data = _dataset(inputs, args.cache)
     work = args.cache / "learned_hash"
     results: dict[str, list[dict]] = {"no_collision": [], "hashing_trick": [], "learned_hash": []}

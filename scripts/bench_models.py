@@ -225,11 +225,7 @@ def main() -> None:
     if args.dense_child:
         _dense_child(json.loads(args.dense_child), args.batch)
         return
-    inputs = args.input or [bench_criteo.SAMPLE]
-    if not args.input and not bench_criteo.SAMPLE.exists():
-        bench_criteo._fail(f"{bench_criteo.SAMPLE} is absent: pass --input FILE...")
-    for path in inputs:
-        bench_criteo._check_criteo(path)
+    inputs = bench_criteo.checked_inputs(args.input)
     parameters = {
         name: _dense_params(TECHNIQUES[name]) for name in args.techniques if name != "dmt"
     }

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_criteo import REPO, SAMPLE, _check_criteo, _dataset
+from bench_criteo import REPO, SAMPLE, _dataset, checked_inputs
 
 from common.progress import Progress
 from embedding_store import EmbeddingStore, InitializerConfig, SparseOptimizerConfig, TableConfig
@@ -268,12 +268,10 @@ def _balance(args) -> dict:
 
 def _wire_dtypes(args) -> dict:
     """Phase 5: bytes per sample and AUC per wire dtype, against float32."""
-    inputs = args.input or [SAMPLE]
     if not args.input and not SAMPLE.exists():
         print(f"wire dtypes skipped: {SAMPLE} is absent (pass --input)", file=sys.stderr)
         return {}
-    for path in inputs:
-        _check_criteo(path)
+    inputs = checked_inputs(args.input)
     data = _dataset(inputs, args.cache)
     workdir = Path(tempfile.mkdtemp(prefix="bench-remote-wire-"))
     per_seed = [
