@@ -98,6 +98,22 @@ class RemoteShard:
             maxlen=_RECENT_LOOKUPS
         )
         self._recent_lock = threading.Lock()
+        # Payload bytes this client sent and received, per operation (what the server
+        # counts as wire_bytes_*: Arrow buffers, headers, table names; no gRPC framing).
+        self._wire_bytes: collections.Counter[str] = collections.Counter()
+
+    @property
+    def wire_bytes(self) -> dict[str, int]:
+        """{"lookup_sent", "lookup_received", "apply_sent", "apply_received"}: payload bytes
+        of this client's calls that completed, retries of one call counted once."""
+        with self._recent_lock:
+            return dict(self._wire_bytes)
+
+    def _count_bytes(self, op: str, descriptor, batches, received: int) -> None:
+        sent = len(descriptor.command) + sum(batch.nbytes + len(table) for batch, table in batches)
+        with self._recent_lock:
+            self._wire_bytes[f"{op}_sent"] += sent
+            self._wire_bytes[f"{op}_received"] += received
 
     @property
     def address(self) -> str:
@@ -125,9 +141,10 @@ class RemoteShard:
         def attempt(client, options):
             writer, reader = _send(client, options, descriptor, wire.IDS_SCHEMA, batches)
             try:
-                rows = {}
+                rows, received = {}, 0
                 for table, ids in requests.items():
                     chunk = reader.read_chunk()
+                    received += chunk.data.nbytes + len(chunk.app_metadata or b"")
                     view = wire.decode_values(
                         chunk.data,
                         chunk.app_metadata,
@@ -139,11 +156,12 @@ class RemoteShard:
                     # Writable, like the in-process shard's rows (at float32 one memcpy;
                     # the receive buffer itself is immutable).
                     rows[table] = view if view.flags.writeable else view.copy()
-                return rows
+                return rows, received
             finally:
                 writer.close()
 
-        rows = self.connection.call(attempt, f"lookup on shard {self.index}")
+        rows, received = self.connection.call(attempt, f"lookup on shard {self.index}")
+        self._count_bytes("lookup", descriptor, batches, received)
         if train:
             with self._recent_lock:
                 self._recent.append((header.seq, dict(requests)))
@@ -200,11 +218,13 @@ class RemoteShard:
             writer, reader = _send(client, options, descriptor, schema, batches)
             try:
                 chunk = reader.read_chunk()
-                return wire.decode_json(chunk.app_metadata, "apply reply")
+                wire.decode_json(chunk.app_metadata, "apply reply")
+                return len(chunk.app_metadata or b"")
             finally:
                 writer.close()
 
-        self.connection.call(attempt, f"update on shard {self.index}")
+        received = self.connection.call(attempt, f"update on shard {self.index}")
+        self._count_bytes("apply", descriptor, batches, received)
 
     def set_step(self, step: int) -> None:
         """Remembers the step; every later request of this shard carries it (no extra call).

@@ -91,12 +91,24 @@ class DMT(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, embeddings: jax.Array, dense: jax.Array) -> jax.Array:
-        (embeddings,) = cast(self.dtype, embeddings)
         compressed = [
-            getattr(self, f"tower_{index}")(embeddings[:, np.asarray(group)])
+            self.tower(index, embeddings[:, np.asarray(group)])
             for index, group in enumerate(self.groups)
         ]
-        return self.global_tower(jnp.concatenate(compressed, axis=1), dense)  # [B, T*k, D]
+        return self.interact(jnp.concatenate(compressed, axis=1), dense)
+
+    def tower(self, index: int, embeddings: jax.Array) -> jax.Array:
+        """Tower `index` alone: its features' embeddings [B, n_t, D] -> [B, outputs, D].
+
+        The tower-parallel step (`model.tower_parallel`) runs each tower on its own devices
+        with this, then exchanges the outputs; `__call__` runs them all in place.
+        """
+        (embeddings,) = cast(self.dtype, embeddings)
+        return getattr(self, f"tower_{index}")(embeddings)
+
+    def interact(self, compressed: jax.Array, dense: jax.Array) -> jax.Array:
+        """The global tower on every tower's outputs [B, T * outputs, D] (tower order)."""
+        return self.global_tower(compressed, dense)
 
 
 def pooled_from_rows(ids: np.ndarray, values: np.ndarray, feature_ids: np.ndarray) -> np.ndarray:

@@ -282,6 +282,17 @@ def train_step(
     loss, (param_grads, embedding_grads) = jax.value_and_grad(objective, argnums=(0, 1))(
         state.params, batch["embeddings"]
     )
+    new_state, metrics = apply_dense_gradients(state, loss, param_grads)
+    return new_state, metrics, embedding_grads
+
+
+def apply_dense_gradients(
+    state: TrainState, loss: jax.Array, param_grads: Any
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """The optimizer update of a step whose loss and parameter gradients are computed.
+
+    Returns the new state and the step's metrics (see `train_step`).
+    """
     updates, opt_state = state.tx.update(param_grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(param_grads)
@@ -291,8 +302,7 @@ def train_step(
         "learning_rate": jnp.asarray(state.schedule(state.step), jnp.float32),
         "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
     }
-    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-    return new_state, metrics, embedding_grads
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def eval_step(state: TrainState, batch: Mapping[str, jax.Array]) -> jax.Array:

@@ -142,6 +142,26 @@ def test_remote_matches_in_process_and_checkpoints(start_servers, tmp_path):
         store.close()
 
 
+def test_clients_count_the_payload_bytes_their_servers_count(start_servers):
+    servers = start_servers([[0], [1]], num_shards=2)
+    shards = connect(_addresses(servers), TABLES)
+    store = EmbeddingStore(TABLES, num_shards=2, shards=shards)
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        ids = rng.integers(0, 500, size=100).astype(np.uint64)
+        rows = store.lookup("users", ids).result()
+        store.apply_gradients("users", ids, np.ones_like(rows)).result()
+        store.lookup("ads", ids[:10], train=False).result()
+    for shard, server in zip(shards, servers, strict=True):
+        counted = shard.wire_bytes
+        assert counted["lookup_sent"] > 8 * 50 and counted["apply_sent"] > 4 * 8 * 50
+        counters = server.stats()["counters"]
+        lookups = counters["wire_bytes_lookup"] + counters["wire_bytes_eval_lookup"]
+        assert counted["lookup_sent"] + counted["lookup_received"] == lookups
+        assert counted["apply_sent"] + counted["apply_received"] == counters["wire_bytes_apply"]
+    store.close()
+
+
 def test_handshake_rejects_a_misconfigured_server_set(start_servers):
     gap = start_servers([[0], [2]], num_shards=3)
     with pytest.raises(RemoteShardError, match=r"hosts shard\(s\) \[1\] of 3"):

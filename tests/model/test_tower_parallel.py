@@ -1,0 +1,110 @@
+"""Tower-parallel DMT on an 8-device CPU mesh: the flat DMT step's update, computed by towers."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from common.errors import ConfigError, UserError
+from model import (
+    MeshConfig,
+    create_train_state,
+    make_eval_step,
+    make_global_batch,
+    make_mesh,
+    make_train_step,
+)
+from model import tower_parallel as tp
+from model.collectives import collective_bytes
+
+NUM_FEATURES = 5
+ROWS = 32
+# uneven towers: the smaller ones run on zero-padded inputs
+LAYOUTS = {
+    "2 towers x 4": ((0, 3), (1, 2, 4)),
+    "4 towers x 2": ((4,), (0, 2), (1,), (3,)),
+}
+
+
+def _state(tiny_config, towers, mesh, dims, optimizer):
+    config = tiny_config("dlrm", towers=towers, tower_outputs=2, tower_mlp=(8,))
+    return create_train_state(config, optimizer, mesh, 0, **{**dims, "num_features": NUM_FEATURES})
+
+
+def _tower_batch(mesh, towers, batch):
+    local = {
+        tower: batch["embeddings"][rows][:, list(towers[tower])]
+        for tower, rows in tp.local_towers(mesh, ROWS).items()
+    }
+    return tp.make_tower_batch(mesh, towers, local, batch["dense"], batch["labels"])
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_tower_parallel_steps_match_the_flat_dmt_step(
+    name, tiny_config, dims, batch_factory, optimizer
+):
+    towers = LAYOUTS[name]
+    flat_mesh = make_mesh(MeshConfig(shape=(-1,), axis_names=("data",)))
+    mesh = tp.make_tower_mesh(len(towers))
+    flat_state = _state(tiny_config, towers, flat_mesh, dims, optimizer)
+    state = _state(tiny_config, towers, mesh, dims, optimizer)
+    flat_step = make_train_step(flat_mesh)
+    step = tp.make_tower_parallel_train_step(mesh, towers)
+    for seed in range(3):
+        batch = batch_factory(seed, ROWS, num_features=NUM_FEATURES)
+        flat_state, flat_metrics, flat_grads = flat_step(
+            flat_state, make_global_batch(batch, flat_mesh)
+        )
+        state, metrics, grads = step(state, _tower_batch(mesh, towers, batch))
+        np.testing.assert_allclose(float(metrics["loss"]), float(flat_metrics["loss"]), rtol=1e-6)
+        flat_grads = np.asarray(flat_grads)
+        by_tower = tp.local_tower_grads(grads, towers)
+        assert sorted(by_tower) == list(range(len(towers)))
+        for index, tower in enumerate(towers):
+            np.testing.assert_allclose(
+                by_tower[index], flat_grads[:, list(tower)], rtol=1e-5, atol=1e-7
+            )
+        # padding columns never receive a gradient
+        padded = np.asarray(grads)
+        for index, tower in enumerate(towers):
+            assert not padded[index, :, len(tower) :].any()
+    jax.tree.map(
+        # Adam amplifies rounding noise of ~0 gradients (as in test_sharded_step.py)
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5),
+        flat_state.params,
+        state.params,
+    )
+    batch = batch_factory(9, ROWS, num_features=NUM_FEATURES)
+    flat_probabilities = make_eval_step(flat_mesh)(flat_state, make_global_batch(batch, flat_mesh))
+    tower_batch = _tower_batch(mesh, towers, batch)
+    probabilities = tp.make_tower_parallel_eval_step(mesh, towers)(state, tower_batch)
+    np.testing.assert_allclose(
+        np.asarray(probabilities), np.asarray(flat_probabilities), rtol=1e-5, atol=1e-7
+    )
+
+
+def test_only_compressed_outputs_cross_the_tower_axis(tiny_config, dims, batch_factory, optimizer):
+    towers = LAYOUTS["2 towers x 4"]
+    mesh = tp.make_tower_mesh(2)
+    state = _state(tiny_config, towers, mesh, dims, optimizer)
+    batch = _tower_batch(mesh, towers, batch_factory(0, ROWS, num_features=NUM_FEATURES))
+    text = tp.make_tower_parallel_train_step(mesh, towers).lower(state, batch).compile().as_text()
+    moved = collective_bytes(text, 8)
+    exchanges = [op for op in moved["ops"] if op[0] == "all-to-all"]
+    # forward and backward: each device's [8 rows, 2 outputs, 8 dims] f32 outputs
+    assert [(group, size) for _, group, size in exchanges] == [(2, 8 * 2 * 8 * 4)] * 2
+    assert moved["all-to-all"] == 2 * (8 * 2 * 8 * 4) // 2
+    params = sum(leaf.size for leaf in jax.tree.leaves(state.params)) * 4
+    assert moved["all-reduce"] >= 2 * 7 / 8 * params  # the dense gradients' all-reduce
+
+
+def test_layout_errors_name_the_problem(tiny_config, dims, optimizer):
+    towers = LAYOUTS["2 towers x 4"]
+    with pytest.raises(ConfigError, match="3 towers cannot split 8 devices"):
+        tp.make_tower_mesh(3)
+    mesh = tp.make_tower_mesh(4)
+    with pytest.raises(ConfigError, match="2 towers but the mesh's tower axis has 4"):
+        tp.make_tower_parallel_train_step(mesh, towers)
+    with pytest.raises(UserError, match="batch 20 does not divide by it"):
+        tp.check_layout(tp.make_tower_mesh(2), towers, 20)
