@@ -100,7 +100,7 @@ class DMT(nnx.Module):
     def tower(self, index: int, embeddings: jax.Array) -> jax.Array:
         """Tower `index` alone: its features' embeddings [B, n_t, D] -> [B, outputs, D].
 
-        The tower-parallel step (`model.tower_parallel`) runs each tower on its own devices
+        The tower-parallel step (`model/tower_parallel.py`) runs each tower on its own devices
         with this, then exchanges the outputs; `__call__` runs them all in place.
         """
         (embeddings,) = cast(self.dtype, embeddings)

@@ -45,7 +45,8 @@ STEADY_AFTER = 20  # steps excluded from the steady state (compilation, warm-up)
 
 
 def _fail(message: str) -> None:
-    print(f"bench_criteo: error: {message}", file=sys.stderr)
+    """One line naming the running benchmark (this module is shared by several), exit 2."""
+    print(f"{Path(sys.argv[0]).stem}: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 

@@ -5,7 +5,7 @@ every feature of its rows from whichever servers hold them. Here the processes a
 into T groups (a group is a host, or a few): group t reads tower t's features for the
 whole global batch, looks them up in tower t's tables on its own server group (local),
 runs Tower Module t and exchanges only the compressed outputs with the other groups
-(`model.tower_parallel`). The flat data-parallel layout of the same loop is the baseline
+(`model/tower_parallel.py`). The flat data-parallel layout of the same loop is the baseline
 it is measured against (`scripts/bench_dmt.py`, `training.placement_run`): same batches, same model, same updates.
 
 Both layouts train synchronously (lookup, step, update, in turn): this loop measures what
@@ -125,14 +125,29 @@ def _lookup(store: EmbeddingStore, layout, batch: Batch, feature_tables, *, trai
     return store.lookup_features(ids, feature_tables=feature_tables, train=train).result()
 
 
-def wire_bytes(store: EmbeddingStore, local: Iterable[str]) -> dict[str, int]:
-    """This process's store payload bytes so far, split by whether the server is local."""
+def wire_bytes(
+    store: EmbeddingStore, local: Iterable[str], group: Iterable[str] = ()
+) -> dict[str, int]:
+    """This process's store payload bytes so far, by where the server is.
+
+    Returns:
+        {"local": this host's servers, "group": the other servers of its tower group,
+        "remote": every other server}.
+    """
     local = set(parse_addresses(list(local))) if local else set()
-    out = {"local": 0, "remote": 0}
+    group = set(parse_addresses(list(group))) - local if group else set()
+    out = {"local": 0, "group": 0, "remote": 0}
     for shard in store.shards:
         counted = getattr(shard, "wire_bytes", None)
         if counted is not None:
-            out["local" if shard.address in local else "remote"] += sum(counted.values())
+            where = (
+                "local"
+                if shard.address in local
+                else "group"
+                if shard.address in group
+                else "remote"
+            )
+            out[where] += sum(counted.values())
     return out
 
 
@@ -145,6 +160,7 @@ def train(
     store: EmbeddingStore,
     feature_tables: Mapping[str, str],
     local_servers: Sequence[str] = (),
+    group_servers: Sequence[str] = (),
     steps: int,
     warmup: int = 20,
 ) -> tuple[Any, dict[str, Any]]:
@@ -159,12 +175,13 @@ def train(
         store: this process's store (for a tower, its tower's tables only).
         feature_tables: feature -> table of that store.
         local_servers: addresses of the servers on this process's host.
+        group_servers: addresses of its tower group's servers (tower-parallel).
         steps: batches to train.
         warmup: steps left out of the steady rate and the bytes per step.
 
     Returns:
         (state, {"losses": [...], "steady_samples_per_s", "store_bytes_per_step":
-        {"local", "remote"}, "collective_bytes_per_step": {...}}).
+        {"local", "group", "remote"}, "collective_bytes_per_step": {...}}).
     """
     progress = Progress(f"train ({type(layout).__name__})", total=steps, unit="steps")
     losses, batch_size = [], None
@@ -175,7 +192,10 @@ def train(
             break
         if index == warmup:
             jax.block_until_ready(state)
-            start_bytes, start_time = wire_bytes(store, local_servers), time.perf_counter()
+            start_bytes, start_time = (
+                wire_bytes(store, local_servers, group_servers),
+                time.perf_counter(),
+            )
         batch_size = batch.size
         lookup = _lookup(store, layout, batch, feature_tables, train=True)
         device_batch = layout.device_batch(batch, lookup.embeddings, train=True)
@@ -192,7 +212,7 @@ def train(
     record: dict[str, Any] = {"losses": [float(loss) for loss in jax.device_get(losses)]}
     if measured > 0:
         elapsed = time.perf_counter() - start_time
-        end_bytes = wire_bytes(store, local_servers)
+        end_bytes = wire_bytes(store, local_servers, group_servers)
         record["steady_samples_per_s"] = measured * batch_size / elapsed
         record["store_bytes_per_step"] = {
             key: (end_bytes[key] - start_bytes[key]) / measured for key in end_bytes

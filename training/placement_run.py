@@ -143,6 +143,7 @@ def run_process(
         store=store,
         feature_tables=plan.feature_tables,
         local_servers=servers[host],
+        group_servers=addresses if mode == "towers" else servers[host],
         steps=steps,
     )
     eval_reader = ParquetReader.of_dataset(
@@ -197,16 +198,24 @@ def main(argv: Sequence[str] | None = None) -> None:
             "num_processes": args.num_processes,
             "process_id": args.process_id,
         }
-    record = run_process(
-        mode=args.mode,
-        data=args.data,
-        preset=args.config,
-        overrides=args.overrides,
-        servers=json.loads(args.servers),
-        distributed=distributed,
-        steps=args.steps,
-        eval_batches=args.eval_batches,
-    )
+    try:
+        servers = json.loads(args.servers)
+    except json.JSONDecodeError as error:
+        parser.error(f"--servers is not JSON: {error}")
+    try:
+        record = run_process(
+            mode=args.mode,
+            data=args.data,
+            preset=args.config,
+            overrides=args.overrides,
+            servers=servers,
+            distributed=distributed,
+            steps=args.steps,
+            eval_batches=args.eval_batches,
+        )
+    except (UserError, ConfigError) as error:
+        print(f"placement_run: error: {error}", file=sys.stderr)
+        sys.exit(2)
     Path(args.out).write_text(json.dumps(record))
 
 
