@@ -1,16 +1,20 @@
 """The bytes a compiled step moves between devices, read from its optimized HLO.
 
-Every collective of the executable is listed with its operands' size S and its group
-size n, and charged what one device sends in the standard bandwidth-optimal algorithms:
+Every collective of the executable is listed with the size S of its result (for the
+asynchronous `-start` forms of all-gather and collective-permute, of the output part)
+and its group size n, and charged what one device sends in the standard
+bandwidth-optimal algorithms:
 
     all-reduce          2 (n - 1) / n * S     (ring: reduce-scatter, then all-gather)
     all-to-all          (n - 1) / n * S       (keeps its own piece, sends the others)
-    all-gather          (n - 1) / n * S_out
-    reduce-scatter      (n - 1) * S_out
+    all-gather          (n - 1) / n * S
+    reduce-scatter      (n - 1) * S
     collective-permute  S
 
 With one device per process (or per host) this is the traffic that crosses processes
-(hosts) per step; the backends' own algorithms differ by small constant factors.
+(hosts) per step; the backends' own algorithms differ by small constant factors. Each
+instruction counts once: a collective inside a loop body is not multiplied by its trip
+count, and every branch of a conditional counts (the train steps here have neither).
 """
 
 from __future__ import annotations
@@ -19,23 +23,28 @@ import math
 import re
 from typing import Any
 
-_ITEM_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-}  # fmt: skip
 _KINDS = ("all-reduce", "all-to-all", "all-gather", "reduce-scatter", "collective-permute")
 _OP = re.compile(
-    r"=\s*(?P<shape>.*?)\s(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\((?P<rest>.*)$"
+    r"=\s*(?P<shape>.*?)\s(?P<kind>" + "|".join(_KINDS) + r")(?P<start>-start)?\((?P<rest>.*)$"
 )
-_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+_ARRAY = re.compile(r"\b(?P<dtype>(?:pred|[a-z]+\d[a-z0-9]*))\[(?P<dims>[\d,]*)\]")
 
 
-def _bytes_of(shape: str) -> int:
-    total = 0
+def _item_bytes(dtype: str) -> int:
+    """Bytes per element of an HLO element type (pred, s8, bf16, f32, c64, f8e4m3fn, ...)."""
+    if dtype == "pred":
+        return 1
+    bits = int(re.match(r"[a-z]+(\d+)", dtype)[1])
+    return max(bits // 8, 1)
+
+
+def _arrays(shape: str) -> list[int]:
+    """Bytes of each array in an HLO shape (one, or a tuple's elements in order)."""
+    sizes = []
     for match in _ARRAY.finditer(shape):
         dims = [int(d) for d in match["dims"].split(",") if d]
-        total += _ITEM_BYTES.get(match["dtype"], 4) * math.prod(dims)
-    return total
+        sizes.append(_item_bytes(match["dtype"]) * math.prod(dims))
+    return sizes
 
 
 def _group_size(rest: str, num_devices: int) -> int:
@@ -63,14 +72,19 @@ def collective_bytes(hlo_text: str, num_devices: int) -> dict[str, Any]:
 
     Returns:
         {"total": bytes, "<kind>": bytes for each kind present, "ops": [(kind, group size,
-        operand bytes), ...]}.
+        result bytes), ...]}.
     """
     out: dict[str, Any] = {"total": 0, "ops": []}
     for line in hlo_text.splitlines():
         match = _OP.search(line)
-        if not match or "-done" in line.split("=")[0]:
+        if not match:
             continue
-        kind, size = match["kind"], _bytes_of(match["shape"])
+        kind, sizes = match["kind"], _arrays(match["shape"])
+        if match["start"] and kind == "all-gather":  # (operands..., outputs...)
+            sizes = sizes[len(sizes) // 2 :]
+        elif match["start"] and kind == "collective-permute":  # (operand, output, contexts)
+            sizes = sizes[1:2]
+        size = sum(sizes)
         group = _group_size(match["rest"], num_devices)
         if group <= 1:
             continue

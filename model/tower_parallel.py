@@ -62,6 +62,7 @@ def make_tower_mesh(num_towers: int, devices: Sequence[jax.Device] | None = None
             f"model.towers: {num_towers} towers cannot split {len(devices)} devices evenly; "
             "the tower-parallel layout needs a device count that divides by the tower count"
         )
+    # Mesh, not jax.make_mesh: the device order must stay as given (towers = process groups)
     grid = np.asarray(devices, dtype=object).reshape(num_towers, len(devices) // num_towers)
     return Mesh(grid, (TOWER_AXIS, DATA_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
 
@@ -76,14 +77,20 @@ def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
     }
 
 
+def _checked_towers(mesh: Mesh, towers: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """`towers` as a hashable tuple; a one-line error unless the mesh has one row per tower."""
+    if int(mesh.shape[TOWER_AXIS]) != len(towers):
+        raise ConfigError(
+            f"model.towers has {len(towers)} towers but the mesh's tower axis has "
+            f"{int(mesh.shape[TOWER_AXIS])}"
+        )
+    return tuple(tuple(int(i) for i in tower) for tower in towers)
+
+
 def check_layout(mesh: Mesh, towers: Sequence[Sequence[int]], batch_size: int) -> None:
     """One-line errors for a mesh or batch the tower-parallel layout cannot use."""
-    num_towers = int(mesh.shape[TOWER_AXIS])
-    if num_towers != len(towers):
-        raise ConfigError(
-            f"model.towers has {len(towers)} towers but the mesh's tower axis has {num_towers}"
-        )
-    split = num_towers * int(mesh.shape[DATA_AXIS])
+    _checked_towers(mesh, towers)
+    split = int(mesh.shape[TOWER_AXIS]) * int(mesh.shape[DATA_AXIS])
     if batch_size % split:
         raise UserError(
             f"the tower-parallel step splits each batch over {split} devices (towers x data); "
@@ -107,7 +114,7 @@ def local_towers(mesh: Mesh, batch_size: int) -> dict[int, slice]:
     for tower, chunks in rows.items():
         chunks.sort()
         if chunks != list(range(chunks[0], chunks[-1] + 1)):
-            raise ValueError(f"tower {tower}'s devices of this process are not contiguous")
+            raise ConfigError(f"tower {tower}'s devices of this process are not contiguous")
         out[tower] = slice(chunks[0] * per_device, (chunks[-1] + 1) * per_device)
     return out
 
@@ -126,7 +133,7 @@ def make_tower_batch(
     towers: Sequence[Sequence[int]],
     tower_embeddings: Mapping[int, np.ndarray],
     dense: np.ndarray,
-    labels: np.ndarray,
+    labels: np.ndarray | None = None,
 ) -> dict[str, jax.Array]:
     """The global batch from what this process holds.
 
@@ -137,38 +144,53 @@ def make_tower_batch(
             `local_towers(mesh, B)`, its rows in that order.
         dense: [B, n_dense] float32 of the whole global batch (each process copies the
             rows its devices run the global tower on).
-        labels: [B] float32 of the whole global batch.
+        labels: [B] float32 of the whole global batch; None for evaluation.
+
+    Raises:
+        ValueError: embeddings for other towers or rows than this process holds.
     """
-    batch_size = len(labels)
+    batch_size = len(dense)
     check_layout(mesh, towers, batch_size)
     width = max(len(tower) for tower in towers)
-    dim = next(iter(tower_embeddings.values())).shape[-1]
-    starts = {tower: rows.start for tower, rows in local_towers(mesh, batch_size).items()}
-    if set(starts) != set(tower_embeddings):
+    held = local_towers(mesh, batch_size)
+    if set(held) != set(tower_embeddings):
         raise ValueError(
-            f"this process holds towers {sorted(starts)}, got {sorted(tower_embeddings)}"
+            f"this process holds towers {sorted(held)}, got {sorted(tower_embeddings)}"
         )
+    dim = None
+    for tower, rows in held.items():
+        array = tower_embeddings[tower]
+        want = (rows.stop - rows.start, len(towers[tower]))
+        if array.ndim != 3 or array.shape[:2] != want:
+            raise ValueError(
+                f"tower {tower}: embeddings must be [{want[0]}, {want[1]}, D] (its rows of "
+                f"the batch, its features), got {list(array.shape)}"
+            )
+        dim = array.shape[2]
 
     def embeddings_at(index):
         tower = index[0].start or 0
         first, last, _ = index[1].indices(batch_size)
-        part = tower_embeddings[tower][first - starts[tower] : last - starts[tower]]
+        start = held[tower].start
+        part = tower_embeddings[tower][first - start : last - start]
         out = np.zeros((1, len(part), width, dim), np.float32)
         out[0, :, : part.shape[1]] = part
         return out
 
     shardings = batch_shardings(mesh)
-    return {
+    batch = {
         "tower_embeddings": jax.make_array_from_callback(
             (len(towers), batch_size, width, dim), shardings["tower_embeddings"], embeddings_at
         ),
         "dense": jax.make_array_from_callback(
             dense.shape, shardings["dense"], lambda index: dense[index]
         ),
-        "labels": jax.make_array_from_callback(
-            labels.shape, shardings["labels"], lambda index: labels[index]
-        ),
     }
+    if labels is not None:
+        batch["labels"] = jax.make_array_from_callback(
+            labels.shape, shardings["labels"], lambda index: labels[index]
+        )
+    return batch
 
 
 def local_tower_grads(
@@ -209,9 +231,7 @@ def _logits(graphdef, towers, params, tower_embeddings, dense):
     compressed = jax.lax.switch(
         jax.lax.axis_index(TOWER_AXIS), branches, varying, local
     )  # [rows, k, D]: only this device's tower runs
-    rows, outputs, dim = compressed.shape
-    if rows % num_towers:
-        raise UserError(f"{rows} rows per device do not split over {num_towers} towers")
+    rows, outputs, dim = compressed.shape  # rows divide by T (check_layout)
     # piece s of my rows goes to tower s; I receive every tower's outputs for my piece
     pieces = compressed.reshape(num_towers, rows // num_towers, outputs, dim)
     received = jax.lax.all_to_all(pieces, TOWER_AXIS, 0, 0)  # [from tower, rows / T, k, D]
@@ -266,12 +286,7 @@ def make_tower_parallel_train_step(
     mesh: Mesh, towers: Sequence[Sequence[int]], *, state_shardings: TrainState | None = None
 ) -> ShardedStep:
     """Jits `tower_parallel_train_step` for `mesh` (from `make_tower_mesh`) and `towers`."""
-    towers = tuple(tuple(int(i) for i in tower) for tower in towers)
-    if int(mesh.shape[TOWER_AXIS]) != len(towers):
-        raise ConfigError(
-            f"model.towers has {len(towers)} towers but the mesh's tower axis has "
-            f"{int(mesh.shape[TOWER_AXIS])}"
-        )
+    towers = _checked_towers(mesh, towers)
     function = functools.partial(tower_parallel_train_step, mesh=mesh, towers=towers)
     shardings = batch_shardings(mesh)
 
@@ -294,7 +309,7 @@ def make_tower_parallel_eval_step(
     mesh: Mesh, towers: Sequence[Sequence[int]], *, state_shardings: TrainState | None = None
 ) -> ShardedStep:
     """Jits `tower_parallel_eval_step`: probabilities [B] = step(state, batch)."""
-    towers = tuple(tuple(int(i) for i in tower) for tower in towers)
+    towers = _checked_towers(mesh, towers)
     function = functools.partial(tower_parallel_eval_step, mesh=mesh, towers=towers)
     shardings = batch_shardings(mesh)
 

@@ -2,8 +2,11 @@
 
 Runs the step on an 8-device CPU mesh and on 1 device, each in its own process
 (XLA's device count is fixed at start-up), and reports samples/s, model FLOPs per
-sample (analytic, and XLA's cost analysis) and achieved FLOP/s. The last line is
-one JSON object with `samples_per_s_mesh8`, `samples_per_s_1dev`, `gflops_per_s`.
+sample (analytic, and XLA's cost analysis) and achieved FLOP/s; and the CPU time per step
+on 1 device with all cores and pinned to one core (what XLA's threads cost beyond the
+work, and the CPU left for the hybrid loop's host side at the dense-only rate). The last
+line is one JSON object with `samples_per_s_mesh8`, `samples_per_s_1dev`, `gflops_per_s`,
+`cpu_ms_per_step_1dev`, `cpu_ms_per_step_1dev_one_core`, `spare_cpu_ms_per_step_1dev`.
 
     python scripts/bench_dense.py [--batch 4096] [--steps 10] [--rounds 5] [--tower dlrm]
 
@@ -26,6 +29,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _measure(args: argparse.Namespace) -> dict:
     """Child process: times `args.steps` steps after `args.warmup` on all local devices."""
+    if os.environ.get("HYBRIDREC_BENCH_ONE_CORE"):  # before XLA starts its threads
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    import resource
+
     import jax
     import numpy as np
 
@@ -68,12 +75,15 @@ def _measure(args: argparse.Namespace) -> dict:
         state, metrics, grads = step(state, batches[index % 2])
     jax.block_until_ready((state, metrics, grads))
     rates = []
+    usage, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for _ in range(args.rounds):
         start = time.perf_counter()
         for index in range(args.steps):
             state, metrics, grads = step(state, batches[index % 2])
         jax.block_until_ready((state, metrics, grads))
         rates.append(args.batch * args.steps / (time.perf_counter() - start))
+    after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
+    cpu = after.ru_utime - usage.ru_utime + after.ru_stime - usage.ru_stime
     # Best round: the machine's other load only ever slows a round down.
     samples_per_s = max(rates)
     forward = forward_flops_per_example(config, **dims)
@@ -86,12 +96,17 @@ def _measure(args: argparse.Namespace) -> dict:
         "xla_flops_per_sample": xla_flops_per_step / args.batch,
         "gflops_per_s": 3 * forward * samples_per_s / 1e9,
         "compilations": step.num_compilations(),
+        # CPU time of the whole process per step, and the cores that kept busy on average
+        "cpu_ms_per_step": 1000 * cpu / (args.rounds * args.steps),
+        "cores_busy": cpu / wall,
+        "cores": len(os.sched_getaffinity(0)),
     }
 
 
-def _child(devices: int, args: argparse.Namespace) -> dict:
+def _child(devices: int, args: argparse.Namespace, *, one_core: bool = False) -> dict:
     env = {
         **os.environ,
+        **({"HYBRIDREC_BENCH_ONE_CORE": "1"} if one_core else {}),
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -116,13 +131,23 @@ def main(argv: list[str]) -> int:
         return 0
     mesh8 = _child(8, args)
     one = _child(1, args)
-    for name, result in (("8-device mesh", mesh8), ("1 device", one)):
+    pinned = _child(1, args, one_core=True)
+    runs = (("8-device mesh", mesh8), ("1 device", one), ("1 dev, 1 core", pinned))
+    for name, result in runs:
         print(
             f"{name:>14}: {result['samples_per_s']:>10,.0f} samples/s "
             f"(median round {result['samples_per_s_median']:,.0f})  "
             f"{result['step_ms']:7.1f} ms/step  {result['gflops_per_s']:6.1f} GFLOP/s  "
-            f"(compiled {result['compilations']}x)"
+            f"CPU {result['cpu_ms_per_step']:6.1f} ms/step on {result['cores_busy']:.2f} of "
+            f"{result['cores']} cores  (compiled {result['compilations']}x)"
         )
+    # What the step's threads cost beyond its work: CPU on all cores vs pinned to one.
+    spare = one["cores"] * one["cpu_ms_per_step"] / one["cores_busy"] - one["cpu_ms_per_step"]
+    print(
+        f"1 device: {one['cpu_ms_per_step']:.1f} ms of CPU per step on {one['cores']} cores "
+        f"against {pinned['cpu_ms_per_step']:.1f} ms on one core; {spare:.1f} ms of CPU per "
+        "step left for other work at this rate"
+    )
     print(
         f"train FLOPs/sample: analytic {mesh8['train_flops_per_sample_analytic']:,} "
         f"(3 x forward), XLA cost analysis {mesh8['xla_flops_per_sample']:,.0f} "
@@ -138,6 +163,10 @@ def main(argv: list[str]) -> int:
         "gflops_per_s_1dev": round(one["gflops_per_s"], 2),
         "train_flops_per_sample": mesh8["train_flops_per_sample_analytic"],
         "xla_flops_per_sample_1dev": round(one["xla_flops_per_sample"]),
+        "samples_per_s_1dev_one_core": round(pinned["samples_per_s"], 1),
+        "cpu_ms_per_step_1dev": round(one["cpu_ms_per_step"], 2),
+        "cpu_ms_per_step_1dev_one_core": round(pinned["cpu_ms_per_step"], 2),
+        "spare_cpu_ms_per_step_1dev": round(spare, 2),
         "batch": args.batch,
         "tower": args.tower,
         "compute_dtype": args.compute_dtype,

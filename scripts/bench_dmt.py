@@ -43,6 +43,7 @@ import bench_criteo  # the preprocessing cache shared with it
 from common.errors import ConfigError, UserError
 from model.dmt import check_towers
 from pipeline import read_metadata
+from training.placement import WARMUP_STEPS
 from training.placement_run import launch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the runs' seed")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     args = parser.parse_args()
+    if args.steps is not None and args.steps <= WARMUP_STEPS:
+        bench_criteo._fail(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
     data = bench_criteo._dataset(bench_criteo.checked_inputs(args.input), args.cache)
     try:
         named = json.loads(args.towers) if args.towers else PARTITIONER_TOWERS

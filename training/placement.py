@@ -5,8 +5,9 @@ every feature of its rows from whichever servers hold them. Here the processes a
 into T groups (a group is a host, or a few): group t reads tower t's features for the
 whole global batch, looks them up in tower t's tables on its own server group (local),
 runs Tower Module t and exchanges only the compressed outputs with the other groups
-(`model/tower_parallel.py`). The flat data-parallel layout of the same loop is the baseline
-it is measured against (`scripts/bench_dmt.py`, `training.placement_run`): same batches, same model, same updates.
+(`model/tower_parallel.py`). The flat data-parallel layout of the same loop is the
+baseline it is measured against (`scripts/bench_dmt.py`, `training.placement_run`): same
+batches, same model, same updates.
 
 Both layouts train synchronously (lookup, step, update, in turn): this loop measures what
 crosses the network per step and checks that the placed run learns what the flat one
@@ -25,17 +26,19 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from common.errors import ConfigError
+from common.errors import ConfigError, UserError
 from common.progress import Progress
 from embedding_store import EmbeddingStore
 from embedding_store.remote import parse_addresses
-from model import StreamingMetrics, local_rows, make_global_batch
-from model import tower_parallel as tp
+from model import StreamingMetrics, fetch_metrics, local_rows, make_global_batch, tower_parallel
 from model.collectives import collective_bytes
+from model.dmt import check_towers
 from pipeline import CategoricalFeature
 from training.config import EmbeddingConfig
 from training.input import Batch
 from training.tables import TablePlan, plan_tables
+
+WARMUP_STEPS = 20  # steps left out of the steady rate and the bytes per step
 
 
 def tower_of_process(process_index: int, process_count: int, num_towers: int) -> int:
@@ -57,6 +60,7 @@ def tower_table_plans(
 
     A spec table shared by features of two towers cannot be placed with both.
     """
+    check_towers(towers, len(features))
     owners: dict[str, int] = {}
     for index, tower in enumerate(towers):
         for position in tower:
@@ -86,6 +90,11 @@ class FlatLayout:
     def __init__(self, mesh, features: Sequence[str], batch_size: int):
         self.mesh = mesh
         self.features = list(features)
+        if batch_size % mesh.devices.size or batch_size % jax.process_count():
+            raise UserError(
+                f"data.batch_size = {batch_size} must divide evenly over {mesh.devices.size} "
+                f"devices and {jax.process_count()} processes"
+            )
         per_process = batch_size // jax.process_count()
         start = jax.process_index() * per_process
         self.rows = slice(start, start + per_process)
@@ -106,18 +115,27 @@ class TowerLayout:
     def __init__(self, mesh, features: Sequence[str], towers, batch_size: int):
         self.mesh = mesh
         self.towers = towers
-        ((self.tower, self.rows),) = tp.local_towers(mesh, batch_size).items()
+        tower_parallel.check_layout(mesh, towers, batch_size)
+        held = tower_parallel.local_towers(mesh, batch_size)
+        if len(held) != 1:
+            raise ConfigError(
+                f"this process's devices serve towers {sorted(held)}; the tower-parallel "
+                "layout needs each process in one tower (processes divisible by the towers)"
+            )
+        ((self.tower, self.rows),) = held.items()
         self.features = [features[position] for position in towers[self.tower]]
 
     def device_batch(self, batch: Batch, embeddings: np.ndarray, *, train: bool) -> dict:
-        labels = batch.labels if train else np.zeros_like(batch.labels)
-        out = tp.make_tower_batch(
-            self.mesh, self.towers, {self.tower: embeddings}, batch.dense, labels
+        return tower_parallel.make_tower_batch(
+            self.mesh,
+            self.towers,
+            {self.tower: embeddings},
+            batch.dense,
+            batch.labels if train else None,
         )
-        return out if train else {key: out[key] for key in ("tower_embeddings", "dense")}
 
     def gradients(self, embedding_grads: jax.Array) -> np.ndarray:
-        return tp.local_tower_grads(embedding_grads, self.towers)[self.tower]
+        return tower_parallel.local_tower_grads(embedding_grads, self.towers)[self.tower]
 
 
 def _lookup(store: EmbeddingStore, layout, batch: Batch, feature_tables, *, train: bool):
@@ -162,7 +180,7 @@ def train(
     local_servers: Sequence[str] = (),
     group_servers: Sequence[str] = (),
     steps: int,
-    warmup: int = 20,
+    warmup: int = WARMUP_STEPS,
 ) -> tuple[Any, dict[str, Any]]:
     """Trains `steps` global batches synchronously; returns the state and what was measured.
 
@@ -204,12 +222,12 @@ def train(
             collectives = collective_bytes(text, layout.mesh.devices.size)
         state, metrics, grads = train_step(state, device_batch)
         store.apply_pooled_gradients(lookup, layout.gradients(grads)).result()
-        losses.append(metrics["loss"])
+        losses.append(fetch_metrics(metrics, index + 1)["loss"])  # raises if not finite
         progress.update(1)
     jax.block_until_ready(state)
     progress.close()
     measured = len(losses) - warmup
-    record: dict[str, Any] = {"losses": [float(loss) for loss in jax.device_get(losses)]}
+    record: dict[str, Any] = {"losses": losses}
     if measured > 0:
         elapsed = time.perf_counter() - start_time
         end_bytes = wire_bytes(store, local_servers, group_servers)

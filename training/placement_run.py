@@ -18,6 +18,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,8 @@ from model import (
     make_mesh,
     make_train_step,
     maybe_initialize_distributed,
+    tower_parallel,
 )
-from model import tower_parallel as tp
 from model.config import MeshConfig
 from pipeline import read_metadata
 from training.defaults import resolve_auto
@@ -55,6 +57,70 @@ from training.tables import plan_tables
 def write_tables_file(path, tables: Sequence[Any]) -> None:
     """A `serve-embeddings --tables` file (JSON) holding exactly `tables`."""
     Path(path).write_text(json.dumps({"tables": [dataclasses.asdict(t) for t in tables]}))
+
+
+def check_servers(servers: Any) -> list[list[str]]:
+    """`servers` as per-host address lists; a one-line error for any other shape."""
+    if (
+        not isinstance(servers, list)
+        or not servers
+        or not all(isinstance(group, list) and group for group in servers)
+        or not all(isinstance(address, str) for group in servers for address in group)
+    ):
+        raise UserError(
+            "servers: expected a non-empty JSON list of per-host address lists, e.g. "
+            f'[["127.0.0.1:7001"], ["127.0.0.1:7002"]]; got {json.dumps(servers)[:200]}'
+        )
+    return servers
+
+
+@dataclasses.dataclass
+class _Placement:
+    """What one process trains with: its layout, steps, tables and servers."""
+
+    layout: Any
+    train_step: Any
+    eval_step: Any
+    plan: Any
+    addresses: list[str]  # the servers this process's store uses
+    group: list[str]  # of those, the ones of its tower group (flat: its host's)
+
+
+def _placement(mode, config, features, servers, host) -> _Placement:
+    names = [feature.name for feature in features]
+    batch_size = config.data.batch_size
+    if mode == "flat":
+        mesh = make_mesh(MeshConfig(shape=(-1,), axis_names=("data",)))
+        return _Placement(
+            layout=FlatLayout(mesh, names, batch_size),
+            train_step=make_train_step(mesh),
+            eval_step=make_eval_step(mesh),
+            plan=plan_tables(config.embedding, features),
+            addresses=[address for group in servers for address in group],
+            group=servers[host],
+        )
+    towers = tuple(tuple(tower) for tower in config.model.towers)
+    if not towers:
+        raise ConfigError("the tower-parallel layout needs model.towers")
+    process, processes = jax.process_index(), jax.process_count()
+    tower = tower_of_process(process, processes, len(towers))
+    if len(servers) % len(towers):
+        raise ConfigError(f"{len(servers)} hosts do not split into {len(towers)} tower groups")
+    plan = tower_table_plans(config.embedding, features, towers)[tower]
+    mesh = tower_parallel.make_tower_mesh(len(towers))
+    layout = TowerLayout(mesh, names, towers, batch_size)
+    if layout.tower != tower:
+        raise ConfigError(f"process {process}'s devices are not in tower {tower}'s group")
+    per_tower = len(servers) // len(towers)
+    group = [address for hosts in servers[tower * per_tower :][:per_tower] for address in hosts]
+    return _Placement(
+        layout=layout,
+        train_step=tower_parallel.make_tower_parallel_train_step(mesh, towers),
+        eval_step=tower_parallel.make_tower_parallel_eval_step(mesh, towers),
+        plan=plan,
+        addresses=group,
+        group=group,
+    )
 
 
 def run_process(
@@ -81,92 +147,64 @@ def run_process(
         steps: global batches to train (None: one epoch).
         eval_batches: eval batches (None: the whole eval split).
     """
+    servers = check_servers(servers)
     maybe_initialize_distributed(**(distributed or {}))
-    process, processes = jax.process_index(), jax.process_count()
     config = load_config(preset, list(overrides))
     metadata = read_metadata(data)
-    config, _ = resolve_auto(config, metadata, processes)
+    config, _ = resolve_auto(config, metadata, jax.process_count())
     features = [f for f in metadata.categorical if not f.multi_valued]
     if len(features) != len(metadata.categorical):
         raise ConfigError("the placement run reads single-valued features only")
-    names = [f.name for f in features]
-    batch_size = config.data.batch_size
-    host = process * len(servers) // processes
-    if mode == "towers":
-        towers = tuple(tuple(tower) for tower in config.model.towers)
-        if not towers:
-            raise ConfigError("the tower-parallel layout needs model.towers")
-        mesh = tp.make_tower_mesh(len(towers))
-        tp.check_layout(mesh, towers, batch_size)
-        layout = TowerLayout(mesh, names, towers, batch_size)
-        if tower_of_process(process, processes, len(towers)) != layout.tower:
-            raise ConfigError("this process's devices are not in its tower's group")
-        if len(servers) % len(towers):
-            raise ConfigError(f"{len(servers)} hosts do not split into {len(towers)} tower groups")
-        per_tower = len(servers) // len(towers)
-        addresses = [a for group in servers[layout.tower * per_tower :][:per_tower] for a in group]
-        plan = tower_table_plans(config.embedding, features, towers)[layout.tower]
-        train_step, eval_step = (
-            tp.make_tower_parallel_train_step(mesh, towers),
-            tp.make_tower_parallel_eval_step(mesh, towers),
+    host = jax.process_index() * len(servers) // jax.process_count()
+    placed = _placement(mode, config, features, servers, host)
+    shards = connect(placed.addresses, list(placed.plan.tables), retry_timeout=60.0)
+    store = EmbeddingStore(list(placed.plan.tables), num_shards=len(shards), shards=shards)
+    try:
+        state = create_train_state(
+            config.model,
+            config.optimizer,
+            placed.layout.mesh,
+            config.seed,
+            num_dense=len(metadata.dense_columns),
+            num_features=len(features),
+            embedding_dim=config.embedding.dim,
         )
-    else:
-        mesh = make_mesh(MeshConfig(shape=(-1,), axis_names=("data",)))
-        layout = FlatLayout(mesh, names, batch_size)
-        addresses = [address for group in servers for address in group]
-        plan = plan_tables(config.embedding, features)
-        train_step, eval_step = make_train_step(mesh), make_eval_step(mesh)
-    shards = connect(addresses, list(plan.tables), retry_timeout=60.0)
-    store = EmbeddingStore(list(plan.tables), num_shards=len(shards), shards=shards)
-    state = create_train_state(
-        config.model,
-        config.optimizer,
-        mesh,
-        config.seed,
-        num_dense=len(metadata.dense_columns),
-        num_features=len(names),
-        embedding_dim=config.embedding.dim,
-    )
-    reader = ParquetReader.of_dataset(
-        metadata,
-        metadata.split_files(config.data.train_split),
-        batch_size=batch_size,
-        seed=config.seed,
-        shuffle_buffer=config.data.shuffle_buffer,
-    )
-    steps = reader.batches_per_epoch if steps is None else steps
-    state, record = train(
-        reader.batches(steps),
-        layout=layout,
-        state=state,
-        train_step=train_step,
-        store=store,
-        feature_tables=plan.feature_tables,
-        local_servers=servers[host],
-        group_servers=addresses if mode == "towers" else servers[host],
-        steps=steps,
-    )
-    eval_reader = ParquetReader.of_dataset(
-        metadata,
-        metadata.split_files(config.data.eval_split),
-        batch_size=batch_size,
-        pad_final=True,
-    )
-    record["eval"] = evaluate(
-        eval_reader.batches(eval_batches),
-        layout=layout,
-        state=state,
-        eval_step=eval_step,
-        store=store,
-        feature_tables=plan.feature_tables,
-    )
-    store.close()
+        reader = ParquetReader.of_dataset(
+            metadata,
+            metadata.split_files(config.data.train_split),
+            batch_size=config.data.batch_size,
+            seed=config.seed,
+            shuffle_buffer=config.data.shuffle_buffer,
+        )
+        steps = reader.batches_per_epoch if steps is None else steps
+        common = {"layout": placed.layout, "store": store}
+        common["feature_tables"] = placed.plan.feature_tables
+        state, record = train(
+            reader.batches(steps),
+            state=state,
+            train_step=placed.train_step,
+            local_servers=servers[host],
+            group_servers=placed.group,
+            steps=steps,
+            **common,
+        )
+        eval_reader = ParquetReader.of_dataset(
+            metadata,
+            metadata.split_files(config.data.eval_split),
+            batch_size=config.data.batch_size,
+            pad_final=True,
+        )
+        record["eval"] = evaluate(
+            eval_reader.batches(eval_batches), state=state, eval_step=placed.eval_step, **common
+        )
+    finally:
+        store.close()
     record.update(
         mode=mode,
-        process=process,
+        process=jax.process_index(),
         host=host,
-        tower=getattr(layout, "tower", None),
-        batch_size=batch_size,
+        tower=getattr(placed.layout, "tower", None),
+        batch_size=config.data.batch_size,
         steps=steps,
         dense_params=int(sum(leaf.size for leaf in jax.tree.leaves(state.params))),
     )
@@ -225,31 +263,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(
-    *,
-    mode: str,
-    data: str | Path,
-    preset: str,
-    overrides: Sequence[str],
-    hosts: int,
-    steps: int | None = None,
-    eval_batches: int | None = None,
-    workdir: str | Path | None = None,
-    timeout: float = 3600.0,
-) -> list[dict[str, Any]]:
-    """Runs one placement run on `hosts` simulated hosts; returns the records by process.
+def _tee(stream, log_path: Path) -> threading.Thread:
+    """Copies a child's output to `log_path` and to this process's stderr."""
 
-    Each host runs one embedding server and one trainer process (one CPU device each,
-    so that every collective crosses processes). Flat: the run's tables are spread over
-    the `hosts` servers (one shard each). Towers: host h serves tower h * T // hosts,
-    whose tables its tower group's servers hold (one shard per server).
-    """
-    workdir = Path(workdir or tempfile.mkdtemp(prefix="placement-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = load_config(preset, list(overrides))
-    metadata = read_metadata(data)
-    config, _ = resolve_auto(config, metadata, hosts)
-    features = [f for f in metadata.categorical if not f.multi_valued]
+    def copy():
+        with open(log_path, "w") as log:
+            for line in stream:
+                log.write(line)
+                log.flush()
+                sys.stderr.write(line)
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return thread
+
+
+def _start_servers(mode, config, features, hosts, workdir) -> list:
+    """One server per host: flat, the run's tables (one shard each); towers, its tower's."""
     if mode == "towers":
         towers = config.model.towers
         if not towers or hosts % len(towers):
@@ -276,6 +306,43 @@ def launch(
                     log_path=workdir / f"server-{mode}-{host}.log",
                 )
             )
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def launch(
+    *,
+    mode: str,
+    data: str | Path,
+    preset: str,
+    overrides: Sequence[str],
+    hosts: int,
+    steps: int | None = None,
+    eval_batches: int | None = None,
+    workdir: str | Path | None = None,
+    timeout: float = 3600.0,
+) -> list[dict[str, Any]]:
+    """Runs one placement run on `hosts` simulated hosts; returns the records by process.
+
+    Each host runs one embedding server and one trainer process (one CPU device each,
+    so that every collective crosses processes). Flat: the run's tables are spread over
+    the `hosts` servers (one shard each). Towers: host h serves tower h * T // hosts,
+    whose tables its tower group's servers hold (one shard per server). Process 0's
+    output is shown here and every process's is kept in `workdir`; when a process fails
+    (or `timeout` seconds pass) every other one is stopped and the error quotes the log
+    of the first to fail.
+    """
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="placement-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = load_config(preset, list(overrides))
+    metadata = read_metadata(data)
+    config, _ = resolve_auto(config, metadata, hosts)
+    features = [f for f in metadata.categorical if not f.multi_valued]
+    servers = _start_servers(mode, config, features, hosts, workdir)
+    children, outputs, logs, tees = [], [], [], []
+    try:
         addresses = json.dumps([[server.address] for server in servers])
         coordinator = f"127.0.0.1:{_free_port()}"
         env = {
@@ -283,10 +350,10 @@ def launch(
             "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
             "JAX_PLATFORMS": "cpu",
         }
-        processes, outputs, logs = [], [], []
         for process in range(hosts):
             outputs.append(workdir / f"record-{mode}-{process}.json")
             logs.append(workdir / f"trainer-{mode}-{process}.log")
+            outputs[-1].unlink(missing_ok=True)
             command = [sys.executable, "-m", "training.placement_run", "--mode", mode]
             command += ["--data", str(data), "--config", preset, "--servers", addresses]
             command += [arg for override in overrides for arg in ("--set", override)]
@@ -294,22 +361,20 @@ def launch(
             command += ["--process-id", str(process), "--out", str(outputs[-1])]
             command += ["--steps", str(steps)] if steps is not None else []
             command += ["--eval-batches", str(eval_batches)] if eval_batches is not None else []
-            with open(logs[-1], "w") as log:
-                # process 0's progress lines go to this terminal, the others' to their logs
-                stderr = None if process == 0 else subprocess.STDOUT
-                processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=stderr))
-        failed = []
-        for process, child in enumerate(processes):
-            try:
-                code = child.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                code = "timeout"
-            if code != 0:
-                failed.append((process, code))
-        if failed:
-            for child in processes:
-                child.kill()
-            process, code = failed[0]
+            if process == 0:
+                child = subprocess.Popen(
+                    command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+                tees.append(_tee(child.stdout, logs[-1]))
+            else:
+                with open(logs[-1], "w") as log:
+                    child = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+            children.append(child)
+        failed = _wait_all(children, timeout)
+        for tee in tees:
+            tee.join(timeout=10)
+        if failed is not None:
+            process, code = failed
             tail = "".join(logs[process].read_text().splitlines(keepends=True)[-15:])
             raise UserError(
                 f"placement run ({mode}): trainer process {process} failed ({code}); "
@@ -317,7 +382,26 @@ def launch(
             )
         return [json.loads(path.read_text()) for path in outputs]
     finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
         stop_servers(servers)
+
+
+def _wait_all(children: Sequence[subprocess.Popen], timeout: float) -> tuple[int, Any] | None:
+    """Waits for every child; the (index, exit code or "timeout") of the first to fail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [child.poll() for child in children]
+        failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            return failed[0]
+        if all(code == 0 for code in codes):
+            return None
+        if time.monotonic() > deadline:
+            return next(i for i, code in enumerate(codes) if code is None), "timeout"
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -316,7 +316,9 @@ class _IntervalMeter:
         """
         done = len(self._losses)
         if not wait:
-            done = next((i for i, (loss, _) in enumerate(self._losses) if not loss.is_ready()), done)
+            done = next(
+                (i for i, (loss, _) in enumerate(self._losses) if not loss.is_ready()), done
+            )
             done = max(done, 1)
         finished, self._losses = self._losses[:done], self._losses[done:]
         losses = np.asarray(jax.device_get([loss for loss, _ in finished]), np.float64)

@@ -106,5 +106,31 @@ def test_layout_errors_name_the_problem(tiny_config, dims, optimizer):
     mesh = tp.make_tower_mesh(4)
     with pytest.raises(ConfigError, match="2 towers but the mesh's tower axis has 4"):
         tp.make_tower_parallel_train_step(mesh, towers)
+    mesh = tp.make_tower_mesh(2)
     with pytest.raises(UserError, match="batch 20 does not divide by it"):
-        tp.check_layout(tp.make_tower_mesh(2), towers, 20)
+        tp.check_layout(mesh, towers, 20)
+    dense, labels = np.zeros((ROWS, 6), np.float32), np.zeros(ROWS, np.float32)
+    # one process holds every tower's rows of the whole batch; half of them is an error
+    half = {0: np.zeros((ROWS // 2, 2, 8), np.float32), 1: np.zeros((ROWS, 3, 8), np.float32)}
+    with pytest.raises(ValueError, match=r"tower 0: embeddings must be \[32, 2, D\]"):
+        tp.make_tower_batch(mesh, towers, half, dense, labels)
+
+
+def test_collective_bytes_reads_each_hlo_spelling():
+    hlo = """
+  %a = (f32[4,8]{1,0}, f32[16,8]{1,0}) all-gather-start(f32[4,8]{1,0} %x), replica_groups={{0,1,2,3}}
+  %b = f32[16,8]{1,0} all-gather-done((f32[4,8]{1,0}, f32[16,8]{1,0}) %a)
+  %c = (f32[10]{0}, f32[10]{0}, u32[], u32[]) collective-permute-start(f32[10]{0} %y)
+  %d = bf16[100]{0} all-reduce(bf16[100]{0} %z), replica_groups=[2,2]<=[4], to_apply=%add
+  %e = f32[8]{0} all-reduce(f32[8]{0} %w), replica_groups=mesh['x'=2,'y'=2] {'y'}
+  %f = (f32[2,3]{1,0}, f32[2,3]{1,0}) all-to-all(f32[2,3]{1,0} %p, f32[2,3]{1,0} %q), replica_groups={}
+"""
+    moved = collective_bytes(hlo, 4)
+    assert [op[:2] for op in moved["ops"]] == [
+        ("all-gather", 4), ("collective-permute", 4), ("all-reduce", 2), ("all-reduce", 2),
+        ("all-to-all", 4),
+    ]  # fmt: skip
+    assert moved["all-gather"] == 3 * 16 * 8 * 4 // 4  # the output, 3/4 from the others
+    assert moved["collective-permute"] == 40
+    assert moved["all-reduce"] == 200 + 32  # 2 (n - 1) / n = 1 with n = 2
+    assert moved["all-to-all"] == 3 * 48 // 4

@@ -11,11 +11,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from common.errors import ConfigError
+from common.errors import ConfigError, UserError
 from pipeline import CategoricalFeature
 from training.config import EmbeddingConfig
 from training.placement import tower_of_process, tower_table_plans
-from training.placement_run import launch
+from training.placement_run import check_servers, launch
 
 TOWERS = "model.towers=[[0,1,2,3,4,5,6,7,8,9,10,11,12],[13,14,15,16,17,18,19,20,21,22,23,24,25]]"
 SMALL_DMT = [
@@ -83,3 +83,26 @@ def test_towers_map_to_process_groups_and_tables():
     shared = [*features[:3], CategoricalFeature(name="C3", table="C0", multi_valued=False)]
     with pytest.raises(ConfigError, match="table 'C0' is read by features of towers 0 and 1"):
         tower_table_plans(embedding, shared, [[0, 2], [1, 3]])
+
+
+@pytest.mark.slow
+def test_two_hosts_per_tower_keep_lookups_within_their_group(dataset, tmp_path):
+    """4 hosts, 2 towers: a tower's tables are on its 2 hosts' servers, a shard each."""
+    common = {"data": dataset, "preset": "criteo_dlrm", "overrides": SMALL_DMT, "hosts": 4}
+    common |= {"steps": 22, "eval_batches": 1, "workdir": tmp_path}
+    flat = launch(mode="flat", **common)
+    placed = launch(mode="towers", **common)
+    assert [record["tower"] for record in placed] == [0, 0, 1, 1]
+    np.testing.assert_allclose(placed[0]["losses"], flat[0]["losses"], rtol=2e-4)
+    for record in placed:
+        moved = record["store_bytes_per_step"]
+        assert moved["remote"] == 0 and moved["group"] > 0 and moved["local"] > 0
+    # 128 rows per process, 2 outputs x 8 dims x f32, half sent away, forward and backward
+    assert placed[0]["collective_bytes_per_step"]["all-to-all"] == 2 * (128 * 2 * 8 * 4) // 2
+
+
+def test_server_lists_must_be_per_host_lists():
+    assert check_servers([["127.0.0.1:1"], ["127.0.0.1:2"]]) == [["127.0.0.1:1"], ["127.0.0.1:2"]]
+    for bad in (["127.0.0.1:1"], {}, [], [[]], [[7001]]):
+        with pytest.raises(UserError, match="expected a non-empty JSON list of per-host"):
+            check_servers(bad)
