@@ -124,16 +124,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
     parser.add_argument("--tower", default="dlrm", choices=["dlrm", "dcnv2", "mlp"])
     parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--no-mesh", action="store_true", help="skip the 8-device mesh (1 device runs only)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(_measure(args)))
         return 0
-    mesh8 = _child(8, args)
+    mesh8 = None if args.no_mesh else _child(8, args)
     one = _child(1, args)
     pinned = _child(1, args, one_core=True)
-    runs = (("8-device mesh", mesh8), ("1 device", one), ("1 dev, 1 core", pinned))
+    runs = [("8-device mesh", mesh8), ("1 device", one), ("1 dev, 1 core", pinned)]
     for name, result in runs:
+        if result is None:
+            continue
         print(
             f"{name:>14}: {result['samples_per_s']:>10,.0f} samples/s "
             f"(median round {result['samples_per_s_median']:,.0f})  "
@@ -148,20 +153,27 @@ def main(argv: list[str]) -> int:
         f"against {pinned['cpu_ms_per_step']:.1f} ms on one core; {spare:.1f} ms of CPU per "
         "step left for other work at this rate"
     )
-    print(
-        f"train FLOPs/sample: analytic {mesh8['train_flops_per_sample_analytic']:,} "
-        f"(3 x forward), XLA cost analysis {mesh8['xla_flops_per_sample']:,.0f} "
-        f"(8-device program, per device) / {one['xla_flops_per_sample']:,.0f} (1 device)"
-    )
-    print(f"mesh8 / 1dev throughput ratio: {mesh8['samples_per_s'] / one['samples_per_s']:.2f}")
+    mesh = mesh8 or {}
+    if mesh8:
+        print(
+            f"train FLOPs/sample: analytic {mesh8['train_flops_per_sample_analytic']:,} "
+            f"(3 x forward), XLA cost analysis {mesh8['xla_flops_per_sample']:,.0f} "
+            f"(8-device program, per device) / {one['xla_flops_per_sample']:,.0f} (1 device)"
+        )
+        ratio = mesh8["samples_per_s"] / one["samples_per_s"]
+        print(f"mesh8 / 1dev throughput ratio: {ratio:.2f}")
+
+    def rounded(value, digits=1):
+        return None if value is None else round(value, digits)
+
     summary = {
-        "samples_per_s_mesh8": round(mesh8["samples_per_s"], 1),
+        "samples_per_s_mesh8": rounded(mesh.get("samples_per_s")),
         "samples_per_s_1dev": round(one["samples_per_s"], 1),
-        "samples_per_s_mesh8_median": round(mesh8["samples_per_s_median"], 1),
+        "samples_per_s_mesh8_median": rounded(mesh.get("samples_per_s_median")),
         "samples_per_s_1dev_median": round(one["samples_per_s_median"], 1),
-        "gflops_per_s": round(mesh8["gflops_per_s"], 2),
+        "gflops_per_s": rounded(mesh.get("gflops_per_s"), 2),
         "gflops_per_s_1dev": round(one["gflops_per_s"], 2),
-        "train_flops_per_sample": mesh8["train_flops_per_sample_analytic"],
+        "train_flops_per_sample": one["train_flops_per_sample_analytic"],
         "xla_flops_per_sample_1dev": round(one["xla_flops_per_sample"]),
         "samples_per_s_1dev_one_core": round(pinned["samples_per_s"], 1),
         "cpu_ms_per_step_1dev": round(one["cpu_ms_per_step"], 2),
