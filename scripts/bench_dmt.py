@@ -27,7 +27,8 @@ The towers default to the Tower Partitioner's proposal on this sample (docs/mode
 
 The last line is one JSON object: `<layout>_cross_host_embedding_bytes_per_step` (remote
 lookups and updates plus the tower exchange), `<layout>_dense_allreduce_bytes_per_step`,
-`<layout>_local_store_bytes_per_step`, `<layout>_auc`, `<layout>_samples_per_s` for
+`<layout>_local_store_bytes_per_step`, `<layout>_store_busiest_over_mean` (the busiest
+process's store bytes over the mean), `<layout>_auc`, `<layout>_samples_per_s` for
 flat_dlrm, flat_dmt and placed_dmt, and `placed_over_flat_dlrm_embedding_bytes`.
 """
 
@@ -77,6 +78,7 @@ def _summary(records: list[dict]) -> dict[str, float]:
     collectives = [record["collective_bytes_per_step"] for record in records]
     exchange = sum(c.get("all-to-all", 0) for c in collectives)
     remote = sum(s["remote"] for s in store)
+    per_host = [sum(s.values()) for s in store]
     group = sum(s["group"] for s in store)
     return {
         "cross_host_embedding_bytes_per_step": group + remote + exchange,
@@ -89,6 +91,8 @@ def _summary(records: list[dict]) -> dict[str, float]:
         "logloss": records[0]["eval"]["logloss"],
         "samples_per_s": records[0]["steady_samples_per_s"],
         "dense_params": records[0]["dense_params"],
+        # lookup load balance over the hosts (the Tower Partitioner balances it within 25%)
+        "store_busiest_over_mean": max(per_host) / (sum(per_host) / len(per_host)),
     }
 
 
@@ -158,6 +162,7 @@ def main() -> None:
             "cross_host_embedding_bytes_per_step",
             "dense_allreduce_bytes_per_step",
             "local_store_bytes_per_step",
+            "store_busiest_over_mean",
             "auc",
             "samples_per_s",
         ):
