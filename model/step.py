@@ -251,12 +251,16 @@ def logits_fn(
     return nnx.merge(graphdef, params)(embeddings, dense)
 
 
+def mean_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean sigmoid cross-entropy of logits [B] against labels [B], in float32 or wider."""
+    dtype = jnp.promote_types(labels.dtype, jnp.float32)
+    return optax.sigmoid_binary_cross_entropy(logits.astype(dtype), labels.astype(dtype)).mean()
+
+
 def loss_fn(graphdef: nnx.GraphDef, params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
     """Mean sigmoid cross-entropy over the (global) batch, computed in float32 or wider."""
     logits = logits_fn(graphdef, params, batch["embeddings"], batch["dense"])
-    labels = batch["labels"]
-    dtype = jnp.promote_types(labels.dtype, jnp.float32)
-    return optax.sigmoid_binary_cross_entropy(logits.astype(dtype), labels.astype(dtype)).mean()
+    return mean_cross_entropy(logits, batch["labels"])
 
 
 def train_step(

@@ -36,13 +36,12 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from common.errors import ConfigError, UserError
 from model.config import DATA_AXIS
-from model.step import ShardedStep, TrainState, apply_dense_gradients
+from model.step import ShardedStep, TrainState, apply_dense_gradients, mean_cross_entropy
 
 P = jax.sharding.PartitionSpec
 
@@ -260,10 +259,9 @@ def tower_parallel_train_step(
     logits_of = _sharded_logits(mesh, towers, state.graphdef)
 
     def objective(params, tower_embeddings):
-        logits = logits_of(params, tower_embeddings, batch["dense"])
-        labels = batch["labels"]
-        dtype = jnp.promote_types(labels.dtype, jnp.float32)
-        return optax.sigmoid_binary_cross_entropy(logits.astype(dtype), labels.astype(dtype)).mean()
+        return mean_cross_entropy(
+            logits_of(params, tower_embeddings, batch["dense"]), batch["labels"]
+        )
 
     loss, (param_grads, embedding_grads) = jax.value_and_grad(objective, argnums=(0, 1))(
         state.params, batch["tower_embeddings"]

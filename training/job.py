@@ -198,11 +198,7 @@ def prepare(
         ("data.batch_size", config.data.batch_size),
         ("data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size),
     ):
-        if size % mesh.devices.size or size % process_count:
-            raise UserError(
-                f"{name} = {size} must divide evenly over {mesh.devices.size} devices and "
-                f"{process_count} processes"
-            )
+        check_batch_size(name, size, mesh)
     id_map = None
     if config.embedding.id_map:
         id_map = read_id_map(config.embedding.id_map, config.embedding.id_map_kind)
@@ -233,6 +229,16 @@ def prepare(
         choices=(*choices, *plan_lines),
         id_map=id_map,
     )
+
+
+def check_batch_size(name: str, size: int, mesh) -> None:
+    """A one-line UserError unless the global batch `size` (config key `name`) splits evenly
+    over the mesh's devices and the job's processes."""
+    if size % mesh.devices.size or size % jax.process_count():
+        raise UserError(
+            f"{name} = {size} must divide evenly over {mesh.devices.size} devices and "
+            f"{jax.process_count()} processes"
+        )
 
 
 def resolve_tables(

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from common.errors import ConfigError, UserError
+from common.errors import ConfigError
 from common.progress import Progress
 from embedding_store import EmbeddingStore
 from embedding_store.remote import parse_addresses
@@ -36,6 +36,7 @@ from model.dmt import check_towers
 from pipeline import CategoricalFeature
 from training.config import EmbeddingConfig
 from training.input import Batch
+from training.job import check_batch_size
 from training.tables import TablePlan, plan_tables
 
 WARMUP_STEPS = 20  # steps left out of the steady rate and the bytes per step
@@ -90,11 +91,7 @@ class FlatLayout:
     def __init__(self, mesh, features: Sequence[str], batch_size: int):
         self.mesh = mesh
         self.features = list(features)
-        if batch_size % mesh.devices.size or batch_size % jax.process_count():
-            raise UserError(
-                f"data.batch_size = {batch_size} must divide evenly over {mesh.devices.size} "
-                f"devices and {jax.process_count()} processes"
-            )
+        check_batch_size("data.batch_size", batch_size, mesh)
         per_process = batch_size // jax.process_count()
         start = jax.process_index() * per_process
         self.rows = slice(start, start + per_process)
