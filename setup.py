@@ -10,7 +10,7 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "embedding_store._native",
+            "hybridrec.embedding_store._native",
             sources=["embedding_store/_native.c"],
             # no fused multiply-adds: the kernels give the numpy versions' float32 bits
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"],

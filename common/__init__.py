@@ -1,5 +1,5 @@
 """What every stage package shares: config loading, user-facing errors, progress lines."""
 
-from common.errors import ConfigError, UserError
+from hybridrec.common.errors import ConfigError, UserError
 
 __all__ = ["ConfigError", "UserError"]

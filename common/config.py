@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from common.errors import ConfigError
+from hybridrec.common.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -21,9 +21,9 @@ snapshots (fp32, fp16, int8 or int4 rows: `EmbeddingStore.checkpoint(precision=.
 `columns` holds column-wise sharding (`TableConfig.column_shards`) and its planner.
 """
 
-from embedding_store._pooling import FeatureIds, PooledLookup, RaggedIds
-from embedding_store.checkpoint import latest_checkpoint_step
-from embedding_store.config import (
+from hybridrec.embedding_store._pooling import FeatureIds, PooledLookup, RaggedIds
+from hybridrec.embedding_store.checkpoint import latest_checkpoint_step
+from hybridrec.embedding_store.config import (
     AdmissionConfig,
     EvictionConfig,
     InitializerConfig,
@@ -32,7 +32,7 @@ from embedding_store.config import (
     TieringConfig,
     load_tables,
 )
-from embedding_store.errors import (
+from hybridrec.embedding_store.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -41,10 +41,10 @@ from embedding_store.errors import (
     InvalidInputError,
     UnknownTableError,
 )
-from embedding_store.remote import RemoteShard, RemoteShardError, ServerUnavailableError
-from embedding_store.routing import route_hash, shard_of
-from embedding_store.shard import LocalShard, Shard
-from embedding_store.store import EmbeddingStore
+from hybridrec.embedding_store.remote import RemoteShard, RemoteShardError, ServerUnavailableError
+from hybridrec.embedding_store.routing import route_hash, shard_of
+from hybridrec.embedding_store.shard import LocalShard, Shard
+from hybridrec.embedding_store.store import EmbeddingStore
 
 __all__ = [
     "AdmissionConfig",

@@ -25,7 +25,7 @@ def _load_native():
     if os.environ.get("HYBRIDREC_NATIVE", "1") == "0":
         return None
     try:
-        return importlib.import_module("embedding_store._native")
+        return importlib.import_module("hybridrec.embedding_store._native")
     except ImportError:
         return None
 

@@ -16,9 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow.flight as flight
-
-from common.errors import UserError
-from embedding_store.wire import AUTH_HEADER, TOKEN_ENV
+from hybridrec.common.errors import UserError
+from hybridrec.embedding_store.wire import AUTH_HEADER, TOKEN_ENV
 
 DEFAULT_RETRY_TIMEOUT = 60.0
 

@@ -6,8 +6,8 @@ import hashlib
 import json
 from collections.abc import Sequence
 
-from common import config
-from embedding_store.config import TableConfig
+from hybridrec.common import config
+from hybridrec.embedding_store.config import TableConfig
 
 
 def table_fingerprint(tables: Sequence[TableConfig]) -> str:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-
-from embedding_store._hashing import SALT_INIT, mix64, unit_float
-from embedding_store.config import InitializerConfig
+from hybridrec.embedding_store._hashing import SALT_INIT, mix64, unit_float
+from hybridrec.embedding_store.config import InitializerConfig
 
 
 def initial_rows(

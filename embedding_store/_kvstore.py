@@ -10,8 +10,7 @@ import os
 from typing import Any
 
 import tensorstore as ts
-
-from embedding_store.errors import CheckpointError
+from hybridrec.embedding_store.errors import CheckpointError
 
 _CONTEXT = ts.Context()  # shared so that memory:// stores are visible to every reader
 

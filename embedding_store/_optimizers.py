@@ -9,9 +9,8 @@ State is one float32 array [rows, state_width] per table:
 from __future__ import annotations
 
 import numpy as np
-
-from embedding_store._arrays import _native, put_rows, take_rows
-from embedding_store.config import SparseOptimizerConfig
+from hybridrec.embedding_store._arrays import _native, put_rows, take_rows
+from hybridrec.embedding_store.config import SparseOptimizerConfig
 
 # Optimizers the native kernel steps (the same float32 bits as `apply`); others use numpy.
 _NATIVE_KINDS = {"sgd": 0, "adagrad": 1}

@@ -7,9 +7,8 @@ from collections.abc import Mapping
 from typing import Literal
 
 import numpy as np
-
-from embedding_store._arrays import sum_by_inverse, take_rows, unique_inverse
-from embedding_store.errors import InvalidInputError
+from hybridrec.embedding_store._arrays import sum_by_inverse, take_rows, unique_inverse
+from hybridrec.embedding_store.errors import InvalidInputError
 
 Pooling = Literal["sum", "mean", "sqrtn"]
 
@@ -118,7 +117,7 @@ def plan(
             raise InvalidInputError(f"feature {name!r} has no entry in feature_tables")
         table = feature_tables[name]
         if table not in dims:
-            from embedding_store.errors import UnknownTableError
+            from hybridrec.embedding_store.errors import UnknownTableError
 
             raise UnknownTableError(
                 f"feature {name!r} maps to unknown table {table!r}; tables: {', '.join(dims)}"

@@ -27,10 +27,9 @@ serve a source tree used without installing (or HYBRIDREC_NATIVE=0).
 from __future__ import annotations
 
 import numpy as np
-
-from embedding_store._arrays import _native
-from embedding_store._growth import Ahead
-from embedding_store._hashing import SALT_SLOT, mix64, salt_offset
+from hybridrec.embedding_store._arrays import _native
+from hybridrec.embedding_store._growth import Ahead
+from hybridrec.embedding_store._hashing import SALT_SLOT, mix64, salt_offset
 
 EMPTY = np.uint64(0)
 TOMBSTONE = np.uint64(0xFFFFFFFFFFFFFFFF)

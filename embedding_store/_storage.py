@@ -19,11 +19,10 @@ import tempfile
 import ml_dtypes
 import numpy as np
 import tensorstore as ts
-
-from embedding_store._arrays import put_rows, take_rows
-from embedding_store._growth import Spare
-from embedding_store._kvstore import kvstore_spec
-from embedding_store.errors import EmbeddingStoreError
+from hybridrec.embedding_store._arrays import put_rows, take_rows
+from hybridrec.embedding_store._growth import Spare
+from hybridrec.embedding_store._kvstore import kvstore_spec
+from hybridrec.embedding_store.errors import EmbeddingStoreError
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 

@@ -10,16 +10,15 @@ import threading
 
 import numpy as np
 import tensorstore as ts
-
-from embedding_store import _optimizers
-from embedding_store._arrays import sum_duplicates, unique_counts
-from embedding_store._growth import PREPARE_AT, Spare
-from embedding_store._hashing import SALT_ADMIT, mix64, unit_float
-from embedding_store._initializers import initial_rows
-from embedding_store._slot_map import SlotMap
-from embedding_store._storage import RamRows, TieredRows
-from embedding_store.checkpoint import RowBlock
-from embedding_store.config import TableConfig
+from hybridrec.embedding_store import _optimizers
+from hybridrec.embedding_store._arrays import sum_duplicates, unique_counts
+from hybridrec.embedding_store._growth import PREPARE_AT, Spare
+from hybridrec.embedding_store._hashing import SALT_ADMIT, mix64, unit_float
+from hybridrec.embedding_store._initializers import initial_rows
+from hybridrec.embedding_store._slot_map import SlotMap
+from hybridrec.embedding_store._storage import RamRows, TieredRows
+from hybridrec.embedding_store.checkpoint import RowBlock
+from hybridrec.embedding_store.config import TableConfig
 
 
 class _Counters:

@@ -32,12 +32,11 @@ from typing import Any
 
 import numpy as np
 import tensorstore as ts
-
-from common import config as _config
-from embedding_store import _quantize
-from embedding_store._kvstore import context, kvstore_spec
-from embedding_store.config import TableConfig
-from embedding_store.errors import (
+from hybridrec.common import config as _config
+from hybridrec.embedding_store import _quantize
+from hybridrec.embedding_store._kvstore import context, kvstore_spec
+from hybridrec.embedding_store.config import TableConfig
+from hybridrec.embedding_store.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointNotFoundError,

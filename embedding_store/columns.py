@@ -25,9 +25,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-
-from embedding_store.config import TableConfig
-from embedding_store.routing import shard_of
+from hybridrec.embedding_store.config import TableConfig
+from hybridrec.embedding_store.routing import shard_of
 
 MIN_SLICE_DIM = 4  # no slice narrower than this many columns (per-row overheads dominate)
 

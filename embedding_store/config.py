@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from common import config as common_config
-from common.errors import UserError
+from hybridrec.common import config as common_config
+from hybridrec.common.errors import UserError
 
 StorageDtype = Literal["float32", "bfloat16", "float16"]
 OptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]

@@ -1,6 +1,6 @@
 """Errors the embedding store raises for things a user can cause."""
 
-from common.errors import UserError
+from hybridrec.common.errors import UserError
 
 
 class EmbeddingStoreError(UserError):

@@ -16,8 +16,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.errors import UserError
-from embedding_store.wire import TOKEN_ENV
+from hybridrec.common.errors import UserError
+from hybridrec.embedding_store.wire import TOKEN_ENV
 
 
 def contiguous_shards(server_index: int, num_servers: int, num_shards: int) -> list[int]:

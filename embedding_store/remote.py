@@ -28,18 +28,17 @@ from typing import Any
 
 import numpy as np
 import pyarrow.flight as flight
-
-from embedding_store import wire
-from embedding_store._connection import (
+from hybridrec.embedding_store import wire
+from hybridrec.embedding_store._connection import (
     DEFAULT_RETRY_TIMEOUT,
     RemoteShardError,
     ServerConnection,
     ServerUnavailableError,
     parse_addresses,
 )
-from embedding_store._fingerprint import table_fingerprint
-from embedding_store.columns import stored_tables
-from embedding_store.config import TableConfig
+from hybridrec.embedding_store._fingerprint import table_fingerprint
+from hybridrec.embedding_store.columns import stored_tables
+from hybridrec.embedding_store.config import TableConfig
 
 __all__ = [
     "DEFAULT_RETRY_TIMEOUT",

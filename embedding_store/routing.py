@@ -8,9 +8,8 @@ onto M shards by routing each id again.
 from __future__ import annotations
 
 import numpy as np
-
-from embedding_store._hashing import SALT_ROUTE, mix64
-from embedding_store.config import TableConfig
+from hybridrec.embedding_store._hashing import SALT_ROUTE, mix64
+from hybridrec.embedding_store.config import TableConfig
 
 
 def route_hash(ids: np.ndarray) -> np.ndarray:

@@ -28,20 +28,19 @@ from typing import Any
 
 import numpy as np
 import pyarrow.flight as flight
-
-from common.errors import UserError
-from embedding_store import wire
-from embedding_store._fingerprint import table_fingerprint
-from embedding_store.checkpoint import (
+from hybridrec.common.errors import UserError
+from hybridrec.embedding_store import wire
+from hybridrec.embedding_store._fingerprint import table_fingerprint
+from hybridrec.embedding_store.checkpoint import (
     PRECISIONS,
     check_compatible,
     latest_checkpoint_step,
     read_manifest,
 )
-from embedding_store.columns import stored_tables
-from embedding_store.config import TableConfig
-from embedding_store.errors import EmbeddingStoreError
-from embedding_store.shard import LocalShard
+from hybridrec.embedding_store.columns import stored_tables
+from hybridrec.embedding_store.config import TableConfig
+from hybridrec.embedding_store.errors import EmbeddingStoreError
+from hybridrec.embedding_store.shard import LocalShard
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MAX_REQUEST_ROWS", "ShardServer"]
 

@@ -12,13 +12,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-
-from embedding_store import checkpoint as _checkpoint
-from embedding_store._kvstore import context
-from embedding_store._table import ShardTable
-from embedding_store.config import TableConfig
-from embedding_store.errors import UnknownTableError
-from embedding_store.routing import shard_of, table_offset
+from hybridrec.embedding_store import checkpoint as _checkpoint
+from hybridrec.embedding_store._kvstore import context
+from hybridrec.embedding_store._table import ShardTable
+from hybridrec.embedding_store.config import TableConfig
+from hybridrec.embedding_store.errors import UnknownTableError
+from hybridrec.embedding_store.routing import shard_of, table_offset
 
 
 @runtime_checkable

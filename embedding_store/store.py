@@ -14,18 +14,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-
-from common.errors import UserError
-from embedding_store import _pooling
-from embedding_store import checkpoint as _checkpoint
-from embedding_store._arrays import put_rows, sum_duplicates, take_rows, unique_inverse
-from embedding_store._calls import Inline, when_all
-from embedding_store._pooling import FeatureIds, PooledLookup
-from embedding_store.columns import column_slices, stored_tables
-from embedding_store.config import TableConfig
-from embedding_store.errors import CheckpointError, InvalidInputError, UnknownTableError
-from embedding_store.routing import partition, table_offset
-from embedding_store.shard import LocalShard, Shard
+from hybridrec.common.errors import UserError
+from hybridrec.embedding_store import _pooling
+from hybridrec.embedding_store import checkpoint as _checkpoint
+from hybridrec.embedding_store._arrays import put_rows, sum_duplicates, take_rows, unique_inverse
+from hybridrec.embedding_store._calls import Inline, when_all
+from hybridrec.embedding_store._pooling import FeatureIds, PooledLookup
+from hybridrec.embedding_store.columns import column_slices, stored_tables
+from hybridrec.embedding_store.config import TableConfig
+from hybridrec.embedding_store.errors import CheckpointError, InvalidInputError, UnknownTableError
+from hybridrec.embedding_store.routing import partition, table_offset
+from hybridrec.embedding_store.shard import LocalShard, Shard
 
 
 def _rows(array: np.ndarray, where: np.ndarray | slice) -> np.ndarray:

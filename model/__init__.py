@@ -8,7 +8,7 @@ Public API (see docs/model.md):
     StreamingMetrics, build_tower, forward_flops_per_example
 """
 
-from model.config import (
+from hybridrec.model.config import (
     DATA_AXIS,
     MODEL_AXIS,
     DCNv2Config,
@@ -19,10 +19,10 @@ from model.config import (
     MLPConfig,
     ModelConfig,
 )
-from model.distributed import local_rows, make_global_batch, maybe_initialize_distributed
-from model.metrics import StreamingMetrics
-from model.sharding import make_mesh
-from model.step import (
+from hybridrec.model.distributed import local_rows, make_global_batch, maybe_initialize_distributed
+from hybridrec.model.metrics import StreamingMetrics
+from hybridrec.model.sharding import make_mesh
+from hybridrec.model.step import (
     NonFiniteLossError,
     ShardedStep,
     TrainState,
@@ -35,7 +35,7 @@ from model.step import (
     make_train_step,
     train_step,
 )
-from model.towers import build_tower, forward_flops_per_example
+from hybridrec.model.towers import build_tower, forward_flops_per_example
 
 __all__ = [
     "DATA_AXIS",

@@ -25,10 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from common.errors import ConfigError
-from model.config import DHENConfig
-from model.layers import MLP, CrossLayer, cast, linear
+from hybridrec.common.errors import ConfigError
+from hybridrec.model.config import DHENConfig
+from hybridrec.model.layers import MLP, CrossLayer, cast, linear
 
 
 class DotModule(nnx.Module):

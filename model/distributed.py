@@ -14,10 +14,9 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
+from hybridrec.common.errors import UserError
+from hybridrec.model import sharding as sharding_lib
 from jax.sharding import Mesh
-
-from common.errors import UserError
-from model import sharding as sharding_lib
 
 log = logging.getLogger(__name__)
 

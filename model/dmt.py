@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from common.errors import ConfigError, UserError
-from model.layers import MLP, cast, linear
+from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.model.layers import MLP, cast, linear
 
 
 def check_towers(towers: Sequence[Sequence[int]], num_features: int) -> None:
@@ -231,8 +230,11 @@ def propose_towers_from_run(
         UserError: no checkpoint, no data, or multi-valued features (not supported).
     """
     import pyarrow.parquet as pq
-
-    from embedding_store.checkpoint import latest_checkpoint_step, read_manifest, read_table_rows
+    from hybridrec.embedding_store.checkpoint import (
+        latest_checkpoint_step,
+        read_manifest,
+        read_table_rows,
+    )
 
     run_dir, data_dir = Path(run_dir), Path(data_dir)
     metadata_path = data_dir / "metadata.json"

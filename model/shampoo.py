@@ -29,9 +29,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from hybridrec.common.errors import ConfigError
 from jax.sharding import Mesh
-
-from common.errors import ConfigError
 
 P = jax.sharding.PartitionSpec
 # Newton steps of `inverse_fourth_root`: eigenvalues down to ~1e-7 of the largest reach

@@ -15,11 +15,10 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from hybridrec.common.errors import ConfigError
+from hybridrec.model.config import DATA_AXIS, MeshConfig, ModelConfig
+from hybridrec.model.layers import LOGICAL_AXES
 from jax.sharding import AxisType, Mesh, NamedSharding
-
-from common.errors import ConfigError
-from model.config import DATA_AXIS, MeshConfig, ModelConfig
-from model.layers import LOGICAL_AXES
 
 P = jax.sharding.PartitionSpec
 

@@ -19,13 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
+from hybridrec.common.errors import UserError
+from hybridrec.model import shampoo as shampoo_lib
+from hybridrec.model import sharding as sharding_lib
+from hybridrec.model.config import DenseOptimizerConfig, ModelConfig
+from hybridrec.model.towers import build_tower
 from jax.sharding import Mesh, NamedSharding
-
-from common.errors import UserError
-from model import shampoo as shampoo_lib
-from model import sharding as sharding_lib
-from model.config import DenseOptimizerConfig, ModelConfig
-from model.towers import build_tower
 
 P = jax.sharding.PartitionSpec
 

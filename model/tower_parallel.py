@@ -37,11 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.model.config import DATA_AXIS
+from hybridrec.model.step import ShardedStep, TrainState, apply_dense_gradients, mean_cross_entropy
 from jax.sharding import AxisType, Mesh, NamedSharding
-
-from common.errors import ConfigError, UserError
-from model.config import DATA_AXIS
-from model.step import ShardedStep, TrainState, apply_dense_gradients, mean_cross_entropy
 
 P = jax.sharding.PartitionSpec
 

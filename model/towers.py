@@ -19,12 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from common.errors import ConfigError
-from model.config import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig, choose_tower
-from model.dhen import DHEN
-from model.dmt import DMT, TowerModule, check_towers
-from model.layers import MLP, CrossLayer, cast, flat_input, linear
+from hybridrec.common.errors import ConfigError
+from hybridrec.model.config import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig, choose_tower
+from hybridrec.model.dhen import DHEN
+from hybridrec.model.dmt import DMT, TowerModule, check_towers
+from hybridrec.model.layers import MLP, CrossLayer, cast, flat_input, linear
 
 
 class DLRM(nnx.Module):

@@ -12,30 +12,30 @@ Public surface:
     read_shards(data_dir)                        the committed shards of a stream dataset
 """
 
-from pipeline.manifest import ManifestEntry, read_manifest, read_shards  # noqa: F401
-from pipeline.metadata import CategoricalFeature, DatasetMetadata, read_metadata
-from pipeline.rows import EncodedRows, RowEncoder, RowError, spec_from_json  # noqa: F401
-from pipeline.spec import CategoricalSpec, FeatureSpec, builtin_specs, load_spec
+from hybridrec.pipeline.manifest import ManifestEntry, read_manifest, read_shards  # noqa: F401
+from hybridrec.pipeline.metadata import CategoricalFeature, DatasetMetadata, read_metadata
+from hybridrec.pipeline.rows import EncodedRows, RowEncoder, RowError, spec_from_json  # noqa: F401
+from hybridrec.pipeline.spec import CategoricalSpec, FeatureSpec, builtin_specs, load_spec
 
 # Public name -> module that defines it. Beam, pyarrow and the generator are imported only
 # when one of these is used, so that reading metadata stays light.
 _LAZY = {
-    "BlockParser": "pipeline._parse",
-    "Chunk": "pipeline._chunks",
-    "FollowConfig": "pipeline.follow",
-    "ParquetParser": "pipeline._parquet",
-    "PartialStats": "pipeline.stats",
-    "Preprocess": "pipeline.job",
-    "PreprocessConfig": "pipeline.config",
-    "PreprocessResult": "pipeline.job",
-    "SplitRule": "pipeline._chunks",
-    "count_lines": "pipeline._chunks",
-    "follow": "pipeline.follow",
-    "generate": "pipeline.synthetic",
-    "generate_block": "pipeline.synthetic",
-    "list_chunks": "pipeline._chunks",
-    "process_chunk": "pipeline._chunks",
-    "run_preprocess": "pipeline.job",
+    "BlockParser": "hybridrec.pipeline._parse",
+    "Chunk": "hybridrec.pipeline._chunks",
+    "FollowConfig": "hybridrec.pipeline.follow",
+    "ParquetParser": "hybridrec.pipeline._parquet",
+    "PartialStats": "hybridrec.pipeline.stats",
+    "Preprocess": "hybridrec.pipeline.job",
+    "PreprocessConfig": "hybridrec.pipeline.config",
+    "PreprocessResult": "hybridrec.pipeline.job",
+    "SplitRule": "hybridrec.pipeline._chunks",
+    "count_lines": "hybridrec.pipeline._chunks",
+    "follow": "hybridrec.pipeline.follow",
+    "generate": "hybridrec.pipeline.synthetic",
+    "generate_block": "hybridrec.pipeline.synthetic",
+    "list_chunks": "hybridrec.pipeline._chunks",
+    "process_chunk": "hybridrec.pipeline._chunks",
+    "run_preprocess": "hybridrec.pipeline.job",
 }
 
 __all__ = [

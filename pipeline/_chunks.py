@@ -25,13 +25,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
-
-from common.errors import UserError
-from pipeline import _parquet, hashing
-from pipeline._errors import InputError
-from pipeline._parse import BlockParser, ParsedBlock
-from pipeline.spec import FeatureSpec
-from pipeline.stats import PartialStats
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline import _parquet, hashing
+from hybridrec.pipeline._errors import InputError
+from hybridrec.pipeline._parse import BlockParser, ParsedBlock
+from hybridrec.pipeline.spec import FeatureSpec
+from hybridrec.pipeline.stats import PartialStats
 
 ROW_GROUP_ROWS = 65_536
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.errors import UserError
+from hybridrec.common.errors import UserError
 
 INPUT_ERROR_MARK = "hybridrec-input-error"
 

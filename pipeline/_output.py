@@ -14,11 +14,10 @@ import os
 import pickle
 
 from apache_beam.io.filesystems import FileSystems
-
-from common.errors import UserError
-from pipeline import hashing, metadata
-from pipeline.config import PreprocessConfig
-from pipeline.stats import PartialStats
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline import hashing, metadata
+from hybridrec.pipeline.config import PreprocessConfig
+from hybridrec.pipeline.stats import PartialStats
 
 TEMP_DIR = "_temporary"
 STATS_FILE = "stats.pickle"

@@ -31,10 +31,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
-
-from pipeline import hashing
-from pipeline._errors import InputError
-from pipeline._parse import (
+from hybridrec.pipeline import hashing
+from hybridrec.pipeline._errors import InputError
+from hybridrec.pipeline._parse import (
     REASON_CODE,
     REASONS,
     ParsedBlock,
@@ -45,7 +44,7 @@ from pipeline._parse import (
     split_multi_valued_ids,
     transform_dense,
 )
-from pipeline.spec import FeatureSpec
+from hybridrec.pipeline.spec import FeatureSpec
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _INT64_LIMIT = 2.0**63  # floats at or beyond this magnitude are outside int64

@@ -15,9 +15,8 @@ import re
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-
-from pipeline import hashing
-from pipeline.spec import FeatureSpec
+from hybridrec.pipeline import hashing
+from hybridrec.pipeline.spec import FeatureSpec
 
 REASONS = (
     "wrong_field_count",

@@ -11,10 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
-
-from pipeline._chunks import ROW_GROUP_ROWS, _SplitWriter
-from pipeline.spec import FeatureSpec
-from pipeline.stats import PartialStats
+from hybridrec.pipeline._chunks import ROW_GROUP_ROWS, _SplitWriter
+from hybridrec.pipeline.spec import FeatureSpec
+from hybridrec.pipeline.stats import PartialStats
 
 
 def kept_lines(lines: int, rejected_lines: np.ndarray, header: bool) -> np.ndarray:

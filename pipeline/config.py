@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.errors import UserError
+from hybridrec.common.errors import UserError
 
 INPUT_FORMATS = ("auto", "text", "parquet")
 SPLIT_MODES = ("position", "hash")

@@ -40,14 +40,13 @@ from typing import Any
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
-
-from common.errors import UserError
-from common.files import atomic_write_text, fsync_directory
-from pipeline import _chunks, manifest, metadata
-from pipeline._errors import InputError
-from pipeline._parse import BlockParser
-from pipeline.rows import spec_from_json
-from pipeline.spec import FeatureSpec
+from hybridrec.common.errors import UserError
+from hybridrec.common.files import atomic_write_text, fsync_directory
+from hybridrec.pipeline import _chunks, manifest, metadata
+from hybridrec.pipeline._errors import InputError
+from hybridrec.pipeline._parse import BlockParser
+from hybridrec.pipeline.rows import spec_from_json
+from hybridrec.pipeline.spec import FeatureSpec
 
 TEMP_DIR = "_temporary"
 # One chunk per input file: a micro-batch file is parsed by one worker into one shard.

@@ -16,9 +16,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-
-from common.errors import UserError
-from pipeline.metadata import DatasetMetadata
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline.metadata import DatasetMetadata
 
 Counts = tuple[np.ndarray, np.ndarray]  # (ids [n] uint64, counts [n] int64)
 
@@ -65,8 +64,7 @@ def count_ids(metadata: DatasetMetadata, split: str = "train") -> dict[str, Coun
         UserError: the split has no files, or a file lacks a categorical column.
     """
     from apache_beam.options.pipeline_options import PipelineOptions
-
-    from pipeline.job import beam  # Beam, imported with its import-time noise filtered
+    from hybridrec.pipeline.job import beam  # Beam, imported with its import-time noise filtered
 
     files = [str(path) for path in metadata.split_files(split)]
     if not files:

@@ -23,9 +23,9 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
-from common import config
-from common.errors import ConfigError, UserError
-from pipeline.spec import FeatureSpec
+from hybridrec.common import config
+from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.pipeline.spec import FeatureSpec
 
 SAMPLE_ROWS = 2000  # rows read from the start of the file
 SAMPLE_BYTES = 8 << 20  # at most this many (decompressed) bytes

@@ -46,14 +46,13 @@ logging.getLogger().removeFilter(_import_filter)
 import numpy as np  # noqa: E402
 from apache_beam.io.filesystems import FileSystems  # noqa: E402
 from apache_beam.metrics import Metrics  # noqa: E402
-
-from common.errors import UserError  # noqa: E402
-from common.progress import Progress  # noqa: E402
-from pipeline import _chunks, _errors, _output, _parquet, _placement, runners  # noqa: E402
-from pipeline._parse import BlockParser  # noqa: E402
-from pipeline.config import PreprocessConfig  # noqa: E402
-from pipeline.spec import FeatureSpec, load_spec  # noqa: E402
-from pipeline.stats import DatasetStatsFn, PartialStats  # noqa: E402
+from hybridrec.common.errors import UserError  # noqa: E402
+from hybridrec.common.progress import Progress  # noqa: E402
+from hybridrec.pipeline import _chunks, _errors, _output, _parquet, _placement, runners  # noqa: E402
+from hybridrec.pipeline._parse import BlockParser  # noqa: E402
+from hybridrec.pipeline.config import PreprocessConfig  # noqa: E402
+from hybridrec.pipeline.spec import FeatureSpec, load_spec  # noqa: E402
+from hybridrec.pipeline.stats import DatasetStatsFn, PartialStats  # noqa: E402
 
 # Every chunk's line count meets every other under this one key (a global gather).
 _ALL = 0

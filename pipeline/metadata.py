@@ -10,7 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from common.errors import UserError
+from hybridrec.common.errors import UserError
 
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"

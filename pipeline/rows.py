@@ -22,11 +22,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-
-from common import config
-from common.errors import UserError
-from pipeline._parse import BlockParser
-from pipeline.spec import FeatureSpec
+from hybridrec.common import config
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline._parse import BlockParser
+from hybridrec.pipeline.spec import FeatureSpec
 
 
 class RowError(UserError):

@@ -23,8 +23,7 @@ from apache_beam.options.pipeline_options import (
     StandardOptions,
     WorkerOptions,
 )
-
-from common.errors import UserError
+from hybridrec.common.errors import UserError
 
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 # short name -> what Beam's `--runner` option takes

@@ -13,8 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from common import config
-from common.errors import ConfigError, UserError
+from hybridrec.common import config
+from hybridrec.common.errors import ConfigError, UserError
 
 SPEC_DIR = Path(__file__).parent / "specs"
 

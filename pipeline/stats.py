@@ -19,8 +19,7 @@ import dataclasses
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
-
-from pipeline import hashing
+from hybridrec.pipeline import hashing
 
 SAMPLE_CAPACITY = 16_384
 COUNT_THRESHOLDS = (1, 2, 5, 10, 100, 1000)

@@ -33,10 +33,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-
-from common.errors import UserError
-from common.progress import Progress
-from pipeline import hashing
+from hybridrec.common.errors import UserError
+from hybridrec.common.progress import Progress
+from hybridrec.pipeline import hashing
 
 BLOCK_ROWS = 65_536
 NUM_DENSE = 13

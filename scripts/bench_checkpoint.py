@@ -40,9 +40,8 @@ import time
 from pathlib import Path
 
 from bench_criteo import REPO, _dataset, _fail, checked_inputs
-
-from common import config as config_lib
-from embedding_store import EmbeddingStore, TableConfig, checkpoint
+from hybridrec.common import config as config_lib
+from hybridrec.embedding_store import EmbeddingStore, TableConfig, checkpoint
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 TARGETS = {"int8_bytes_ratio": 0.4, "int4_bytes_ratio": 0.3, "int8_auc_delta": 0.001}

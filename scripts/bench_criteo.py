@@ -210,10 +210,9 @@ def _dense_only(batch: int, env: dict, rounds: int) -> float:
 def _dense_child(batch: int, rounds: int) -> None:
     import jax
     import numpy as np
-
-    from common import config as config_lib
-    from model import create_train_state, make_global_batch, make_mesh, make_train_step
-    from training.config import PRESET_DIR, TrainConfig
+    from hybridrec.common import config as config_lib
+    from hybridrec.model import create_train_state, make_global_batch, make_mesh, make_train_step
+    from hybridrec.training.config import PRESET_DIR, TrainConfig
 
     config = config_lib.load(TrainConfig, "criteo_dlrm", preset_dir=PRESET_DIR)
     mesh = make_mesh(config.mesh)

@@ -35,9 +35,8 @@ def _measure(args: argparse.Namespace) -> dict:
 
     import jax
     import numpy as np
-
-    from common import config as config_lib
-    from model import (
+    from hybridrec.common import config as config_lib
+    from hybridrec.model import (
         DenseOptimizerConfig,
         MeshConfig,
         ModelConfig,

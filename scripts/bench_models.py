@@ -70,10 +70,9 @@ def _dense_params(settings: list[str]) -> int:
     """Parameters of the dense tower these overrides give (13 dense, 26 x dim embeddings)."""
     import jax
     from flax import nnx
-
-    from common import config as config_lib
-    from model import build_tower
-    from training.config import PRESET_DIR, TrainConfig
+    from hybridrec.common import config as config_lib
+    from hybridrec.model import build_tower
+    from hybridrec.training.config import PRESET_DIR, TrainConfig
 
     config = config_lib.load(TrainConfig, "criteo_dlrm", settings, preset_dir=PRESET_DIR)
     tower = nnx.eval_shape(
@@ -90,7 +89,7 @@ def _dense_params(settings: list[str]) -> int:
 
 def _proposed_towers(run_dir: Path, data: Path, batch: int) -> list[list[int]]:
     """The Tower Partitioner on a finished run (`model.dmt.propose_towers_from_run`)."""
-    from model.dmt import propose_towers_from_run
+    from hybridrec.model.dmt import propose_towers_from_run
 
     towers, features = propose_towers_from_run(
         run_dir, data, DMT_TOWERS, batch_size=batch, rows=PARTITION_ROWS
@@ -126,10 +125,9 @@ def _dense_child(settings: list[str], batch: int) -> None:
 
     import jax
     import numpy as np
-
-    from common import config as config_lib
-    from model import create_train_state, make_global_batch, make_mesh, make_train_step
-    from training.config import PRESET_DIR, TrainConfig
+    from hybridrec.common import config as config_lib
+    from hybridrec.model import create_train_state, make_global_batch, make_mesh, make_train_step
+    from hybridrec.training.config import PRESET_DIR, TrainConfig
 
     config = config_lib.load(TrainConfig, "criteo_dlrm", settings, preset_dir=PRESET_DIR)
     mesh = make_mesh(config.mesh)

@@ -128,7 +128,7 @@ def published(run_dir: Path) -> dict[int, int]:
 
 
 def auc(probabilities: np.ndarray, labels: np.ndarray) -> float:
-    from model.metrics import StreamingMetrics
+    from hybridrec.model.metrics import StreamingMetrics
 
     metrics = StreamingMetrics()
     metrics.update(probabilities, labels)

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 from distributed import LocalCluster
+from hybridrec.pipeline import BlockParser, PartialStats, PreprocessConfig, load_spec
 
-import pipeline
-from pipeline import BlockParser, PartialStats, PreprocessConfig, load_spec
+from hybridrec import pipeline
 
 DASK_WORKERS = 2
 

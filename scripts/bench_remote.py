@@ -45,12 +45,16 @@ from pathlib import Path
 
 import numpy as np
 from bench_criteo import REPO, SAMPLE, _dataset, checked_inputs
-
-from common.progress import Progress
-from embedding_store import EmbeddingStore, InitializerConfig, SparseOptimizerConfig, TableConfig
-from embedding_store.columns import describe_plan, plan_column_shards
-from embedding_store.processes import start_server_process, start_servers, stop_servers
-from embedding_store.remote import ServerConnection, connect
+from hybridrec.common.progress import Progress
+from hybridrec.embedding_store import (
+    EmbeddingStore,
+    InitializerConfig,
+    SparseOptimizerConfig,
+    TableConfig,
+)
+from hybridrec.embedding_store.columns import describe_plan, plan_column_shards
+from hybridrec.embedding_store.processes import start_server_process, start_servers, stop_servers
+from hybridrec.embedding_store.remote import ServerConnection, connect
 
 TABLE = "bench"
 DIM = 16

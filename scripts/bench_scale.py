@@ -41,11 +41,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from common.progress import Progress
-from embedding_store import EmbeddingStore, InitializerConfig, SparseOptimizerConfig, TableConfig
-from embedding_store.processes import start_server_process, stop_servers
-from embedding_store.remote import connect
+from hybridrec.common.progress import Progress
+from hybridrec.embedding_store import (
+    EmbeddingStore,
+    InitializerConfig,
+    SparseOptimizerConfig,
+    TableConfig,
+)
+from hybridrec.embedding_store.processes import start_server_process, stop_servers
+from hybridrec.embedding_store.remote import connect
 
 TABLE = "scale"
 NUM_SHARDS = 4

@@ -104,7 +104,7 @@ def rows_body(lines: list[str]) -> bytes:
 
 def parity(server: Server, run: Path) -> float:
     """Largest |served - evaluate| over the eval split (hashed-input path)."""
-    from serving.reference import evaluate_rows
+    from hybridrec.serving.reference import evaluate_rows
 
     ids, dense, _, expected = evaluate_rows(run)
     connection = http.client.HTTPConnection(server.host, int(server.port), timeout=60)
@@ -198,10 +198,9 @@ def measure_serving(
 def quality(work: Path, sample: Path, overrides: list[str]) -> dict:
     """AUC and embedding bytes of fp16 and int8 exports against fp32 on the Criteo sample."""
     import pyarrow.parquet as pq
-
-    from model import StreamingMetrics
-    from pipeline import read_metadata
-    from serving import ServedModel, export_run
+    from hybridrec.model import StreamingMetrics
+    from hybridrec.pipeline import read_metadata
+    from hybridrec.serving import ServedModel, export_run
 
     run = train_run(work, sample, "criteo_dlrm", ["embedding.capacity=300000", *overrides])
     metadata = read_metadata(work / "data")

@@ -29,9 +29,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-
-from common.progress import Progress
-from embedding_store import (
+from hybridrec.common.progress import Progress
+from hybridrec.embedding_store import (
     EmbeddingStore,
     InitializerConfig,
     SparseOptimizerConfig,

@@ -43,7 +43,7 @@ def _resident_bytes() -> int:
 
 
 def _tables(count: int, capacity: int):
-    from embedding_store import SparseOptimizerConfig, TableConfig
+    from hybridrec.embedding_store import SparseOptimizerConfig, TableConfig
 
     optimizer = SparseOptimizerConfig(name="adagrad", learning_rate=0.05)
     return [
@@ -58,7 +58,7 @@ def _held(stats: dict) -> int:
 
 def measure_resident(rows: int) -> dict:
     """Part 1, run in its own process."""
-    from embedding_store import EmbeddingStore
+    from hybridrec.embedding_store import EmbeddingStore
 
     rng = np.random.default_rng(0)
     store = EmbeddingStore(_tables(TABLES, CAPACITY), num_shards=SHARDS)
@@ -90,7 +90,7 @@ def measure_resident(rows: int) -> dict:
 
 def measure_growth(grow_rows: int) -> dict:
     """Part 2, run in its own process."""
-    from embedding_store import EmbeddingStore
+    from hybridrec.embedding_store import EmbeddingStore
 
     rng = np.random.default_rng(1)
     store = EmbeddingStore(_tables(1, CAPACITY), num_shards=1)

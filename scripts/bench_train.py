@@ -31,7 +31,7 @@ from pathlib import Path  # noqa: E402
 
 def _steady_rate(run_dir: Path) -> float:
     """Samples/s over every log interval but the first (which includes compilation)."""
-    from training.run_log import read_records
+    from hybridrec.training.run_log import read_records
 
     train = [r for r in read_records(run_dir) if r["kind"] == "train"]
     samples = seconds = 0.0
@@ -44,9 +44,9 @@ def _steady_rate(run_dir: Path) -> float:
 
 def train_rate(data: Path, out: Path, *, k: int, steps: int, batch: int, extra: list[str]) -> float:
     """Steady-state samples/s of `hybridrec train` with staleness bound k."""
-    from common import config as config_lib
-    from training.config import PRESET_DIR, TrainConfig
-    from training.trainer import HybridTrainer
+    from hybridrec.common import config as config_lib
+    from hybridrec.training.config import PRESET_DIR, TrainConfig
+    from hybridrec.training.trainer import HybridTrainer
 
     run_dir = out / f"run_k{k}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -75,11 +75,10 @@ def dense_only_rate(data: Path, *, steps: int, batch: int, extra: list[str]) -> 
     """Samples/s of the jitted dense step alone, inputs already on the devices."""
     import jax
     import numpy as np
-
-    from common import config as config_lib
-    from model import create_train_state, make_global_batch, make_mesh, make_train_step
-    from pipeline import read_metadata
-    from training.config import PRESET_DIR, TrainConfig
+    from hybridrec.common import config as config_lib
+    from hybridrec.model import create_train_state, make_global_batch, make_mesh, make_train_step
+    from hybridrec.pipeline import read_metadata
+    from hybridrec.training.config import PRESET_DIR, TrainConfig
 
     config = config_lib.load(
         TrainConfig, "criteo_dlrm", [f"data.batch_size={batch}", *extra], preset_dir=PRESET_DIR

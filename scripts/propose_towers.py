@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from common.errors import UserError
-from model.dmt import propose_towers_from_run
+from hybridrec.common.errors import UserError
+from hybridrec.model.dmt import propose_towers_from_run
 
 
 def main() -> int:

@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"skipped": f"no Criteo sample at {args.input}"}))
         return 0
 
-    from common import config as config_lib
+    from hybridrec.common import config as config_lib
+    from hybridrec.training.config import PRESET_DIR, TrainConfig
+    from hybridrec.training.trainer import HybridTrainer
+
     from hybridrec.cli import run
-    from training.config import PRESET_DIR, TrainConfig
-    from training.trainer import HybridTrainer
 
     out = Path(args.out)
     data = out / "data"

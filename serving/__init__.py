@@ -8,7 +8,7 @@ Public surface:
     demo_score(export_dir, rows)                   start a server, score rows over HTTP, stop it
 """
 
-from serving._format import ExportError
+from hybridrec.serving._format import ExportError
 
 __all__ = ["ExportError", "ServedModel", "create_app", "demo_score", "export_run", "serve"]
 
@@ -16,19 +16,19 @@ __all__ = ["ExportError", "ServedModel", "create_app", "demo_score", "export_run
 def __getattr__(name):
     # JAX and the web stack are imported only when used
     if name == "export_run":
-        from serving.export import export_run
+        from hybridrec.serving.export import export_run
 
         return export_run
     if name == "ServedModel":
-        from serving.model import ServedModel
+        from hybridrec.serving.model import ServedModel
 
         return ServedModel
     if name in ("create_app", "serve"):
-        from serving import server
+        from hybridrec.serving import server
 
         return getattr(server, name)
     if name == "demo_score":
-        from serving.demo import demo_score
+        from hybridrec.serving.demo import demo_score
 
         return demo_score
     raise AttributeError(f"module 'serving' has no attribute {name!r}")

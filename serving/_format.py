@@ -26,8 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from common.errors import UserError
-from common.files import fsync_directory
+from hybridrec.common.errors import UserError
+from hybridrec.common.files import fsync_directory
 
 FORMAT = "hybridrec-export"
 FORMAT_VERSION = 1

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from embedding_store import RaggedIds
+from hybridrec.embedding_store import RaggedIds
 
 POOLINGS = ("sum", "mean", "sqrtn")
 

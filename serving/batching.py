@@ -22,9 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-
-from common.errors import UserError
-from serving.bags import concatenate, num_rows, slice_rows
+from hybridrec.common.errors import UserError
+from hybridrec.serving.bags import concatenate, num_rows, slice_rows
 
 
 @dataclasses.dataclass

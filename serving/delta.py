@@ -22,9 +22,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-
-from embedding_store import checkpoint as store_checkpoint
-from serving import _format
+from hybridrec.embedding_store import checkpoint as store_checkpoint
+from hybridrec.serving import _format
 
 
 def changed_rows(

@@ -10,8 +10,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.errors import UserError
-from serving.server import ServeOptions, bind, make_server
+from hybridrec.common.errors import UserError
+from hybridrec.serving.server import ServeOptions, bind, make_server
 
 
 def demo_score(

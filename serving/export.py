@@ -20,20 +20,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from common import config as config_lib
-from common.errors import UserError
-from common.progress import Progress
-from embedding_store import checkpoint as store_checkpoint
-from model import abstract_train_state, eval_step, make_mesh
-from pipeline import read_metadata
-from pipeline.hashing import hash_scheme
-from serving import _format, delta
-from serving.quantize import encode_table
-from training.checkpoint import RunCheckpoints
-from training.job import load_config, require_run_dir
-from training.learned_hash import ARRAYS_FILE, MAP_FILE
-from training.tables import plan_tables
+from hybridrec.common import config as config_lib
+from hybridrec.common.errors import UserError
+from hybridrec.common.progress import Progress
+from hybridrec.embedding_store import checkpoint as store_checkpoint
+from hybridrec.model import abstract_train_state, eval_step, make_mesh
+from hybridrec.pipeline import read_metadata
+from hybridrec.pipeline.hashing import hash_scheme
+from hybridrec.serving import _format, delta
+from hybridrec.serving.quantize import encode_table
+from hybridrec.training.checkpoint import RunCheckpoints
+from hybridrec.training.job import load_config, require_run_dir
+from hybridrec.training.learned_hash import ARRAYS_FILE, MAP_FILE
+from hybridrec.training.tables import plan_tables
 
 PLATFORMS = ("cpu", "cuda")  # where the exported tower runs
 

@@ -17,10 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
-from embedding_store import RaggedIds
-from serving.model import ServedModel
-from serving.protocol import ProtocolError
+from hybridrec.embedding_store import RaggedIds
+from hybridrec.serving.model import ServedModel
+from hybridrec.serving.protocol import ProtocolError
 
 
 def model_inputs(model: ServedModel, inputs: dict, *, max_rows: int) -> tuple[Any, Any]:

@@ -14,14 +14,19 @@ import jax
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-
-from embedding_store import EmbeddingStore, RaggedIds
-from model import create_train_state, local_rows, make_eval_step, make_global_batch, make_mesh
-from pipeline import read_metadata
-from serving.bags import concatenate, slice_rows
-from training.checkpoint import RunCheckpoints
-from training.job import load_config
-from training.tables import plan_tables
+from hybridrec.embedding_store import EmbeddingStore, RaggedIds
+from hybridrec.model import (
+    create_train_state,
+    local_rows,
+    make_eval_step,
+    make_global_batch,
+    make_mesh,
+)
+from hybridrec.pipeline import read_metadata
+from hybridrec.serving.bags import concatenate, slice_rows
+from hybridrec.training.checkpoint import RunCheckpoints
+from hybridrec.training.job import load_config
+from hybridrec.training.tables import plan_tables
 
 
 def evaluate_rows(run_dir: str | Path, data_dir: str | Path | None = None, split: str = "eval"):

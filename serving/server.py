@@ -25,26 +25,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-
-from common.errors import UserError
-from pipeline import RowError
-from serving import _format
-from serving.batching import DynamicBatcher
-from serving.inputs import input_metadata, model_inputs
-from serving.model import ServedModel
-from serving.protocol import (
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline import RowError
+from hybridrec.serving import _format
+from hybridrec.serving.batching import DynamicBatcher
+from hybridrec.serving.inputs import input_metadata, model_inputs
+from hybridrec.serving.model import ServedModel
+from hybridrec.serving.protocol import (
     ProtocolError,
     decode_inputs,
     encode_response,
     parse_body,
     requested_outputs,
 )
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 OUTPUT = "probabilities"
 

@@ -2,9 +2,8 @@ import dataclasses
 from typing import Literal
 
 import pytest
-
-from common import config
-from common.errors import ConfigError
+from hybridrec.common import config
+from hybridrec.common.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,10 +24,9 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-
-from common.errors import UserError
-from common.files import atomic_write_text
-from embedding_store import checkpoint as store_checkpoint
+from hybridrec.common.errors import UserError
+from hybridrec.common.files import atomic_write_text
+from hybridrec.embedding_store import checkpoint as store_checkpoint
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_FILE = "LAST"

@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from embedding_store import (
+from hybridrec.embedding_store import (
     AdmissionConfig,
     EvictionConfig,
     InitializerConfig,
@@ -18,7 +18,7 @@ from embedding_store import (
     TableConfig,
     TieringConfig,
 )
-from model.config import DenseOptimizerConfig, MeshConfig, ModelConfig
+from hybridrec.model.config import DenseOptimizerConfig, MeshConfig, ModelConfig
 
 PRESET_DIR = Path(__file__).parent / "configs"  # built-in presets, by file stem
 

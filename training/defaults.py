@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from model.config import choose_tower
-from pipeline import DatasetMetadata
-from training.config import TrainConfig
+from hybridrec.model.config import choose_tower
+from hybridrec.pipeline import DatasetMetadata
+from hybridrec.training.config import TrainConfig
 
 AUTO_STEPS_PER_EPOCH = 200  # data.batch_size = 0 aims at about this many steps per epoch
 AUTO_BATCH_RANGE = (256, 4096)  # ... with a power-of-two batch within this range

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.errors import UserError
-from common.progress import Progress
-from model import StreamingMetrics, local_rows, make_eval_step, make_global_batch
-from training.checkpoint import RunCheckpoints
-from training.hybrid import feature_ids
-from training.job import Job, load_config, prepare, require_run_dir
+from hybridrec.common.errors import UserError
+from hybridrec.common.progress import Progress
+from hybridrec.model import StreamingMetrics, local_rows, make_eval_step, make_global_batch
+from hybridrec.training.checkpoint import RunCheckpoints
+from hybridrec.training.hybrid import feature_ids
+from hybridrec.training.job import Job, load_config, prepare, require_run_dir
 
 
 def evaluate(

@@ -38,9 +38,8 @@ from typing import Any
 
 import jax
 import numpy as np
-
-from model import local_rows, make_global_batch
-from training.input import Batch, DataPosition
+from hybridrec.model import local_rows, make_global_batch
+from hybridrec.training.input import Batch, DataPosition
 
 _END = object()
 

@@ -30,10 +30,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-
-from common.errors import UserError
-from embedding_store import RaggedIds
-from pipeline import DatasetMetadata
+from hybridrec.common.errors import UserError
+from hybridrec.embedding_store import RaggedIds
+from hybridrec.pipeline import DatasetMetadata
 
 FeatureIds = np.ndarray | RaggedIds
 

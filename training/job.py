@@ -19,20 +19,19 @@ from typing import Any
 
 import jax
 import numpy as np
+from hybridrec.common import config as config_lib
+from hybridrec.common.errors import UserError
+from hybridrec.embedding_store import EmbeddingStore
+from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, connect
+from hybridrec.model import create_train_state, make_mesh, maybe_initialize_distributed
+from hybridrec.pipeline import DatasetMetadata, read_metadata
+from hybridrec.training.checkpoint import RunCheckpoints
+from hybridrec.training.config import PRESET_DIR, TrainConfig
+from hybridrec.training.defaults import resolve_auto
+from hybridrec.training.input import ParquetReader
+from hybridrec.training.learned_hash import IdMap, read_id_map
+from hybridrec.training.tables import PLAN_SAMPLE_BATCHES, TablePlan, plan_columns, plan_tables
 from jax.experimental import multihost_utils
-
-from common import config as config_lib
-from common.errors import UserError
-from embedding_store import EmbeddingStore
-from embedding_store.remote import DEFAULT_RETRY_TIMEOUT, connect
-from model import create_train_state, make_mesh, maybe_initialize_distributed
-from pipeline import DatasetMetadata, read_metadata
-from training.checkpoint import RunCheckpoints
-from training.config import PRESET_DIR, TrainConfig
-from training.defaults import resolve_auto
-from training.input import ParquetReader
-from training.learned_hash import IdMap, read_id_map
-from training.tables import PLAN_SAMPLE_BATCHES, TablePlan, plan_columns, plan_tables
 
 CONFIG_FILE = "config.json"  # a run directory's config, as trained
 

@@ -6,15 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from common.errors import UserError
-from embedding_store import checkpoint as store_checkpoint
-from pipeline import read_metadata
-from pipeline.id_counts import count_ids
-from training.checkpoint import RunCheckpoints
-from training.job import load_config, require_run_dir
-from training.learned_hash import build_feature_map, find_sorted, write_id_map
-from training.tables import plan_tables
+from hybridrec.common.errors import UserError
+from hybridrec.embedding_store import checkpoint as store_checkpoint
+from hybridrec.pipeline import read_metadata
+from hybridrec.pipeline.id_counts import count_ids
+from hybridrec.training.checkpoint import RunCheckpoints
+from hybridrec.training.job import load_config, require_run_dir
+from hybridrec.training.learned_hash import build_feature_map, find_sorted, write_id_map
+from hybridrec.training.tables import plan_tables
 
 
 def learn_id_map(

@@ -35,10 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from common.errors import UserError
-from common.files import atomic_write_text
-from pipeline.hashing import splitmix64
+from hybridrec.common.errors import UserError
+from hybridrec.common.files import atomic_write_text
+from hybridrec.pipeline.hashing import splitmix64
 
 MAP_FILE = "id_map.json"
 ARRAYS_FILE = "id_map.npz"

@@ -35,17 +35,16 @@ import jax
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from common import config as config_lib
-from common.errors import UserError
-from embedding_store import checkpoint as store_checkpoint
-from model import NonFiniteLossError, make_train_step
-from pipeline import ManifestEntry, read_shards
-from training.checkpoint import RunCheckpoints
-from training.hybrid import HybridPipeline
-from training.input import Batch, _Columns, _concat, _rows_from_arrow, _slice
-from training.job import CONFIG_FILE, prepare
-from training.run_log import RunLog
+from hybridrec.common import config as config_lib
+from hybridrec.common.errors import UserError
+from hybridrec.embedding_store import checkpoint as store_checkpoint
+from hybridrec.model import NonFiniteLossError, make_train_step
+from hybridrec.pipeline import ManifestEntry, read_shards
+from hybridrec.training.checkpoint import RunCheckpoints
+from hybridrec.training.hybrid import HybridPipeline
+from hybridrec.training.input import Batch, _Columns, _concat, _rows_from_arrow, _slice
+from hybridrec.training.job import CONFIG_FILE, prepare
+from hybridrec.training.run_log import RunLog
 
 PUBLISHED_FILE = "published.jsonl"  # one line per published export: step, version, position
 

@@ -24,20 +24,25 @@ from typing import Any
 
 import jax
 import numpy as np
+from hybridrec.common.errors import ConfigError
+from hybridrec.common.progress import Progress
+from hybridrec.embedding_store import EmbeddingStore
+from hybridrec.embedding_store.remote import parse_addresses
+from hybridrec.model import (
+    StreamingMetrics,
+    fetch_metrics,
+    local_rows,
+    make_global_batch,
+    tower_parallel,
+)
+from hybridrec.model.collectives import collective_bytes
+from hybridrec.model.dmt import check_towers
+from hybridrec.pipeline import CategoricalFeature
+from hybridrec.training.config import EmbeddingConfig
+from hybridrec.training.input import Batch
+from hybridrec.training.job import check_batch_size
+from hybridrec.training.tables import TablePlan, plan_tables
 from jax.experimental import multihost_utils
-
-from common.errors import ConfigError
-from common.progress import Progress
-from embedding_store import EmbeddingStore
-from embedding_store.remote import parse_addresses
-from model import StreamingMetrics, fetch_metrics, local_rows, make_global_batch, tower_parallel
-from model.collectives import collective_bytes
-from model.dmt import check_towers
-from pipeline import CategoricalFeature
-from training.config import EmbeddingConfig
-from training.input import Batch
-from training.job import check_batch_size
-from training.tables import TablePlan, plan_tables
 
 WARMUP_STEPS = 20  # steps left out of the steady rate and the bytes per step
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.errors import UserError
-from training.run_log import read_records, run_name
+from hybridrec.common.errors import UserError
+from hybridrec.training.run_log import read_records, run_name
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -19,11 +19,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-
-from embedding_store import TableConfig
-from embedding_store.columns import describe_plan, plan_column_shards
-from pipeline import CategoricalFeature
-from training.config import EmbeddingConfig
+from hybridrec.embedding_store import TableConfig
+from hybridrec.embedding_store.columns import describe_plan, plan_column_shards
+from hybridrec.pipeline import CategoricalFeature
+from hybridrec.training.config import EmbeddingConfig
 
 FUSED_TABLE = "embeddings"  # the physical table's name when tables are fused
 

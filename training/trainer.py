@@ -21,17 +21,16 @@ from typing import Any
 
 import jax
 import numpy as np
-
-from common import config as config_lib
-from common.errors import UserError
-from common.progress import Progress
-from model import NonFiniteLossError, make_eval_step, make_train_step
-from training.checkpoint import RunCheckpoints
-from training.evaluate import evaluate
-from training.hybrid import HybridPipeline, StepResult
-from training.input import DataPosition
-from training.job import CONFIG_FILE, Job, prepare
-from training.run_log import RunLog
+from hybridrec.common import config as config_lib
+from hybridrec.common.errors import UserError
+from hybridrec.common.progress import Progress
+from hybridrec.model import NonFiniteLossError, make_eval_step, make_train_step
+from hybridrec.training.checkpoint import RunCheckpoints
+from hybridrec.training.evaluate import evaluate
+from hybridrec.training.hybrid import HybridPipeline, StepResult
+from hybridrec.training.input import DataPosition
+from hybridrec.training.job import CONFIG_FILE, Job, prepare
+from hybridrec.training.run_log import RunLog
 
 SUMMARY_FILE = "summary.json"
 

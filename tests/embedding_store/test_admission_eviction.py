@@ -1,8 +1,7 @@
 """Admission (min-count, probability) and eviction (LRU at capacity, TTL by step)."""
 
 import numpy as np
-
-from embedding_store import (
+from hybridrec.embedding_store import (
     AdmissionConfig,
     EmbeddingStore,
     EvictionConfig,

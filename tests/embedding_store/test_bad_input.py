@@ -2,10 +2,9 @@
 
 import numpy as np
 import pytest
-
-from common import config
-from common.errors import ConfigError, UserError
-from embedding_store import (
+from hybridrec.common import config
+from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.embedding_store import (
     EmbeddingStore,
     InvalidInputError,
     RaggedIds,

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from embedding_store import (
+from hybridrec.embedding_store import (
     AdmissionConfig,
     CheckpointCorruptedError,
     CheckpointError,
@@ -220,7 +219,7 @@ def test_crash_mid_checkpoint_leaves_previous_loadable(tmp_path):
         sys.path.insert(0, {str(REPO)!r})
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_checkpoint import _tables, _train, _snapshot
-        from embedding_store import EmbeddingStore, checkpoint
+        from hybridrec.embedding_store import EmbeddingStore, checkpoint
         store = EmbeddingStore(_tables(), num_shards=2)
         _train(store, 2, seed=0)
         store.checkpoint({url!r}, step=1)

@@ -4,22 +4,21 @@ import dataclasses
 
 import numpy as np
 import pytest
-
-from embedding_store import (
+from hybridrec.embedding_store import (
     EmbeddingStore,
     IncompatibleCheckpointError,
     RaggedIds,
     SparseOptimizerConfig,
     TableConfig,
 )
-from embedding_store.columns import (
+from hybridrec.embedding_store.columns import (
     column_slices,
     describe_plan,
     plan_column_shards,
     shard_loads,
 )
-from embedding_store.remote import connect
-from embedding_store.server import ShardServer
+from hybridrec.embedding_store.remote import connect
+from hybridrec.embedding_store.server import ShardServer
 
 
 def _tables(column_shards):
@@ -157,7 +156,7 @@ def test_planner_splits_the_wide_table_with_few_rows_per_batch():
 def test_a_checkpoint_reads_a_column_split_table_as_the_unsplit_one(tmp_path):
     """read_table_rows joins a table's column slices: the rows (what `hybridrec export`
     serves) equal the checkpoint of the same training on the unsplit table."""
-    from embedding_store.checkpoint import read_table_rows
+    from hybridrec.embedding_store.checkpoint import read_table_rows
 
     rows = {}
     for column_shards in (1, 4):

@@ -3,8 +3,7 @@
 import threading
 
 import numpy as np
-
-from embedding_store import (
+from hybridrec.embedding_store import (
     EmbeddingStore,
     InitializerConfig,
     RaggedIds,

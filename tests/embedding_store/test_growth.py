@@ -7,8 +7,7 @@ and `stats()` reports the bytes held next to the bytes a full table would take.
 
 import numpy as np
 import pytest
-
-from embedding_store import (
+from hybridrec.embedding_store import (
     EmbeddingStore,
     EmbeddingStoreError,
     EvictionConfig,
@@ -16,8 +15,8 @@ from embedding_store import (
     TableConfig,
     TieringConfig,
 )
-from embedding_store.remote import connect
-from embedding_store.server import ShardServer
+from hybridrec.embedding_store.remote import connect
+from hybridrec.embedding_store.server import ShardServer
 
 CHUNKS, CHUNK = 10, 1500  # 15k rows: slot arrays grow 1024 -> 2048 -> ... -> 16384
 

@@ -2,10 +2,15 @@
 
 import numpy as np
 import pytest
-
-from embedding_store import EmbeddingStore, InitializerConfig, TableConfig, _slot_map, shard_of
-from embedding_store._slot_map import SlotMap
-from embedding_store.routing import partition
+from hybridrec.embedding_store import (
+    EmbeddingStore,
+    InitializerConfig,
+    TableConfig,
+    _slot_map,
+    shard_of,
+)
+from hybridrec.embedding_store._slot_map import SlotMap
+from hybridrec.embedding_store.routing import partition
 
 
 def _ids(n, seed=0):

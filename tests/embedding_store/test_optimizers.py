@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from embedding_store import EmbeddingStore, SparseOptimizerConfig, TableConfig
+from hybridrec.embedding_store import EmbeddingStore, SparseOptimizerConfig, TableConfig
 
 VOCAB, DIM, STEPS = 40, 8, 6
 

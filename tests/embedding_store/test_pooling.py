@@ -2,8 +2,7 @@
 
 import numpy as np
 import pytest
-
-from embedding_store import EmbeddingStore, RaggedIds, SparseOptimizerConfig, TableConfig
+from hybridrec.embedding_store import EmbeddingStore, RaggedIds, SparseOptimizerConfig, TableConfig
 
 DIM = 8
 

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from embedding_store import (
+from hybridrec.embedding_store import (
     AdmissionConfig,
     CheckpointCorruptedError,
     CheckpointError,
@@ -14,9 +13,9 @@ from embedding_store import (
     TableConfig,
     checkpoint,
 )
-from embedding_store._quantize import dequantize, quantize
-from embedding_store.remote import connect
-from embedding_store.server import ShardServer
+from hybridrec.embedding_store._quantize import dequantize, quantize
+from hybridrec.embedding_store.remote import connect
+from hybridrec.embedding_store.server import ShardServer
 
 IDS = np.arange(3000, dtype=np.uint64)
 

@@ -12,8 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
-
-from embedding_store import (
+from hybridrec.embedding_store import (
     EmbeddingStore,
     EvictionConfig,
     RaggedIds,
@@ -23,14 +22,14 @@ from embedding_store import (
     shard_of,
     wire,
 )
-from embedding_store.processes import contiguous_shards
-from embedding_store.remote import (
+from hybridrec.embedding_store.processes import contiguous_shards
+from hybridrec.embedding_store.remote import (
     RemoteShardError,
     ServerUnavailableError,
     connect,
     parse_addresses,
 )
-from embedding_store.server import ShardServer
+from hybridrec.embedding_store.server import ShardServer
 
 TABLES = [
     TableConfig(

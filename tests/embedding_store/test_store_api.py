@@ -2,8 +2,7 @@
 
 import numpy as np
 import pytest
-
-from embedding_store import (
+from hybridrec.embedding_store import (
     EmbeddingStore,
     LocalShard,
     RaggedIds,

@@ -3,8 +3,7 @@
 import dataclasses
 
 import numpy as np
-
-from embedding_store import (
+from hybridrec.embedding_store import (
     EmbeddingStore,
     SparseOptimizerConfig,
     TableConfig,

@@ -30,9 +30,7 @@ def global_batch_rows(step: int) -> dict[str, np.ndarray]:
 def run() -> dict[str, np.ndarray]:
     """Trains a tiny DLRM on both meshes; returns this process's view of the results."""
     import jax
-    from jax.experimental import multihost_utils
-
-    from model import (
+    from hybridrec.model import (
         DenseOptimizerConfig,
         DLRMConfig,
         MeshConfig,
@@ -44,6 +42,7 @@ def run() -> dict[str, np.ndarray]:
         make_mesh,
         make_train_step,
     )
+    from jax.experimental import multihost_utils
 
     # the tiny DLRM and optimizer of tests/model/conftest.py
     config = ModelConfig(
@@ -79,8 +78,9 @@ def run() -> dict[str, np.ndarray]:
 
 
 def main(argv: list[str]) -> int:
-    from hybridrec._flags import distributed_from_environment
-    from model import maybe_initialize_distributed
+    from hybridrec.model import maybe_initialize_distributed
+
+    from hybridrec.cli._flags import distributed_from_environment
 
     if len(argv) == 1:  # layout from HYBRIDREC_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID
         (out,) = argv

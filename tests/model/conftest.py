@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from model import (
+from hybridrec.model import (
     DCNv2Config,
     DenseOptimizerConfig,
     DHENConfig,

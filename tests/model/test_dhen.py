@@ -7,11 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from common import config as config_lib
-from common.errors import ConfigError
-from model import DHENConfig, ModelConfig, build_tower
-from model.towers import forward_flops_per_example
+from hybridrec.common import config as config_lib
+from hybridrec.common.errors import ConfigError
+from hybridrec.model import DHENConfig, ModelConfig, build_tower
+from hybridrec.model.towers import forward_flops_per_example
 
 B, F, D, N = 5, 3, 4, 2
 

@@ -7,10 +7,8 @@ import argparse
 import jax
 import numpy as np
 import pytest
-
-from common.errors import UserError
-from hybridrec import _flags
-from model import (
+from hybridrec.common.errors import UserError
+from hybridrec.model import (
     MeshConfig,
     NonFiniteLossError,
     create_train_state,
@@ -21,7 +19,9 @@ from model import (
     make_train_step,
     maybe_initialize_distributed,
 )
-from model import distributed as distributed_lib
+from hybridrec.model import distributed as distributed_lib
+
+from hybridrec.cli import _flags
 
 
 def test_initialize_is_a_noop_without_a_layout(monkeypatch):

@@ -7,12 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from common import config as config_lib
-from common.errors import ConfigError
-from model import DLRMConfig, ModelConfig, build_tower
-from model.dmt import interaction_strength, propose_towers
-from model.towers import DLRM, forward_flops_per_example
+from hybridrec.common import config as config_lib
+from hybridrec.common.errors import ConfigError
+from hybridrec.model import DLRMConfig, ModelConfig, build_tower
+from hybridrec.model.dmt import interaction_strength, propose_towers
+from hybridrec.model.towers import DLRM, forward_flops_per_example
 
 B, F, D, N = 4, 5, 4, 3
 TOWERS = ((0, 3), (1, 2, 4))

@@ -7,8 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-
-from model import (
+from hybridrec.model import (
     MeshConfig,
     create_train_state,
     local_rows,
@@ -16,7 +15,7 @@ from model import (
     make_mesh,
     make_train_step,
 )
-from model.step import loss_fn
+from hybridrec.model.step import loss_fn
 
 ROWS = 32  # the shared test batch shape (compilation cache)
 

@@ -6,8 +6,7 @@ import math
 
 import numpy as np
 import pytest
-
-from model import StreamingMetrics
+from hybridrec.model import StreamingMetrics
 
 
 def pairwise_auc(predictions: np.ndarray, labels: np.ndarray) -> float:

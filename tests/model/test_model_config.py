@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import optax
 import pytest
-
-from common import config as config_lib
-from common.errors import ConfigError
-from model import DenseOptimizerConfig, MeshConfig, ModelConfig, make_optimizer
-from training.config import PRESET_DIR
+from hybridrec.common import config as config_lib
+from hybridrec.common.errors import ConfigError
+from hybridrec.model import DenseOptimizerConfig, MeshConfig, ModelConfig, make_optimizer
+from hybridrec.training.config import PRESET_DIR
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
-from common import config as config_lib
-from common.errors import ConfigError
-from model import (
+from hybridrec.common import config as config_lib
+from hybridrec.common.errors import ConfigError
+from hybridrec.model import (
     DenseOptimizerConfig,
     MeshConfig,
     abstract_train_state,
@@ -21,7 +20,7 @@ from model import (
     make_train_step,
     train_step,
 )
-from model.shampoo import scale_by_shampoo
+from hybridrec.model.shampoo import scale_by_shampoo
 
 MATRIX_EPSILON = 1e-4
 

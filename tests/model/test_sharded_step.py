@@ -5,8 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
-from model import (
+from hybridrec.model import (
     DenseOptimizerConfig,
     MeshConfig,
     create_train_state,
@@ -198,8 +197,7 @@ def test_orbax_restores_into_the_abstract_state(
     tmp_path, tiny_config, dims, batch_factory, optimizer
 ):
     import orbax.checkpoint as ocp
-
-    from model import abstract_train_state
+    from hybridrec.model import abstract_train_state
 
     mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
     config = tiny_config("dlrm")

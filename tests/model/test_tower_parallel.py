@@ -5,9 +5,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
-from common.errors import ConfigError, UserError
-from model import (
+from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.model import (
     MeshConfig,
     create_train_state,
     make_eval_step,
@@ -15,8 +14,8 @@ from model import (
     make_mesh,
     make_train_step,
 )
-from model import tower_parallel as tp
-from model.collectives import collective_bytes
+from hybridrec.model import tower_parallel as tp
+from hybridrec.model.collectives import collective_bytes
 
 NUM_FEATURES = 5
 ROWS = 32

@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from common.errors import ConfigError
-from model import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig, build_tower
-from model.layers import LOGICAL_AXES
-from model.towers import forward_flops_per_example
+from hybridrec.common.errors import ConfigError
+from hybridrec.model import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig, build_tower
+from hybridrec.model.layers import LOGICAL_AXES
+from hybridrec.model.towers import forward_flops_per_example
 
 B, F, D, N = 6, 4, 8, 5
 

@@ -9,9 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
-
-from pipeline import Preprocess, list_chunks, synthetic
-from pipeline.spec import load_spec
+from hybridrec.pipeline import Preprocess, list_chunks, synthetic
+from hybridrec.pipeline.spec import load_spec
 
 from .reference import GOOD_ROW, criteo_reference_row, row
 

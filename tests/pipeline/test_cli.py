@@ -9,10 +9,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline import read_metadata
 
-from common.errors import UserError
 from hybridrec import cli
-from pipeline import read_metadata
 
 from .reference import GOOD_ROW, row
 

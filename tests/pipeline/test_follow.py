@@ -15,10 +15,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
-from pipeline import PreprocessConfig, RowEncoder, load_spec, read_manifest, run_preprocess
-from pipeline.follow import FileWatcher, FollowConfig, follow
-from pipeline.synthetic import generate_block
+from hybridrec.pipeline import (
+    PreprocessConfig,
+    RowEncoder,
+    load_spec,
+    read_manifest,
+    run_preprocess,
+)
+from hybridrec.pipeline.follow import FileWatcher, FollowConfig, follow
+from hybridrec.pipeline.synthetic import generate_block
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

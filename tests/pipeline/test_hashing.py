@@ -2,8 +2,7 @@
 
 import numpy as np
 import pytest
-
-from pipeline import hashing
+from hybridrec.pipeline import hashing
 
 MASK = 2**64 - 1
 

@@ -6,11 +6,11 @@ import gzip
 
 import numpy as np
 import pytest
+from hybridrec.pipeline import BlockParser, load_spec
+from hybridrec.pipeline.infer_spec import propose_spec
+from hybridrec.pipeline.synthetic import generate_block
 
 from hybridrec import cli
-from pipeline import BlockParser, load_spec
-from pipeline.infer_spec import propose_spec
-from pipeline.synthetic import generate_block
 
 
 def spec_command(*args):

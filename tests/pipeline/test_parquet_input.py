@@ -9,10 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
-
-from common.errors import UserError
-from hybridrec import cli
-from pipeline import (
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline import (
     BlockParser,
     ParquetParser,
     Preprocess,
@@ -20,7 +18,9 @@ from pipeline import (
     read_metadata,
     synthetic,
 )
-from pipeline.spec import CategoricalSpec, FeatureSpec, load_spec
+from hybridrec.pipeline.spec import CategoricalSpec, FeatureSpec, load_spec
+
+from hybridrec import cli
 
 from .reference import criteo_reference_row
 from .test_hashing import reference_id

@@ -3,9 +3,8 @@
 import numpy as np
 import pyarrow as pa
 import pytest
-
-from pipeline import BlockParser, hashing
-from pipeline.spec import load_spec
+from hybridrec.pipeline import BlockParser, hashing
+from hybridrec.pipeline.spec import load_spec
 
 from .reference import GOOD_ROW, criteo_reference_row, row
 

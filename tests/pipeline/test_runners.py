@@ -4,9 +4,8 @@ import os
 
 import pytest
 from apache_beam.options.pipeline_options import DirectOptions, StandardOptions
-
-from common.errors import UserError
-from pipeline import runners
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline import runners
 
 
 @pytest.mark.parametrize(

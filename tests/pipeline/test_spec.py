@@ -1,9 +1,8 @@
 """Feature specs: built-ins, spec files, and every way a spec can be wrong."""
 
 import pytest
-
-from common.errors import ConfigError, UserError
-from pipeline.spec import builtin_specs, load_spec
+from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.pipeline.spec import builtin_specs, load_spec
 
 CUSTOM = """
 name = "clicks"

@@ -3,9 +3,9 @@
 import gzip
 
 import numpy as np
+from hybridrec.pipeline import synthetic
 
 from hybridrec import cli
-from pipeline import synthetic
 
 
 def parse(text: bytes) -> list[list[str]]:

@@ -94,7 +94,7 @@ def server(exported, trained):
 
 @pytest.fixture(scope="session")
 def reference(trained):
-    from serving.reference import evaluate_rows
+    from hybridrec.serving.reference import evaluate_rows
 
     ids, dense, labels, probabilities = evaluate_rows(trained.run, trained.data)
     return types.SimpleNamespace(ids=ids, dense=dense, labels=labels, probabilities=probabilities)

@@ -10,8 +10,7 @@ import sys
 import httpx
 import numpy as np
 import pytest
-
-from serving import ExportError, ServedModel
+from hybridrec.serving import ExportError, ServedModel
 
 
 def _row(trained) -> str:
@@ -269,7 +268,7 @@ def test_export_of_a_directory_that_is_not_a_run(tmp_path):
 
 
 def test_serving_a_missing_export_names_the_command_that_makes_one(tmp_path):
-    from serving._format import ExportError, resolve
+    from hybridrec.serving._format import ExportError, resolve
 
     with pytest.raises(ExportError, match="does not exist.*hybridrec export --run RUN_DIR --out"):
         resolve(tmp_path / "missing")

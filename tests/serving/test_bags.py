@@ -14,9 +14,8 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
-
-from embedding_store import EmbeddingStore, RaggedIds, TableConfig
-from serving.bags import pool_bags
+from hybridrec.embedding_store import EmbeddingStore, RaggedIds, TableConfig
+from hybridrec.serving.bags import pool_bags
 
 TOLERANCE = 1e-6
 ROWS = 3000
@@ -74,7 +73,7 @@ def _row(rng: np.random.Generator, index: int) -> str:
 @pytest.fixture(scope="module")
 def bags(tmp_path_factory, cli, start_server, headers):
     """preprocess -> train -> export -> serve of a CSV with bags; evaluate's answers."""
-    from serving.reference import evaluate_rows
+    from hybridrec.serving.reference import evaluate_rows
 
     root = tmp_path_factory.mktemp("bags")
     spec = root / "bags.toml"
@@ -100,7 +99,7 @@ def bags(tmp_path_factory, cli, start_server, headers):
 
 def _eval_lines(bags) -> list[str]:
     """The raw line of every eval row, in Parquet order (each row's user is unique)."""
-    from pipeline import RowEncoder, load_spec
+    from hybridrec.pipeline import RowEncoder, load_spec
 
     encoder = RowEncoder(load_spec(bags.out.parent.parent / "bags.toml"))
     users = encoder.encode(bags.lines).ids["user"]
@@ -149,7 +148,7 @@ def test_export_records_kinds_and_pooling(bags):
 
 
 def test_served_model_equals_evaluate(bags):
-    from serving import ServedModel
+    from hybridrec.serving import ServedModel
 
     model = ServedModel(bags.out, max_batch=64)
     try:
@@ -263,9 +262,9 @@ def test_one_batch_of_raw_hashed_and_bad_requests(bags):
     """Raw rows and hashed bags of several requests run as one batch; a bad row fails alone."""
     import asyncio
 
-    from serving import ServedModel
-    from serving.bags import slice_rows
-    from serving.batching import DynamicBatcher
+    from hybridrec.serving import ServedModel
+    from hybridrec.serving.bags import slice_rows
+    from hybridrec.serving.batching import DynamicBatcher
 
     lines = _eval_lines(bags)
     model = ServedModel(bags.out, max_batch=32)
@@ -364,7 +363,7 @@ def test_metadata_lists_bag_inputs(bags, headers):
 
 def test_unseen_and_empty_bags(bags, headers):
     """Unseen ids in a bag get the default row and are counted; an empty bag pools to zeros."""
-    from serving import ServedModel
+    from hybridrec.serving import ServedModel
 
     arrays = _hashed_inputs(bags, 0, 4)
     url = f"{bags.server.url}/v2/models/bags/infer"

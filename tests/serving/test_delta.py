@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-
-from embedding_store import EmbeddingStore, TableConfig, checkpoint
-from serving.delta import LayeredTable, changed_rows
-from serving.model import ServedTable
+from hybridrec.embedding_store import EmbeddingStore, TableConfig, checkpoint
+from hybridrec.serving.delta import LayeredTable, changed_rows
+from hybridrec.serving.model import ServedTable
 
 
 def _table(directory, ids, values, deleted=None) -> tuple[ServedTable, np.ndarray]:

@@ -7,9 +7,8 @@ import json
 import httpx
 import numpy as np
 import tritonclient.http as triton
-
-from model import StreamingMetrics
-from pipeline import RowEncoder, read_metadata, spec_from_json
+from hybridrec.model import StreamingMetrics
+from hybridrec.pipeline import RowEncoder, read_metadata, spec_from_json
 
 TOLERANCE = 1e-6
 CHUNK = 256
@@ -144,7 +143,7 @@ def test_triton_client_both_paths(server, trained, reference, headers):
 
 
 def test_demo_score_serves_rows_over_http(exported, trained, reference):
-    from serving import demo_score
+    from hybridrec.serving import demo_score
 
     lines = _eval_lines(trained, reference)[:5]
     scores = demo_score(exported, lines)

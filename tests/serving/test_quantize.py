@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
-
-from serving import ServedModel
-from serving.quantize import dequantize_rows, encode_table, quantize_rows
+from hybridrec.serving import ServedModel
+from hybridrec.serving.quantize import dequantize_rows, encode_table, quantize_rows
 
 
 def test_int8_rows_are_within_half_a_step_of_fp32():

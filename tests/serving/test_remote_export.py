@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
-
-from embedding_store.processes import start_servers, stop_servers
-from serving import ServedModel
-from serving.reference import evaluate_rows
+from hybridrec.embedding_store.processes import start_servers, stop_servers
+from hybridrec.serving import ServedModel
+from hybridrec.serving.reference import evaluate_rows
 
 SMALL = [
     "model.dlrm.bottom_mlp=[32, 8]",

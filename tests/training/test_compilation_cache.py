@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridrec._compilation_cache import CACHE_ENV, cache_directory
+from hybridrec.cli._compilation_cache import CACHE_ENV, cache_directory
 
 
 def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):

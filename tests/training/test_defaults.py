@@ -6,17 +6,16 @@ import json
 
 import numpy as np
 import pytest
-
-from common import config as config_lib
-from pipeline import read_metadata
-from training.config import PRESET_DIR, TrainConfig
-from training.defaults import (
+from hybridrec.common import config as config_lib
+from hybridrec.pipeline import read_metadata
+from hybridrec.training.config import PRESET_DIR, TrainConfig
+from hybridrec.training.defaults import (
     choose_batch_size,
     choose_embedding_dim,
     choose_sparse_learning_rate,
     resolve_auto,
 )
-from training.tables import plan_tables
+from hybridrec.training.tables import plan_tables
 
 
 def test_auto_batch_aims_at_about_200_steps_in_a_power_of_two_range():
@@ -90,8 +89,8 @@ def test_a_preset_keeps_what_it_sets(dataset):
 def test_a_column_plan_splits_a_wide_table_of_few_hot_rows_only():
     """Rows spread by id hash balance a table of many distinct rows; a wide table whose
     batches hit two rows loads two shards, unless its columns are split."""
-    from embedding_store import TableConfig
-    from training.tables import TablePlan, plan_columns
+    from hybridrec.embedding_store import TableConfig
+    from hybridrec.training.tables import TablePlan, plan_columns
 
     tables = (
         TableConfig(name="wide", dim=64, capacity=100),
@@ -117,8 +116,8 @@ def test_a_column_plan_splits_a_wide_table_of_few_hot_rows_only():
 
 
 def test_resolving_tables_with_a_planned_or_fixed_column_split(dataset):
-    from common.errors import UserError
-    from training.job import resolve_tables
+    from hybridrec.common.errors import UserError
+    from hybridrec.training.job import resolve_tables
 
     metadata = read_metadata(dataset)
     base = [f"data.path={json.dumps(str(dataset))}", "embedding.fuse_tables=false"]

@@ -7,13 +7,12 @@ import threading
 
 import numpy as np
 import pytest
-
-from common import config as config_lib
-from embedding_store import EmbeddingStore
-from pipeline import read_metadata
-from training.config import PRESET_DIR, TrainConfig
-from training.tables import plan_tables
-from training.trainer import HybridTrainer
+from hybridrec.common import config as config_lib
+from hybridrec.embedding_store import EmbeddingStore
+from hybridrec.pipeline import read_metadata
+from hybridrec.training.config import PRESET_DIR, TrainConfig
+from hybridrec.training.tables import plan_tables
+from hybridrec.training.trainer import HybridTrainer
 
 
 def _config(dataset, small_model, *extra):

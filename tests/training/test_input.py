@@ -4,9 +4,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from common.errors import UserError
-from training.input import ParquetReader
+from hybridrec.common.errors import UserError
+from hybridrec.training.input import ParquetReader
 
 
 @pytest.fixture(scope="module")

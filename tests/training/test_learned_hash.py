@@ -6,9 +6,8 @@ import json
 
 import numpy as np
 import pytest
-
-from common.errors import UserError
-from training.learned_hash import (
+from hybridrec.common.errors import UserError
+from hybridrec.training.learned_hash import (
     ARRAYS_FILE,
     IdMap,
     build_feature_map,
@@ -118,7 +117,7 @@ def test_learn_hash_from_a_run_then_train_within_the_budget(
         assert summary["eval"]["auc"] > 0.5
     # the export carries the map: served ids find the rows the run trained (without the
     # map almost every id would be unseen and get a default row)
-    from serving import ServedModel
+    from hybridrec.serving import ServedModel
 
     cli("export", "--run", str(tmp_path / "learned"), "--out", str(tmp_path / "export"))
     model = ServedModel(tmp_path / "export")

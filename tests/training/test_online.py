@@ -9,11 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from pipeline import PreprocessConfig, read_shards, run_preprocess
-from pipeline.follow import FollowConfig, follow
-from pipeline.synthetic import generate_block
-from training.online import batch_sizes
+from hybridrec.pipeline import PreprocessConfig, read_shards, run_preprocess
+from hybridrec.pipeline.follow import FollowConfig, follow
+from hybridrec.pipeline.synthetic import generate_block
+from hybridrec.training.online import batch_sizes
 
 
 @pytest.mark.parametrize(
@@ -109,8 +108,8 @@ def test_kill_9_then_resume_trains_every_row_once_and_sigterm_publishes(
     assert len(manifests) == 2
 
     # SIGTERM published the final checkpoint; deltas serve exactly what a full export does
-    from serving.export import export_run
-    from serving.model import ServedModel
+    from hybridrec.serving.export import export_run
+    from hybridrec.serving.model import ServedModel
 
     records = (run_dir / "published.jsonl").read_text().splitlines()
     published = [json.loads(line) for line in records]

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-
-from pipeline import BlockParser, ParquetParser, load_spec
-from pipeline.metadata import SUCCESS_FILE
+from hybridrec.pipeline import BlockParser, ParquetParser, load_spec
+from hybridrec.pipeline.metadata import SUCCESS_FILE
 
 from .conftest import REPO_ROOT
 
@@ -134,7 +133,7 @@ def test_own_schema_trains_evaluates_and_plots_with_the_defaults(tmp_path, cli):
 
 
 def test_launch_relays_output_without_library_chatter_unless_verbose():
-    from hybridrec.launch import _relay
+    from hybridrec.cli.launch import _relay
 
     lines = "step 5\n[Gloo] Rank 0 is connected to 1 peer ranks.\ndone\n"
     quiet, verbose = io.StringIO(), io.StringIO()
@@ -155,7 +154,7 @@ def test_train_on_a_raw_log_file_says_to_preprocess_it_first(tmp_path):
 
 NATIVE_WRITER = """
 import os, sys
-from hybridrec._chatter import native_output_filtered
+from hybridrec.cli._chatter import native_output_filtered
 with native_output_filtered(enabled=sys.argv[1] == "quiet"):
     print("step 5", flush=True)
     os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks.\\nstep 6\\n")

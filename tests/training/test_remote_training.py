@@ -6,13 +6,12 @@ import json
 
 import numpy as np
 import pyarrow.parquet as pq
-
-from embedding_store import EmbeddingStore
-from embedding_store.processes import start_servers, stop_servers
-from embedding_store.remote import connect
-from pipeline import read_metadata
-from training.job import load_config
-from training.tables import plan_tables
+from hybridrec.embedding_store import EmbeddingStore
+from hybridrec.embedding_store.processes import start_servers, stop_servers
+from hybridrec.embedding_store.remote import connect
+from hybridrec.pipeline import read_metadata
+from hybridrec.training.job import load_config
+from hybridrec.training.tables import plan_tables
 
 
 def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(

@@ -23,22 +23,26 @@ from pathlib import Path
 
 import pyarrow.flight as flight
 
-from common import config
-from common.errors import UserError
-from common.progress import Progress
-from embedding_store import TableConfig
-from embedding_store.config import load_tables
-from embedding_store.processes import contiguous_shards
-from embedding_store.remote import ServerConnection, parse_addresses
-from embedding_store.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_ROWS, ShardServer
-from embedding_store.wire import TOKEN_ENV
-from hybridrec import _flags
-from hybridrec._embedding_servers import read_token
-from pipeline import read_metadata
-from training.config import PRESET_DIR, TrainConfig
-from training.defaults import resolve_auto
-from training.job import resolve_tables
-from training.learned_hash import read_id_map
+from hybridrec.cli import _flags
+from hybridrec.cli._embedding_servers import read_token
+from hybridrec.common import config
+from hybridrec.common.errors import UserError
+from hybridrec.common.progress import Progress
+from hybridrec.embedding_store import TableConfig
+from hybridrec.embedding_store.config import load_tables
+from hybridrec.embedding_store.processes import contiguous_shards
+from hybridrec.embedding_store.remote import ServerConnection, parse_addresses
+from hybridrec.embedding_store.server import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_REQUEST_ROWS,
+    ShardServer,
+)
+from hybridrec.embedding_store.wire import TOKEN_ENV
+from hybridrec.pipeline import read_metadata
+from hybridrec.training.config import PRESET_DIR, TrainConfig
+from hybridrec.training.defaults import resolve_auto
+from hybridrec.training.job import resolve_tables
+from hybridrec.training.learned_hash import read_id_map
 
 
 def parse_shard_list(text: str, num_shards: int) -> list[int]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from training.plots import plot_run
-from training.run_log import run_name
+from hybridrec.training.plots import plot_run
+from hybridrec.training.run_log import run_name
 
 
 def main(argv: list[str]) -> int:

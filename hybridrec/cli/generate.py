@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline import generate
+from hybridrec.pipeline import generate
 
 
 def main(argv: list[str]) -> int:

@@ -12,14 +12,14 @@ from typing import Any
 
 import jax
 
-from common.errors import UserError
-from hybridrec import _flags, _train_follow
-from hybridrec._chatter import VERBOSE_ENV, native_output_filtered, quiet_native_logging
-from hybridrec._compilation_cache import use_compilation_cache
-from hybridrec._embedding_servers import embedding_servers
-from training.job import load_config
-from training.run_log import run_name
-from training.trainer import HybridTrainer
+from hybridrec.cli import _flags, _train_follow
+from hybridrec.cli._chatter import VERBOSE_ENV, native_output_filtered, quiet_native_logging
+from hybridrec.cli._compilation_cache import use_compilation_cache
+from hybridrec.cli._embedding_servers import embedding_servers
+from hybridrec.common.errors import UserError
+from hybridrec.training.job import load_config
+from hybridrec.training.run_log import run_name
+from hybridrec.training.trainer import HybridTrainer
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from serving.export import export_run
+from hybridrec.serving.export import export_run
 
 
 def main(argv: list[str]) -> int:

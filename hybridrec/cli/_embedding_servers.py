@@ -11,10 +11,10 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
-from common.errors import UserError
-from embedding_store.remote import DEFAULT_RETRY_TIMEOUT, parse_addresses
-from embedding_store.wire import TOKEN_ENV
-from hybridrec._flags import read_token_file
+from hybridrec.cli._flags import read_token_file
+from hybridrec.common.errors import UserError
+from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, parse_addresses
+from hybridrec.embedding_store.wire import TOKEN_ENV
 
 SERVERS_ENV = "HYBRIDREC_EMBEDDING_SERVERS"
 RETRY_TIMEOUT_ENV = "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT"

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from common.errors import UserError
+from hybridrec.common.errors import UserError
 
 
 def add_override_flag(parser: argparse.ArgumentParser, help_text: str) -> None:

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.errors import UserError
-from pipeline.infer_spec import SAMPLE_ROWS, propose_spec
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline.infer_spec import SAMPLE_ROWS, propose_spec
 
 
 def main(argv: list[str]) -> int:

@@ -7,10 +7,10 @@ import json
 
 import jax
 
-from hybridrec import _flags
-from hybridrec._compilation_cache import use_compilation_cache
-from training.evaluate import evaluate_checkpoint
-from training.run_log import run_name
+from hybridrec.cli import _flags
+from hybridrec.cli._compilation_cache import use_compilation_cache
+from hybridrec.training.evaluate import evaluate_checkpoint
+from hybridrec.training.run_log import run_name
 
 
 def main(argv: list[str]) -> int:

@@ -11,10 +11,10 @@ import signal
 import sys
 import threading
 
-from common.errors import UserError
-from pipeline import PreprocessConfig, PreprocessResult, run_preprocess
-from pipeline.config import COMPRESSIONS, INPUT_FORMATS, SPLIT_MODES
-from pipeline.runners import RUNNER_NAMES
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline import PreprocessConfig, PreprocessResult, run_preprocess
+from hybridrec.pipeline.config import COMPRESSIONS, INPUT_FORMATS, SPLIT_MODES
+from hybridrec.pipeline.runners import RUNNER_NAMES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
 
 def _follow(args: argparse.Namespace, beam_args: list[str]) -> int:
     """`hybridrec preprocess --follow`: until SIGTERM (or --max-idle), new files -> shards."""
-    from pipeline.follow import FollowConfig, follow
+    from hybridrec.pipeline.follow import FollowConfig, follow
 
     if not args.stats:
         raise UserError("--follow needs --stats REFERENCE_DATA (its spec and statistics are used)")

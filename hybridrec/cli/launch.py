@@ -28,8 +28,8 @@ import sys
 import threading
 import time
 
-from common.errors import UserError
-from hybridrec._chatter import QUIET_ENVIRONMENT, VERBOSE_ENV, is_chatter
+from hybridrec.cli._chatter import QUIET_ENVIRONMENT, VERBOSE_ENV, is_chatter
+from hybridrec.common.errors import UserError
 
 
 def free_port() -> int:
@@ -173,7 +173,7 @@ def launch_with_servers(
     **launch_args,
 ) -> int:
     """Starts embedding servers for a `train` command, runs `launch`, then stops them."""
-    from embedding_store.processes import start_servers, stop_servers
+    from hybridrec.embedding_store.processes import start_servers, stop_servers
 
     if command[:1] != ["train"]:
         raise UserError("--embedding-servers works with the train command")

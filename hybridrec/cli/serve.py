@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from hybridrec._flags import read_token_file
-from serving.server import ServeOptions, serve
+from hybridrec.cli._flags import read_token_file
+from hybridrec.serving.server import ServeOptions, serve
 
 
 def main(argv: list[str]) -> int:

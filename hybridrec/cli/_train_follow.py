@@ -13,8 +13,8 @@ import sys
 import threading
 from pathlib import Path
 
-from common.errors import UserError
-from training.job import load_config
+from hybridrec.common.errors import UserError
+from hybridrec.training.job import load_config
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -42,9 +42,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) -> int:
     """Runs `OnlineTrainer` until SIGTERM / SIGINT (or --max-idle); prints its summary."""
-    from hybridrec._embedding_servers import embedding_servers
-    from serving.export import export_run
-    from training.online import OnlineTrainer
+    from hybridrec.cli._embedding_servers import embedding_servers
+    from hybridrec.serving.export import export_run
+    from hybridrec.training.online import OnlineTrainer
 
     if args.data:
         raise UserError("--follow DATA replaces --data; give one of them")
@@ -99,7 +99,7 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
 
 def _delta_base(export_dir: Path, full_every: int) -> int | None:
     """The version the next export is a delta of: the newest, unless its chain is full."""
-    from serving import _format
+    from hybridrec.serving import _format
 
     found = _format.versions(export_dir)
     if not found or full_every <= 1:
@@ -112,8 +112,8 @@ def _prune_exports(export_dir: Path, keep: int) -> None:
     """Removes versions older than the newest `keep`, except those the newest reads through."""
     import shutil
 
-    from serving import _format
-    from serving.delta import version_chain
+    from hybridrec.serving import _format
+    from hybridrec.serving.delta import version_chain
 
     found = _format.versions(export_dir)
     needed = {int(path.name) for path in version_chain(export_dir / str(found[-1]))}

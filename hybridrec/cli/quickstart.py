@@ -16,8 +16,8 @@ import gzip
 import time
 from pathlib import Path
 
-from hybridrec import _flags, evaluate, export, generate, plot, preprocess, train
-from serving import demo_score
+from hybridrec.cli import _flags, evaluate, export, generate, plot, preprocess, train
+from hybridrec.serving import demo_score
 
 DEFAULT_ROWS = 1_000_000
 

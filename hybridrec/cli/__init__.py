@@ -15,77 +15,77 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 
-from common.errors import UserError
+from hybridrec.common.errors import UserError
 
 
 def _generate(argv: list[str]) -> int:
-    from hybridrec import generate
+    from hybridrec.cli import generate
 
     return generate.main(argv)
 
 
 def _spec(argv: list[str]) -> int:
-    from hybridrec import spec
+    from hybridrec.cli import spec
 
     return spec.main(argv)
 
 
 def _preprocess(argv: list[str]) -> int:
-    from hybridrec import preprocess
+    from hybridrec.cli import preprocess
 
     return preprocess.main(argv)
 
 
 def _train(argv: list[str]) -> int:
-    from hybridrec import train
+    from hybridrec.cli import train
 
     return train.main(argv)
 
 
 def _evaluate(argv: list[str]) -> int:
-    from hybridrec import evaluate
+    from hybridrec.cli import evaluate
 
     return evaluate.main(argv)
 
 
 def _plot(argv: list[str]) -> int:
-    from hybridrec import plot
+    from hybridrec.cli import plot
 
     return plot.main(argv)
 
 
 def _export(argv: list[str]) -> int:
-    from hybridrec import export
+    from hybridrec.cli import export
 
     return export.main(argv)
 
 
 def _learn_hash(argv: list[str]) -> int:
-    from hybridrec import learn_hash
+    from hybridrec.cli import learn_hash
 
     return learn_hash.main(argv)
 
 
 def _serve(argv: list[str]) -> int:
-    from hybridrec import serve
+    from hybridrec.cli import serve
 
     return serve.main(argv)
 
 
 def _serve_embeddings(argv: list[str]) -> int:
-    from hybridrec import serve_embeddings
+    from hybridrec.cli import serve_embeddings
 
     return serve_embeddings.main(argv)
 
 
 def _launch(argv: list[str]) -> int:
-    from hybridrec import launch
+    from hybridrec.cli import launch
 
     return launch.main(argv)
 
 
 def _quickstart(argv: list[str]) -> int:
-    from hybridrec import quickstart
+    from hybridrec.cli import quickstart
 
     return quickstart.main(argv)
 
