@@ -30,7 +30,7 @@ def _load_native():
         return None
 
 
-_native = _load_native()
+native = _load_native()
 
 
 def _row_view(array: np.ndarray) -> np.ndarray | None:
@@ -70,12 +70,12 @@ def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     The distinct values come in order of first occurrence (native kernels) or sorted.
     """
-    if _native is not None:
+    if native is not None:
         values = np.ascontiguousarray(values, dtype=np.uint64)
         unique = np.empty(len(values), np.uint64)
         inverse = np.empty(len(values), np.int64)
         scratch = np.zeros(1 << max(4, (2 * len(values) - 1).bit_length()), np.int64)
-        count = _native.dedupe(values, unique, inverse, scratch)
+        count = native.dedupe(values, unique, inverse, scratch)
         return unique[:count], inverse
     order = np.argsort(values)  # searchsorted of n random needles is far slower for large n
     ordered = values[order]
@@ -133,9 +133,9 @@ def segment_sum(rows: np.ndarray, order: np.ndarray, bounds: np.ndarray) -> np.n
 def sum_by_inverse(rows: np.ndarray, inverse: np.ndarray, groups: int) -> np.ndarray:
     """[groups, width] float32: row g sums the rows i with inverse[i] == g, in input order."""
     rows = np.ascontiguousarray(rows, dtype=np.float32)
-    if _native is not None and rows.ndim == 2 and rows.shape[1]:
+    if native is not None and rows.ndim == 2 and rows.shape[1]:
         out = np.zeros((groups, rows.shape[1]), np.float32)
-        _native.segment_sum(rows, np.ascontiguousarray(inverse, np.int64), out, rows.shape[1])
+        native.segment_sum(rows, np.ascontiguousarray(inverse, np.int64), out, rows.shape[1])
         return out
     _, order, bounds = group(inverse)
     return segment_sum(rows, order, bounds)
@@ -143,7 +143,7 @@ def sum_by_inverse(rows: np.ndarray, inverse: np.ndarray, groups: int) -> np.nda
 
 def sum_duplicates(keys: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct keys [u] and the float32 sum of each key's rows [u, width], in input order."""
-    if _native is not None:
+    if native is not None:
         unique, inverse = unique_inverse(keys)
         if len(unique) == len(keys):
             return keys, rows

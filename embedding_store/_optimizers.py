@@ -9,7 +9,7 @@ State is one float32 array [rows, state_width] per table:
 from __future__ import annotations
 
 import numpy as np
-from hybridrec.embedding_store._arrays import _native, put_rows, take_rows
+from hybridrec.embedding_store._arrays import native, put_rows, take_rows
 from hybridrec.embedding_store.config import SparseOptimizerConfig
 
 # Optimizers the native kernel steps (the same float32 bits as `apply`); others use numpy.
@@ -75,13 +75,13 @@ def apply_in_place(
     """
     kind = _NATIVE_KINDS.get(config.name)
     if (
-        _native is not None
+        native is not None
         and kind is not None
         and values.dtype == np.float32
         and values.flags.c_contiguous
         and state.flags.c_contiguous
     ):
-        return _native.sparse_step(
+        return native.sparse_step(
             kind,
             values,
             state,

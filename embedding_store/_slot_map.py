@@ -27,7 +27,7 @@ serve a source tree used without installing (or HYBRIDREC_NATIVE=0).
 from __future__ import annotations
 
 import numpy as np
-from hybridrec.embedding_store._arrays import _native
+from hybridrec.embedding_store._arrays import native
 from hybridrec.embedding_store._growth import Ahead
 from hybridrec.embedding_store._hashing import SALT_SLOT, mix64, salt_offset
 
@@ -68,9 +68,9 @@ class SlotMap:
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """ids: [n] uint64 -> [n] int64 slots, -1 where absent."""
-        if _native is not None:
+        if native is not None:
             result = np.empty(len(ids), np.int64)
-            _native.slot_find(self._entries, _keys(ids), result, _OFFSET)
+            native.slot_find(self._entries, _keys(ids), result, _OFFSET)
             return result
         mask = np.uint64(len(self._entries) - 1)
         result = np.full(len(ids), -1, np.int64)
@@ -179,8 +179,8 @@ def _keys(ids: np.ndarray) -> np.ndarray:
 
 def _place(pairs: np.ndarray, ids: np.ndarray, slots: np.ndarray) -> None:
     """ids [n] (unique, absent) with their stored slot values (slot + 1) [n] uint64."""
-    if _native is not None:
-        _native.slot_place(pairs, _keys(ids), _keys(slots), _OFFSET)
+    if native is not None:
+        native.slot_place(pairs, _keys(ids), _keys(slots), _OFFSET)
         return
     mask = len(pairs) - 1
     position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
@@ -199,8 +199,8 @@ def _place(pairs: np.ndarray, ids: np.ndarray, slots: np.ndarray) -> None:
 
 def _remove(entries: np.ndarray, pairs: np.ndarray, ids: np.ndarray) -> int:
     """Tombstones the first live entry of each of `ids` [n] uint64; how many there were."""
-    if _native is not None:
-        return _native.slot_remove(entries, _keys(ids), _OFFSET)
+    if native is not None:
+        return native.slot_remove(entries, _keys(ids), _OFFSET)
     mask = len(entries) - 1
     position = (mix64(ids, SALT_SLOT) & np.uint64(mask)).astype(np.intp)
     keys = ids

@@ -129,8 +129,70 @@ def write_manifest(url: str, step: int, manifest: dict[str, Any]) -> None:
     _open_kvstore(url).write(manifest_key(step), data).result()
 
 
+def _snapshot_prefix(step: int) -> str:
+    return f"step-{step:012d}/"
+
+
 def part_path(step: int, table: str, shard_index: int, num_shards: int) -> str:
-    return f"step-{step:012d}/{table}/shard-{shard_index:05d}-of-{num_shards:05d}"
+    return f"{_snapshot_prefix(step)}{table}/shard-{shard_index:05d}-of-{num_shards:05d}"
+
+
+def snapshot_groups(url: str) -> list[int]:
+    """Steps with snapshot parts at `url`, committed or not, ascending."""
+    if "://" not in url and not os.path.exists(url):
+        return []
+    steps = set()
+    for key in _open_kvstore(url).list().result():
+        head = key.decode().partition("/")[0]
+        if head.startswith("step-") and head[5:].isdigit():
+            steps.add(int(head[5:]))
+    return sorted(steps)
+
+
+def _delete(url: str, manifests: Sequence[int], groups: Sequence[int]) -> None:
+    """Removes manifests first (what makes a snapshot visible), then the parts of groups."""
+    store = _open_kvstore(url)
+    for step in manifests:
+        store.delete_range(
+            ts.KvStore.KeyRange(manifest_key(step), manifest_key(step) + "\0")
+        ).result()
+    for step in groups:
+        prefix = _snapshot_prefix(step)
+        store.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
+
+
+def discard_after(url: str, step: int) -> list[int]:
+    """Removes every snapshot after `step`, committed or not; returns the steps removed.
+
+    For a run restarting from `step`: snapshots a killed run wrote later would otherwise
+    be taken for its own by the next checkpoint of the same step number.
+    """
+    committed = [s for s in committed_steps(url) if s > step]
+    groups = [s for s in snapshot_groups(url) if s > step]
+    _delete(url, committed, groups)
+    return sorted(set(committed) | set(groups))
+
+
+def prune(url: str, keep: int) -> list[int]:
+    """Keeps the newest `keep` committed snapshots (0: all) and the groups they read.
+
+    Incremental snapshots are rebuilt from a chain of groups (a full one at least every
+    `MAX_CHAIN`), so what stays is those chains; everything older goes, on any kvstore
+    the checkpoints are written to. Uncommitted groups newer than the newest committed
+    snapshot (one being written) are left alone. Returns the committed steps removed.
+    """
+    steps = committed_steps(url)
+    if keep < 1 or len(steps) <= keep:
+        return []
+    kept = steps[-keep:]
+    needed = set()
+    for step in kept:
+        for table in read_manifest(url, step)["tables"].values():
+            needed.update(group["step"] for group in table["chain"])
+    removed = steps[:-keep]
+    groups = [s for s in snapshot_groups(url) if s < kept[-1] and s not in needed]
+    _delete(url, removed, groups)
+    return removed
 
 
 def _checksum(array: np.ndarray) -> int:

@@ -46,6 +46,7 @@ __all__ = [
     "RemoteShardError",
     "ServerConnection",
     "ServerUnavailableError",
+    "ServerSet",
     "connect",
     "parse_addresses",
 ]
@@ -289,6 +290,24 @@ class RemoteShard:
     def close(self) -> None:
         """Closes the client side only; the server keeps its rows for the next trainer."""
         self.connection.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSet:
+    """A run's remote shard servers and how to reach them (what `connect` takes).
+
+    Attributes:
+        addresses: Flight URIs ("grpc://host:port"); empty: in-process shards.
+        source: where the addresses came from (a config key or an environment
+            variable, for messages), or "" when there are none.
+        token: the shared secret, or None for no token.
+        retry_timeout: seconds to keep retrying an unreachable server.
+    """
+
+    addresses: tuple[str, ...] = ()
+    source: str = ""
+    token: str | None = None
+    retry_timeout: float = DEFAULT_RETRY_TIMEOUT
 
 
 def connect(

@@ -4,7 +4,8 @@ Public API (see docs/model.md):
     ModelConfig, DLRMConfig, DCNv2Config, DHENConfig, MLPConfig, DenseOptimizerConfig, MeshConfig
     make_mesh, maybe_initialize_distributed, make_global_batch, local_rows
     create_train_state, abstract_train_state, TrainState
-    make_train_step, make_eval_step, train_step, eval_step, fetch_metrics, NonFiniteLossError
+    make_train_step, make_eval_step, train_step, eval_step, fetch_metrics, NonFiniteLossError,
+    check_finite_losses
     StreamingMetrics, build_tower, forward_flops_per_example
 """
 
@@ -27,6 +28,7 @@ from hybridrec.model.step import (
     ShardedStep,
     TrainState,
     abstract_train_state,
+    check_finite_losses,
     create_train_state,
     eval_step,
     fetch_metrics,
@@ -53,6 +55,7 @@ __all__ = [
     "TrainState",
     "abstract_train_state",
     "build_tower",
+    "check_finite_losses",
     "create_train_state",
     "eval_step",
     "fetch_metrics",

@@ -15,15 +15,13 @@ tower's load (e.g. lookup bytes per example) within a tolerance of the mean.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.common.errors import ConfigError
 from hybridrec.model.layers import MLP, cast, linear
 
 
@@ -198,72 +196,3 @@ def propose_towers(
         groups[a] = sorted(groups[a] + groups[b])
         del groups[b]
     return sorted(groups, key=lambda group: (-loads[group].sum(), group))
-
-
-def propose_towers_from_run(
-    run_dir: str | Path,
-    data_dir: str | Path,
-    num_towers: int,
-    *,
-    batch_size: int = 512,
-    rows: int = 8192,
-    tolerance: float = 0.25,
-) -> tuple[list[list[int]], list[str]]:
-    """The Tower Partitioner on a finished run: `model.towers` for a next run.
-
-    The run's embedding checkpoint gives the learned embeddings of the first `rows`
-    examples of the dataset's eval split (train if it has none), hence the interaction
-    strengths; distinct ids per batch of `batch_size` give each feature's lookup load.
-
-    Args:
-        run_dir: a `hybridrec train` run directory with a committed checkpoint.
-        data_dir: its preprocessed dataset (metadata.json and Parquet splits).
-        num_towers: towers wanted.
-        batch_size: examples per step, for the loads.
-        rows: examples read.
-        tolerance: allowed excess of a tower's load over the mean.
-
-    Returns:
-        (towers as lists of feature positions, the categorical feature names by position).
-
-    Raises:
-        UserError: no checkpoint, no data, or multi-valued features (not supported).
-    """
-    import pyarrow.parquet as pq
-    from hybridrec.embedding_store.checkpoint import (
-        latest_checkpoint_step,
-        read_manifest,
-        read_table_rows,
-    )
-
-    run_dir, data_dir = Path(run_dir), Path(data_dir)
-    metadata_path = data_dir / "metadata.json"
-    if not metadata_path.is_file():
-        raise UserError(f"{data_dir}: no metadata.json (not a preprocessed dataset)")
-    categorical = json.loads(metadata_path.read_text())["spec"]["categorical"]
-    bags = [feature["name"] for feature in categorical if feature.get("multi_valued")]
-    if bags:
-        raise UserError(f"the Tower Partitioner reads single-valued features; {bags} are bags")
-    features = [feature["name"] for feature in categorical]
-    url = str(run_dir / "checkpoints" / "embeddings")
-    step = latest_checkpoint_step(url)
-    if step is None:
-        raise UserError(f"{run_dir}: no committed embedding checkpoint")
-    files = sorted((data_dir / "eval").glob("*.parquet")) or sorted(
-        (data_dir / "train").glob("*.parquet")
-    )
-    if not files:
-        raise UserError(f"{data_dir}: no Parquet shards under eval/ or train/")
-    table = pq.read_table(files[0], columns=features).slice(0, rows)
-    feature_ids = np.stack([table[name].to_numpy() for name in features], axis=1)
-    pooled = None
-    # ids carry their feature's prefix, so no id is in two tables: the rows add up
-    for name in sorted(read_manifest(url, step)["tables"]):
-        ids, values = read_table_rows(url, step, name)
-        found = pooled_from_rows(ids, values, feature_ids)
-        pooled = found if pooled is None else pooled + found
-    strength = interaction_strength(pooled)
-    towers = propose_towers(
-        strength, lookup_loads(feature_ids, batch_size), num_towers, tolerance=tolerance
-    )
-    return towers, features

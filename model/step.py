@@ -434,10 +434,23 @@ def fetch_metrics(metrics: Mapping[str, jax.Array], step: int | None = None) -> 
     host = {key: np.asarray(value).item() for key, value in jax.device_get(dict(metrics)).items()}
     finite = bool(host.pop("finite", True))
     if not finite or not np.isfinite(host.get("loss", 0.0)):
-        where = f" at step {step}" if step is not None else ""
-        raise NonFiniteLossError(
-            f"non-finite loss or dense gradient{where} (loss={host.get('loss')}, "
-            f"grad_norm={host.get('grad_norm')}); lower optimizer.learning_rate, enable "
-            "optimizer.gradient_clip_norm, or check the input features for inf/NaN"
-        )
+        where = f"at step {step}" if step is not None else "in a step"
+        detail = f"loss={host.get('loss')}, grad_norm={host.get('grad_norm')}"
+        raise non_finite_loss(f"{where} ({detail})")
     return host
+
+
+def check_finite_losses(losses: np.ndarray, step: int) -> None:
+    """Raises `NonFiniteLossError` if any of the losses fetched up to `step` is not finite."""
+    losses = np.asarray(losses, np.float64)
+    if not np.all(np.isfinite(losses)):
+        raise non_finite_loss(f"at or before step {step} (loss={losses[~np.isfinite(losses)][0]})")
+
+
+def non_finite_loss(where: str) -> NonFiniteLossError:
+    """The one error for a loss or dense gradient that is not finite, with what to do."""
+    return NonFiniteLossError(
+        f"non-finite loss or dense gradient {where}; the last checkpoint is intact: lower "
+        "optimizer.learning_rate or embedding.optimizer.learning_rate, enable "
+        "optimizer.gradient_clip_norm, or check the input features for inf/NaN, then --resume"
+    )

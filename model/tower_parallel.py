@@ -117,15 +117,6 @@ def local_towers(mesh: Mesh, batch_size: int) -> dict[int, slice]:
     return out
 
 
-def pad_towers(embeddings: np.ndarray, towers: Sequence[Sequence[int]]) -> np.ndarray:
-    """[B, F, D] embeddings of all features -> [T, B, F_max, D] per tower, zero-padded."""
-    width = max(len(tower) for tower in towers)
-    out = np.zeros((len(towers), embeddings.shape[0], width, embeddings.shape[2]), np.float32)
-    for index, tower in enumerate(towers):
-        out[index, :, : len(tower)] = embeddings[:, list(tower)]
-    return out
-
-
 def make_tower_batch(
     mesh: Mesh,
     towers: Sequence[Sequence[int]],

@@ -244,7 +244,7 @@ class SplitRule:
         return hashing.splitmix64(row_hashes) < threshold
 
 
-class _SplitWriter:
+class SplitWriter:
     """Streams one split of one chunk into a Parquet file with ~ROW_GROUP_ROWS row groups."""
 
     def __init__(self, path: str, schema: pa.Schema, compression: str):
@@ -311,7 +311,7 @@ def process_chunk(
     stats = PartialStats(source=chunk.key)
     rejected: list[str] = []
     writers = {
-        name: _SplitWriter(
+        name: SplitWriter(
             FileSystems.join(temp_dir, name, f"chunk-{chunk.key}.parquet"),
             parser.schema,
             compression,

@@ -37,10 +37,10 @@ from hybridrec.pipeline._parse import (
     REASON_CODE,
     REASONS,
     ParsedBlock,
-    _parse_floats,
-    _parse_ints,
     hash_binary_array,
     output_schema,
+    parse_floats,
+    parse_ints,
     split_multi_valued_ids,
     transform_dense,
 )
@@ -378,7 +378,7 @@ class ParquetParser:
                 return f"{name}={value!r}{note}"
 
             if kind == "string":
-                parse = _parse_ints if integer else _parse_floats
+                parse = parse_ints if integer else parse_floats
                 parsed, empty, non_numeric, overflow = parse(*_string_cells(column))
                 values[:, j], missing[:, j] = parsed[:, 0], empty[:, 0]
                 reject(np.flatnonzero(non_numeric[:, 0]), "non_numeric_dense", describe)

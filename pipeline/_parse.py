@@ -81,7 +81,7 @@ def _gather_strings(buffer: np.ndarray, starts: np.ndarray, lengths: np.ndarray)
     )
 
 
-def _parse_ints(buffer, starts, lengths):
+def parse_ints(buffer, starts, lengths):
     """Parses integer cells. Returns (values int64, missing, non_numeric, overflow), all [n, d]."""
     # Column selections can be Fortran-ordered; the flat views below must alias the arrays.
     starts, lengths = np.ascontiguousarray(starts), np.ascontiguousarray(lengths)
@@ -119,7 +119,7 @@ def _parse_ints(buffer, starts, lengths):
     return values, missing, non_numeric, overflow
 
 
-def _parse_floats(buffer, starts, lengths):
+def parse_floats(buffer, starts, lengths):
     """Parses float cells through Arrow; exact per-cell check only if Arrow refuses the batch."""
     missing = lengths == 0
     flat = _gather_strings(buffer, starts.ravel(), lengths.ravel())
@@ -254,7 +254,7 @@ class BlockParser:
 
         dense_starts = starts[:, self.dense_columns]
         dense_lengths = lengths[:, self.dense_columns]
-        parse_dense = _parse_ints if self.spec.dense_type == "int64" else _parse_floats
+        parse_dense = parse_ints if self.spec.dense_type == "int64" else parse_floats
         values, missing, non_numeric, overflow = parse_dense(buffer, dense_starts, dense_lengths)
         # "nan" and "inf" parse as floats; they are rejected like any non-finite value
         non_finite = ~np.isfinite(values) & ~missing & ~non_numeric

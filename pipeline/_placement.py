@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
-from hybridrec.pipeline._chunks import ROW_GROUP_ROWS, _SplitWriter
+from hybridrec.pipeline._chunks import ROW_GROUP_ROWS, SplitWriter
 from hybridrec.pipeline.spec import FeatureSpec
 from hybridrec.pipeline.stats import PartialStats
 
@@ -53,8 +53,8 @@ def split_written_chunk(
     source = FileSystems.join(temp_dir, "train", f"chunk-{key}.parquet")
     staged = FileSystems.join(temp_dir, "train", f"chunk-{key}.parquet.split")
     writers = {
-        "train": _SplitWriter(staged, schema, compression),
-        "eval": _SplitWriter(
+        "train": SplitWriter(staged, schema, compression),
+        "eval": SplitWriter(
             FileSystems.join(temp_dir, "eval", f"chunk-{key}.parquet"), schema, compression
         ),
     }

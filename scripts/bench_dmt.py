@@ -44,7 +44,8 @@ from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.model.dmt import check_towers
 from hybridrec.pipeline import read_metadata
 from hybridrec.training.placement import WARMUP_STEPS
-from hybridrec.training.placement_run import launch
+
+from hybridrec.cli.placement_run import launch
 
 REPO = Path(__file__).resolve().parent.parent
 # The Tower Partitioner's proposal from the seed-0 DLRM run on the sample (docs/models.md)

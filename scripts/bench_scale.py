@@ -48,8 +48,9 @@ from hybridrec.embedding_store import (
     SparseOptimizerConfig,
     TableConfig,
 )
-from hybridrec.embedding_store.processes import start_server_process, stop_servers
 from hybridrec.embedding_store.remote import connect
+
+from hybridrec.cli.server_processes import start_server_process, stop_servers
 
 TABLE = "scale"
 NUM_SHARDS = 4

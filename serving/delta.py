@@ -116,3 +116,30 @@ class LayeredTable:
             if mask.any():
                 out[mask] = layer.rows(index[mask] - start)
         return out
+
+
+def delta_base(export_dir: str | Path, full_every: int) -> int | None:
+    """The version the next export of `export_dir` is a delta of: the newest, unless its
+    chain already holds `full_every` versions (then the next one is full; 1: always full)."""
+    export_dir = Path(export_dir)
+    found = _format.versions(export_dir)
+    if not found or full_every <= 1:
+        return None
+    manifest = json.loads((export_dir / str(found[-1]) / _format.MANIFEST_FILE).read_text())
+    return found[-1] if manifest.get("chain_length", 1) < full_every else None
+
+
+def prune_versions(export_dir: str | Path, keep: int) -> list[int]:
+    """Removes versions older than the newest `keep` (0: none), except those the newest
+    reads through; returns the versions removed."""
+    import shutil
+
+    export_dir = Path(export_dir)
+    found = _format.versions(export_dir)
+    if not found or keep < 1:
+        return []
+    needed = {int(path.name) for path in version_chain(export_dir / str(found[-1]))}
+    removed = [version for version in found[:-keep] if version not in needed]
+    for version in removed:
+        shutil.rmtree(export_dir / str(version), ignore_errors=True)
+    return removed

@@ -27,12 +27,10 @@ from hybridrec.embedding_store import checkpoint as store_checkpoint
 from hybridrec.model import abstract_train_state, eval_step, make_mesh
 from hybridrec.pipeline import read_metadata
 from hybridrec.pipeline.hashing import hash_scheme
+from hybridrec.pipeline.id_map import ARRAYS_FILE, MAP_FILE
 from hybridrec.serving import _format, delta
 from hybridrec.serving.quantize import encode_table
-from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.job import load_config, require_run_dir
-from hybridrec.training.learned_hash import ARRAYS_FILE, MAP_FILE
-from hybridrec.training.tables import plan_tables
+from hybridrec.training import RunCheckpoints, load_config, plan_tables, require_run_dir
 
 PLATFORMS = ("cpu", "cuda")  # where the exported tower runs
 

@@ -28,10 +28,10 @@ import numpy as np
 from hybridrec.common import config as config_lib
 from hybridrec.embedding_store import EmbeddingStore, RaggedIds, TableConfig
 from hybridrec.pipeline import RowEncoder, spec_from_json
+from hybridrec.pipeline.id_map import read_id_map
 from hybridrec.serving import _format
 from hybridrec.serving.bags import POOLINGS, Ids, bag_rows, check_bag, pool_bags
 from hybridrec.serving.delta import LayeredTable, version_chain
-from hybridrec.training.learned_hash import read_id_map
 
 MIN_BUCKET = 8  # smallest padded batch: one compiled shape serves 1..8 rows
 

@@ -24,9 +24,7 @@ from hybridrec.model import (
 )
 from hybridrec.pipeline import read_metadata
 from hybridrec.serving.bags import concatenate, slice_rows
-from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.job import load_config
-from hybridrec.training.tables import plan_tables
+from hybridrec.training import RunCheckpoints, load_config, plan_tables
 
 
 def evaluate_rows(run_dir: str | Path, data_dir: str | Path | None = None, split: str = "eval"):

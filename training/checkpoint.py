@@ -24,10 +24,12 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from hybridrec.common import config as config_lib
 from hybridrec.common.errors import UserError
 from hybridrec.common.files import atomic_write_text
 from hybridrec.embedding_store import checkpoint as store_checkpoint
 
+CONFIG_FILE = "config.json"  # a run directory's config, as trained
 CHECKPOINT_DIR = "checkpoints"
 LAST_FILE = "LAST"
 
@@ -64,6 +66,28 @@ class RunCheckpoints:
             self._manager = make_checkpoint_manager(self.root / "dense", keep=self.keep)
         return self._manager
 
+    def begin(self, config: Any, *, resume: bool, chief: bool) -> int | None:
+        """Starts (or resumes) training in the run directory; returns the step to resume
+        from, None for a fresh start.
+
+        Call on every process, then wait at a barrier: it refuses a directory that holds
+        a checkpoint unless `resume`, writes the run's config (the chief), and removes
+        the parts of checkpoints never committed (a run killed mid-save).
+        """
+        run_dir = self.root.parent
+        run_dir.mkdir(parents=True, exist_ok=True)
+        step = self.latest_step()
+        if step is not None and not resume:
+            raise UserError(
+                f"{run_dir} already holds a checkpoint (step {step}); pass --resume to "
+                "continue it or --overwrite to start again"
+            )
+        if chief:
+            text = json.dumps(config_lib.to_dict(config), indent=2) + "\n"
+            atomic_write_text(run_dir / CONFIG_FILE, text)
+        self.discard_after(step or 0, chief=chief)
+        return step
+
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or None."""
         path = self.root / LAST_FILE
@@ -95,11 +119,14 @@ class RunCheckpoints:
         atomic_write_text(directory / f"process_{process_index}.json", json.dumps(position))
 
     def commit(self, step: int) -> None:
-        """Marks step complete (process 0 only, after every part of every process exists)."""
+        """Marks step complete (process 0 only, after every part of every process exists),
+        then keeps the newest `keep` checkpoints: positions here, dense state through Orbax,
+        embedding snapshots through the store (with the groups their chains read)."""
         atomic_write_text(self.root / LAST_FILE, json.dumps({"step": int(step)}))
         positions = sorted((self.root / "positions").glob("*"))
         for old in positions[: -self.keep] if self.keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
+        store_checkpoint.prune(self.embeddings_url, self.keep)
 
     def read_position(self, step: int, process_index: int) -> dict[str, Any]:
         """Reads the dict `save_position` wrote for `step` and `process_index`.
@@ -139,11 +166,7 @@ class RunCheckpoints:
         for directory in (self.root / "positions").glob("*"):
             if directory.name.isdigit() and int(directory.name) > step:
                 shutil.rmtree(directory, ignore_errors=True)
-        embeddings = Path(self.embeddings_url)
-        for newer in [s for s in store_checkpoint.committed_steps(self.embeddings_url) if s > step]:
-            # the manifest is the store's commit point: remove it first, then the parts
-            (embeddings / store_checkpoint.manifest_key(newer)).unlink(missing_ok=True)
-            shutil.rmtree(embeddings / f"step-{newer:012d}", ignore_errors=True)
+        store_checkpoint.discard_after(self.embeddings_url, step)
 
     def close(self) -> None:
         """Closes the Orbax manager if one was built; a later use builds a new one."""

@@ -82,7 +82,7 @@ class Batch:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Columns:
+class Columns:
     label: str
     dense: tuple[str, ...]
     single: tuple[str, ...]
@@ -135,7 +135,7 @@ def _take(rows: _Rows, index: np.ndarray) -> _Rows:
     return out
 
 
-def _slice(rows: _Rows, start: int, stop: int) -> _Rows:
+def slice_rows(rows: _Rows, start: int, stop: int) -> _Rows:
     """Rows [start, stop) as views (no copy), where `_take` of a range would copy."""
     out: _Rows = {"label": rows["label"][start:stop], "dense": rows["dense"][start:stop], "ids": {}}
     for name, ids in rows["ids"].items():
@@ -148,7 +148,7 @@ def _slice(rows: _Rows, start: int, stop: int) -> _Rows:
     return out
 
 
-def _concat(parts: Sequence[_Rows]) -> _Rows:
+def concat_rows(parts: Sequence[_Rows]) -> _Rows:
     if len(parts) == 1:
         return parts[0]
     out: _Rows = {
@@ -164,7 +164,7 @@ def _concat(parts: Sequence[_Rows]) -> _Rows:
     return out
 
 
-def _padding(columns: _Columns, rows: int) -> _Rows:
+def _padding(columns: Columns, rows: int) -> _Rows:
     ids: dict[str, FeatureIds] = {name: np.zeros(rows, np.uint64) for name in columns.single}
     for name in columns.multi:
         ids[name] = RaggedIds(values=np.zeros(0, np.uint64), offsets=np.zeros(rows + 1, np.int64))
@@ -175,7 +175,7 @@ def _padding(columns: _Columns, rows: int) -> _Rows:
     }
 
 
-def _rows_from_arrow(table: pa.Table, columns: _Columns, where: str) -> _Rows:
+def rows_from_arrow(table: pa.Table, columns: Columns, where: str) -> _Rows:
     try:
         dense = (
             np.stack(
@@ -249,7 +249,7 @@ class ParquetReader:
                 f"{len(all_files)} data files cannot be shared by {shard_count} readers; "
                 "write at least one file per process (preprocess --num-shards)"
             )
-        self.columns = _Columns(label, tuple(dense), tuple(single), tuple(multi))
+        self.columns = Columns(label, tuple(dense), tuple(single), tuple(multi))
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
@@ -329,13 +329,13 @@ class ParquetReader:
             table = handle.read_row_group(group.index, columns=self.columns.all)
         except (OSError, pa.ArrowInvalid) as error:
             raise UserError(f"{path}: row group {group.index}: {error}") from None
-        rows = _rows_from_arrow(table, self.columns, f"{path} row group {group.index}")
+        rows = rows_from_arrow(table, self.columns, f"{path} row group {group.index}")
         if self.id_map is not None:
             rows["ids"] = self.id_map.apply(rows["ids"])
         return rows
 
     def _read_window(self, epoch: int, index: int, groups: list[_RowGroup]) -> _Rows:
-        rows = _concat([self._read_group(g) for g in groups])
+        rows = concat_rows([self._read_group(g) for g in groups])
         if self.shuffle_buffer > 0:
             count = len(rows["label"])
             rows = _take(rows, np.random.default_rng([self.seed, epoch, index]).permutation(count))
@@ -369,7 +369,7 @@ class ParquetReader:
             windows = self._epoch_windows(epoch)
             if window >= len(windows):  # epoch's rows exhausted: pad (eval) the last batch
                 missing = self.batch_size - pending_rows
-                rows = _concat([*pending, _padding(self.columns, missing)])
+                rows = concat_rows([*pending, _padding(self.columns, missing)])
                 valid = np.arange(self.batch_size) < pending_rows
                 pending, pending_rows = [], 0
                 produced += 1
@@ -380,11 +380,11 @@ class ParquetReader:
             count = len(rows["label"])
             while offset < count and produced < num_batches:
                 take = min(self.batch_size - pending_rows, count - offset)
-                pending.append(_slice(rows, offset, offset + take))
+                pending.append(slice_rows(rows, offset, offset + take))
                 pending_rows += take
                 offset += take
                 if pending_rows == self.batch_size:
-                    batch_rows = _concat(pending)
+                    batch_rows = concat_rows(pending)
                     pending, pending_rows = [], 0
                     produced += 1
                     in_epoch += 1

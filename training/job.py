@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +23,17 @@ import numpy as np
 from hybridrec.common import config as config_lib
 from hybridrec.common.errors import UserError
 from hybridrec.embedding_store import EmbeddingStore
-from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, connect
+from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, ServerSet, connect
 from hybridrec.model import create_train_state, make_mesh, maybe_initialize_distributed
 from hybridrec.pipeline import DatasetMetadata, read_metadata
-from hybridrec.training.checkpoint import RunCheckpoints
+from hybridrec.pipeline.id_map import IdMap, read_id_map
+from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.defaults import resolve_auto
-from hybridrec.training.input import ParquetReader
-from hybridrec.training.learned_hash import IdMap, read_id_map
+from hybridrec.training.hybrid import HybridPipeline
+from hybridrec.training.input import Batch, ParquetReader
 from hybridrec.training.tables import PLAN_SAMPLE_BATCHES, TablePlan, plan_columns, plan_tables
 from jax.experimental import multihost_utils
-
-CONFIG_FILE = "config.json"  # a run directory's config, as trained
 
 
 def default_local_shards() -> int:
@@ -130,6 +130,39 @@ class Job:
             embedding_dim=config.embedding.dim,
         )
 
+    def hybrid_pipeline(
+        self,
+        batches: Iterator[Batch],
+        *,
+        state: Any,
+        train_step: Any,
+        store: Any,
+        first_step: int,
+        rows: slice = slice(None),
+    ) -> HybridPipeline:
+        """The hybrid loop over `batches` with the run's settings (`hybrid.*`,
+        `data.prefetch`, `embedding.pooling`), this job's mesh, tables and processes."""
+        config = self.config
+        return HybridPipeline(
+            batches,
+            state=state,
+            train_step=train_step,
+            store=store,
+            mesh=self.mesh,
+            feature_tables=self.tables.feature_tables,
+            pooling=config.embedding.pooling,
+            staleness=config.hybrid.staleness,
+            lookahead=config.hybrid.lookahead,
+            steps_ahead=config.hybrid.steps_ahead,
+            first_step=first_step,
+            prefetch=config.data.prefetch,
+            rows=rows,
+            replicated=self.replicated_store,
+            gather=self.gather,
+            # with k = 0 the step always waits for the host work: nothing to yield to
+            nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
+        )
+
     def open_store(
         self, checkpoints: RunCheckpoints, step: int | None, *, remote: bool = True
     ) -> EmbeddingStore:
@@ -173,15 +206,18 @@ class Job:
 
 
 def prepare(
-    config: TrainConfig, *, distributed: dict[str, Any] | None = None, servers: Any = None
+    config: TrainConfig,
+    *,
+    distributed: dict[str, Any] | None = None,
+    servers: ServerSet | None = None,
 ) -> Job:
     """Joins the multi-process job (if any) and checks the config against the data and devices.
 
     Args:
         config: the run's configuration.
         distributed: coordinator / num_processes / process_id of a multi-process job.
-        servers: the remote shard servers as the command resolved them (`addresses`,
-            `token`, `retry_timeout`); None: `embedding.servers`, no token.
+        servers: the remote shard servers as the command resolved them; None:
+            `embedding.servers`, no token.
     """
     maybe_initialize_distributed(**(distributed or {}))
     if not config.data.path:

@@ -20,129 +20,25 @@ once), so a file's last rows do not wait for the next file.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-from hybridrec.common import config as config_lib
 from hybridrec.common.errors import UserError
-from hybridrec.embedding_store import checkpoint as store_checkpoint
-from hybridrec.model import NonFiniteLossError, make_train_step
-from hybridrec.pipeline import ManifestEntry, read_shards
+from hybridrec.model import check_finite_losses, make_train_step
 from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.hybrid import HybridPipeline
-from hybridrec.training.input import Batch, _Columns, _concat, _rows_from_arrow, _slice
-from hybridrec.training.job import CONFIG_FILE, prepare
+from hybridrec.training.input import Columns
+from hybridrec.training.job import prepare
 from hybridrec.training.run_log import RunLog
+from hybridrec.training.stream import StreamPosition, StreamReader, batch_sizes
 
 PUBLISHED_FILE = "published.jsonl"  # one line per published export: step, version, position
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamPosition:
-    """The next row to train: row `offset` of shard `shard` (manifest shard order)."""
-
-    shard: int = 0  # index of the next shard among the manifest's shard lines
-    offset: int = 0  # rows of that shard already trained
-    batches: int = 0  # batches trained since the start of the run
-    pieces: tuple[tuple[int, int], ...] = ()  # (shard, rows) of the batch ending here
-
-    def to_dict(self) -> dict[str, int]:
-        return {"shard": self.shard, "offset": self.offset, "batches": self.batches}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StreamPosition:
-        return cls(int(data["shard"]), int(data["offset"]), int(data["batches"]))
-
-
-def batch_sizes(rows: int, batch_size: int, divisor: int, *, flush: bool) -> list[int]:
-    """Batch sizes to train `rows` available rows with (static shapes, few of them).
-
-    Full batches of `batch_size`; with `flush`, then the rest as decreasing powers of two
-    times `divisor` (fewer than `divisor` rows stay for later).
-    """
-    sizes = [batch_size] * (rows // batch_size)
-    if flush:
-        units = (rows - len(sizes) * batch_size) // divisor
-        for bit in reversed(range(units.bit_length())):
-            if units >> bit & 1:
-                sizes.append(divisor << bit)
-    return sizes
-
-
-class StreamReader:
-    """Batches of a stream dataset's committed shards, from a position.
-
-    Args:
-        data_dir: the stream dataset (`hybridrec preprocess --follow` output).
-        columns: the label, dense and id columns to read.
-    """
-
-    def __init__(self, data_dir: str | Path, columns: _Columns):
-        self.root = Path(data_dir)
-        self.columns = columns
-        self.shards: list[ManifestEntry] = []
-        self._cached: tuple[int, dict] | None = None
-
-    def refresh(self) -> int:
-        """Reads newly committed shard lines; returns how many shards are known."""
-        self.shards += read_shards(self.root, start=len(self.shards))
-        return len(self.shards)
-
-    def available(self, position: StreamPosition) -> int:
-        """Rows committed and not yet trained from `position` on."""
-        rows = sum(entry.rows for entry in self.shards[position.shard :])
-        return rows - position.offset
-
-    def batches(self, position: StreamPosition, sizes: list[int]) -> Iterator[Batch]:
-        """Yields one batch per size, from `position` (the rows must be available)."""
-        shard, offset, produced = position.shard, position.offset, position.batches
-        for size in sizes:
-            parts, pieces = [], []
-            while size:
-                rows = self._shard_rows(shard)
-                take = min(size, len(rows["label"]) - offset)
-                parts.append(_slice(rows, offset, offset + take))
-                pieces.append((shard, take))
-                offset += take
-                size -= take
-                if offset == len(rows["label"]):
-                    shard, offset = shard + 1, 0
-            produced += 1
-            merged = _concat(parts)
-            yield Batch(
-                dense=np.ascontiguousarray(merged["dense"], np.float32),
-                labels=np.ascontiguousarray(merged["label"], np.float32),
-                ids=dict(merged["ids"]),
-                valid=np.ones(len(merged["label"]), bool),
-                position=StreamPosition(shard, offset, produced, tuple(pieces)),
-            )
-
-    def _shard_rows(self, index: int) -> dict:
-        if self._cached is None or self._cached[0] != index:
-            entry = self.shards[index]
-            path = self.root / entry.shard
-            try:
-                table = pq.read_table(path, columns=self.columns.all)
-            except (OSError, pa.ArrowInvalid) as error:
-                raise UserError(f"{path}: cannot read shard: {error}") from None
-            if table.num_rows != entry.rows:
-                raise UserError(
-                    f"{path}: {table.num_rows} rows, the manifest line {entry.seq} says {entry.rows}"
-                )
-            self._cached = (index, _rows_from_arrow(table, self.columns, str(path)))
-        return self._cached[1]
 
 
 def _append_line(path: Path, line: str) -> None:
@@ -157,30 +53,6 @@ def _append_line(path: Path, line: str) -> None:
         os.write(descriptor, (line + "\n").encode())
     finally:
         os.close(descriptor)
-
-
-def prune_embedding_checkpoints(url: str, keep: int) -> None:
-    """Removes embedding snapshots that none of the newest `keep` committed ones reads.
-
-    A run that never stops checkpoints without end; each snapshot's manifest names the
-    chain of snapshot groups it is rebuilt from (a full one every `MAX_CHAIN`), so
-    disk use stays within about two chains.
-    """
-    steps = store_checkpoint.committed_steps(url)
-    if keep < 1 or len(steps) <= keep:
-        return
-    kept = steps[-keep:]
-    needed = set()
-    for step in kept:
-        for table in store_checkpoint.read_manifest(url, step)["tables"].values():
-            needed.update(group["step"] for group in table["chain"])
-    root = Path(url)
-    for step in steps[:-keep]:  # manifests first: they are what makes a snapshot visible
-        (root / store_checkpoint.manifest_key(step)).unlink(missing_ok=True)
-    for directory in root.glob("step-*"):
-        number = directory.name.removeprefix("step-")
-        if number.isdigit() and int(number) < kept[0] and int(number) not in needed:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 class OnlineTrainer:
@@ -235,7 +107,7 @@ class OnlineTrainer:
         metadata = self.job.metadata
         self.reader = StreamReader(
             metadata.root,
-            _Columns(
+            Columns(
                 metadata.label_column,
                 tuple(metadata.dense_columns),
                 tuple(f.name for f in metadata.categorical if not f.multi_valued),
@@ -300,14 +172,7 @@ class OnlineTrainer:
         }
 
     def _restore(self) -> tuple[int, Any, StreamPosition, dict[str, Any]]:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        step = self.checkpoints.latest_step()
-        if step is not None and not self.resume:
-            raise UserError(f"{self.run_dir} already holds a checkpoint (step {step}); pass --resume to continue it")  # fmt: skip
-        (self.run_dir / CONFIG_FILE).write_text(
-            json.dumps(config_lib.to_dict(self.config), indent=2) + "\n"
-        )
-        self.checkpoints.discard_after(step or 0, chief=True)
+        step = self.checkpoints.begin(self.config, resume=self.resume, chief=True)
         state = self.job.new_state()
         counters: dict[str, Any] = {"rows": 0, "rows_by_shard": {}, "seconds": 0.0}
         if step is None:
@@ -321,22 +186,13 @@ class OnlineTrainer:
 
     def _burst(self, sizes: list[int], stop: threading.Event) -> None:
         """Trains one batch per size through a HybridPipeline; stops early on `stop`."""
-        config = self.config
         started = time.monotonic()
-        pipeline = HybridPipeline(
+        pipeline = self.job.hybrid_pipeline(
             self.reader.batches(self.position, sizes),
             state=self.state,
             train_step=self.train_step,
             store=self.store,
-            mesh=self.job.mesh,
-            feature_tables=self.job.tables.feature_tables,
-            pooling=config.embedding.pooling,
-            staleness=config.hybrid.staleness,
-            lookahead=config.hybrid.lookahead,
-            steps_ahead=config.hybrid.steps_ahead,
             first_step=self.step + 1,
-            prefetch=config.data.prefetch,
-            nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
         )
         rows, loss = 0, None
         with pipeline:
@@ -362,11 +218,7 @@ class OnlineTrainer:
         seconds = time.monotonic() - started
         self.counters["seconds"] += seconds
         loss = float(jax.device_get(loss))
-        if not np.isfinite(loss):
-            raise NonFiniteLossError(
-                f"loss is {loss} at step {self.step}; lower the learning rates or check the "
-                "stream's input features (the last checkpoint is intact: --resume after a fix)"
-            )
+        check_finite_losses([loss], self.step)
         self.log.write(
             "train", self.step, loss=loss, rows=rows, rows_per_s=rows / max(seconds, 1e-9),
             rows_trained=self.counters["rows"], shard=self.position.shard,
@@ -410,7 +262,6 @@ class OnlineTrainer:
         self.store.checkpoint(self.checkpoints.embeddings_url, self.step)
         self.checkpoints.commit(self.step)
         self.saved_step = self.step
-        prune_embedding_checkpoints(self.checkpoints.embeddings_url, self.checkpoints.keep)
 
     def _publish(self) -> None:
         self.last_publish = time.monotonic()

@@ -6,7 +6,7 @@ into T groups (a group is a host, or a few): group t reads tower t's features fo
 whole global batch, looks them up in tower t's tables on its own server group (local),
 runs Tower Module t and exchanges only the compressed outputs with the other groups
 (`model/tower_parallel.py`). The flat data-parallel layout of the same loop is the
-baseline it is measured against (`scripts/bench_dmt.py`, `training.placement_run`): same
+baseline it is measured against (`scripts/bench_dmt.py`, `hybridrec.cli.placement_run`): same
 batches, same model, same updates.
 
 Both layouts train synchronously (lookup, step, update, in turn): this loop measures what

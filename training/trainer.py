@@ -21,15 +21,14 @@ from typing import Any
 
 import jax
 import numpy as np
-from hybridrec.common import config as config_lib
 from hybridrec.common.errors import UserError
 from hybridrec.common.progress import Progress
-from hybridrec.model import NonFiniteLossError, make_eval_step, make_train_step
+from hybridrec.model import check_finite_losses, make_eval_step, make_train_step
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.evaluate import evaluate
 from hybridrec.training.hybrid import HybridPipeline, StepResult
 from hybridrec.training.input import DataPosition
-from hybridrec.training.job import CONFIG_FILE, Job, prepare
+from hybridrec.training.job import Job, prepare
 from hybridrec.training.run_log import RunLog
 
 SUMMARY_FILE = "summary.json"
@@ -115,24 +114,13 @@ class HybridTrainer:
                 interval=config.log.progress_interval,
             )
             progress.count = counters["samples"]
-        self.pipeline = HybridPipeline(
+        self.pipeline = job.hybrid_pipeline(
             reader.batches(num_batches=last_step, position=position),
             state=state,
             train_step=make_train_step(job.mesh),
             store=self.store,
-            mesh=job.mesh,
-            feature_tables=job.tables.feature_tables,
-            pooling=config.embedding.pooling,
-            staleness=config.hybrid.staleness,
-            lookahead=config.hybrid.lookahead,
-            steps_ahead=config.hybrid.steps_ahead,
             first_step=first_step,
-            prefetch=config.data.prefetch,
             rows=rows,
-            replicated=job.replicated_store,
-            gather=job.gather,
-            # with k = 0 the step always waits for the host work: nothing to yield to
-            nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
         )
         meter = _IntervalMeter(samples_done=counters["samples"])
         store_meter = _StoreMeter(self.store)
@@ -194,21 +182,8 @@ class HybridTrainer:
         return summary
 
     def _prepare_run_dir(self) -> int | None:
-        """Creates run_dir and removes never-committed checkpoint parts; returns the step
-        to resume from (None = fresh start)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        step = self.checkpoints.latest_step()
-        if step is not None and not self.resume:
-            raise UserError(
-                f"{self.run_dir} already holds a checkpoint (step {step}); pass --resume to "
-                "continue it or --overwrite to start again"
-            )
-        if self.is_chief:
-            (self.run_dir / CONFIG_FILE).write_text(
-                json.dumps(config_lib.to_dict(self.config), indent=2) + "\n"
-            )
-        # parts of checkpoints never committed (a run killed mid-save) are removed first
-        self.checkpoints.discard_after(step or 0, chief=self.is_chief)
+        """The step to resume from (None = fresh start); see `RunCheckpoints.begin`."""
+        step = self.checkpoints.begin(self.config, resume=self.resume, chief=self.is_chief)
         self.job.barrier("discarded-partial-checkpoints")
         return step
 
@@ -308,7 +283,7 @@ class _IntervalMeter:
         self._samples += samples
 
     def flush(self, step: int, timings: dict[str, float], *, wait: bool = False) -> dict[str, Any]:
-        """The interval's record (raises NonFiniteLossError on a non-finite loss).
+        """The interval's record (raises model.NonFiniteLossError on a non-finite loss).
 
         Without `wait`, the losses of steps still running move to the next interval
         (the oldest one is waited for when none is done yet).
@@ -322,12 +297,7 @@ class _IntervalMeter:
         finished, self._losses = self._losses[:done], self._losses[done:]
         losses = np.asarray(jax.device_get([loss for loss, _ in finished]), np.float64)
         self.samples_done += sum(samples for _, samples in finished)
-        if not np.all(np.isfinite(losses)):
-            raise NonFiniteLossError(
-                f"loss is {losses[~np.isfinite(losses)][0]} at or before step {step}; lower "
-                "optimizer.learning_rate or embedding.optimizer.learning_rate, enable "
-                "optimizer.gradient_clip_norm, or check the input features for inf/NaN"
-            )
+        check_finite_losses(losses, step)
         seconds = time.perf_counter() - self._start - self._paused_seconds
         self.last_loss = float(losses.mean())
         record = {

@@ -7,38 +7,19 @@ The one place the commands read `$HYBRIDREC_EMBEDDING_SERVERS`,
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 
 from hybridrec.cli._flags import read_token_file
 from hybridrec.common.errors import UserError
-from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, parse_addresses
+from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, ServerSet, parse_addresses
 from hybridrec.embedding_store.wire import TOKEN_ENV
 
 SERVERS_ENV = "HYBRIDREC_EMBEDDING_SERVERS"
 RETRY_TIMEOUT_ENV = "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT"
 
 
-@dataclasses.dataclass(frozen=True)
-class EmbeddingServers:
-    """The remote shard servers of a run, and how to reach them.
-
-    Attributes:
-        addresses: Flight URIs ("grpc://host:port"); empty: in-process shards.
-        source: where the addresses came from ("embedding.servers" or
-            "$HYBRIDREC_EMBEDDING_SERVERS"), or "" when there are none.
-        token: the shared secret, or None for no token.
-        retry_timeout: seconds to keep retrying an unreachable server.
-    """
-
-    addresses: tuple[str, ...]
-    source: str
-    token: str | None
-    retry_timeout: float
-
-
-def embedding_servers(configured: str | Sequence[str] | None) -> EmbeddingServers:
+def embedding_servers(configured: str | Sequence[str] | None) -> ServerSet:
     """The servers from `configured` (`embedding.servers`); when that is empty, from
     $HYBRIDREC_EMBEDDING_SERVERS. Token and retry timeout come from their variables.
 
@@ -50,7 +31,7 @@ def embedding_servers(configured: str | Sequence[str] | None) -> EmbeddingServer
     else:
         text = os.environ.get(SERVERS_ENV, "").strip()
         addresses, source = (parse_addresses(text), f"${SERVERS_ENV}") if text else ([], "")
-    return EmbeddingServers(
+    return ServerSet(
         addresses=tuple(addresses),
         source=source,
         token=read_token(None),

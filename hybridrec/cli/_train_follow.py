@@ -43,6 +43,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) -> int:
     """Runs `OnlineTrainer` until SIGTERM / SIGINT (or --max-idle); prints its summary."""
     from hybridrec.cli._embedding_servers import embedding_servers
+    from hybridrec.serving.delta import delta_base, prune_versions
     from hybridrec.serving.export import export_run
     from hybridrec.training.online import OnlineTrainer
 
@@ -59,9 +60,9 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
             step=step,
             precision=args.export_precision,
             quiet=True,
-            delta_from=_delta_base(export_dir, args.full_export_every),
+            delta_from=delta_base(export_dir, args.full_export_every),
         )
-        _prune_exports(export_dir, args.keep_exports)
+        prune_versions(export_dir, args.keep_exports)
         return result
 
     trainer = OnlineTrainer(
@@ -95,28 +96,3 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
         flush=True,
     )
     return 0
-
-
-def _delta_base(export_dir: Path, full_every: int) -> int | None:
-    """The version the next export is a delta of: the newest, unless its chain is full."""
-    from hybridrec.serving import _format
-
-    found = _format.versions(export_dir)
-    if not found or full_every <= 1:
-        return None
-    manifest = json.loads((export_dir / str(found[-1]) / _format.MANIFEST_FILE).read_text())
-    return found[-1] if manifest.get("chain_length", 1) < full_every else None
-
-
-def _prune_exports(export_dir: Path, keep: int) -> None:
-    """Removes versions older than the newest `keep`, except those the newest reads through."""
-    import shutil
-
-    from hybridrec.serving import _format
-    from hybridrec.serving.delta import version_chain
-
-    found = _format.versions(export_dir)
-    needed = {int(path.name) for path in version_chain(export_dir / str(found[-1]))}
-    for version in found[:-keep] if keep > 0 else []:
-        if version not in needed:
-            shutil.rmtree(export_dir / str(version), ignore_errors=True)

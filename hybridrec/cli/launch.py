@@ -173,7 +173,7 @@ def launch_with_servers(
     **launch_args,
 ) -> int:
     """Starts embedding servers for a `train` command, runs `launch`, then stops them."""
-    from hybridrec.embedding_store.processes import start_servers, stop_servers
+    from hybridrec.cli.server_processes import start_servers, stop_servers
 
     if command[:1] != ["train"]:
         raise UserError("--embedding-servers works with the train command")

@@ -25,12 +25,12 @@ import pyarrow.flight as flight
 
 from hybridrec.cli import _flags
 from hybridrec.cli._embedding_servers import read_token
+from hybridrec.cli.server_processes import contiguous_shards
 from hybridrec.common import config
 from hybridrec.common.errors import UserError
 from hybridrec.common.progress import Progress
 from hybridrec.embedding_store import TableConfig
 from hybridrec.embedding_store.config import load_tables
-from hybridrec.embedding_store.processes import contiguous_shards
 from hybridrec.embedding_store.remote import ServerConnection, parse_addresses
 from hybridrec.embedding_store.server import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -39,10 +39,10 @@ from hybridrec.embedding_store.server import (
 )
 from hybridrec.embedding_store.wire import TOKEN_ENV
 from hybridrec.pipeline import read_metadata
+from hybridrec.pipeline.id_map import read_id_map
 from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.defaults import resolve_auto
 from hybridrec.training.job import resolve_tables
-from hybridrec.training.learned_hash import read_id_map
 
 
 def parse_shard_list(text: str, num_shards: int) -> list[int]:

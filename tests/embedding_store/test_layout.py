@@ -63,13 +63,13 @@ def test_routing_balanced_and_independent_of_slots():
 def kernels(request, monkeypatch):
     """Runs a slot-map test with each kind of probe kernel."""
     if request.param == "numpy":
-        monkeypatch.setattr(_slot_map, "_native", None)
+        monkeypatch.setattr(_slot_map, "native", None)
     return request.param
 
 
 def test_native_kernels_are_built():
     """The install builds the C kernels; a missing build would silently run the numpy ones."""
-    assert _slot_map._native is not None, "embedding_store._native is not built: pip install -e ."
+    assert _slot_map.native is not None, "embedding_store._native is not built: pip install -e ."
 
 
 def test_native_and_numpy_kernels_read_each_others_tables(monkeypatch):
@@ -79,7 +79,7 @@ def test_native_and_numpy_kernels_read_each_others_tables(monkeypatch):
     native.insert(ids[:10_000], slots[:10_000])
     native.remove(ids[:10_000:4])
     with monkeypatch.context() as patch:
-        patch.setattr(_slot_map, "_native", None)
+        patch.setattr(_slot_map, "native", None)
         found = native.find(ids[:10_000])  # numpy probes over the native table
         native.insert(ids[10_000:], slots[10_000:])
     expected = slots.copy()

@@ -18,7 +18,7 @@ DIM = 8
 
 def _numpy_kernels(patch):
     for module in (_arrays, _optimizers, _slot_map):
-        patch.setattr(module, "_native", None)
+        patch.setattr(module, "native", None)
 
 
 def _both(monkeypatch, run):

@@ -22,7 +22,6 @@ from hybridrec.embedding_store import (
     shard_of,
     wire,
 )
-from hybridrec.embedding_store.processes import contiguous_shards
 from hybridrec.embedding_store.remote import (
     RemoteShardError,
     ServerUnavailableError,
@@ -30,6 +29,8 @@ from hybridrec.embedding_store.remote import (
     parse_addresses,
 )
 from hybridrec.embedding_store.server import ShardServer
+
+from hybridrec.cli.server_processes import contiguous_shards
 
 TABLES = [
     TableConfig(

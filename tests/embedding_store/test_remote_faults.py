@@ -10,12 +10,12 @@ import pytest
 from hybridrec.common.errors import UserError
 from hybridrec.embedding_store import EmbeddingStore, RaggedIds, TableConfig, shard_of
 from hybridrec.embedding_store.config import load_tables
-from hybridrec.embedding_store.processes import start_server_process, start_servers, stop_servers
 from hybridrec.embedding_store.remote import connect
 from hybridrec.embedding_store.server import ShardServer
 
 from hybridrec.cli._embedding_servers import embedding_servers
 from hybridrec.cli.serve_embeddings import main, parse_shard_list, training_tables
+from hybridrec.cli.server_processes import start_server_process, start_servers, stop_servers
 
 TABLES_TOML = """
 [[tables]]

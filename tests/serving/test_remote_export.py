@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from hybridrec.embedding_store.processes import start_servers, stop_servers
 from hybridrec.serving import ServedModel
 from hybridrec.serving.reference import evaluate_rows
+
+from hybridrec.cli.server_processes import start_servers, stop_servers
 
 SMALL = [
     "model.dlrm.bottom_mlp=[32, 8]",

@@ -7,13 +7,8 @@ import json
 import numpy as np
 import pytest
 from hybridrec.common.errors import UserError
-from hybridrec.training.learned_hash import (
-    ARRAYS_FILE,
-    IdMap,
-    build_feature_map,
-    read_id_map,
-    write_id_map,
-)
+from hybridrec.pipeline.id_map import ARRAYS_FILE, IdMap, read_id_map, write_id_map
+from hybridrec.training.learn_hash import build_feature_map
 
 PREFIX_BITS = 8
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from hybridrec.model.dmt import propose_towers_from_run
+from hybridrec.training.partition import propose_towers_from_run
 
 
 def test_dmt_towers_with_shampoo_train_end_to_end(cli, dataset, tmp_path, training, small_model):

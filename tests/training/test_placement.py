@@ -14,7 +14,8 @@ from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.pipeline import CategoricalFeature
 from hybridrec.training.config import EmbeddingConfig
 from hybridrec.training.placement import tower_of_process, tower_table_plans
-from hybridrec.training.placement_run import check_servers, launch
+
+from hybridrec.cli.placement_run import check_servers, launch
 
 TOWERS = "model.towers=[[0,1,2,3,4,5,6,7,8,9,10,11,12],[13,14,15,16,17,18,19,20,21,22,23,24,25]]"
 SMALL_DMT = [

@@ -7,11 +7,12 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 from hybridrec.embedding_store import EmbeddingStore
-from hybridrec.embedding_store.processes import start_servers, stop_servers
 from hybridrec.embedding_store.remote import connect
 from hybridrec.pipeline import read_metadata
 from hybridrec.training.job import load_config
 from hybridrec.training.tables import plan_tables
+
+from hybridrec.cli.server_processes import start_servers, stop_servers
 
 
 def test_remote_shards_train_checkpoint_and_evaluate_without_rollback(

@@ -45,6 +45,12 @@ def test_sigkill_then_resume_finishes_from_the_last_complete_checkpoint(
     ]
     assert steps == sorted(set(steps)) and steps[-1] == total  # one clean history
     assert json.loads(cli("evaluate", "--run", str(run_dir), "--json").stdout)["step"] == total
+    # checkpoint.keep (2) holds for every part, embedding snapshots included, as with --follow
+    manifests = sorted(path.name for path in (root / "embeddings").glob("manifest-*.json"))
+    assert manifests == [f"manifest-{step:012d}.json" for step in (total - 10, total)]
+    assert sorted(path.name for path in (root / "positions").iterdir()) == [
+        f"{step:010d}" for step in (total - 10, total)
+    ]
 
 
 def test_two_processes_agree_on_the_final_metrics(dataset, tmp_path, cli, small_model):

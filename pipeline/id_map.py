@@ -1,27 +1,14 @@
-"""Learned id -> bucket mappings ("learning to collide"), and the hashing trick they replace.
+"""Id -> bucket maps: which row of a small table each id of a feature trains.
 
 A table too small for every id must let ids share rows. The hashing trick picks the
-sharing at random (`bucket = hash(id) % buckets`), so a frequent id may share its row
-with anything. A learned mapping chooses it from a previous run: per feature, the most
-frequent ids keep rows of their own, and the long tail is grouped by where the previous
-run's training put their embeddings (their two principal components), so that ids
-sharing a row are ids the model already treated alike. Ids the previous run never saw
-are hashed into the tail's buckets.
-
-Per feature with n distinct ids in the previous run's training split and a budget of
-`buckets = ceil(fraction * n)` rows:
-  * the `ceil(exclusive_share * buckets)` most frequent ids get one bucket each;
-  * the other ids are sorted into the remaining buckets on a grid over their
-    embeddings' first two principal components, with cells of equal access mass
-    (strips along the first component, then cells along the second within a strip).
+sharing at random (`bucket = hash(id) % buckets`); a learned map (`hybridrec learn-hash`,
+`training.learn_hash`) chooses it from a previous run. This module holds the map, its
+on-disk format (a directory with `id_map.json` and `id_map.npz`) and how a batch's ids
+are mapped: what training, the embedding servers and the served model all apply.
 
 A mapped id keeps its feature's prefix in the high bits (so fused tables stay
-collision-free across features) and carries `bucket + 1` below it.
-
-    hybridrec learn-hash --run runs/criteo --out runs/criteo_map --fraction 0.25
-    hybridrec train ... --set embedding.id_map='"runs/criteo_map"'          # learned
-    hybridrec train ... --set embedding.id_map='"runs/criteo_map"' \\
-        --set embedding.id_map_kind='"hashing_trick"'                        # same budget
+collision-free across features) and carries `bucket + 1` below it. Ids the previous run
+never saw are hashed into the tail's buckets.
 """
 
 from __future__ import annotations
@@ -29,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -114,82 +100,6 @@ class IdMap:
 
     def total_buckets(self) -> int:
         return sum(feature.num_buckets for feature in self.features.values())
-
-
-def _tail_buckets(vectors: np.ndarray, counts: np.ndarray, num_buckets: int) -> np.ndarray:
-    """[n] buckets in [0, num_buckets) grouping rows of similar `vectors` ([n, dim]),
-    cells of about equal total `counts`, on a grid over the first two principal components."""
-    n = len(vectors)
-    if n == 0:
-        return np.zeros(0, np.int64)
-    if num_buckets >= n:
-        return np.arange(n, dtype=np.int64)
-    centered = vectors - vectors.mean(axis=0)
-    if np.any(centered):
-        _, _, components = np.linalg.svd(centered, full_matrices=False)
-        coordinates = centered @ components[:2].T
-    else:
-        coordinates = np.zeros((n, 2))
-    if coordinates.shape[1] < 2:
-        coordinates = np.pad(coordinates, ((0, 0), (0, 2 - coordinates.shape[1])))
-    strips = max(1, min(num_buckets, math.ceil(math.sqrt(num_buckets))))  # PC1 first
-    cells = np.full(strips, num_buckets // strips)
-    cells[: num_buckets % strips] += 1
-    first = np.cumsum(cells) - cells  # first bucket of each strip
-    weights = counts.astype(np.float64)
-    buckets = np.empty(n, np.int64)
-    order = np.lexsort((np.arange(n), coordinates[:, 0]))
-    mass = np.cumsum(weights[order]) - weights[order] / 2
-    strip_of = np.minimum((mass / weights.sum() * strips).astype(np.int64), strips - 1)
-    for strip in range(strips):
-        members = order[strip_of == strip]
-        if not len(members):
-            continue
-        inner = members[np.lexsort((members, coordinates[members, 1]))]
-        inner_mass = np.cumsum(weights[inner]) - weights[inner] / 2
-        cell = (inner_mass / weights[inner].sum() * cells[strip]).astype(np.int64)
-        buckets[inner] = first[strip] + np.minimum(cell, cells[strip] - 1)
-    return buckets
-
-
-def build_feature_map(
-    ids: np.ndarray,
-    counts: np.ndarray,
-    vectors: np.ndarray,
-    *,
-    fraction: float,
-    exclusive_share: float = 0.5,
-) -> FeatureMap:
-    """One feature's learned mapping.
-
-    Args:
-        ids: [n] uint64 ids seen in the previous run's training split, most frequent first.
-        counts: [n] their occurrence counts.
-        vectors: [n, dim] float32 the previous run's embeddings of them (zeros where the run
-            holds no row for an id).
-        fraction: bucket budget as a fraction of n.
-        exclusive_share: share of the budget given one frequent id per bucket.
-    """
-    n = len(ids)
-    num_buckets = max(1, math.ceil(fraction * n))
-    if num_buckets >= n:  # no collisions needed: every id its own bucket
-        buckets = np.arange(n, dtype=np.int64)
-        exclusive = n
-        num_buckets = max(n, 1)
-    else:
-        exclusive = min(math.ceil(exclusive_share * num_buckets), num_buckets - 1)
-        buckets = np.empty(n, np.int64)
-        buckets[:exclusive] = np.arange(exclusive)
-        buckets[exclusive:] = exclusive + _tail_buckets(
-            vectors[exclusive:], counts[exclusive:], num_buckets - exclusive
-        )
-    order = np.argsort(ids, kind="stable")
-    return FeatureMap(
-        ids=ids[order].astype(np.uint64),
-        buckets=buckets[order],
-        num_buckets=num_buckets,
-        exclusive=exclusive,
-    )
 
 
 def write_id_map(

@@ -1,6 +1,7 @@
 """Starting `hybridrec serve-embeddings` processes and waiting until they serve.
 
-What a local launcher (`hybridrec launch`, tests, benchmarks) uses; in a cluster the
+Part of the command layer (the library never starts a hybridrec process): what a local
+launcher (`hybridrec launch`, placement runs, tests, benchmarks) uses; in a cluster the
 scheduler starts the servers instead (see docs/remote.md).
 """
 

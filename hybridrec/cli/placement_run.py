@@ -1,7 +1,7 @@
 """One run of the DMT placement comparison: the trainer processes and their servers.
 
 `launch` starts, per host, its embedding server(s) and then the trainer processes (one
-per host, `python -m hybridrec.training.placement_run`, a multi-process JAX job), and returns
+per host, `python -m hybridrec.cli.placement_run`, a multi-process JAX job), and returns
 every process's record (`training.placement.train` and `evaluate`): flat data-parallel
 DLRM or DMT with tables spread over every server, or tower-parallel DMT with each
 tower's tables on its own host's server. Hosts are simulated on one machine by process
@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
+
+from hybridrec.cli.server_processes import start_server_process, stop_servers
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.embedding_store import EmbeddingStore
-from hybridrec.embedding_store.processes import start_server_process, stop_servers
 from hybridrec.embedding_store.remote import connect
 from hybridrec.model import (
     create_train_state,
@@ -133,7 +134,7 @@ def run_process(
     steps: int | None,
     eval_batches: int | None,
 ) -> dict[str, Any]:
-    """One trainer process of a placement run (`python -m hybridrec.training.placement_run`).
+    """One trainer process of a placement run (`python -m hybridrec.cli.placement_run`).
 
     Args:
         mode: "flat" (data-parallel over every server) or "towers" (tower-parallel).
@@ -212,7 +213,7 @@ def run_process(
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m hybridrec.training.placement_run", description=run_process.__doc__.splitlines()[0]
+        prog="python -m hybridrec.cli.placement_run", description=run_process.__doc__.splitlines()[0]
     )
     parser.add_argument("--mode", choices=("flat", "towers"), required=True)
     parser.add_argument("--data", required=True)
@@ -353,7 +354,7 @@ def launch(
             outputs.append(workdir / f"record-{mode}-{process}.json")
             logs.append(workdir / f"trainer-{mode}-{process}.log")
             outputs[-1].unlink(missing_ok=True)
-            command = [sys.executable, "-m", "hybridrec.training.placement_run", "--mode", mode]
+            command = [sys.executable, "-m", "hybridrec.cli.placement_run", "--mode", mode]
             command += ["--data", str(data), "--config", preset, "--servers", addresses]
             command += [arg for override in overrides for arg in ("--set", override)]
             command += ["--coordinator", coordinator, "--num-processes", str(hosts)]

@@ -1,0 +1,244 @@
+"""Checks that the packages stack as docs/architecture.md draws them.
+
+    python scripts/check_layers.py        # from the repository root; exit 1 on a finding
+
+Reads every module of the installed namespace (`hybridrec.*`, mapped from the repository's
+folders as pyproject.toml does) and reports:
+  - import cycles between modules (imports inside functions count);
+  - edges against the layering: a package importing one above it, or what `serve` loads
+    (the served model, server and its inputs) importing training code;
+  - private names taken from another module (`from x import _name`), and private modules
+    taken from another package;
+  - a library package starting a hybridrec process (`python -m hybridrec...`): starting
+    processes is the commands' work;
+  - files over MAX_LINES lines.
+The last line printed is one JSON object with the counts. tests/test_layers.py runs it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_LINES = 500
+
+# import name prefix -> folder, as pyproject.toml maps them
+FOLDERS = {
+    "hybridrec.common": "common",
+    "hybridrec.pipeline": "pipeline",
+    "hybridrec.embedding_store": "embedding_store",
+    "hybridrec.model": "model",
+    "hybridrec.training": "training",
+    "hybridrec.serving": "serving",
+    "hybridrec": "hybridrec",
+}
+# package -> the packages it may import (besides itself); anything else is against the layering
+MAY_IMPORT = {
+    "common": set(),
+    "pipeline": {"common"},
+    "embedding_store": {"common"},
+    "model": {"common"},
+    "training": {"common", "pipeline", "embedding_store", "model"},
+    "serving": {"common", "pipeline", "embedding_store", "model", "training"},
+    "cli": {"common", "pipeline", "embedding_store", "model", "training", "serving", "hybridrec"},
+    "hybridrec": {"cli"},
+}
+# what `hybridrec serve` loads: it must run without the training code
+SERVING_RUNTIME = {
+    "hybridrec.serving.server",
+    "hybridrec.serving.model",
+    "hybridrec.serving.batching",
+    "hybridrec.serving.inputs",
+    "hybridrec.serving.protocol",
+    "hybridrec.serving.bags",
+    "hybridrec.serving._format",
+    "hybridrec.serving.quantize",
+}
+LIBRARY = {"common", "pipeline", "embedding_store", "model", "training", "serving"}
+
+
+@dataclass
+class Report:
+    cycles: list[list[str]] = field(default_factory=list)
+    against_layering: list[str] = field(default_factory=list)
+    private_imports: list[str] = field(default_factory=list)
+    processes: list[str] = field(default_factory=list)
+    long_files: list[str] = field(default_factory=list)
+
+    def findings(self) -> int:
+        return (
+            len(self.cycles)
+            + len(self.against_layering)
+            + len(self.private_imports)
+            + len(self.processes)
+            + len(self.long_files)
+        )
+
+
+def modules(repo: Path = REPO) -> dict[str, Path]:
+    """Every module of the namespace: import name -> file."""
+    found = {}
+    for prefix, folder in FOLDERS.items():
+        for path in sorted((repo / folder).rglob("*.py")):
+            relative = path.relative_to(repo / folder).with_suffix("")
+            parts = [part for part in relative.parts if part != "__init__"]
+            name = ".".join([prefix, *parts])
+            found.setdefault(name, path)
+    return found
+
+
+def package(module: str) -> str:
+    """The layer a module belongs to: hybridrec.model.step -> model, hybridrec.cli.x -> cli."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in MAY_IMPORT else "hybridrec"
+
+
+def _imports(path: Path, module: str) -> Iterator[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import in a file."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module if is_package else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    anchor = anchor.rpartition(".")[0]
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:
+                yield base, alias.name, node.lineno
+
+
+def _resolve(name: str, known: dict[str, Path]) -> str | None:
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _starts_hybridrec(path: Path) -> Iterator[int]:
+    """Lines of list literals like [python, "-m", "hybridrec...", ...]."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.List):
+            values = [item.value if isinstance(item, ast.Constant) else None for item in node.elts]
+            for first, second in zip(values, values[1:], strict=False):
+                if first == "-m" and isinstance(second, str) and second.startswith("hybridrec"):
+                    yield node.lineno
+
+
+def check(repo: Path = REPO) -> Report:
+    """Reads the repository's modules and returns what breaks the layering."""
+    known = modules(repo)
+    report = Report()
+    edges: dict[str, set[str]] = {name: set() for name in known}
+    for module, path in known.items():
+        where = path.relative_to(repo)
+        for imported, name, line in _imports(path, module):
+            full = f"{imported}.{name}" if name else imported
+            target = _resolve(full, known)
+            if target is None or target == module:
+                continue
+            if target.startswith(module + "."):  # a package importing its own submodule
+                continue
+            edges[module].add(target)
+            source_layer, target_layer = package(module), package(target)
+            if source_layer != target_layer and target_layer not in MAY_IMPORT[source_layer]:
+                report.against_layering.append(f"{where}:{line}: {module} -> {target}")
+            if module in SERVING_RUNTIME and target_layer == "training":
+                report.against_layering.append(
+                    f"{where}:{line}: {module} (loaded by serve) -> {target}"
+                )
+            private_name = name is not None and name.startswith("_") and name != "__version__"
+            if private_name and f"{imported}.{name}" not in known:
+                report.private_imports.append(f"{where}:{line}: {module} takes {imported}.{name}")
+            private_module = any(part.startswith("_") for part in target.split(".")[2:])
+            if private_module and source_layer != target_layer:
+                report.private_imports.append(f"{where}:{line}: {module} takes module {target}")
+        if package(module) in LIBRARY:
+            for line in _starts_hybridrec(path):
+                report.processes.append(f"{where}:{line}: {module} starts a hybridrec process")
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            report.long_files.append(f"{where}: {lines} lines")
+    report.cycles = _cycles(edges)
+    for kind in ("against_layering", "private_imports"):
+        setattr(report, kind, list(dict.fromkeys(getattr(report, kind))))
+    return report
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    return components
+
+
+def main() -> int:
+    report = check()
+    for component in report.cycles:
+        print("cycle:", " <-> ".join(component))
+    for kind in ("against_layering", "private_imports", "processes", "long_files"):
+        for finding in getattr(report, kind):
+            print(f"{kind.replace('_', ' ')}: {finding}")
+    print(
+        json.dumps(
+            {
+                "modules": len(modules()),
+                "cycles": len(report.cycles),
+                "against_layering": len(report.against_layering),
+                "private_imports": len(report.private_imports),
+                "processes": len(report.processes),
+                "long_files": len(report.long_files),
+            }
+        )
+    )
+    return 1 if report.findings() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
