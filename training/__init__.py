@@ -5,7 +5,7 @@ stays light):
     TrainConfig, load_config                     the run's configuration (presets + overrides)
     HybridTrainer                                `hybridrec train`: epochs of a dataset
     OnlineTrainer                                `hybridrec train --follow`: a stream dataset
-    HybridPipeline                               the overlapped lookup / step / update loop
+    HybridLoop                               the overlapped lookup / step / update loop
     RunCheckpoints, require_run_dir              a run directory's checkpoints and config
     plan_tables                                  a config's embedding tables for a dataset
     evaluate_checkpoint                          metrics of a committed checkpoint
@@ -21,7 +21,7 @@ _LAZY = {
     "require_run_dir": "hybridrec.training.job",
     "HybridTrainer": "hybridrec.training.trainer",
     "OnlineTrainer": "hybridrec.training.online",
-    "HybridPipeline": "hybridrec.training.hybrid",
+    "HybridLoop": "hybridrec.training.hybrid",
     "RunCheckpoints": "hybridrec.training.checkpoint",
     "plan_tables": "hybridrec.training.tables",
     "evaluate_checkpoint": "hybridrec.training.evaluate",

@@ -1,6 +1,6 @@
 """PERSIA's hybrid loop: embedding lookups and updates overlap the synchronous dense step.
 
-`HybridPipeline.progress()` trains one batch. Its stages, and where each runs:
+`HybridLoop.progress()` trains one batch. Its stages, and where each runs:
 
     read      input thread     batches decoded from the reader, `prefetch` ahead
     lookup    lookup thread    takes a staleness slot, then `store.lookup_features` (run by
@@ -44,8 +44,8 @@ from hybridrec.training.input import Batch, DataPosition
 _END = object()
 
 
-class PipelineClosedError(RuntimeError):
-    """The pipeline was closed: updates still queued are not applied."""
+class LoopClosedError(RuntimeError):
+    """The loop was closed: updates still queued are not applied."""
 
 
 class StalenessGate:
@@ -106,12 +106,12 @@ class _Ready:
     staleness: int
 
 
-class HybridPipeline:
+class HybridLoop:
     """Trains batch after batch with lookups and updates overlapping the dense step.
 
     Args:
         batches: the input stream (read by a background thread).
-        state: the dense train state; `pipeline.state` is the current one.
+        state: the dense train state; `loop.state` is the current one.
         train_step: `state, metrics, embedding_grads = train_step(state, device_batch)`.
         store: the embedding store (`lookup_features`, `apply_pooled_gradients`, `set_step`,
             `flush`).
@@ -254,13 +254,13 @@ class HybridPipeline:
     def close(self) -> None:
         """Stops the background threads; updates not yet handed to the store are dropped."""
         self._stop.set()
-        self._errors.append(PipelineClosedError("the hybrid pipeline is closed"))
+        self._errors.append(LoopClosedError("the hybrid loop is closed"))
         self._updates.put(_END)
         self.resume()
         for thread in self._threads:
             thread.join(timeout=10)
 
-    def __enter__(self) -> HybridPipeline:
+    def __enter__(self) -> HybridLoop:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -30,7 +30,7 @@ from hybridrec.pipeline.id_map import IdMap, read_id_map
 from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.defaults import resolve_auto
-from hybridrec.training.hybrid import HybridPipeline
+from hybridrec.training.hybrid import HybridLoop
 from hybridrec.training.input import Batch, ParquetReader
 from hybridrec.training.tables import PLAN_SAMPLE_BATCHES, TablePlan, plan_columns, plan_tables
 from jax.experimental import multihost_utils
@@ -130,7 +130,7 @@ class Job:
             embedding_dim=config.embedding.dim,
         )
 
-    def hybrid_pipeline(
+    def hybrid_loop(
         self,
         batches: Iterator[Batch],
         *,
@@ -139,11 +139,11 @@ class Job:
         store: Any,
         first_step: int,
         rows: slice = slice(None),
-    ) -> HybridPipeline:
+    ) -> HybridLoop:
         """The hybrid loop over `batches` with the run's settings (`hybrid.*`,
         `data.prefetch`, `embedding.pooling`), this job's mesh, tables and processes."""
         config = self.config
-        return HybridPipeline(
+        return HybridLoop(
             batches,
             state=state,
             train_step=train_step,

@@ -1,7 +1,7 @@
 """Follow-mode training (`hybridrec train --follow DATA`): keep training as shards arrive.
 
     manifest.jsonl (pipeline.manifest) ──► StreamReader: batches from the position on
-      ──► bursts of HybridPipeline steps (the same overlap as `HybridTrainer`) over the
+      ──► bursts of HybridLoop steps (the same overlap as `HybridTrainer`) over the
           rows committed so far; idle (a blocking wait, no spinning) when there are none
       ──► a checkpoint every `checkpoint_every` seconds, a published export every
           `publish_every` seconds, a final checkpoint and export on `stop` (SIGTERM)
@@ -185,9 +185,9 @@ class OnlineTrainer:
         return step, state, StreamPosition.from_dict(saved["stream"]), counters
 
     def _burst(self, sizes: list[int], stop: threading.Event) -> None:
-        """Trains one batch per size through a HybridPipeline; stops early on `stop`."""
+        """Trains one batch per size through a HybridLoop; stops early on `stop`."""
         started = time.monotonic()
-        pipeline = self.job.hybrid_pipeline(
+        loop = self.job.hybrid_loop(
             self.reader.batches(self.position, sizes),
             state=self.state,
             train_step=self.train_step,
@@ -195,15 +195,15 @@ class OnlineTrainer:
             first_step=self.step + 1,
         )
         rows, loss = 0, None
-        with pipeline:
+        with loop:
             for index in range(len(sizes)):
                 stopping = stop.is_set()
                 save_now = self._due()
                 last = stopping or index == len(sizes) - 1
-                result = pipeline.progress(quiesce=last or save_now)
+                result = loop.progress(quiesce=last or save_now)
                 if result is None:
                     raise UserError(f"{self.reader.root}: the stream ended inside a planned burst")
-                self.step, self.position, self.state = result.step, result.position, pipeline.state
+                self.step, self.position, self.state = result.step, result.position, loop.state
                 for shard, count in result.position.pieces:
                     by_shard = self.counters["rows_by_shard"]
                     by_shard[str(shard)] = by_shard.get(str(shard), 0) + count
@@ -212,7 +212,7 @@ class OnlineTrainer:
                 loss = result.metrics["loss"]
                 if save_now and not last:
                     self._maybe_save_and_publish()
-                    pipeline.resume()
+                    loop.resume()
                 if last:
                     break
         seconds = time.monotonic() - started
@@ -222,7 +222,7 @@ class OnlineTrainer:
         self.log.write(
             "train", self.step, loss=loss, rows=rows, rows_per_s=rows / max(seconds, 1e-9),
             rows_trained=self.counters["rows"], shard=self.position.shard,
-            shards_seen=len(self.reader.shards), staleness_max=int(pipeline.gate.max_staleness),
+            shards_seen=len(self.reader.shards), staleness_max=int(loop.gate.max_staleness),
         )  # fmt: skip
         if not self.quiet:
             print(

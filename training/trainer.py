@@ -26,7 +26,7 @@ from hybridrec.common.progress import Progress
 from hybridrec.model import check_finite_losses, make_eval_step, make_train_step
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.evaluate import evaluate
-from hybridrec.training.hybrid import HybridPipeline, StepResult
+from hybridrec.training.hybrid import HybridLoop, StepResult
 from hybridrec.training.input import DataPosition
 from hybridrec.training.job import Job, prepare
 from hybridrec.training.run_log import RunLog
@@ -72,7 +72,7 @@ class HybridTrainer:
         self.checkpoints = RunCheckpoints(self.run_dir, keep=config.checkpoint.keep)
         self._given_store = store
         self.store = None
-        self.pipeline: HybridPipeline | None = None
+        self.loop: HybridLoop | None = None
 
     @property
     def is_chief(self) -> bool:
@@ -114,7 +114,7 @@ class HybridTrainer:
                 interval=config.log.progress_interval,
             )
             progress.count = counters["samples"]
-        self.pipeline = job.hybrid_pipeline(
+        self.loop = job.hybrid_loop(
             reader.batches(num_batches=last_step, position=position),
             state=state,
             train_step=make_train_step(job.mesh),
@@ -127,11 +127,11 @@ class HybridTrainer:
         eval_results: dict[str, float] = {}
         progress_fields: dict[str, float] = {}
         try:
-            with self.pipeline as pipeline:
+            with self.loop as loop:
                 for step in range(first_step, last_step + 1):
                     save_now = is_due(step, config.checkpoint.every_steps, last_step)
                     eval_now = is_due(step, config.eval.every_steps, last_step)
-                    result = pipeline.progress(quiesce=save_now or eval_now)
+                    result = loop.progress(quiesce=save_now or eval_now)
                     if result is None:
                         raise UserError(f"the input ended before step {step} of {last_step}")
                     meter.add(result, config.data.batch_size)
@@ -140,7 +140,7 @@ class HybridTrainer:
                         progress.update(config.data.batch_size, **progress_fields)
                     if is_due(step, config.log.every_steps, last_step):
                         final = step == last_step
-                        record = meter.flush(step, pipeline.timings(), wait=final)
+                        record = meter.flush(step, loop.timings(), wait=final)
                         counters["seconds"] += record.pop("seconds")
                         progress_fields = {k: record[k] for k in ("loss", "staleness_mean")}
                         held = store_meter.read(wait=final)
@@ -158,7 +158,7 @@ class HybridTrainer:
                         if eval_now:
                             eval_results = evaluate(
                                 job,
-                                pipeline.state,
+                                loop.state,
                                 self.store,
                                 eval_step,
                                 max_batches=0 if step == last_step else config.eval.max_batches,
@@ -168,8 +168,8 @@ class HybridTrainer:
                             )
                             log.write("eval", step, **eval_results)
                     if save_now or eval_now:
-                        pipeline.resume()
-                pipeline.drain()
+                        loop.resume()
+                loop.drain()
         finally:
             log.close()
         if progress:
@@ -190,11 +190,11 @@ class HybridTrainer:
     def _save(self, step: int, position: DataPosition, counters: dict[str, Any]) -> None:
         """Dense state, data position and embeddings at `step`, then the commit marker.
 
-        The pipeline is quiesced: every update up to `step` is applied, no later lookup
+        The loop is quiesced: every update up to `step` is applied, no later lookup
         has reached the store.
         """
         job = self.job
-        self.checkpoints.save_dense(step, self.pipeline.state)
+        self.checkpoints.save_dense(step, self.loop.state)
         self.checkpoints.save_position(
             step, job.process_index, {"position": position.to_dict(), **counters}
         )
@@ -209,7 +209,7 @@ class HybridTrainer:
 
     def _summary(self, steps, counters, eval_results, final_loss) -> dict[str, Any]:
         seconds = counters["seconds"]
-        gate = self.pipeline.gate
+        gate = self.loop.gate
         return {
             "steps": int(steps),
             "samples": int(counters["samples"]),
