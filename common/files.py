@@ -25,3 +25,18 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         os.fsync(handle.fileno())
     os.replace(temporary, path)
     fsync_directory(path.parent)
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Appends one line in one write, after dropping a torn last line (a killed writer)."""
+    path = Path(path)
+    if path.exists():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(path, "r+b") as handle:
+                handle.truncate(data.rfind(b"\n") + 1)
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(descriptor, (line + "\n").encode())
+    finally:
+        os.close(descriptor)

@@ -46,7 +46,7 @@ def train_rate(data: Path, out: Path, *, k: int, steps: int, batch: int, extra: 
     """Steady-state samples/s of `hybridrec train` with staleness bound k."""
     from hybridrec.common import config as config_lib
     from hybridrec.training.config import PRESET_DIR, TrainConfig
-    from hybridrec.training.trainer import HybridTrainer
+    from hybridrec.training.trainer import Trainer
 
     run_dir = out / f"run_k{k}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -65,7 +65,7 @@ def train_rate(data: Path, out: Path, *, k: int, steps: int, batch: int, extra: 
         ],
         preset_dir=PRESET_DIR,
     )
-    HybridTrainer(config, run_dir, quiet=True).fit()
+    Trainer(config, run_dir, quiet=True).fit()
     rate = _steady_rate(run_dir)
     print(f"  k={k}: {rate:,.0f} samples/s (steady state, {steps} steps of {batch})", flush=True)
     return rate

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hybridrec.common import config as config_lib
     from hybridrec.training.config import PRESET_DIR, TrainConfig
-    from hybridrec.training.trainer import HybridTrainer
+    from hybridrec.training.trainer import Trainer
 
     from hybridrec.cli import run
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 ],
                 preset_dir=PRESET_DIR,
             )
-            summary = HybridTrainer(config, run_dir, quiet=True).fit()
+            summary = Trainer(config, run_dir, quiet=True).fit()
             evaluation = summary["eval"]
             print(
                 f"k={k:<3d} seed={seed}: AUC {evaluation['auc']:.4f}  logloss "

@@ -3,8 +3,8 @@
 Public API (docs/training.md; imported on first use, so that `import hybridrec.training`
 stays light):
     TrainConfig, load_config                     the run's configuration (presets + overrides)
-    HybridTrainer                                `hybridrec train`: epochs of a dataset
-    OnlineTrainer                                `hybridrec train --follow`: a stream dataset
+    Trainer, FollowOptions                       `hybridrec train` (epochs of a dataset) and
+                                                 `train --follow` (a stream): one loop
     HybridLoop                               the overlapped lookup / step / update loop
     RunCheckpoints, require_run_dir              a run directory's checkpoints and config
     plan_tables                                  a config's embedding tables for a dataset
@@ -19,8 +19,8 @@ _LAZY = {
     "TrainConfig": "hybridrec.training.config",
     "load_config": "hybridrec.training.job",
     "require_run_dir": "hybridrec.training.job",
-    "HybridTrainer": "hybridrec.training.trainer",
-    "OnlineTrainer": "hybridrec.training.online",
+    "Trainer": "hybridrec.training.trainer",
+    "FollowOptions": "hybridrec.training.trainer",
     "HybridLoop": "hybridrec.training.hybrid",
     "RunCheckpoints": "hybridrec.training.checkpoint",
     "plan_tables": "hybridrec.training.tables",

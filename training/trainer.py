@@ -1,4 +1,4 @@
-"""The hybrid trainer behind `hybridrec train`: one run directory, start (or resume) to end.
+"""The trainer behind `hybridrec train`: one loop for every run, start (or resume) to end.
 
 A step, as in PERSIA (the overlap lives in `training/hybrid.py`):
 
@@ -6,45 +6,72 @@ A step, as in PERSIA (the overlap lives in `training/hybrid.py`):
             ──► train_step (jitted, synchronous over the mesh)
             ──► embedding gradients ──► store.apply_pooled_gradients (async)
 
-`fit` reads top to bottom: set up, restore, then the loop, where logging, checkpoints
-and evaluation are each one schedule line.
+A run is configured by its source and its schedule:
+  * source (`training/sources.py`): epochs of a dataset (`hybridrec train`), or a
+    followed stream (`hybridrec train --follow`, `FollowOptions`);
+  * schedule: logging, checkpoints and evaluation by steps (`log.every_steps`,
+    `checkpoint.every_steps`, `eval.every_steps`), checkpoints and published exports by
+    seconds (`FollowOptions.checkpoint_every`, `publish_every`).
+
+`fit` reads top to bottom: the run directory (`RunCheckpoints`: config, resume point,
+retention), the state and position, then one `HybridLoop` per segment of the source, where
+logging, checkpoints, evaluation and publishing are each one schedule line.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
 from hybridrec.common.errors import UserError
+from hybridrec.common.files import append_line
 from hybridrec.common.progress import Progress
-from hybridrec.model import check_finite_losses, make_eval_step, make_train_step
+from hybridrec.embedding_store.remote import ServerSet
+from hybridrec.model import make_eval_step, make_train_step
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.evaluate import evaluate
-from hybridrec.training.hybrid import HybridLoop, StepResult
-from hybridrec.training.input import DataPosition
 from hybridrec.training.job import Job, prepare
+from hybridrec.training.meters import IntervalMeter, StoreMeter
 from hybridrec.training.run_log import RunLog
+from hybridrec.training.sources import EpochSource, Segment, StreamSource
 
 SUMMARY_FILE = "summary.json"
+PUBLISHED_FILE = "published.jsonl"  # one line per published export: step, version, position
 
 
-def is_due(step: int, every: int, last: int) -> bool:
-    """True at every `every`-th step (0 = never) and at the last step."""
+def is_due(step: int, every: int, last: int | None) -> bool:
+    """True at every `every`-th step (0 = never) and at the last step (if there is one)."""
     return step == last or (every > 0 and step % every == 0)
 
 
-class HybridTrainer:
+@dataclasses.dataclass(frozen=True)
+class FollowOptions:
+    """`hybridrec train --follow`: train a stream dataset's shards as they arrive."""
+
+    checkpoint_every: float = 30.0  # seconds between checkpoints (while there is training)
+    publish_every: float = 0.0  # seconds between published exports (0: only at the end)
+    flush_after: float = 1.0  # seconds without a new shard before a partial batch is trained
+    poll_interval: float = 0.5  # seconds between looks at the manifest when idle
+    max_idle: float = 0.0  # also stop after this many seconds without a new shard (0: never)
+
+
+class Trainer:
     """Trains one run directory with the hybrid loop.
 
     Args:
         config: the run's configuration.
         run_dir: where metrics, checkpoints, TensorBoard files and the summary go.
+        follow: train a stream dataset (`data.path`) until stopped, checkpointing by
+            seconds; None: epochs of a dataset.
+        publish: `publish(step) -> {"version": ...}` writes an export of checkpoint `step`
+            (the command passes `serving.export_run`); called every
+            `follow.publish_every` seconds and at the end.
         resume: continue from the newest complete checkpoint in run_dir.
         distributed: coordinator / num_processes / process_id for multi-process jobs.
         quiet: no progress lines (tests, benchmarks).
@@ -58,146 +85,195 @@ class HybridTrainer:
         config: Any,
         run_dir: str | Path,
         *,
+        follow: FollowOptions | None = None,
+        publish: Callable[[int], dict[str, Any]] | None = None,
         resume: bool = False,
         distributed: dict[str, Any] | None = None,
         quiet: bool = False,
         store: Any = None,
-        servers: Any = None,
+        servers: ServerSet | None = None,
     ):
         self.run_dir = Path(run_dir)
+        self.follow = follow
+        self.publish = publish
         self.resume = resume
         self.quiet = quiet
         self.job: Job = prepare(config, distributed=distributed, servers=servers)
         self.config = self.job.config
         self.checkpoints = RunCheckpoints(self.run_dir, keep=config.checkpoint.keep)
+        if follow is None:
+            self.source: EpochSource | StreamSource = EpochSource(self.job)
+        else:
+            self.source = StreamSource(
+                self.job,
+                flush_after=follow.flush_after,
+                poll_interval=follow.poll_interval,
+                max_idle=follow.max_idle,
+            )
         self._given_store = store
         self.store = None
-        self.loop: HybridLoop | None = None
+        self.loop = None
 
     @property
     def is_chief(self) -> bool:
         return self.job.is_chief
 
-    def fit(self) -> dict[str, Any]:
-        """Runs training to the end; returns the summary (also written to summary.json)."""
-        config, job = self.config, self.job
-        resume_step = self._prepare_run_dir()
-        state = job.new_state()
-        position, counters = DataPosition(), {"samples": 0, "seconds": 0.0}
+    def fit(self, stop: threading.Event | None = None) -> dict[str, Any]:
+        """Trains to the end of the source (or until `stop` is set); returns the summary
+        (also written to summary.json)."""
+        config, job, source = self.config, self.job, self.source
+        stop = stop or threading.Event()
+        resume_step = self.checkpoints.begin(config, resume=self.resume, chief=self.is_chief)
+        job.barrier("discarded-partial-checkpoints")
+        self.state = job.new_state()
+        saved = None
         if resume_step is not None:
-            state = self.checkpoints.restore_dense(resume_step, state)
+            self.state = self.checkpoints.restore_dense(resume_step, self.state)
             saved = self.checkpoints.read_position(resume_step, job.process_index)
-            position = DataPosition.from_dict(saved["position"])
-            counters = {"samples": saved["samples"], "seconds": saved["seconds"]}
+        self.seconds = source.restore(saved)
         if self._given_store is not None and resume_step is not None:
             raise UserError("a given embedding store cannot resume a run: let the trainer open it")
         self.store = self._given_store or job.open_store(self.checkpoints, resume_step)
-
-        reader, rows = job.reader(
-            config.data.train_split, batch_size=config.data.batch_size, train=True
-        )
-        first_step = (resume_step or 0) + 1
-        last_step = config.data.max_steps or config.data.epochs * reader.batches_per_epoch
-        eval_step = make_eval_step(job.mesh)
-        log = RunLog(
+        self.step = self.saved_step = resume_step or 0
+        self.published_step = None
+        self.last_save = self.last_publish = time.monotonic()
+        self.eval_results: dict[str, float] = {}
+        self.log = RunLog(
             self.run_dir,
             enabled=self.is_chief,
             tensorboard=config.log.tensorboard,
             resume_step=resume_step,
         )
-        progress = None
+        self.progress = None
         if self.is_chief and not self.quiet:
-            progress = Progress(
-                "train",
-                total=last_step * config.data.batch_size,
-                unit="samples",
+            total = source.last_step and source.last_step * config.data.batch_size
+            self.progress = Progress(
+                "train" if self.follow is None else "train --follow",
+                total=total,
+                unit="samples" if self.follow is None else "rows",
                 interval=config.log.progress_interval,
             )
-            progress.count = counters["samples"]
-        self.loop = job.hybrid_loop(
-            reader.batches(num_batches=last_step, position=position),
-            state=state,
-            train_step=make_train_step(job.mesh),
-            store=self.store,
-            first_step=first_step,
-            rows=rows,
-        )
-        meter = _IntervalMeter(samples_done=counters["samples"])
-        store_meter = _StoreMeter(self.store)
-        eval_results: dict[str, float] = {}
-        progress_fields: dict[str, float] = {}
+            self.progress.count = source.trained()
+        self.meter = IntervalMeter(samples_done=source.trained())
+        self._progress_fields: dict[str, float] = {}
+        self.store_meter = StoreMeter(self.store)
+        self.train_step = make_train_step(job.mesh)
+        self.eval_step = make_eval_step(job.mesh) if source.evaluates else None
         try:
-            with self.loop as loop:
-                for step in range(first_step, last_step + 1):
-                    save_now = is_due(step, config.checkpoint.every_steps, last_step)
-                    eval_now = is_due(step, config.eval.every_steps, last_step)
-                    result = loop.progress(quiesce=save_now or eval_now)
-                    if result is None:
-                        raise UserError(f"the input ended before step {step} of {last_step}")
-                    meter.add(result, config.data.batch_size)
-                    counters["samples"] += config.data.batch_size
-                    if progress:
-                        progress.update(config.data.batch_size, **progress_fields)
-                    if is_due(step, config.log.every_steps, last_step):
-                        final = step == last_step
-                        record = meter.flush(step, loop.timings(), wait=final)
-                        counters["seconds"] += record.pop("seconds")
-                        progress_fields = {k: record[k] for k in ("loss", "staleness_mean")}
-                        held = store_meter.read(wait=final)
-                        log.write(
-                            "train",
-                            step,
-                            samples=counters["samples"],
-                            store_bytes_held=held.get("bytes_held"),
-                            store_bytes_at_capacity=held.get("bytes_at_capacity"),
-                            **record,
-                        )
-                    with meter.paused():  # saving and evaluating are not training time
-                        if save_now:
-                            self._save(step, result.position, counters)
-                        if eval_now:
-                            eval_results = evaluate(
-                                job,
-                                loop.state,
-                                self.store,
-                                eval_step,
-                                max_batches=0 if step == last_step else config.eval.max_batches,
-                                progress_name="evaluate"
-                                if step == last_step and progress
-                                else None,
-                            )
-                            log.write("eval", step, **eval_results)
-                    if save_now or eval_now:
-                        loop.resume()
-                loop.drain()
+            for segment in source.segments(self.step, stop):
+                if segment is None:  # idle: what is due by the clock
+                    self._save_and_publish(*self._due_by_clock())
+                else:
+                    self._train(segment, stop)
+            self._save()
+            if self.publish:
+                self._publish()
+            summary = self._summary()
         finally:
-            log.close()
-        if progress:
-            progress.close()
-        summary = self._summary(last_step, counters, eval_results, meter.last_loss)
+            self.log.close()
+            if self._given_store is None:
+                self.store.close()
+            self.checkpoints.close()
+        if self.progress:
+            self.progress.close()
         self._write_summary(summary)
-        if self._given_store is None:
-            self.store.close()
-        self.checkpoints.close()
         return summary
 
-    def _prepare_run_dir(self) -> int | None:
-        """The step to resume from (None = fresh start); see `RunCheckpoints.begin`."""
-        step = self.checkpoints.begin(self.config, resume=self.resume, chief=self.is_chief)
-        self.job.barrier("discarded-partial-checkpoints")
-        return step
-
-    def _save(self, step: int, position: DataPosition, counters: dict[str, Any]) -> None:
-        """Dense state, data position and embeddings at `step`, then the commit marker.
-
-        The loop is quiesced: every update up to `step` is applied, no later lookup
-        has reached the store.
-        """
-        job = self.job
-        self.checkpoints.save_dense(step, self.loop.state)
-        self.checkpoints.save_position(
-            step, job.process_index, {"position": position.to_dict(), **counters}
+    def _train(self, segment: Segment, stop: threading.Event) -> None:
+        """Trains the segment's batches through one HybridLoop (fewer if `stop` is set)."""
+        config, last = self.config, self.source.last_step
+        self.loop = self.job.hybrid_loop(
+            segment.batches,
+            state=self.state,
+            train_step=self.train_step,
+            store=self.store,
+            first_step=self.step + 1,
+            rows=segment.rows,
         )
+        with self.loop as loop:
+            for index in range(segment.size):
+                step = self.step + 1
+                end = stop.is_set() or index == segment.size - 1
+                save_now, publish_now = self._due_by_clock()
+                save_now = save_now or is_due(step, config.checkpoint.every_steps, last)
+                eval_now = self.source.evaluates and is_due(step, config.eval.every_steps, last)
+                result = loop.progress(quiesce=save_now or eval_now or publish_now or end)
+                if result is None:
+                    raise UserError(f"the input ended before step {step} of {last or 'the stream'}")
+                self.step, self.state = result.step, loop.state
+                rows = self.source.advance(result)
+                self.meter.add(result, rows)
+                if self.progress:
+                    self.progress.update(rows, **self._progress_fields)
+                if is_due(step, config.log.every_steps, last) or end:
+                    self._log(step, wait=end)
+                with self.meter.paused():  # saving and evaluating are not training time
+                    self._save_and_publish(save_now, publish_now)
+                    if eval_now:
+                        self._evaluate(step, final=step == last)
+                if end:
+                    break  # stopping: what the loop read ahead is not trained
+                if save_now or eval_now or publish_now:
+                    loop.resume()
+            loop.drain()
+
+    def _log(self, step: int, *, wait: bool) -> None:
+        record = self.meter.flush(step, self.loop.timings(), wait=wait)
+        self.seconds += record.pop("seconds")
+        self._progress_fields = {k: record[k] for k in ("loss", "staleness_mean")}
+        held = self.store_meter.read(wait=wait)
+        self.log.write(
+            "train",
+            step,
+            store_bytes_held=held.get("bytes_held"),
+            store_bytes_at_capacity=held.get("bytes_at_capacity"),
+            **self.source.fields(),
+            **record,
+        )
+
+    def _evaluate(self, step: int, *, final: bool) -> None:
+        self.eval_results = evaluate(
+            self.job,
+            self.state,
+            self.store,
+            self.eval_step,
+            max_batches=0 if final else self.config.eval.max_batches,
+            progress_name="evaluate" if final and self.progress else None,
+        )
+        self.log.write("eval", step, **self.eval_results)
+
+    def _due_by_clock(self) -> tuple[bool, bool]:
+        """(checkpoint due, publish due) by the follow options' seconds."""
+        if self.follow is None:
+            return False, False
+        now = time.monotonic()
+        every = self.follow.checkpoint_every
+        publish_every = self.follow.publish_every if self.publish else 0
+        return (
+            bool(every and now - self.last_save >= every),
+            bool(publish_every and now - self.last_publish >= publish_every),
+        )
+
+    def _save_and_publish(self, save: bool, publish: bool) -> None:
+        if save:
+            self._save()
+        if publish:
+            self._publish()
+
+    def _save(self) -> None:
+        """Dense state, the source's position and embeddings at this step, then the commit
+        marker (old checkpoints beyond `checkpoint.keep` go).
+
+        The loop is quiesced: every update up to the step is applied, no later lookup has
+        reached the store.
+        """
+        self.last_save = time.monotonic()
+        step, job = self.step, self.job
+        if step == self.saved_step:
+            return
+        self.checkpoints.save_dense(step, self.state)
+        record = {**self.source.record(), "seconds": self.seconds}
+        self.checkpoints.save_position(step, job.process_index, record)
         job.barrier(f"checkpoint-parts-{step}")
         if job.is_chief:  # replicas are identical; remote shards are shared
             self.store.checkpoint(
@@ -206,20 +282,48 @@ class HybridTrainer:
         job.barrier(f"checkpoint-embeddings-{step}")
         if job.is_chief:
             self.checkpoints.commit(step)
+        self.saved_step = step
 
-    def _summary(self, steps, counters, eval_results, final_loss) -> dict[str, Any]:
-        seconds = counters["seconds"]
-        gate = self.loop.gate
+    def _publish(self) -> None:
+        """Exports the newest step (checkpointed first) and appends it to published.jsonl."""
+        self.last_publish = time.monotonic()
+        if self.step in (0, self.published_step):
+            return
+        self._save()
+        started = time.time()
+        result = self.publish(self.step)
+        self.published_step = self.step
+        record = {
+            "step": self.step,
+            "version": result.get("version"),
+            "kind": result.get("kind", "full"),
+            "export_bytes": result.get("total_bytes"),
+            **self.source.published(),
+            "published_unix": time.time(),
+            "seconds": round(time.time() - started, 3),
+        }
+        append_line(self.run_dir / PUBLISHED_FILE, json.dumps(record))
+        if self.progress:
+            print(
+                f"[train --follow] published version {record['version']} ({record['kind']}, "
+                f"{(record['export_bytes'] or 0) / 2**20:.1f} MiB, step {self.step}) in "
+                f"{record['seconds']:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _summary(self) -> dict[str, Any]:
+        gate = self.loop.gate if self.loop is not None else None
         return {
-            "steps": int(steps),
-            "samples": int(counters["samples"]),
-            "train_seconds": round(seconds, 3),
-            "samples_per_s": counters["samples"] / seconds if seconds else None,
-            "final_loss": final_loss,
-            "eval": eval_results,
+            "steps": int(self.step),
+            **self.source.summary(),
+            "train_seconds": round(self.seconds, 3),
+            "samples_per_s": self.source.trained() / self.seconds if self.seconds else None,
+            "final_loss": self.meter.last_loss,
+            "eval": self.eval_results,
             "staleness_bound": self.config.hybrid.staleness,
-            "staleness_max": int(gate.max_staleness),
-            "staleness_histogram": gate.histogram.tolist(),
+            "staleness_max": int(gate.max_staleness) if gate else 0,
+            "staleness_histogram": gate.histogram.tolist() if gate else [],
             # totals over all tables (rows, bytes, admissions, evictions, cold-tier traffic)
             "embedding_store": {
                 key: value for key, value in self.store.stats().items() if key != "tables"
@@ -240,84 +344,3 @@ class HybridTrainer:
             own = self.run_dir / "processes" / f"summary_{self.job.process_index}.json"
             own.parent.mkdir(exist_ok=True)
             own.write_text(text)
-
-
-class _StoreMeter:
-    """The store's counters for the log without waiting for the shards: each read asks
-    for fresh counters and returns the latest answer at hand (the previous request's,
-    at most one log interval old), or waits for the fresh ones when `wait`."""
-
-    def __init__(self, store: Any):
-        self._store = store
-        self._pending = store.stats_async()
-        self._latest: dict[str, Any] = {}
-
-    def read(self, *, wait: bool = False) -> dict[str, Any]:
-        if wait or not self._latest or self._pending.done():
-            self._latest = self._pending.result()
-        if self._pending.done():
-            self._pending = self._store.stats_async()
-        return self._latest
-
-
-class _IntervalMeter:
-    """Loss, throughput and staleness over one logging interval (losses stay on the
-    devices until the interval ends, so logging never stalls a step: a flush takes the
-    losses of the steps already done and leaves the rest to the next interval)."""
-
-    def __init__(self, samples_done: int = 0):
-        self.last_loss = float("nan")
-        self.samples_done = samples_done  # samples of the steps whose loss has been fetched
-        self._losses: list[tuple[jax.Array, int]] = []  # (loss, samples) of steps not fetched
-        self._start_interval()
-
-    def _start_interval(self) -> None:
-        self._staleness: list[int] = []
-        self._samples = 0
-        self._start = time.perf_counter()
-        self._paused_seconds = 0.0
-
-    def add(self, result: StepResult, samples: int) -> None:
-        self._losses.append((result.metrics["loss"], samples))
-        self._staleness.append(result.staleness)
-        self._samples += samples
-
-    def flush(self, step: int, timings: dict[str, float], *, wait: bool = False) -> dict[str, Any]:
-        """The interval's record (raises model.NonFiniteLossError on a non-finite loss).
-
-        Without `wait`, the losses of steps still running move to the next interval
-        (the oldest one is waited for when none is done yet).
-        """
-        done = len(self._losses)
-        if not wait:
-            done = next(
-                (i for i, (loss, _) in enumerate(self._losses) if not loss.is_ready()), done
-            )
-            done = max(done, 1)
-        finished, self._losses = self._losses[:done], self._losses[done:]
-        losses = np.asarray(jax.device_get([loss for loss, _ in finished]), np.float64)
-        self.samples_done += sum(samples for _, samples in finished)
-        check_finite_losses(losses, step)
-        seconds = time.perf_counter() - self._start - self._paused_seconds
-        self.last_loss = float(losses.mean())
-        record = {
-            "loss": self.last_loss,
-            "samples_per_s": self._samples / max(seconds, 1e-9),
-            "staleness_mean": float(np.mean(self._staleness)),
-            "staleness_max": int(np.max(self._staleness)),
-            # steps finish behind their dispatch: what was trained by the time of this record
-            "samples_done": self.samples_done,
-            "seconds": seconds,
-            **timings,
-        }
-        self._start_interval()
-        return record
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """A context whose time does not count as training time."""
-        since = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._paused_seconds += time.perf_counter() - since

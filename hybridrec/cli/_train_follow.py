@@ -1,4 +1,4 @@
-"""`hybridrec train --follow DATA`: the flags of follow mode and its run (training.online).
+"""`hybridrec train --follow DATA`: the flags of follow mode and its run (training.trainer with a stream source).
 
 The command layer wires publishing: the trainer (training/) cannot import serving/, so
 it is handed `serving.export_run` as its `publish` callable here.
@@ -41,11 +41,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) -> int:
-    """Runs `OnlineTrainer` until SIGTERM / SIGINT (or --max-idle); prints its summary."""
+    """Runs the trainer on a stream until SIGTERM / SIGINT (or --max-idle); prints its summary."""
     from hybridrec.cli._embedding_servers import embedding_servers
     from hybridrec.serving.delta import delta_base, prune_versions
     from hybridrec.serving.export import export_run
-    from hybridrec.training.online import OnlineTrainer
+    from hybridrec.training.trainer import FollowOptions, Trainer
 
     if args.data:
         raise UserError("--follow DATA replaces --data; give one of them")
@@ -65,15 +65,17 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
         prune_versions(export_dir, args.keep_exports)
         return result
 
-    trainer = OnlineTrainer(
+    trainer = Trainer(
         config,
         run_dir,
-        resume=args.resume,
-        checkpoint_every=args.checkpoint_every,
-        publish_every=args.publish_every,
+        follow=FollowOptions(
+            checkpoint_every=args.checkpoint_every,
+            publish_every=args.publish_every,
+            flush_after=args.flush_after,
+            max_idle=args.max_idle,
+        ),
         publish=publish,
-        flush_after=args.flush_after,
-        max_idle=args.max_idle,
+        resume=args.resume,
         quiet=args.quiet,
         servers=embedding_servers(config.embedding.servers),
     )
@@ -87,7 +89,7 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
             file=sys.stderr,
             flush=True,
         )
-    summary = trainer.run(stop)
+    summary = trainer.fit(stop)
     print(
         f"follow training stopped: {summary['rows_trained']:,} rows in {summary['steps']} steps "
         f"from {summary['position']['shard']} complete shards of {summary['shards_seen']}; "

@@ -19,7 +19,7 @@ from hybridrec.cli._embedding_servers import embedding_servers
 from hybridrec.common.errors import UserError
 from hybridrec.training.job import load_config
 from hybridrec.training.run_log import run_name
-from hybridrec.training.trainer import HybridTrainer
+from hybridrec.training.trainer import Trainer
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -106,7 +106,7 @@ def _train(
     servers = embedding_servers(config.embedding.servers)
     if servers.source.startswith("$") and not args.quiet and (args.process_id or 0) == 0:
         print(f"embedding servers from {servers.source}: {', '.join(servers.addresses)}")
-    trainer = HybridTrainer(
+    trainer = Trainer(
         config,
         run_dir,
         resume=args.resume,

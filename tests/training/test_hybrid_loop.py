@@ -12,7 +12,7 @@ from hybridrec.embedding_store import EmbeddingStore
 from hybridrec.pipeline import read_metadata
 from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.tables import plan_tables
-from hybridrec.training.trainer import HybridTrainer
+from hybridrec.training.trainer import Trainer
 
 
 def _config(dataset, small_model, *extra):
@@ -83,7 +83,7 @@ def test_staleness_never_exceeds_k(dataset, small_model, tmp_path, k, lookahead)
     plan = plan_tables(config.embedding, read_metadata(dataset).categorical)
     store = EmbeddingStore(list(plan.tables), num_shards=2)
     log = _EventLog(store)
-    trainer = HybridTrainer(config, tmp_path / "run", quiet=True, store=store)
+    trainer = Trainer(config, tmp_path / "run", quiet=True, store=store)
     summary = trainer.fit()
     store.close()
     measured = log.staleness()
@@ -110,7 +110,7 @@ def test_synchronous_single_shard_run_is_deterministic(dataset, small_model, tmp
     )
     results = []
     for name in ("first", "second"):
-        HybridTrainer(config, tmp_path / name, quiet=True).fit()
+        Trainer(config, tmp_path / name, quiet=True).fit()
         records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
         losses = [r["loss"] for r in records if r["kind"] == "train"]
         evaluation = [r for r in records if r["kind"] == "eval"][-1]

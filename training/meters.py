@@ -1,0 +1,95 @@
+"""What the trainer measures between two log lines: loss, throughput, staleness, and the
+store's counters, without stalling a step to read them."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from hybridrec.model import check_finite_losses
+from hybridrec.training.hybrid import StepResult
+
+
+class StoreMeter:
+    """The store's counters for the log without waiting for the shards: each read asks
+    for fresh counters and returns the latest answer at hand (the previous request's,
+    at most one log interval old), or waits for the fresh ones when `wait`."""
+
+    def __init__(self, store: Any):
+        self._store = store
+        self._pending = store.stats_async()
+        self._latest: dict[str, Any] = {}
+
+    def read(self, *, wait: bool = False) -> dict[str, Any]:
+        if wait or not self._latest or self._pending.done():
+            self._latest = self._pending.result()
+        if self._pending.done():
+            self._pending = self._store.stats_async()
+        return self._latest
+
+
+class IntervalMeter:
+    """Loss, throughput and staleness over one logging interval (losses stay on the
+    devices until the interval ends, so logging never stalls a step: a flush takes the
+    losses of the steps already done and leaves the rest to the next interval)."""
+
+    def __init__(self, samples_done: int = 0):
+        self.last_loss = float("nan")
+        self.samples_done = samples_done  # samples of the steps whose loss has been fetched
+        self._losses: list[tuple[jax.Array, int]] = []  # (loss, samples) of steps not fetched
+        self._start_interval()
+
+    def _start_interval(self) -> None:
+        self._staleness: list[int] = []
+        self._samples = 0
+        self._start = time.perf_counter()
+        self._paused_seconds = 0.0
+
+    def add(self, result: StepResult, samples: int) -> None:
+        self._losses.append((result.metrics["loss"], samples))
+        self._staleness.append(result.staleness)
+        self._samples += samples
+
+    def flush(self, step: int, timings: dict[str, float], *, wait: bool = False) -> dict[str, Any]:
+        """The interval's record (raises model.NonFiniteLossError on a non-finite loss).
+
+        Without `wait`, the losses of steps still running move to the next interval
+        (the oldest one is waited for when none is done yet).
+        """
+        done = len(self._losses)
+        if not wait:
+            done = next(
+                (i for i, (loss, _) in enumerate(self._losses) if not loss.is_ready()), done
+            )
+            done = max(done, 1)
+        finished, self._losses = self._losses[:done], self._losses[done:]
+        losses = np.asarray(jax.device_get([loss for loss, _ in finished]), np.float64)
+        self.samples_done += sum(samples for _, samples in finished)
+        check_finite_losses(losses, step)
+        seconds = time.perf_counter() - self._start - self._paused_seconds
+        self.last_loss = float(losses.mean())
+        record = {
+            "loss": self.last_loss,
+            "samples_per_s": self._samples / max(seconds, 1e-9),
+            "staleness_mean": float(np.mean(self._staleness)),
+            "staleness_max": int(np.max(self._staleness)),
+            # steps finish behind their dispatch: what was trained by the time of this record
+            "samples_done": self.samples_done,
+            "seconds": seconds,
+            **timings,
+        }
+        self._start_interval()
+        return record
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A context whose time does not count as training time."""
+        since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_seconds += time.perf_counter() - since
