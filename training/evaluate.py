@@ -8,9 +8,9 @@ from typing import Any
 
 from hybridrec.common.errors import UserError
 from hybridrec.common.progress import Progress
-from hybridrec.model import StreamingMetrics, local_rows, make_eval_step, make_global_batch
+from hybridrec.model import StreamingMetrics, local_rows, make_eval_step
 from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.hybrid import feature_ids
+from hybridrec.training.hybrid import device_batch, feature_ids
 from hybridrec.training.job import Job, load_config, prepare, require_run_dir
 
 
@@ -48,15 +48,8 @@ def evaluate(
             pooling=config.embedding.pooling,
             train=False,
         ).result()
-        device_batch = make_global_batch(
-            {
-                "embeddings": pooled.embeddings,
-                "dense": batch.dense[rows],
-                "labels": batch.labels[rows],
-            },
-            job.mesh,
-        )
-        probabilities = local_rows(eval_step(state, device_batch))
+        arrays = device_batch(batch, pooled.embeddings, rows, job.mesh)
+        probabilities = local_rows(eval_step(state, arrays))
         probabilities, labels, valid = (
             job.gather(probabilities),
             job.gather(batch.labels[rows]),

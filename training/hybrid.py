@@ -32,7 +32,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -374,14 +374,10 @@ class HybridLoop:
 
     def _to_devices(self, step: int, batch: Batch, future: Future, staleness: int) -> _Ready:
         """Waits for the batch's lookup and copies what the step needs to the devices."""
-        rows = self._rows
         lookup = future.result()
-        embeddings = lookup.embeddings[rows] if self._replicated else lookup.embeddings
-        device_batch = make_global_batch(
-            {"embeddings": embeddings, "dense": batch.dense[rows], "labels": batch.labels[rows]},
-            self._mesh,
-        )
-        return _Ready(step, batch, lookup, device_batch, staleness)
+        embeddings = lookup.embeddings[self._rows] if self._replicated else lookup.embeddings
+        arrays = device_batch(batch, embeddings, self._rows, self._mesh)
+        return _Ready(step, batch, lookup, arrays, staleness)
 
     def _update(self) -> None:
         # Not lowered: an update that lags raises the staleness the next lookups see.
@@ -418,12 +414,27 @@ def lower_thread_priority(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
-def feature_ids(batch: Batch, rows: slice | None = None) -> Mapping[str, Any]:
-    """The batch's ids, optionally restricted to a slice of rows (single-valued or ragged)."""
+def device_batch(
+    batch: Batch, embeddings: np.ndarray, rows: slice, mesh: Any, *, labels: bool = True
+) -> dict[str, jax.Array]:
+    """What a step reads, on the devices: this process's `rows` of the batch with their
+    pooled embeddings ([rows, features, dim]), as global arrays over `mesh`."""
+    arrays = {"embeddings": embeddings, "dense": batch.dense[rows]}
+    if labels:
+        arrays["labels"] = batch.labels[rows]
+    return make_global_batch(arrays, mesh)
+
+
+def feature_ids(
+    batch: Batch, rows: slice | None = None, features: Sequence[str] | None = None
+) -> Mapping[str, Any]:
+    """The batch's ids (of `features`, default all), optionally restricted to a slice of
+    rows (single-valued or ragged)."""
+    selected = batch.ids if features is None else {name: batch.ids[name] for name in features}
     if rows is None or rows == slice(None):
-        return batch.ids
+        return selected
     out = {}
-    for name, ids in batch.ids.items():
+    for name, ids in selected.items():
         if hasattr(ids, "offsets"):
             start, stop = rows.start, rows.stop
             offsets = ids.offsets[start : stop + 1]

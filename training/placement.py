@@ -32,13 +32,13 @@ from hybridrec.model import (
     StreamingMetrics,
     fetch_metrics,
     local_rows,
-    make_global_batch,
     tower_parallel,
 )
 from hybridrec.model.collectives import collective_bytes
 from hybridrec.model.dmt import check_towers
 from hybridrec.pipeline import CategoricalFeature
 from hybridrec.training.config import EmbeddingConfig
+from hybridrec.training.hybrid import device_batch, feature_ids
 from hybridrec.training.input import Batch
 from hybridrec.training.job import check_batch_size
 from hybridrec.training.tables import TablePlan, plan_tables
@@ -102,10 +102,7 @@ class FlatLayout:
         self.rows = slice(start, start + per_process)
 
     def device_batch(self, batch: Batch, embeddings: np.ndarray, *, train: bool) -> dict:
-        arrays = {"embeddings": embeddings, "dense": batch.dense[self.rows]}
-        if train:
-            arrays["labels"] = batch.labels[self.rows]
-        return make_global_batch(arrays, self.mesh)
+        return device_batch(batch, embeddings, self.rows, self.mesh, labels=train)
 
     def gradients(self, embedding_grads: jax.Array) -> np.ndarray:
         return local_rows(embedding_grads)
@@ -141,7 +138,7 @@ class TowerLayout:
 
 
 def _lookup(store: EmbeddingStore, layout, batch: Batch, feature_tables, *, train: bool):
-    ids = {name: batch.ids[name][layout.rows] for name in layout.features}
+    ids = feature_ids(batch, layout.rows, layout.features)
     return store.lookup_features(ids, feature_tables=feature_tables, train=train).result()
 
 
