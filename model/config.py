@@ -157,6 +157,10 @@ class ModelConfig:
     tower_outputs: int = 2
     # hidden widths of each Tower Module's MLP
     tower_mlp: tuple[int, ...] = (128,)
+    # where the towers run: "flat" (every device runs the whole model on its rows) or
+    # "towers" (each Tower Module on its own devices, only its compressed outputs exchanged;
+    # needs `towers`, docs/models.md "DMT placement"). Same parameters either way
+    layout: Literal["flat", "towers"] = "flat"
     # dtype of activations and matmuls; parameters and optimizer state are always float32
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # logical axis name used by the layers -> mesh axis; names missing here or mapped to an
@@ -179,6 +183,8 @@ class ModelConfig:
             raise ValueError(f"towers: feature positions must be >= 0, got {sorted(seen)[0]}")
         if self.tower_outputs < 1:
             raise ValueError(f"tower_outputs must be >= 1, got {self.tower_outputs}")
+        if self.layout == "towers" and not self.towers:
+            raise ValueError("layout = 'towers' needs towers (the feature groups of DMT)")
         _check_widths("tower_mlp", self.tower_mlp, allow_empty=True)
         names = [name for name, _ in self.partition_rules]
         if len(set(names)) != len(names):

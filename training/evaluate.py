@@ -8,10 +8,10 @@ from typing import Any
 
 from hybridrec.common.errors import UserError
 from hybridrec.common.progress import Progress
-from hybridrec.model import StreamingMetrics, local_rows, make_eval_step
+from hybridrec.model import StreamingMetrics, local_rows
 from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.hybrid import device_batch, feature_ids
 from hybridrec.training.job import Job, load_config, prepare, require_run_dir
+from hybridrec.training.layouts import feature_ids
 
 
 def evaluate(
@@ -41,20 +41,23 @@ def evaluate(
         num_batches = min(num_batches, max_batches)
     metrics = StreamingMetrics()
     progress = Progress(progress_name, total=num_batches, unit="batches") if progress_name else None
+    layout = job.layout(batch_size, rows)
     for batch in reader.batches(num_batches=num_batches):
         pooled = store.lookup_features(
-            feature_ids(batch, rows),
+            feature_ids(batch, layout.rows, layout.features),
             feature_tables=job.tables.feature_tables,
             pooling=config.embedding.pooling,
             train=False,
         ).result()
-        arrays = device_batch(batch, pooled.embeddings, rows, job.mesh)
-        probabilities = local_rows(eval_step(state, arrays))
-        probabilities, labels, valid = (
-            job.gather(probabilities),
-            job.gather(batch.labels[rows]),
-            job.gather(batch.valid[rows]),
-        )
+        out = eval_step(state, layout.device_batch(batch, pooled.embeddings))
+        if job.tower_parallel:  # every process read the whole batch: compare in global order
+            probabilities, labels, valid = job.global_rows(out), batch.labels, batch.valid
+        else:
+            probabilities, labels, valid = (
+                job.gather(local_rows(out)),
+                job.gather(batch.labels[rows]),
+                job.gather(batch.valid[rows]),
+            )
         metrics.update(probabilities[valid], labels[valid])
         if progress:
             progress.update(1)
@@ -93,7 +96,7 @@ def evaluate_checkpoint(
             job,
             state,
             store,
-            make_eval_step(job.mesh),
+            job.eval_step(),
             split=split,
             progress_name=None if quiet or not job.is_chief else "evaluate",
         )

@@ -32,14 +32,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
 import jax
 import numpy as np
-from hybridrec.model import local_rows, make_global_batch
 from hybridrec.training.input import Batch, DataPosition
+from hybridrec.training.layouts import FlatLayout, TowerLayout, feature_ids
 
 _END = object()
 
@@ -115,7 +115,8 @@ class HybridLoop:
         train_step: `state, metrics, embedding_grads = train_step(state, device_batch)`.
         store: the embedding store (`lookup_features`, `apply_pooled_gradients`, `set_step`,
             `flush`).
-        mesh: the devices the step runs on.
+        layout: how the step's batch is laid out (`training.layouts`): the rows and
+            features this process looks up, its device batch and its gradients.
         feature_tables: feature name -> table name in the store.
         pooling: how multi-valued features pool their rows.
         staleness: the bound k (0 = synchronous).
@@ -126,8 +127,6 @@ class HybridLoop:
             adds staleness.
         first_step: the step number of the first batch.
         prefetch: batches decoded ahead by the input thread.
-        rows: the rows of each batch this process trains on (all unless each process reads
-            the whole global batch).
         replicated: every process holds a full replica of the store: look up and update the
             whole batch; `gather` then concatenates every process's gradients (a collective).
         gather: [local rows, ...] -> [global rows, ...] over all processes.
@@ -142,7 +141,7 @@ class HybridLoop:
         state: Any,
         train_step: Callable,
         store: Any,
-        mesh: jax.sharding.Mesh,
+        layout: FlatLayout | TowerLayout,
         feature_tables: Mapping[str, str],
         pooling: str,
         staleness: int,
@@ -150,7 +149,6 @@ class HybridLoop:
         steps_ahead: int = 1,
         first_step: int = 1,
         prefetch: int = 4,
-        rows: slice = slice(None),
         replicated: bool = False,
         gather: Callable[[np.ndarray], np.ndarray] | None = None,
         nice: int = 0,
@@ -159,10 +157,9 @@ class HybridLoop:
         self.gate = StalenessGate(staleness)
         self._train_step = train_step
         self._store = store
-        self._mesh = mesh
+        self._layout = layout
         self._feature_tables = dict(feature_tables)
         self._pooling = pooling
-        self._rows = rows
         self._replicated = replicated
         self._gather = gather
         self._nice = nice
@@ -221,7 +218,7 @@ class HybridLoop:
         if quiesce:
             self._pause_lookups()  # no lookup may slip in between this update and the snapshot
         if self._replicated:  # a collective: every process, in step order, on this thread
-            embedding_grads = self._gather(local_rows(embedding_grads))
+            embedding_grads = self._gather(self._layout.gradients(embedding_grads))
         self._updates.put((item.lookup, embedding_grads))
         if quiesce:
             self.drain()
@@ -346,9 +343,9 @@ class HybridLoop:
                     self._store.set_step(step)
                     # a replica looks up (and later updates) the whole global batch; a
                     # shared store only this process's rows
-                    rows = None if self._replicated else self._rows
+                    rows = None if self._replicated else self._layout.rows
                     future = self._store.lookup_features(
-                        feature_ids(item, rows),
+                        feature_ids(item, rows, self._layout.features),
                         feature_tables=self._feature_tables,
                         pooling=self._pooling,
                     )
@@ -375,8 +372,9 @@ class HybridLoop:
     def _to_devices(self, step: int, batch: Batch, future: Future, staleness: int) -> _Ready:
         """Waits for the batch's lookup and copies what the step needs to the devices."""
         lookup = future.result()
-        embeddings = lookup.embeddings[self._rows] if self._replicated else lookup.embeddings
-        arrays = device_batch(batch, embeddings, self._rows, self._mesh)
+        rows = self._layout.rows
+        embeddings = lookup.embeddings[rows] if self._replicated else lookup.embeddings
+        arrays = self._layout.device_batch(batch, embeddings)
         return _Ready(step, batch, lookup, arrays, staleness)
 
     def _update(self) -> None:
@@ -398,7 +396,7 @@ class HybridLoop:
         try:
             grads = embedding_grads
             if not isinstance(grads, np.ndarray):
-                grads = local_rows(grads)  # waits for the step to finish
+                grads = self._layout.gradients(grads)  # waits for the step to finish
             future = self._store.apply_pooled_gradients(lookup, grads)
         except BaseException as error:  # reported to the caller by progress / drain
             self._errors.append(error)
@@ -412,35 +410,3 @@ def lower_thread_priority(nice: int) -> None:
     if nice > 0 and hasattr(os, "setpriority"):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-
-
-def device_batch(
-    batch: Batch, embeddings: np.ndarray, rows: slice, mesh: Any, *, labels: bool = True
-) -> dict[str, jax.Array]:
-    """What a step reads, on the devices: this process's `rows` of the batch with their
-    pooled embeddings ([rows, features, dim]), as global arrays over `mesh`."""
-    arrays = {"embeddings": embeddings, "dense": batch.dense[rows]}
-    if labels:
-        arrays["labels"] = batch.labels[rows]
-    return make_global_batch(arrays, mesh)
-
-
-def feature_ids(
-    batch: Batch, rows: slice | None = None, features: Sequence[str] | None = None
-) -> Mapping[str, Any]:
-    """The batch's ids (of `features`, default all), optionally restricted to a slice of
-    rows (single-valued or ragged)."""
-    selected = batch.ids if features is None else {name: batch.ids[name] for name in features}
-    if rows is None or rows == slice(None):
-        return selected
-    out = {}
-    for name, ids in selected.items():
-        if hasattr(ids, "offsets"):
-            start, stop = rows.start, rows.stop
-            offsets = ids.offsets[start : stop + 1]
-            out[name] = type(ids)(
-                values=ids.values[offsets[0] : offsets[-1]], offsets=offsets - offsets[0]
-            )
-        else:
-            out[name] = ids[rows]
-    return out

@@ -21,10 +21,22 @@ from typing import Any
 import jax
 import numpy as np
 from hybridrec.common import config as config_lib
-from hybridrec.common.errors import UserError
+from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.embedding_store import EmbeddingStore
 from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, ServerSet, connect
-from hybridrec.model import create_train_state, make_mesh, maybe_initialize_distributed
+from hybridrec.model import (
+    create_train_state,
+    make_eval_step,
+    make_mesh,
+    make_train_step,
+    maybe_initialize_distributed,
+)
+from hybridrec.model.tower_parallel import (
+    check_layout,
+    make_tower_mesh,
+    make_tower_parallel_eval_step,
+    make_tower_parallel_train_step,
+)
 from hybridrec.pipeline import DatasetMetadata, read_metadata
 from hybridrec.pipeline.id_map import IdMap, read_id_map
 from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
@@ -32,6 +44,7 @@ from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.defaults import resolve_auto
 from hybridrec.training.hybrid import HybridLoop
 from hybridrec.training.input import Batch, ParquetReader
+from hybridrec.training.layouts import FlatLayout, TowerLayout
 from hybridrec.training.tables import PLAN_SAMPLE_BATCHES, TablePlan, plan_columns, plan_tables
 from jax.experimental import multihost_utils
 
@@ -72,6 +85,11 @@ class Job:
         return self.process_count > 1 and not self.servers
 
     @property
+    def tower_parallel(self) -> bool:
+        """DMT's Tower Modules each on their own devices (`model.layout = "towers"`)."""
+        return self.config.model.layout == "towers"
+
+    @property
     def num_features(self) -> int:
         return len(self.tables.feature_tables)
 
@@ -87,7 +105,11 @@ class Job:
         files = metadata.split_files(split)
         if not files:
             raise UserError(f"{self.config.data.path}: split {split!r} has no files")
-        whole = (train and self.replicated_store) or len(files) < self.process_count
+        whole = (
+            (train and self.replicated_store)
+            or self.tower_parallel  # a tower's devices take its features of every row
+            or len(files) < self.process_count
+        )
         local_size = batch_size // self.process_count
         rows = slice(None)
         if whole and self.process_count > 1:
@@ -112,6 +134,12 @@ class Job:
         gathered = multihost_utils.process_allgather(array)
         return gathered.reshape(-1, *array.shape[1:])
 
+    def global_rows(self, array: jax.Array) -> np.ndarray:
+        """A global array's rows in global order, on every process (a collective)."""
+        if self.process_count == 1:
+            return np.asarray(array)
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
     def barrier(self, name: str) -> None:
         """Waits for every process (no-op in a single-process job)."""
         if self.process_count > 1:
@@ -129,6 +157,25 @@ class Job:
             num_features=self.num_features,
             embedding_dim=config.embedding.dim,
         )
+
+    def layout(self, batch_size: int, rows: slice = slice(None)) -> FlatLayout | TowerLayout:
+        """How a batch of `batch_size` (this process's `rows` of it) meets the devices."""
+        if self.tower_parallel:
+            names = [feature.name for feature in self.metadata.categorical]
+            return TowerLayout(self.mesh, self.config.model.towers, names, batch_size)
+        return FlatLayout(self.mesh, rows)
+
+    def train_step(self) -> Any:
+        """The jitted train step of the run's layout."""
+        if self.tower_parallel:
+            return make_tower_parallel_train_step(self.mesh, self.config.model.towers)
+        return make_train_step(self.mesh)
+
+    def eval_step(self) -> Any:
+        """The jitted eval step of the run's layout: probabilities [B]."""
+        if self.tower_parallel:
+            return make_tower_parallel_eval_step(self.mesh, self.config.model.towers)
+        return make_eval_step(self.mesh)
 
     def hybrid_loop(
         self,
@@ -148,7 +195,7 @@ class Job:
             state=state,
             train_step=train_step,
             store=store,
-            mesh=self.mesh,
+            layout=self.layout(self.config.data.batch_size, rows),
             feature_tables=self.tables.feature_tables,
             pooling=config.embedding.pooling,
             staleness=config.hybrid.staleness,
@@ -156,7 +203,6 @@ class Job:
             steps_ahead=config.hybrid.steps_ahead,
             first_step=first_step,
             prefetch=config.data.prefetch,
-            rows=rows,
             replicated=self.replicated_store,
             gather=self.gather,
             # with k = 0 the step always waits for the host work: nothing to yield to
@@ -225,8 +271,18 @@ def prepare(
             "no data: pass --data DIR (a `hybridrec preprocess` output) or set data.path"
         )
     metadata = read_metadata(config.data.path)
-    mesh = make_mesh(config.mesh)
     process_count = jax.process_count()
+    towers = config.model.towers
+    if config.model.layout == "towers":
+        addresses = servers.addresses if servers else config.embedding.servers
+        if process_count > 1 and not addresses:
+            raise ConfigError(
+                "model.layout = 'towers' in a multi-process job needs embedding servers "
+                "(embedding.servers): a tower's processes update only its tables"
+            )
+        mesh = make_tower_mesh(len(towers))
+    else:
+        mesh = make_mesh(config.mesh)
     # the "auto" values become concrete here and are saved so in the run's config.json
     config, choices = resolve_auto(config, metadata, math.lcm(mesh.devices.size, process_count))
     for name, size in (
@@ -234,6 +290,8 @@ def prepare(
         ("data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size),
     ):
         check_batch_size(name, size, mesh)
+        if config.model.layout == "towers":
+            check_layout(mesh, towers, size)
     id_map = None
     if config.embedding.id_map:
         id_map = read_id_map(config.embedding.id_map, config.embedding.id_map_kind)

@@ -31,16 +31,13 @@ from hybridrec.embedding_store.remote import parse_addresses
 from hybridrec.model import (
     StreamingMetrics,
     fetch_metrics,
-    local_rows,
-    tower_parallel,
 )
 from hybridrec.model.collectives import collective_bytes
 from hybridrec.model.dmt import check_towers
 from hybridrec.pipeline import CategoricalFeature
 from hybridrec.training.config import EmbeddingConfig
-from hybridrec.training.hybrid import device_batch, feature_ids
 from hybridrec.training.input import Batch
-from hybridrec.training.job import check_batch_size
+from hybridrec.training.layouts import feature_ids
 from hybridrec.training.tables import TablePlan, plan_tables
 from jax.experimental import multihost_utils
 
@@ -88,53 +85,6 @@ def tower_table_plans(
             )
         plans.append(plan)
     return plans
-
-
-class FlatLayout:
-    """Data-parallel: process p looks up every feature of rows [p b, (p + 1) b)."""
-
-    def __init__(self, mesh, features: Sequence[str], batch_size: int):
-        self.mesh = mesh
-        self.features = list(features)
-        check_batch_size("data.batch_size", batch_size, mesh)
-        per_process = batch_size // jax.process_count()
-        start = jax.process_index() * per_process
-        self.rows = slice(start, start + per_process)
-
-    def device_batch(self, batch: Batch, embeddings: np.ndarray, *, train: bool) -> dict:
-        return device_batch(batch, embeddings, self.rows, self.mesh, labels=train)
-
-    def gradients(self, embedding_grads: jax.Array) -> np.ndarray:
-        return local_rows(embedding_grads)
-
-
-class TowerLayout:
-    """Tower-parallel: this process's tower's features, for its share of the global batch."""
-
-    def __init__(self, mesh, features: Sequence[str], towers, batch_size: int):
-        self.mesh = mesh
-        self.towers = towers
-        tower_parallel.check_layout(mesh, towers, batch_size)
-        held = tower_parallel.local_towers(mesh, batch_size)
-        if len(held) != 1:
-            raise ConfigError(
-                f"this process's devices serve towers {sorted(held)}; the tower-parallel "
-                "layout needs each process in one tower (processes divisible by the towers)"
-            )
-        ((self.tower, self.rows),) = held.items()
-        self.features = [features[position] for position in towers[self.tower]]
-
-    def device_batch(self, batch: Batch, embeddings: np.ndarray, *, train: bool) -> dict:
-        return tower_parallel.make_tower_batch(
-            self.mesh,
-            self.towers,
-            {self.tower: embeddings},
-            batch.dense,
-            batch.labels if train else None,
-        )
-
-    def gradients(self, embedding_grads: jax.Array) -> np.ndarray:
-        return tower_parallel.local_tower_grads(embedding_grads, self.towers)[self.tower]
 
 
 def _lookup(store: EmbeddingStore, layout, batch: Batch, feature_tables, *, train: bool):

@@ -121,6 +121,8 @@ class StreamSource:
         metadata = job.metadata
         if job.process_count > 1:
             raise UserError("train --follow runs in one process (use remote embedding servers to scale the store)")  # fmt: skip
+        if job.tower_parallel:
+            raise UserError("train --follow runs the flat layout; set model.layout = 'flat'")
         if "stream" not in metadata.raw:
             raise UserError(f"{metadata.root}: not a stream dataset (write one with `hybridrec preprocess --follow`)")  # fmt: skip
         self.batch_size = job.config.data.batch_size

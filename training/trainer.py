@@ -33,7 +33,6 @@ from hybridrec.common.errors import UserError
 from hybridrec.common.files import append_line
 from hybridrec.common.progress import Progress
 from hybridrec.embedding_store.remote import ServerSet
-from hybridrec.model import make_eval_step, make_train_step
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.evaluate import evaluate
 from hybridrec.training.job import Job, prepare
@@ -157,8 +156,8 @@ class Trainer:
         self.meter = IntervalMeter(samples_done=source.trained())
         self._progress_fields: dict[str, float] = {}
         self.store_meter = StoreMeter(self.store)
-        self.train_step = make_train_step(job.mesh)
-        self.eval_step = make_eval_step(job.mesh) if source.evaluates else None
+        self.train_step = job.train_step()
+        self.eval_step = job.eval_step() if source.evaluates else None
         try:
             for segment in source.segments(self.step, stop):
                 if segment is None:  # idle: what is due by the clock

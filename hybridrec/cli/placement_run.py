@@ -43,9 +43,8 @@ from hybridrec.pipeline import read_metadata
 from hybridrec.training.defaults import resolve_auto
 from hybridrec.training.input import ParquetReader
 from hybridrec.training.job import load_config
+from hybridrec.training.layouts import FlatLayout, TowerLayout
 from hybridrec.training.placement import (
-    FlatLayout,
-    TowerLayout,
     evaluate,
     tower_of_process,
     tower_table_plans,
@@ -92,7 +91,7 @@ def _placement(mode, config, features, servers, host) -> _Placement:
     if mode == "flat":
         mesh = make_mesh(MeshConfig(shape=(-1,), axis_names=("data",)))
         return _Placement(
-            layout=FlatLayout(mesh, names, batch_size),
+            layout=FlatLayout.of_process(mesh, batch_size, names),
             train_step=make_train_step(mesh),
             eval_step=make_eval_step(mesh),
             plan=plan_tables(config.embedding, features),
@@ -108,7 +107,7 @@ def _placement(mode, config, features, servers, host) -> _Placement:
         raise ConfigError(f"{len(servers)} hosts do not split into {len(towers)} tower groups")
     plan = tower_table_plans(config.embedding, features, towers)[tower]
     mesh = tower_parallel.make_tower_mesh(len(towers))
-    layout = TowerLayout(mesh, names, towers, batch_size)
+    layout = TowerLayout(mesh, towers, names, batch_size)
     if layout.tower != tower:
         raise ConfigError(f"process {process}'s devices are not in tower {tower}'s group")
     per_tower = len(servers) // len(towers)

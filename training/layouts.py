@@ -1,0 +1,126 @@
+"""How a step's rows and features are laid out over the devices: the one way from a batch
+and its looked-up embeddings to what the step reads, and from the step's embedding
+gradients back to the rows the store updates.
+
+    FlatLayout    data-parallel (`model.layout = "flat"`): every device runs the whole
+                  model on its rows; a process looks up every feature of its rows
+    TowerLayout   tower-parallel DMT (`model.layout = "towers"`, `model/tower_parallel.py`):
+                  tower t's devices hold tower t's features for the whole global batch and
+                  run its Tower Module; a process looks up only its towers' features
+
+The training loop (`training.hybrid.HybridLoop`), evaluation and the placement runs all go
+through these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from hybridrec.common.errors import ConfigError
+from hybridrec.model import local_rows, make_global_batch, tower_parallel
+from hybridrec.training.input import Batch
+
+
+def feature_ids(
+    batch: Batch, rows: slice | None = None, features: Sequence[str] | None = None
+) -> Mapping[str, Any]:
+    """The batch's ids (of `features`, default all), optionally restricted to a slice of
+    rows (single-valued or ragged)."""
+    selected = batch.ids if features is None else {name: batch.ids[name] for name in features}
+    if rows is None or rows == slice(None):
+        return selected
+    out = {}
+    for name, ids in selected.items():
+        if hasattr(ids, "offsets"):
+            start, stop = rows.start, rows.stop
+            offsets = ids.offsets[start : stop + 1]
+            out[name] = type(ids)(
+                values=ids.values[offsets[0] : offsets[-1]], offsets=offsets - offsets[0]
+            )
+        else:
+            out[name] = ids[rows]
+    return out
+
+
+class FlatLayout:
+    """Data-parallel: this process's `rows` of each batch, every feature.
+
+    Args:
+        mesh: the step's mesh.
+        rows: the rows of each global batch this process trains on.
+        features: the features it looks up (None: all of the batch's).
+    """
+
+    def __init__(self, mesh: Any, rows: slice = slice(None), features: Sequence[str] | None = None):
+        self.mesh = mesh
+        self.rows = rows
+        self.features = list(features) if features is not None else None
+
+    @classmethod
+    def of_process(cls, mesh: Any, batch_size: int, features: Sequence[str] | None = None):
+        """Process p's share of a global batch every process reads: rows [p b, (p + 1) b)."""
+        per_process = batch_size // jax.process_count()
+        start = jax.process_index() * per_process
+        return cls(mesh, slice(start, start + per_process), features)
+
+    def device_batch(self, batch: Batch, embeddings: np.ndarray, *, train: bool = True) -> dict:
+        """embeddings: [rows, features, dim] of this process's rows -> the step's batch."""
+        arrays = {"embeddings": embeddings, "dense": batch.dense[self.rows]}
+        if train:
+            arrays["labels"] = batch.labels[self.rows]
+        return make_global_batch(arrays, self.mesh)
+
+    def gradients(self, embedding_grads: jax.Array) -> np.ndarray:
+        """[rows, features, dim] host copy of this process's embedding gradients."""
+        return local_rows(embedding_grads)
+
+
+class TowerLayout:
+    """Tower-parallel DMT: the features of the towers this process's devices serve, for
+    those towers' rows of the global batch (every process reads the whole global batch).
+
+    Args:
+        mesh: from `model.tower_parallel.make_tower_mesh`.
+        towers: `model.towers` (feature positions per tower).
+        features: the feature names by position.
+        batch_size: the global batch.
+    """
+
+    def __init__(
+        self, mesh: Any, towers: Sequence[Sequence[int]], features: Sequence[str], batch_size: int
+    ):
+        self.mesh = mesh
+        self.towers = [list(tower) for tower in towers]
+        tower_parallel.check_layout(mesh, towers, batch_size)
+        held = tower_parallel.local_towers(mesh, batch_size)
+        if len({(rows.start, rows.stop) for rows in held.values()}) != 1:
+            raise ConfigError(
+                f"this process's devices serve towers {sorted(held)} for different rows; the "
+                "tower-parallel layout needs each process in one tower, or one process"
+            )
+        self.held = sorted(held)
+        self.tower = self.held[0] if len(self.held) == 1 else None
+        self.rows = held[self.held[0]]
+        self.features = [features[position] for tower in self.held for position in towers[tower]]
+        self._columns, start = {}, 0
+        for tower in self.held:
+            self._columns[tower] = slice(start, start + len(towers[tower]))
+            start += len(towers[tower])
+
+    def device_batch(self, batch: Batch, embeddings: np.ndarray, *, train: bool = True) -> dict:
+        """embeddings: [rows, features of the held towers, dim] -> the step's batch."""
+        return tower_parallel.make_tower_batch(
+            self.mesh,
+            self.towers,
+            {tower: embeddings[:, columns] for tower, columns in self._columns.items()},
+            batch.dense,
+            batch.labels if train else None,
+        )
+
+    def gradients(self, embedding_grads: jax.Array) -> np.ndarray:
+        """[rows, features of the held towers, dim], in `features` order."""
+        per_tower = tower_parallel.local_tower_grads(embedding_grads, self.towers)
+        return np.concatenate([per_tower[tower] for tower in self.held], axis=1)
