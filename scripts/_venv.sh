@@ -18,10 +18,11 @@ if ! want_version="$(_hybridrec_py_version "$PYTHON_BIN")"; then
   # A pyenv shim (python3.12) fails unless that version is selected; take the newest
   # installed pyenv version that provides the command.
   found=""
-  if command -v pyenv >/dev/null 2>&1; then
-    pyenv_version="$(pyenv whence "$PYTHON_BIN" 2>/dev/null | sort -V | tail -n 1 || true)"
+  pyenv_bin="$(command -v pyenv || echo "${PYENV_ROOT:-$HOME/.pyenv}/bin/pyenv")"
+  if [ -x "$pyenv_bin" ]; then
+    pyenv_version="$("$pyenv_bin" whence "$PYTHON_BIN" 2>/dev/null | sort -V | tail -n 1 || true)"
     if [ -n "$pyenv_version" ]; then
-      found="$(PYENV_VERSION="$pyenv_version" pyenv which "$PYTHON_BIN" 2>/dev/null || true)"
+      found="$(PYENV_VERSION="$pyenv_version" "$pyenv_bin" which "$PYTHON_BIN" 2>/dev/null || true)"
     fi
   fi
   if [ -z "$found" ] || ! want_version="$(_hybridrec_py_version "$found")"; then
