@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 # Lines of the libraries' own chatter, dropped unless --verbose.
 CHATTER_PREFIXES = (b"[Gloo] ",)
+# Gloo's threads write at once: a line may hold its prefix midway, or be the tail of one
+CHATTER_PARTS = (b"[Gloo] ", b" peer ranks")
 # The C++ logging of XLA / absl, raised to errors only (a level the user set still wins).
 QUIET_ENVIRONMENT = {"TF_CPP_MIN_LOG_LEVEL": "2", "GLOG_minloglevel": "2"}
 VERBOSE_ENV = "HYBRIDREC_VERBOSE"  # "1": `hybridrec launch --verbose` asks its processes too
@@ -26,7 +28,7 @@ def is_chatter(line: bytes | str) -> bool:
     """Whether one output line is library chatter."""
     if isinstance(line, str):
         line = line.encode(errors="replace")
-    return line.startswith(CHATTER_PREFIXES)
+    return line.startswith(CHATTER_PREFIXES) or any(part in line for part in CHATTER_PARTS)
 
 
 def quiet_native_logging() -> None:

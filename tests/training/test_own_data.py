@@ -141,6 +141,11 @@ def test_launch_relays_output_without_library_chatter_unless_verbose():
     _relay(io.StringIO(lines), "", verbose, verbose=True)
     assert quiet.getvalue() == "[p1] step 5\n[p1] done\n"
     assert verbose.getvalue() == lines
+    # Gloo's threads write at the same time: their lines come interleaved mid-line
+    mixed = "step 5\n[Gloo] Rank 0 is con[Gloo] Rank 1 is connected to 1 peer ranks.\nnected to 1 peer ranks.\ndone\n"
+    quiet = io.StringIO()
+    _relay(io.StringIO(mixed), "", quiet)
+    assert quiet.getvalue() == "step 5\ndone\n"
 
 
 def test_train_on_a_raw_log_file_says_to_preprocess_it_first(tmp_path):
