@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from hybridrec.common import config as config_lib
 from hybridrec.common.errors import UserError
+from hybridrec.common.tls import TLSFiles
 from hybridrec.embedding_store import EmbeddingStore
 from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, connect
 from hybridrec.model import create_train_state, make_mesh, maybe_initialize_distributed
@@ -153,6 +154,7 @@ class Job:
             list(self.servers),
             tables,
             token=self.server_token,
+            tls=TLSFiles.from_config(embedding.tls, "embedding.tls"),
             retry_timeout=self.retry_timeout,
             wire_dtype=embedding.wire_dtype,
         )
