@@ -3,7 +3,9 @@
 In one run:
   1. starts 2 `serve-embeddings` processes (one shard each);
   2. lookup throughput of the same Zipf-skewed batches through the remote store and
-     through an in-process store with the same shards (rows/s, ratio);
+     through an in-process store with the same shards (rows/s, ratio); with --tls also
+     through 2 more servers over mutual TLS with a token (a throwaway CA), and the p50
+     latency of small lookups (1024 ids) over plaintext and over TLS;
   3. load: 4 client processes for --duration seconds, each looping lookup + update
      (SGD, learning rate 1, zero init, gradient 1 per distinct id per batch), so a
      row's final value is minus the number of updates it took;
@@ -23,9 +25,12 @@ In one run:
 
 Last line: JSON {"remote_over_local", "lost_updates", "p99_ms", ..., "bfloat16_wire_bytes_ratio",
 "bfloat16_auc_delta", "float16_wire_bytes_ratio", "float16_auc_delta", ...,
-"balance_busiest_over_mean_whole", "balance_busiest_over_mean_planned", ...}.
+"balance_busiest_over_mean_whole", "balance_busiest_over_mean_planned", ...}; with --tls
+also "remote_over_local_tls", "tls_over_plaintext", "remote_lookup_rows_per_s_tls",
+"small_lookup_p50_ms", "small_lookup_p50_ms_tls".
 
     python scripts/bench_remote.py --duration 120
+    python scripts/bench_remote.py --tls                # and the TLS rows of phase 2
     python scripts/bench_remote.py --skip-load          # only phases 5 and 6
     python scripts/bench_remote.py --skip-load --wire-dtypes --balance-steps 200   # only 6
 """
@@ -46,6 +51,7 @@ from pathlib import Path
 import numpy as np
 from bench_criteo import REPO, SAMPLE, _dataset, checked_inputs
 from hybridrec.common.progress import Progress
+from hybridrec.common.tls import TLSFiles
 from hybridrec.embedding_store import (
     EmbeddingStore,
     InitializerConfig,
@@ -126,6 +132,45 @@ def _lookup_throughput(store, batches, seconds: float) -> float:
             store.lookup(TABLE, ids).result()
             rows += len(ids)
     return rows / (time.perf_counter() - start)
+
+
+def _small_lookup_p50_ms(store, rng, args, requests: int = 300) -> float:
+    """Median milliseconds of one lookup of 1024 Zipf ids (per-request cost, not bandwidth)."""
+    batches = [_ids(_ranks(rng, 1024, args.distinct)) for _ in range(16)]
+    seconds = []
+    for index in range(requests):
+        start = time.perf_counter()
+        store.lookup(TABLE, batches[index % len(batches)]).result()
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds) * 1e3)
+
+
+TLS_TOKEN = "bench-remote-token"
+
+
+def _tls_servers(tables_file: Path, workdir: Path) -> tuple[list, TLSFiles]:
+    """2 servers (one shard each) requiring TLS, client certificates and a token."""
+    from make_certs import issue, new_ca  # scripts/make_certs.py (needs cryptography)
+
+    pki = workdir / "tls"
+    ca = new_ca()
+    ca_path, _ = ca.write(pki, "ca")
+    cert, key = issue(ca, "localhost", hosts=["localhost", "127.0.0.1"]).write(pki, "server")
+    client_cert, client_key = issue(ca, "bench client", client=True).write(pki, "client")
+    flags = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca_path)]
+    servers = [
+        start_server_process(
+            tables_file,
+            num_shards=2,
+            shards=[index],
+            token=TLS_TOKEN,
+            log_path=workdir / f"server{index}-tls.log",
+            extra_args=["--stats-interval", "30", *flags],
+        )
+        for index in range(2)
+    ]
+    client = TLSFiles(ca=str(ca_path), cert=str(client_cert), key=str(client_key))
+    return servers, client
 
 
 WIRE_TARGET = {"bytes_ratio": 0.55, "auc_delta": 0.001}
@@ -325,6 +370,43 @@ def _wire_dtypes(args) -> dict:
     return out
 
 
+def _tls_compare(args, tables, tables_file, workdir, batches, remote, rates) -> dict:
+    """Phase 2 over mutual TLS: lookup rows/s of the same batches, small-lookup latency."""
+    if not args.tls:
+        return {}
+    local_rate, remote_rate = rates
+    rng = np.random.default_rng(1)
+    plain_small = _small_lookup_p50_ms(remote, rng, args)
+    servers, client_tls = _tls_servers(tables_file, workdir)
+    try:
+        addresses = [server.address for server in servers]
+        secure = EmbeddingStore(
+            tables,
+            num_shards=2,
+            shards=connect(addresses, tables, token=TLS_TOKEN, tls=client_tls, retry_timeout=60),
+        )
+        for ids in batches:
+            secure.lookup(TABLE, ids).result()
+        tls_rate = _lookup_throughput(secure, batches, args.compare_seconds)
+        tls_small = _small_lookup_p50_ms(secure, np.random.default_rng(1), args)
+        secure.close()
+    finally:
+        for server in servers:
+            server.stop()
+    print(
+        f"lookup rows/s over mutual TLS: {tls_rate / 1e6:.2f} M ({tls_rate / local_rate:.3f} of "
+        f"in-process); 1024-id lookup p50 {plain_small:.2f} ms plaintext, {tls_small:.2f} ms TLS",
+        file=sys.stderr,
+    )
+    return {
+        "remote_over_local_tls": round(tls_rate / local_rate, 3),
+        "tls_over_plaintext": round(tls_rate / remote_rate, 3),
+        "remote_lookup_rows_per_s_tls": round(tls_rate),
+        "small_lookup_p50_ms": round(plain_small, 3),
+        "small_lookup_p50_ms_tls": round(tls_small, 3),
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=120.0, help="load phase, seconds")
@@ -334,6 +416,11 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", type=int, default=8_000_000, help="table rows")
     parser.add_argument("--compare-seconds", type=float, default=15.0, help="per store")
     parser.add_argument("--skip-load", action="store_true", help="only the wire-dtype phase")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="phase 2 also over mutual TLS with a token (2 more servers, a throwaway CA)",
+    )
     parser.add_argument(
         "--wire-dtypes",
         nargs="*",
@@ -389,6 +476,9 @@ def main(argv=None) -> int:
         print(
             f"lookup rows/s: in-process {local_rate / 1e6:.2f} M, remote {remote_rate / 1e6:.2f} M",
             file=sys.stderr,
+        )
+        tls_summary = _tls_compare(
+            args, tables, tables_file, workdir, batches, remote, (local_rate, remote_rate)
         )
 
         # Load: clients in their own processes, all against the same two servers.
@@ -456,6 +546,7 @@ def main(argv=None) -> int:
         "updates_applied": int(counts.sum()),
         "clients": args.clients,
         "duration_s": args.duration,
+        **tls_summary,
     }
     print(
         f"load: {args.clients} clients x {args.duration:g} s, {rows / elapsed / 1e6:.2f} M rows/s, "
