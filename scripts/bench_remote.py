@@ -4,8 +4,9 @@ In one run:
   1. starts 2 `serve-embeddings` processes (one shard each);
   2. lookup throughput of the same Zipf-skewed batches through the remote store and
      through an in-process store with the same shards (rows/s, ratio); with --tls also
-     through 2 more servers over mutual TLS with a token (a throwaway CA), and the p50
-     latency of small lookups (1024 ids) over plaintext and over TLS;
+     through 2 more servers over mutual TLS with a token (a throwaway CA), the three
+     stores then measured in 5 alternating turns each, and the p50 latency of small
+     lookups (1024 ids) over plaintext and over TLS;
   3. load: 4 client processes for --duration seconds, each looping lookup + update
      (SGD, learning rate 1, zero init, gradient 1 per distinct id per batch), so a
      row's final value is minus the number of updates it took;
@@ -124,14 +125,20 @@ def _client(index, addresses, args, queue) -> None:
     queue.put((index, counts, np.array(lookup_ms), np.array(apply_ms), rows))
 
 
-def _lookup_throughput(store, batches, seconds: float) -> float:
-    """Rows/s of `store.lookup` over `batches`, cycling for about `seconds`."""
+def _lookup_rows(store, batches, seconds: float) -> tuple[int, float]:
+    """(rows, seconds) of `store.lookup` over `batches`, cycling for about `seconds`."""
     rows, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         for ids in batches:
             store.lookup(TABLE, ids).result()
             rows += len(ids)
-    return rows / (time.perf_counter() - start)
+    return rows, time.perf_counter() - start
+
+
+def _lookup_throughput(store, batches, seconds: float) -> float:
+    """Rows/s of `store.lookup` over `batches`, cycling for about `seconds`."""
+    rows, elapsed = _lookup_rows(store, batches, seconds)
+    return rows / elapsed
 
 
 def _small_lookup_p50_ms(store, rng, args, requests: int = 300) -> float:
@@ -370,13 +377,28 @@ def _wire_dtypes(args) -> dict:
     return out
 
 
-def _tls_compare(args, tables, tables_file, workdir, batches, remote, rates) -> dict:
-    """Phase 2 over mutual TLS: lookup rows/s of the same batches, small-lookup latency."""
-    if not args.tls:
-        return {}
-    local_rate, remote_rate = rates
-    rng = np.random.default_rng(1)
-    plain_small = _small_lookup_p50_ms(remote, rng, args)
+def _interleaved_throughput(stores: dict, batches, seconds: float, rounds: int = 5) -> dict:
+    """Rows/s of each store's lookups, measured in `rounds` alternating turns of
+    seconds / rounds each, so a drift of the machine's speed touches every store alike."""
+    rows = dict.fromkeys(stores, 0)
+    spent = dict.fromkeys(stores, 0.0)
+    for _ in range(rounds):
+        for name, store in stores.items():
+            done, elapsed = _lookup_rows(store, batches, seconds / rounds)
+            rows[name] += done
+            spent[name] += elapsed
+    return {name: rows[name] / spent[name] for name in stores}
+
+
+def _compare_with_tls(
+    args, tables, tables_file, workdir, batches, local, remote
+) -> tuple[dict, dict]:
+    """Phase 2 with --tls: in-process, plaintext and mutual-TLS stores in alternating turns
+    (lookup rows/s of the same batches), then the 1024-id lookup p50 of both remote ones.
+
+    Returns:
+        ({"local", "remote", "tls"}: rows/s, the summary's TLS keys).
+    """
     servers, client_tls = _tls_servers(tables_file, workdir)
     try:
         addresses = [server.address for server in servers]
@@ -387,21 +409,24 @@ def _tls_compare(args, tables, tables_file, workdir, batches, remote, rates) -> 
         )
         for ids in batches:
             secure.lookup(TABLE, ids).result()
-        tls_rate = _lookup_throughput(secure, batches, args.compare_seconds)
+        stores = {"local": local, "remote": remote, "tls": secure}
+        rates = _interleaved_throughput(stores, batches, args.compare_seconds)
+        plain_small = _small_lookup_p50_ms(remote, np.random.default_rng(1), args)
         tls_small = _small_lookup_p50_ms(secure, np.random.default_rng(1), args)
         secure.close()
     finally:
         for server in servers:
             server.stop()
     print(
-        f"lookup rows/s over mutual TLS: {tls_rate / 1e6:.2f} M ({tls_rate / local_rate:.3f} of "
-        f"in-process); 1024-id lookup p50 {plain_small:.2f} ms plaintext, {tls_small:.2f} ms TLS",
+        f"lookup rows/s over mutual TLS: {rates['tls'] / 1e6:.2f} M "
+        f"({rates['tls'] / rates['local']:.3f} of in-process, {rates['tls'] / rates['remote']:.3f} "
+        f"of plaintext); 1024-id lookup p50 {plain_small:.2f} ms plaintext, {tls_small:.2f} ms TLS",
         file=sys.stderr,
     )
-    return {
-        "remote_over_local_tls": round(tls_rate / local_rate, 3),
-        "tls_over_plaintext": round(tls_rate / remote_rate, 3),
-        "remote_lookup_rows_per_s_tls": round(tls_rate),
+    return rates, {
+        "remote_over_local_tls": round(rates["tls"] / rates["local"], 3),
+        "tls_over_plaintext": round(rates["tls"] / rates["remote"], 3),
+        "remote_lookup_rows_per_s_tls": round(rates["tls"]),
         "small_lookup_p50_ms": round(plain_small, 3),
         "small_lookup_p50_ms_tls": round(tls_small, 3),
     }
@@ -470,15 +495,19 @@ def main(argv=None) -> int:
         for store in (local, remote):
             for ids in batches:
                 store.lookup(TABLE, ids).result()
-        local_rate = _lookup_throughput(local, batches, args.compare_seconds)
-        remote_rate = _lookup_throughput(remote, batches, args.compare_seconds)
+        tls_summary = {}
+        if args.tls:  # the three stores in alternating turns
+            rates, tls_summary = _compare_with_tls(
+                args, tables, tables_file, workdir, batches, local, remote
+            )
+            local_rate, remote_rate = rates["local"], rates["remote"]
+        else:
+            local_rate = _lookup_throughput(local, batches, args.compare_seconds)
+            remote_rate = _lookup_throughput(remote, batches, args.compare_seconds)
         local.close()
         print(
             f"lookup rows/s: in-process {local_rate / 1e6:.2f} M, remote {remote_rate / 1e6:.2f} M",
             file=sys.stderr,
-        )
-        tls_summary = _tls_compare(
-            args, tables, tables_file, workdir, batches, remote, (local_rate, remote_rate)
         )
 
         # Load: clients in their own processes, all against the same two servers.
