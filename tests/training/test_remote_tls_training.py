@@ -13,7 +13,9 @@ import os
 import subprocess
 import sys
 
-from hybridrec.embedding_store.processes import start_server_process
+from hybridrec.common.tls import TLSFiles
+from hybridrec.embedding_store import TableConfig
+from hybridrec.embedding_store.server import ShardServer
 
 TOKEN = "tls-training-token"
 
@@ -45,20 +47,18 @@ def test_training_over_mutual_tls_and_the_refusal_without_it(
     saved = json.loads((run_dir / "config.json").read_text())["embedding"]["tls"]
     assert saved == {"ca": tls_certs.ca, "cert": client_cert, "key": client_key}
 
-    # the same servers, a trainer that was not told about TLS: one line, no traceback
-    settings = keys[1::2]
-    server = start_server_process(
-        config="quickstart",
-        data=dataset,
-        overrides=settings,
+    # a server like those, and a trainer that was not told about TLS: one line, no
+    # traceback (refused in the handshake, before the tables are compared)
+    server = ShardServer(
+        [TableConfig(name="embeddings", dim=8, capacity=1000)],
+        [0, 1],
         num_shards=2,
         token=TOKEN,
-        extra_args=["--tls-cert", cert, "--tls-key", key, "--tls-ca", tls_certs.ca],
-        log_path=tmp_path / "server.log",
+        tls=TLSFiles(cert=cert, key=key, ca=tls_certs.ca),
     )
     try:
         command = training.args(dataset, tmp_path / "refused", *keys)
-        command += ["--set", f"embedding.servers={json.dumps([server.address])}"]
+        command += ["--set", f"embedding.servers={json.dumps([f'127.0.0.1:{server.port}'])}"]
         refused = subprocess.run(
             [sys.executable, "-m", "hybridrec", *command],
             env={**os.environ, "HYBRIDREC_EMBEDDING_TOKEN": TOKEN},
@@ -86,4 +86,4 @@ def test_training_over_mutual_tls_and_the_refusal_without_it(
         assert "requires a client certificate" in error
         assert "embedding.tls.cert and embedding.tls.key" in error
     finally:
-        assert server.stop() == 0
+        server.drain_and_stop(timeout=5)
