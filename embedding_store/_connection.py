@@ -1,4 +1,4 @@
-"""One Flight client per shard server: retries, the token, control actions, restarts.
+"""One Flight client per shard server: retries, the token, TLS, control actions, restarts.
 
 `ServerConnection` is shared by the `RemoteShard`s of one server (`remote.py`); the
 hybridrec commands use it directly for health and stats. `parse_addresses` reads
@@ -17,6 +17,8 @@ from typing import Any
 
 import pyarrow.flight as flight
 from hybridrec.common.errors import UserError
+from hybridrec.common.tls import TLSFiles
+from hybridrec.embedding_store import _tls
 from hybridrec.embedding_store.wire import AUTH_HEADER, TOKEN_ENV
 
 DEFAULT_RETRY_TIMEOUT = 60.0
@@ -40,7 +42,8 @@ def parse_addresses(value: str | Sequence[str]) -> list[str]:
     """Normalizes "h1:p1,h2:p2" or a list of "host:port" / "grpc://host:port" strings.
 
     Returns:
-        Flight URIs ("grpc://host:port"), in the given order.
+        Flight URIs ("grpc://host:port", or the scheme given, e.g. "grpc+tls://"), in the
+        given order. A client configured for TLS dials "grpc://" as "grpc+tls://".
     """
     items = value.split(",") if isinstance(value, str) else list(value)
     addresses = []
@@ -65,10 +68,17 @@ class ServerConnection:
     """One Flight client to one server, shared by the RemoteShards it hosts.
 
     Args:
-        address: "grpc://host:port".
-        token: shared secret, or None.
+        address: "grpc://host:port" (with `tls`: dialled as "grpc+tls://host:port"),
+            or "grpc+tls://host:port" (verified against the system's CAs without `tls`).
+        token: shared secret, or None. With TLS it only ever travels inside the TLS
+            channel: a client given `tls` refuses a plaintext address.
+        tls: CA to verify the server with, and a client certificate for mutual TLS.
         retry_timeout: seconds to keep retrying an unreachable server before failing.
         call_timeout: seconds one attempt may take before it is abandoned and retried.
+
+    A TLS handshake that fails (expired or untrusted certificate, wrong host name,
+    plaintext on one side, client certificate refused) is not retried: it raises a
+    RemoteShardError at once, with one line saying which.
     """
 
     def __init__(
@@ -76,16 +86,18 @@ class ServerConnection:
         address: str,
         *,
         token: str | None = None,
+        tls: TLSFiles | None = None,
         retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
         call_timeout: float = 120.0,
     ):
-        self.address = address
+        self.address = _tls.secure_address(address, tls)
+        self.tls = tls
         self.retry_timeout = retry_timeout
         self._headers = [(AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token else []
         self._options = flight.FlightCallOptions(timeout=call_timeout, headers=self._headers)
         # Checkpoint writes and loads take as long as the shard is big: no per-attempt limit.
         self._slow_options = flight.FlightCallOptions(headers=self._headers)
-        self._client = flight.FlightClient(address)
+        self._client = flight.FlightClient(self.address, **_tls.client_options(tls))
         self.client_id = uuid.uuid4().hex
         self._seq = 0
         self._lock = threading.Lock()
@@ -109,6 +121,7 @@ class ServerConnection:
                     self._check_incarnation()
                 return attempt(self._client, self._options)
             except _RETRYABLE as error:
+                self._raise_tls_problem(error)
                 failed = True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -146,8 +159,18 @@ class ServerConnection:
             return json.loads(results[0].body.to_pybytes()) if results else None
 
         if not retry:
-            return attempt(self._client, self._options)
+            try:
+                return attempt(self._client, self._options)
+            except _RETRYABLE as error:
+                self._raise_tls_problem(error)
+                raise
         return self.call(attempt, kind)
+
+    def _raise_tls_problem(self, error: BaseException) -> None:
+        """Raises a one-line RemoteShardError if `error` came from a failed TLS handshake."""
+        problem = _tls.diagnose(self.address, self.tls, error)
+        if problem:
+            raise RemoteShardError(problem) from None
 
     def handshake(self) -> dict[str, Any]:
         self.health = self.call(

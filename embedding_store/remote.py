@@ -10,6 +10,10 @@ Example:
     shards = connect("10.0.0.5:7001,10.0.0.6:7001", tables, token=secret)
     store = EmbeddingStore(tables, num_shards=len(shards), shards=shards)
 
+TLS: `connect(..., tls=TLSFiles(ca="ca.pem"))` dials every server as grpc+tls://, verifies
+its certificate against the CA and the host name, and sends the token only inside the
+TLS channel; `cert` and `key` add a client certificate for servers that require one.
+
 Faults: a call that cannot reach its server is retried with exponential backoff
 until `retry_timeout` seconds have passed, then fails with `ServerUnavailableError`
 naming the address. Updates carry (client id, sequence number), so an update whose
@@ -28,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow.flight as flight
+from hybridrec.common.tls import TLSFiles
 from hybridrec.embedding_store import wire
 from hybridrec.embedding_store._connection import (
     DEFAULT_RETRY_TIMEOUT,
@@ -315,6 +320,7 @@ def connect(
     tables: Sequence[TableConfig],
     *,
     token: str | None = None,
+    tls: TLSFiles | None = None,
     retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
     wire_dtype: str = "float32",
 ) -> list[RemoteShard]:
@@ -324,6 +330,9 @@ def connect(
         addresses: "host:port,..." or a list of "host:port" / "grpc://host:port".
         tables: the TableConfigs the client uses; every server must host the same.
         token: the shared secret, or None for no token.
+        tls: the CA that signs the servers' certificates and, for servers that require
+            one, this client's certificate and key; None: plaintext (unless an address
+            is grpc+tls://, verified against the system's CAs).
         retry_timeout: seconds to wait for an unreachable server (also at startup).
         wire_dtype: float32 | bfloat16 | float16: how looked-up rows and gradients
             travel (the servers keep rows and run the optimizer in float32 either way).
@@ -331,7 +340,8 @@ def connect(
     Raises:
         RemoteShardError: no addresses; a server unreachable within `retry_timeout`;
             servers disagreeing on the table configs or the shard count; a shard
-            hosted twice or by no server.
+            hosted twice or by no server; a TLS handshake refused by either side.
+        UserError: a TLS file is missing or unreadable; a plaintext address with `tls`.
     """
     if not addresses:
         raise RemoteShardError("no embedding server addresses (embedding.servers)")
@@ -342,7 +352,18 @@ def connect(
     uris = parse_addresses(addresses)
     expected_fingerprint = table_fingerprint(tables)
     table_dims = {table.name: int(table.dim) for table in stored_tables(tables)}
-    connections = [ServerConnection(uri, token=token, retry_timeout=retry_timeout) for uri in uris]
+    if tls is not None:
+        tls.check_client()
+    connections = []
+    try:
+        for uri in uris:
+            connections.append(
+                ServerConnection(uri, token=token, tls=tls, retry_timeout=retry_timeout)
+            )
+    except BaseException:
+        for connection in connections:
+            connection.close()
+        raise
     owner: dict[int, ServerConnection] = {}
     num_shards = None
     try:

@@ -3,11 +3,12 @@
 A server hosts one or more shards (global indices out of `num_shards`) of one set
 of tables. Each shard is the same in-process `LocalShard` the embedded store uses;
 the server only adds the transport: one `DoExchange` per shard request carrying every
-table's ids (see `wire`), Flight actions for control, a shared-secret token, request
-limits, latency statistics and a graceful drain.
+table's ids (see `wire`), Flight actions for control, a shared-secret token, TLS
+(optionally requiring client certificates), request limits, latency statistics and a
+graceful drain.
 
 The `hybridrec serve-embeddings` command runs one (hybridrec/serve_embeddings.py);
-`embedding_store.processes` starts such commands as subprocesses.
+`hybridrec.cli.server_processes` starts such commands as subprocesses.
 
 Example:
     server = ShardServer(tables, [0, 1], num_shards=4, location="grpc://0.0.0.0:7001")
@@ -29,7 +30,8 @@ from typing import Any
 import numpy as np
 import pyarrow.flight as flight
 from hybridrec.common.errors import UserError
-from hybridrec.embedding_store import wire
+from hybridrec.common.tls import TLSFiles
+from hybridrec.embedding_store import _tls, wire
 from hybridrec.embedding_store._fingerprint import table_fingerprint
 from hybridrec.embedding_store.checkpoint import (
     PRECISIONS,
@@ -101,6 +103,8 @@ class ShardServer(flight.FlightServerBase):
         num_shards: total shards of the table set across all servers.
         location: e.g. "grpc://127.0.0.1:0" (port 0 picks a free port).
         token: shared secret every call must present, or None for no check.
+        tls: certificate and key to serve over TLS (the location becomes grpc+tls://);
+            with a CA, every client must present a certificate it signed. None: plaintext.
         max_request_bytes / max_request_rows: per-request limits; larger requests
             are rejected before any state is touched.
         restore: checkpoint URL to load the hosted shards from at start (the
@@ -116,11 +120,14 @@ class ShardServer(flight.FlightServerBase):
         num_shards: int,
         location: str = "grpc://127.0.0.1:0",
         token: str | None = None,
+        tls: TLSFiles | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS,
         restore: str | None = None,
         restore_step: int | None = None,
     ):
+        location = _tls.server_location(location, tls)
+        tls_options = _tls.server_options(tls)  # the files are checked before any work
         # The shards hold each table or its column slices; clients compare the tables given.
         self.fingerprint = table_fingerprint(tuple(tables))
         self.tables = tuple(stored_tables(tables))
@@ -158,8 +165,10 @@ class ShardServer(flight.FlightServerBase):
             elif restore_step is not None:
                 raise UserError(f"{restore}: no committed checkpoint for step {restore_step}")
         self.token_required = bool(token)
+        self.tls = tls is not None
+        self.client_certificates_required = tls is not None and bool(tls.ca)
         middleware = {"token": _TokenMiddlewareFactory(token)} if token else None
-        super().__init__(location, middleware=middleware)  # serving starts here
+        super().__init__(location, middleware=middleware, **tls_options)  # serving starts here
 
     def _new_shard(self, index: int) -> LocalShard:
         return LocalShard(self.tables, shard_index=index, num_shards=self.num_shards)

@@ -3,7 +3,10 @@
 In one run:
   1. starts 2 `serve-embeddings` processes (one shard each);
   2. lookup throughput of the same Zipf-skewed batches through the remote store and
-     through an in-process store with the same shards (rows/s, ratio);
+     through an in-process store with the same shards (rows/s, ratio); with --tls also
+     through 2 more servers over mutual TLS with a token (a throwaway CA), the three
+     stores then measured in 5 alternating turns each, and the p50 latency of small
+     lookups (1024 ids) over plaintext and over TLS;
   3. load: 4 client processes for --duration seconds, each looping lookup + update
      (SGD, learning rate 1, zero init, gradient 1 per distinct id per batch), so a
      row's final value is minus the number of updates it took;
@@ -23,9 +26,12 @@ In one run:
 
 Last line: JSON {"remote_over_local", "lost_updates", "p99_ms", ..., "bfloat16_wire_bytes_ratio",
 "bfloat16_auc_delta", "float16_wire_bytes_ratio", "float16_auc_delta", ...,
-"balance_busiest_over_mean_whole", "balance_busiest_over_mean_planned", ...}.
+"balance_busiest_over_mean_whole", "balance_busiest_over_mean_planned", ...}; with --tls
+also "remote_over_local_tls", "tls_over_plaintext", "remote_lookup_rows_per_s_tls",
+"small_lookup_p50_ms", "small_lookup_p50_ms_tls".
 
     python scripts/bench_remote.py --duration 120
+    python scripts/bench_remote.py --tls                # and the TLS rows of phase 2
     python scripts/bench_remote.py --skip-load          # only phases 5 and 6
     python scripts/bench_remote.py --skip-load --wire-dtypes --balance-steps 200   # only 6
 """
@@ -46,6 +52,7 @@ from pathlib import Path
 import numpy as np
 from bench_criteo import REPO, SAMPLE, _dataset, checked_inputs
 from hybridrec.common.progress import Progress
+from hybridrec.common.tls import TLSFiles
 from hybridrec.embedding_store import (
     EmbeddingStore,
     InitializerConfig,
@@ -119,14 +126,59 @@ def _client(index, addresses, args, queue) -> None:
     queue.put((index, counts, np.array(lookup_ms), np.array(apply_ms), rows))
 
 
-def _lookup_throughput(store, batches, seconds: float) -> float:
-    """Rows/s of `store.lookup` over `batches`, cycling for about `seconds`."""
+def _lookup_rows(store, batches, seconds: float) -> tuple[int, float]:
+    """(rows, seconds) of `store.lookup` over `batches`, cycling for about `seconds`."""
     rows, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         for ids in batches:
             store.lookup(TABLE, ids).result()
             rows += len(ids)
-    return rows / (time.perf_counter() - start)
+    return rows, time.perf_counter() - start
+
+
+def _lookup_throughput(store, batches, seconds: float) -> float:
+    """Rows/s of `store.lookup` over `batches`, cycling for about `seconds`."""
+    rows, elapsed = _lookup_rows(store, batches, seconds)
+    return rows / elapsed
+
+
+def _small_lookup_p50_ms(store, rng, args, requests: int = 300) -> float:
+    """Median milliseconds of one lookup of 1024 Zipf ids (per-request cost, not bandwidth)."""
+    batches = [_ids(_ranks(rng, 1024, args.distinct)) for _ in range(16)]
+    seconds = []
+    for index in range(requests):
+        start = time.perf_counter()
+        store.lookup(TABLE, batches[index % len(batches)]).result()
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds) * 1e3)
+
+
+TLS_TOKEN = "bench-remote-token"
+
+
+def _tls_servers(tables_file: Path, workdir: Path) -> tuple[list, TLSFiles]:
+    """2 servers (one shard each) requiring TLS, client certificates and a token."""
+    from make_certs import issue, new_ca  # scripts/make_certs.py (needs cryptography)
+
+    pki = workdir / "tls"
+    ca = new_ca()
+    ca_path, _ = ca.write(pki, "ca")
+    cert, key = issue(ca, "localhost", hosts=["localhost", "127.0.0.1"]).write(pki, "server")
+    client_cert, client_key = issue(ca, "bench client", client=True).write(pki, "client")
+    flags = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca_path)]
+    servers = [
+        start_server_process(
+            tables_file,
+            num_shards=2,
+            shards=[index],
+            token=TLS_TOKEN,
+            log_path=workdir / f"server{index}-tls.log",
+            extra_args=["--stats-interval", "30", *flags],
+        )
+        for index in range(2)
+    ]
+    client = TLSFiles(ca=str(ca_path), cert=str(client_cert), key=str(client_key))
+    return servers, client
 
 
 WIRE_TARGET = {"bytes_ratio": 0.55, "auc_delta": 0.001}
@@ -326,6 +378,61 @@ def _wire_dtypes(args) -> dict:
     return out
 
 
+def _interleaved_throughput(stores: dict, batches, seconds: float, rounds: int = 5) -> dict:
+    """Rows/s of each store's lookups, measured in `rounds` alternating turns of
+    seconds / rounds each, so a drift of the machine's speed touches every store alike."""
+    rows = dict.fromkeys(stores, 0)
+    spent = dict.fromkeys(stores, 0.0)
+    for _ in range(rounds):
+        for name, store in stores.items():
+            done, elapsed = _lookup_rows(store, batches, seconds / rounds)
+            rows[name] += done
+            spent[name] += elapsed
+    return {name: rows[name] / spent[name] for name in stores}
+
+
+def _compare_with_tls(
+    args, tables, tables_file, workdir, batches, local, remote
+) -> tuple[dict, dict]:
+    """Phase 2 with --tls: in-process, plaintext and mutual-TLS stores in alternating turns
+    (lookup rows/s of the same batches), then the 1024-id lookup p50 of both remote ones.
+
+    Returns:
+        ({"local", "remote", "tls"}: rows/s, the summary's TLS keys).
+    """
+    servers, client_tls = _tls_servers(tables_file, workdir)
+    try:
+        addresses = [server.address for server in servers]
+        secure = EmbeddingStore(
+            tables,
+            num_shards=2,
+            shards=connect(addresses, tables, token=TLS_TOKEN, tls=client_tls, retry_timeout=60),
+        )
+        for ids in batches:
+            secure.lookup(TABLE, ids).result()
+        stores = {"local": local, "remote": remote, "tls": secure}
+        rates = _interleaved_throughput(stores, batches, args.compare_seconds)
+        plain_small = _small_lookup_p50_ms(remote, np.random.default_rng(1), args)
+        tls_small = _small_lookup_p50_ms(secure, np.random.default_rng(1), args)
+        secure.close()
+    finally:
+        for server in servers:
+            server.stop()
+    print(
+        f"lookup rows/s over mutual TLS: {rates['tls'] / 1e6:.2f} M "
+        f"({rates['tls'] / rates['local']:.3f} of in-process, {rates['tls'] / rates['remote']:.3f} "
+        f"of plaintext); 1024-id lookup p50 {plain_small:.2f} ms plaintext, {tls_small:.2f} ms TLS",
+        file=sys.stderr,
+    )
+    return rates, {
+        "remote_over_local_tls": round(rates["tls"] / rates["local"], 3),
+        "tls_over_plaintext": round(rates["tls"] / rates["remote"], 3),
+        "remote_lookup_rows_per_s_tls": round(rates["tls"]),
+        "small_lookup_p50_ms": round(plain_small, 3),
+        "small_lookup_p50_ms_tls": round(tls_small, 3),
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=120.0, help="load phase, seconds")
@@ -335,6 +442,11 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", type=int, default=8_000_000, help="table rows")
     parser.add_argument("--compare-seconds", type=float, default=15.0, help="per store")
     parser.add_argument("--skip-load", action="store_true", help="only the wire-dtype phase")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="phase 2 also over mutual TLS with a token (2 more servers, a throwaway CA)",
+    )
     parser.add_argument(
         "--wire-dtypes",
         nargs="*",
@@ -384,8 +496,15 @@ def main(argv=None) -> int:
         for store in (local, remote):
             for ids in batches:
                 store.lookup(TABLE, ids).result()
-        local_rate = _lookup_throughput(local, batches, args.compare_seconds)
-        remote_rate = _lookup_throughput(remote, batches, args.compare_seconds)
+        tls_summary = {}
+        if args.tls:  # the three stores in alternating turns
+            rates, tls_summary = _compare_with_tls(
+                args, tables, tables_file, workdir, batches, local, remote
+            )
+            local_rate, remote_rate = rates["local"], rates["remote"]
+        else:
+            local_rate = _lookup_throughput(local, batches, args.compare_seconds)
+            remote_rate = _lookup_throughput(remote, batches, args.compare_seconds)
         local.close()
         print(
             f"lookup rows/s: in-process {local_rate / 1e6:.2f} M, remote {remote_rate / 1e6:.2f} M",
@@ -457,6 +576,7 @@ def main(argv=None) -> int:
         "updates_applied": int(counts.sum()),
         "clients": args.clients,
         "duration_s": args.duration,
+        **tls_summary,
     }
     print(
         f"load: {args.clients} clients x {args.duration:g} s, {rows / elapsed / 1e6:.2f} M rows/s, "

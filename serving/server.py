@@ -11,6 +11,9 @@ the single-valued ones and each multi-valued feature X comes as `X.ids` [nnz] (e
 row's bag, row after row) and `X.lengths` [n] (bag sizes). The answer is `probabilities` [n] FP32;
 `parameters.unseen_ids` counts the ids that got their table's default row. Errors
 are `{"error": "..."}` with a 4xx status; the server keeps serving.
+
+With `ServeOptions.tls` the server speaks HTTPS only (uvicorn's ssl options); a CA in it
+makes every client present a certificate that CA signed (mutual TLS), probes included.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import dataclasses
 import hmac
 import json
 import socket
+import ssl
 import sys
 from pathlib import Path
 from typing import Any
 
 from hybridrec.common.errors import UserError
+from hybridrec.common.tls import TLSFiles
 from hybridrec.pipeline import RowError
 from hybridrec.serving import _format
 from hybridrec.serving.batching import DynamicBatcher
@@ -60,6 +65,7 @@ class ServeOptions:
     watch: bool = False  # load newer versions of the export as they appear
     watch_interval: float = 1.0  # seconds between looks for a newer version
     checksums: bool = True  # verify every file's sha256 at load (sizes are always checked)
+    tls: TLSFiles | None = None  # certificate and key: HTTPS; with a CA: client certificates too
 
     def __post_init__(self):
         for name in ("max_batch", "max_rows", "max_body_bytes"):
@@ -329,11 +335,21 @@ def make_server(export: str | Path, sock: socket.socket, options: ServeOptions):
     import uvicorn
 
     base = Path(export)
+    tls = options.tls
+    if tls is not None:
+        tls.check_server()  # one line per bad file, before the export is loaded
     model = ServedModel(base, max_batch=options.max_batch, checksums=options.checksums)
     if options.watch and (base / _format.MANIFEST_FILE).exists():
         raise UserError(f"{base}: --watch needs the export base directory, not one version")
     app = create_app(model, base, options)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    ssl_options = {}
+    if tls is not None:
+        ssl_options = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+        if tls.ca:
+            ssl_options.update(ssl_ca_certs=tls.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="on", **ssl_options
+    )
     return uvicorn.Server(config), model
 
 
@@ -345,11 +361,29 @@ def serve(
     server, model = make_server(export, sock, options)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
+    scheme = "https" if options.tls is not None else "http"
+    if options.tls is not None and options.tls.ca:
+        note = "  (client certificates required)"
+    elif options.token:
+        note = ""
+    else:
+        note = "  (no token: anyone who can connect may score)"
     print(
         f"hybridrec serve: model {model.name!r} version {model.version} (step "
-        f"{model.manifest['step']}, {model.precision}) on http://{shown}:{bound}"
-        + ("" if options.token else "  (no token: anyone who can connect may score)"),
+        f"{model.manifest['step']}, {model.precision}) on {scheme}://{shown}:{bound}{note}",
         flush=True,
     )
+    for warning in _security_warnings(host, options):
+        print(f"hybridrec serve: warning: {warning}", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     print(f"hybridrec serve: stopped ({json.dumps(model.stats())})", flush=True)
+
+
+def _security_warnings(host: str, options: ServeOptions) -> list[str]:
+    """A private key other users can read; a token sent in plaintext beyond loopback."""
+    warnings = []
+    if options.tls is not None and (line := options.tls.warn_readable_key()):
+        warnings.append(line)
+    if options.token and options.tls is None and host not in ("127.0.0.1", "localhost", "::1"):
+        warnings.append("the token crosses the network in plaintext: add --tls-cert and --tls-key")
+    return warnings

@@ -56,3 +56,40 @@ def hybridrec(
 def cli():
     """The `hybridrec(*args, env=None, timeout=300)` subprocess runner."""
     return hybridrec
+
+
+@pytest.fixture(scope="session")
+def tls_certs(tmp_path_factory):
+    """A throwaway PKI (scripts/make_certs.py), PEM files in one directory; attributes name
+    (cert, key) pairs, `ca` and `other_ca` name CA certificates:
+
+        server          localhost and 127.0.0.1, signed by the CA
+        client          a client certificate signed by the CA (mutual TLS)
+        expired         like server, but it expired ten days ago
+        expired_client  like client, expired
+        wrong_host      for elsewhere.example and 10.1.2.3 only
+        other_client    a client certificate signed by another CA
+    """
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location(
+        "make_certs", REPO_ROOT / "scripts" / "make_certs.py"
+    )
+    make_certs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_certs)
+    out = tmp_path_factory.mktemp("tls")
+    ca, other_ca = make_certs.new_ca(), make_certs.new_ca("another test CA")
+    local = ["localhost", "127.0.0.1"]
+    issued = {
+        "server": make_certs.issue(ca, "localhost", hosts=local),
+        "client": make_certs.issue(ca, "trainer", client=True),
+        "expired": make_certs.issue(ca, "localhost", hosts=local, expired=True),
+        "expired_client": make_certs.issue(ca, "trainer", client=True, expired=True),
+        "wrong_host": make_certs.issue(ca, "elsewhere", hosts=["elsewhere.example", "10.1.2.3"]),
+        "other_client": make_certs.issue(other_ca, "trainer", client=True),
+    }
+    files = {name: tuple(map(str, pair.write(out, name))) for name, pair in issued.items()}
+    files["ca"] = str(ca.write(out, "ca")[0])
+    files["other_ca"] = str(other_ca.write(out, "other_ca")[0])
+    return types.SimpleNamespace(dir=out, **files)

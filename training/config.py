@@ -10,6 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
+from hybridrec.common.tls import TLSConfig
 from hybridrec.embedding_store import (
     AdmissionConfig,
     EvictionConfig,
@@ -86,6 +87,9 @@ class EmbeddingConfig:
     # with servers: dtype of looked-up rows and gradients on the wire (servers keep float32
     # rows and optimizer math); bfloat16 / float16 halve the float bytes
     wire_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # with servers: TLS to them (PEM paths): `ca` verifies their certificates (connects over
+    # grpc+tls://; the token then only travels encrypted), `cert` + `key` for mutual TLS
+    tls: TLSConfig = dataclasses.field(default_factory=TLSConfig)
     # keep the rows of every feature in one physical table (ids carry a per-feature prefix, so
     # they never collide): one store request per shard and batch instead of one per table, as
     # table-batched embeddings do; capacity and tiering.ram_rows then count per feature table

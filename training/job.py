@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from hybridrec.common import config as config_lib
 from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.common.tls import TLSFiles
 from hybridrec.embedding_store import EmbeddingStore
 from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, ServerSet, connect
 from hybridrec.model import (
@@ -232,6 +233,7 @@ class Job:
             list(self.servers),
             tables,
             token=self.server_token,
+            tls=TLSFiles.from_config(embedding.tls, "embedding.tls"),
             retry_timeout=self.retry_timeout,
             wire_dtype=embedding.wire_dtype,
         )

@@ -19,8 +19,14 @@ from collections.abc import Iterator
 CHATTER_PREFIXES = (b"[Gloo] ",)
 # Gloo's threads write at once: a line may hold its prefix midway, or be the tail of one
 CHATTER_PARTS = (b"[Gloo] ", b" peer ranks")
-# The C++ logging of XLA / absl, raised to errors only (a level the user set still wins).
-QUIET_ENVIRONMENT = {"TF_CPP_MIN_LOG_LEVEL": "2", "GLOG_minloglevel": "2"}
+# The C++ logging of XLA / absl and of gRPC (Arrow Flight's: e.g. a line per failed TLS
+# handshake, which the remote shards' client reports itself in one line), raised to errors
+# only (a level the user set still wins).
+QUIET_ENVIRONMENT = {
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "GLOG_minloglevel": "2",
+    "GRPC_VERBOSITY": "ERROR",
+}
 VERBOSE_ENV = "HYBRIDREC_VERBOSE"  # "1": `hybridrec launch --verbose` asks its processes too
 
 

@@ -95,3 +95,10 @@ def _detected_cluster() -> str | None:
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         return "jax environment"
     return None
+
+
+def add_tls_flags(parser: argparse.ArgumentParser, *, cert_help: str, ca_help: str) -> None:
+    """`--tls-cert`, `--tls-key` and `--tls-ca` (PEM files; see `hybridrec.common.tls`)."""
+    parser.add_argument("--tls-cert", metavar="PEM", help=cert_help)
+    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert (PEM)")
+    parser.add_argument("--tls-ca", metavar="PEM", help=ca_help)

@@ -11,10 +11,15 @@ With `--embedding-servers M` it first starts M `hybridrec serve-embeddings` proc
 hosting the tables the train command builds (same --config / --data / --set), passes
 their addresses to every process as `embedding.servers`, and stops them at the end:
 the PERSIA layout (shared embedding servers, data-parallel trainers) on one machine.
+With `--tls-cert/--tls-key` (and `--tls-ca` for client certificates) those servers serve
+over TLS; the train command's own `embedding.tls.*` settings say how the trainers verify
+them (its `embedding.tls.ca`) and which client certificate they present.
 
 Example:
     hybridrec launch -n 2 -- train --data runs/data --run-dir runs/two --config quickstart
     hybridrec launch -n 2 --embedding-servers 2 -- train --data runs/data --run-dir runs/r2 ...
+    hybridrec launch -n 2 --embedding-servers 2 --tls-cert server.pem --tls-key server.key \
+        -- train ... --set embedding.tls.ca=ca.pem
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import sys
 import threading
 import time
 
+from hybridrec.cli import _flags
 from hybridrec.cli._chatter import QUIET_ENVIRONMENT, VERBOSE_ENV, is_chatter
 from hybridrec.common.errors import UserError
+from hybridrec.common.tls import TLSFiles
 
 
 def free_port() -> int:
@@ -170,10 +177,14 @@ def launch_with_servers(
     num_servers: int,
     num_shards: int,
     log_dir: str | None,
+    tls: TLSFiles | None = None,
     **launch_args,
 ) -> int:
-    """Starts embedding servers for a `train` command, runs `launch`, then stops them."""
+    """Starts embedding servers for a `train` command, runs `launch`, then stops them.
+
+    With `tls` the servers serve over TLS (`serve-embeddings --tls-*`)."""
     from hybridrec.cli.server_processes import start_servers, stop_servers
+    from hybridrec.embedding_store.wire import TOKEN_ENV
 
     if command[:1] != ["train"]:
         raise UserError("--embedding-servers works with the train command")
@@ -182,12 +193,20 @@ def launch_with_servers(
         os.makedirs(log_dir, exist_ok=True)
     if preset is None:
         raise UserError("--embedding-servers needs the train command's --config")
+    tls_arguments = []
+    if tls is not None:
+        tls.check_server()
+        for part in ("cert", "key", "ca"):
+            if getattr(tls, part):
+                tls_arguments += [tls.name(part), os.path.abspath(getattr(tls, part))]
     servers = start_servers(
         num_servers,
         num_shards=num_shards,
         config=preset,
         data=data,
         overrides=overrides,
+        token=os.environ.get(TOKEN_ENV) or None,  # the secret the trainers will send
+        extra_args=tls_arguments,
         log_dir=log_dir,
     )
     try:
@@ -227,6 +246,12 @@ def main(argv: list[str]) -> int:
         help="shards over all servers (default 2 per server)",
     )
     parser.add_argument("--server-logs", help="directory for the servers' logs (default: inherit)")
+    _flags.add_tls_flags(
+        parser,
+        cert_help="with --embedding-servers: their certificate (PEM, valid for 127.0.0.1); "
+        "they serve over TLS",
+        ca_help="with --embedding-servers: they require client certificates signed by this CA",
+    )
     parser.add_argument(
         "--verbose",
         action="store_true",
@@ -242,12 +267,16 @@ def main(argv: list[str]) -> int:
         timeout=args.timeout,
         verbose=args.verbose,
     )
+    tls = TLSFiles.from_flags(args)
     if args.embedding_servers:
         return launch_with_servers(
             command,
             num_servers=args.embedding_servers,
             num_shards=args.embedding_shards or 2 * args.embedding_servers,
             log_dir=args.server_logs,
+            tls=tls,
             **launch_args,
         )
+    if tls is not None:
+        raise UserError("--tls-cert, --tls-key and --tls-ca go with --embedding-servers")
     return launch(command, **launch_args)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from hybridrec.cli._flags import read_token_file
+from hybridrec.cli._flags import add_tls_flags, read_token_file
+from hybridrec.common.tls import TLSFiles
 from hybridrec.serving.server import ServeOptions, serve
 
 
@@ -19,6 +20,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     parser.add_argument("--token-file", help="file holding the bearer token clients must send")
+    add_tls_flags(
+        parser,
+        cert_help="certificate chain (PEM): serve HTTPS only",
+        ca_help="CA certificate (PEM): clients must present a certificate it signed (mutual TLS)",
+    )
     parser.add_argument("--max-batch", type=int, default=256, help="rows per forward pass")
     parser.add_argument(
         "--max-delay-ms", type=float, default=2.0, help="how long a batch waits for more requests"
@@ -44,6 +50,7 @@ def main(argv: list[str]) -> int:
         token=read_token_file(args.token_file) if args.token_file else None,
         watch=args.watch,
         checksums=not args.skip_checksums,
+        tls=TLSFiles.from_flags(args),
     )
     serve(args.export, host=args.host, port=args.port, options=options)
     return 0

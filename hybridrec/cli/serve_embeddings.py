@@ -7,6 +7,7 @@ Parses the flags, builds the table configs (from a tables file, or the tables
 
 Example:
     hybridrec serve-embeddings --tables tables.toml --num-shards 4 --shards 0,1 --port 7001
+    hybridrec serve-embeddings ... --tls-cert server.pem --tls-key server.key --tls-ca ca.pem
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hybridrec.cli.server_processes import contiguous_shards
 from hybridrec.common import config
 from hybridrec.common.errors import UserError
 from hybridrec.common.progress import Progress
+from hybridrec.common.tls import TLSFiles
 from hybridrec.embedding_store import TableConfig
 from hybridrec.embedding_store.config import load_tables
 from hybridrec.embedding_store.remote import ServerConnection, parse_addresses
@@ -121,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--token-file", help=f"file holding the shared secret (default: ${TOKEN_ENV}, else none)"
     )
+    _flags.add_tls_flags(
+        parser,
+        cert_help="certificate chain (PEM): serve over TLS (grpc+tls://); with --check/--stats, "
+        "the client certificate to present",
+        ca_help="CA certificate (PEM): clients must present a certificate it signed (mutual "
+        "TLS); with --check/--stats, the CA the server's certificate is checked against",
+    )
     parser.add_argument(
         "--max-request-mb",
         type=float,
@@ -164,13 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _probe(address: str, token: str | None, action: str) -> int:
+def _probe(address: str, token: str | None, tls: TLSFiles | None, action: str) -> int:
     """`--check` / `--stats`: one action against a running server, printed as JSON."""
-    connection = ServerConnection(parse_addresses(address)[0], token=token, retry_timeout=0.0)
+    connection = ServerConnection(
+        parse_addresses(address)[0], token=token, tls=tls, retry_timeout=0.0
+    )
     try:
         result = connection.action(action, retry=False)
-    except flight.FlightError as error:
-        print(f"not ready: {error}", file=sys.stderr)
+    except (flight.FlightError, UserError) as error:
+        print(f"not ready: {str(error).strip().splitlines()[0]}", file=sys.stderr)
         return 1
     finally:
         connection.close()
@@ -182,14 +193,17 @@ def main(argv: list[str]) -> int:
     """`hybridrec serve-embeddings`."""
     args = build_parser().parse_args(argv)
     token = read_token(args.token_file)
+    tls = TLSFiles.from_flags(args)
     if args.check or args.stats:
-        return _probe(args.check or args.stats, token, "health" if args.check else "stats")
+        return _probe(args.check or args.stats, token, tls, "health" if args.check else "stats")
     if bool(args.tables) == bool(args.config) or not args.num_shards:
         raise UserError(
             "give --num-shards and one of --tables FILE or --config PRESET (or --check ADDRESS)"
         )
     if args.num_shards < 1:
         raise UserError(f"--num-shards must be >= 1, got {args.num_shards}")
+    if tls is not None:
+        tls.check_server()  # before the tables are built: a missing file is the first error
     if args.shards:
         indices = parse_shard_list(args.shards, args.num_shards)
     elif args.server_index is not None:
@@ -210,6 +224,7 @@ def main(argv: list[str]) -> int:
         num_shards=args.num_shards,
         location=f"grpc://{args.host}:{args.port}",
         token=token,
+        tls=tls,
         max_request_bytes=int(args.max_request_mb * 2**20),
         max_request_rows=args.max_request_rows,
         restore=args.restore,
@@ -236,12 +251,21 @@ def _serve(server: ShardServer, args: argparse.Namespace) -> int:
     restored = (
         f", restored from step {server.restored_step}" if server.restored_step is not None else ""
     )
+    if server.tls:
+        security = "TLS" + (
+            ", client certificates required" if server.client_certificates_required else ""
+        )
+    else:
+        security = "plaintext"
     print(
         f"[serve-embeddings] serving shards {sorted(server.shards)} of {server.num_shards} "
-        f"on {address}{restored}; token {'required' if server.token_required else 'off'}",
+        f"on {address}{restored}; token {'required' if server.token_required else 'off'}; "
+        f"{security}",
         file=sys.stderr,
         flush=True,
     )
+    for warning in _security_warnings(server, args):
+        print(f"[serve-embeddings] warning: {warning}", file=sys.stderr, flush=True)
     if args.ready_file:
         ready = Path(args.ready_file)
         temporary = ready.with_name(ready.name + ".tmp")
@@ -272,6 +296,19 @@ def _serve(server: ShardServer, args: argparse.Namespace) -> int:
     progress.count = sum(latency["count"] for latency in stats["latency"].values())
     progress.close(rows=stats["rows"], rejected=stats["counters"].get("rejected", 0))
     return 0
+
+
+def _security_warnings(server: ShardServer, args: argparse.Namespace) -> list[str]:
+    """A private key other users can read; a token sent in plaintext beyond loopback."""
+    warnings = []
+    tls = TLSFiles.from_flags(args)
+    if tls is not None and (line := tls.warn_readable_key()):
+        warnings.append(line)
+    if args.host in ("127.0.0.1", "localhost", "::1"):
+        return warnings
+    if server.token_required and not server.tls:
+        warnings.append("the token crosses the network in plaintext: add --tls-cert and --tls-key")
+    return warnings
 
 
 def training_tables(

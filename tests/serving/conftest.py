@@ -41,13 +41,13 @@ class Server:
             text=True,
         )
         line = self.process.stdout.readline()
-        if "http://" not in line:
+        scheme = "https://" if "https://" in line else "http://"
+        if scheme not in line:
             self.process.kill()
             pytest.fail(
                 f"hybridrec serve did not start: {line}{self.process.stderr.read()[-3000:]}"
             )
-        self.url = line.split("http://", 1)[1].split()[0]
-        self.url = "http://" + self.url
+        self.url = scheme + line.split(scheme, 1)[1].split()[0]
 
     def stop(self) -> str:
         """Stops the server (SIGTERM, as a process manager would); returns its stderr."""
