@@ -274,9 +274,9 @@ def prepare(
         )
     metadata = read_metadata(config.data.path)
     process_count = jax.process_count()
+    addresses = tuple(servers.addresses if servers else config.embedding.servers)
     towers = config.model.towers
     if config.model.layout == "towers":
-        addresses = servers.addresses if servers else config.embedding.servers
         if process_count > 1 and not addresses:
             raise ConfigError(
                 "model.layout = 'towers' in a multi-process job needs embedding servers "
@@ -302,7 +302,6 @@ def prepare(
             f"id map: {config.embedding.id_map_kind} mapping of {config.embedding.id_map} "
             f"({id_map.total_buckets():,} rows for {len(id_map.features)} features)",
         )
-    addresses = tuple(servers.addresses if servers else config.embedding.servers)
     tables, plan_lines = resolve_tables(
         config,
         metadata,

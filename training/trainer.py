@@ -210,11 +210,10 @@ class Trainer:
                     self._save_and_publish(save_now, publish_now)
                     if eval_now:
                         self._evaluate(step, final=step == last)
-                if end:
+                if end:  # quiesced above: every update up to this step is applied
                     break  # stopping: what the loop read ahead is not trained
                 if save_now or eval_now or publish_now:
                     loop.resume()
-            loop.drain()
 
     def _log(self, step: int, *, wait: bool) -> None:
         record = self.meter.flush(step, self.loop.timings(), wait=wait)
