@@ -15,7 +15,6 @@ import pytest
 from hybridrec.embedding_store import (
     EmbeddingStore,
     EvictionConfig,
-    RaggedIds,
     SparseOptimizerConfig,
     TableConfig,
     TieringConfig,
@@ -28,9 +27,10 @@ from hybridrec.embedding_store.remote import (
     connect,
     parse_addresses,
 )
-from hybridrec.embedding_store.server import ShardServer
 
 from hybridrec.cli.server_processes import contiguous_shards
+
+from .remote_calls import addresses, same_calls
 
 TABLES = [
     TableConfig(
@@ -49,54 +49,6 @@ TABLES = [
 ]
 
 
-@pytest.fixture
-def start_servers():
-    """start_servers([[0, 1], [2]], num_shards=3, **kwargs) -> servers; stopped at teardown."""
-    started = []
-
-    def start(layout, *, num_shards, tables=TABLES, **kwargs):
-        servers = [
-            ShardServer(tables, shards, num_shards=num_shards, **kwargs) for shards in layout
-        ]
-        started.extend(servers)
-        return servers
-
-    yield start
-    for server in started:
-        server.drain_and_stop(timeout=5)
-
-
-def _addresses(servers):
-    return [f"127.0.0.1:{server.port}" for server in servers]
-
-
-def _same_calls(stores, rng, steps):
-    """Runs one random sequence of every store call on each store; checks equal results."""
-    for step in steps:
-        ids = rng.integers(0, 300, size=64).astype(np.uint64)
-        grads = rng.normal(size=(64, 4)).astype(np.float32)
-        features = {
-            "f1": ids[:16],
-            "f2": RaggedIds(
-                ids[:40], np.array([0, 3, 3, 10, 12, 20, 25, 31, 33, 35, 36] + [40] * 6)
-            ),
-        }
-        pooled_grads = rng.normal(size=(16, 2, 8)).astype(np.float32)
-        results = []
-        for store in stores:
-            store.set_step(step)
-            rows = store.lookup("ads", ids).result().copy()
-            store.apply_gradients("ads", ids, grads).result()
-            pooled = store.lookup_features(
-                features, feature_tables={"f1": "users", "f2": "users"}, pooling="sqrtn"
-            ).result()
-            store.apply_pooled_gradients(pooled, pooled_grads).result()
-            results.append((rows, pooled.embeddings.copy()))
-        for rows, embeddings in results[1:]:
-            np.testing.assert_array_equal(rows, results[0][0])
-            np.testing.assert_array_equal(embeddings, results[0][1])
-
-
 def _all_rows(store, table, universe=300):
     return store.lookup(table, np.arange(universe, dtype=np.uint64), train=False).result()
 
@@ -104,9 +56,9 @@ def _all_rows(store, table, universe=300):
 def test_remote_matches_in_process_and_checkpoints(start_servers, tmp_path):
     servers = start_servers([[0, 1], [2]], num_shards=3)
     local = EmbeddingStore(TABLES, num_shards=3)
-    remote = EmbeddingStore(TABLES, shards=connect(_addresses(servers)[::-1], TABLES))
+    remote = EmbeddingStore(TABLES, shards=connect(addresses(servers)[::-1], TABLES))
     assert remote.num_shards == 3
-    _same_calls([local, remote], np.random.default_rng(0), range(0, 4))
+    same_calls([local, remote], np.random.default_rng(0), range(0, 4))
     for table in ("ads", "users"):
         np.testing.assert_array_equal(_all_rows(remote, table), _all_rows(local, table))
     remote_stats, local_stats = remote.stats(), local.stats()
@@ -116,24 +68,24 @@ def test_remote_matches_in_process_and_checkpoints(start_servers, tmp_path):
     # Each server writes its own shards' parts; the client commits the manifest.
     url = str(tmp_path / "embeddings")
     full = remote.checkpoint(url, 3)
-    _same_calls([local, remote], np.random.default_rng(1), range(4, 6))
+    same_calls([local, remote], np.random.default_rng(1), range(4, 6))
     delta = remote.checkpoint(url, 5)
     assert full["full"] and not delta["full"] and 0 < delta["rows_written"] < full["rows_written"]
 
     # Restore onto another number of servers and shards (2 servers, 2 shards) and in-process.
     other = start_servers([[0], [1]], num_shards=2)
-    restored_remote = EmbeddingStore.restore(url, TABLES, shards=connect(_addresses(other), TABLES))
+    restored_remote = EmbeddingStore.restore(url, TABLES, shards=connect(addresses(other), TABLES))
     restored_local = EmbeddingStore.restore(url, TABLES, num_shards=1)
     for table in ("ads", "users"):
         expected = _all_rows(local, table)
         np.testing.assert_array_equal(_all_rows(restored_remote, table), expected)
         np.testing.assert_array_equal(_all_rows(restored_local, table), expected)
-    _same_calls([local, restored_remote, restored_local], np.random.default_rng(2), range(6, 9))
+    same_calls([local, restored_remote, restored_local], np.random.default_rng(2), range(6, 9))
 
     # The trainer goes away: the servers keep the rows, a new client reattaches.
     expected = _all_rows(remote, "users")
     remote.close()
-    again = EmbeddingStore(TABLES, shards=connect(_addresses(servers), TABLES))
+    again = EmbeddingStore(TABLES, shards=connect(addresses(servers), TABLES))
     np.testing.assert_array_equal(_all_rows(again, "users"), expected)
     stats = again.shards[0].server_stats()
     assert stats["latency"]["lookup"]["count"] > 0 and stats["latency"]["lookup"]["p99_ms"] > 0
@@ -144,7 +96,7 @@ def test_remote_matches_in_process_and_checkpoints(start_servers, tmp_path):
 
 def test_clients_count_the_payload_bytes_their_servers_count(start_servers):
     servers = start_servers([[0], [1]], num_shards=2)
-    shards = connect(_addresses(servers), TABLES)
+    shards = connect(addresses(servers), TABLES)
     store = EmbeddingStore(TABLES, num_shards=2, shards=shards)
     rng = np.random.default_rng(3)
     for _ in range(3):
@@ -165,16 +117,16 @@ def test_clients_count_the_payload_bytes_their_servers_count(start_servers):
 def test_handshake_rejects_a_misconfigured_server_set(start_servers):
     gap = start_servers([[0], [2]], num_shards=3)
     with pytest.raises(RemoteShardError, match=r"hosts shard\(s\) \[1\] of 3"):
-        connect(_addresses(gap), TABLES)
+        connect(addresses(gap), TABLES)
     overlap = start_servers([[0, 1], [1]], num_shards=2)
     with pytest.raises(RemoteShardError, match="shard 1 is hosted by both"):
-        connect(_addresses(overlap), TABLES)
+        connect(addresses(overlap), TABLES)
     other_tables = [TABLES[0], TableConfig(name="users", dim=16, capacity=2000)]
     mismatch = start_servers([[0]], num_shards=1, tables=other_tables)
     with pytest.raises(RemoteShardError, match="different table configs"):
-        connect(_addresses(mismatch), TABLES)
+        connect(addresses(mismatch), TABLES)
     with pytest.raises(RemoteShardError, match="says num_shards"):
-        connect([_addresses(gap)[0], _addresses(overlap)[1]], TABLES)
+        connect([addresses(gap)[0], addresses(overlap)[1]], TABLES)
 
 
 def test_a_server_may_tier_its_tables_without_the_client_knowing(start_servers, tmp_path):
@@ -185,7 +137,7 @@ def test_a_server_may_tier_its_tables_without_the_client_knowing(start_servers, 
         for table in TABLES
     ]
     servers = start_servers([[0]], num_shards=1, tables=tiered)
-    with EmbeddingStore(TABLES, shards=connect(_addresses(servers), TABLES)) as remote:
+    with EmbeddingStore(TABLES, shards=connect(addresses(servers), TABLES)) as remote:
         for start in range(0, 1500, 300):  # more rows in all than the server keeps in RAM
             ids = np.arange(start, start + 300, dtype=np.uint64)
             grads = np.ones((300, TABLES[0].dim), np.float32)
@@ -203,7 +155,7 @@ def test_address_lists_and_shard_splits():
 
 def test_unreachable_server_fails_with_its_address(start_servers):
     (server,) = start_servers([[0]], num_shards=1)
-    shards = connect(_addresses([server]), TABLES, retry_timeout=0.5)
+    shards = connect(addresses([server]), TABLES, retry_timeout=0.5)
     server.drain_and_stop(timeout=5)
     with pytest.raises(ServerUnavailableError, match=f"127.0.0.1:{server.port}.*lookup on shard 0"):
         shards[0].lookup({"ads": np.arange(3, dtype=np.uint64)})
@@ -211,7 +163,7 @@ def test_unreachable_server_fails_with_its_address(start_servers):
 
 def test_token_is_enforced(start_servers):
     (server,) = start_servers([[0]], num_shards=1, token="s3cret")
-    address = _addresses([server])
+    address = addresses([server])
     with pytest.raises(RemoteShardError, match="refused the token"):
         connect(address, TABLES, token="wrong", retry_timeout=1)
     with pytest.raises(RemoteShardError, match="refused the token"):
@@ -252,7 +204,7 @@ def _apply_batch(ids, grads, dim):
 
 def test_malformed_and_oversized_requests_leave_the_server_intact(start_servers):
     (server,) = start_servers([[0]], num_shards=1, max_request_rows=100, max_request_bytes=2048)
-    (shard,) = connect(_addresses([server]), TABLES)
+    (shard,) = connect(addresses([server]), TABLES)
     ids = np.arange(20, dtype=np.uint64)
     shard.apply_gradients({"ads": (ids, np.ones((20, 4), np.float32))})
     before = shard.lookup({"ads": ids, "users": ids}, train=False)
@@ -338,7 +290,7 @@ def test_retried_update_is_applied_once(start_servers):
     client = flight.FlightClient(f"grpc://127.0.0.1:{server.port}")
     ids = np.array([3, 4], np.uint64)
     batch = _apply_batch(ids, np.ones((2, 4), np.float32), 4)
-    (shard,) = connect(_addresses([server]), TABLES)
+    (shard,) = connect(addresses([server]), TABLES)
     before = shard.lookup({"ads": ids})["ads"].copy()
     header = _header(client="trainer-1", seq=42)
     first = _exchange(client, header, wire.APPLY_SCHEMA, [(batch, b"ads")])

@@ -17,7 +17,6 @@ from hybridrec.common.errors import UserError
 from hybridrec.common.tls import TLSConfig, TLSFiles
 from hybridrec.embedding_store import (
     EmbeddingStore,
-    RaggedIds,
     SparseOptimizerConfig,
     TableConfig,
 )
@@ -25,6 +24,8 @@ from hybridrec.embedding_store.remote import RemoteShardError, connect
 from hybridrec.embedding_store.server import ShardServer
 
 from hybridrec.cli.serve_embeddings import main as serve_embeddings
+
+from .remote_calls import addresses, same_calls
 
 TABLES = [
     TableConfig(name="ads", dim=4, capacity=2000),
@@ -51,49 +52,6 @@ def _client_tls(certs, *, ca=None, client=None):
     return TLSFiles.from_config(config, "embedding.tls")
 
 
-@pytest.fixture
-def start_servers():
-    """start_servers(layout, num_shards, **kwargs) -> servers; stopped at teardown."""
-    started = []
-
-    def start(layout, *, num_shards, **kwargs):
-        servers = [
-            ShardServer(TABLES, shards, num_shards=num_shards, **kwargs) for shards in layout
-        ]
-        started.extend(servers)
-        return servers
-
-    yield start
-    for server in started:
-        server.drain_and_stop(timeout=5)
-
-
-def _addresses(servers):
-    return [f"127.0.0.1:{server.port}" for server in servers]
-
-
-def _same_calls(stores, rng, steps):
-    """One random sequence of lookups and updates on every store; equal answers."""
-    for step in steps:
-        ids = rng.integers(0, 300, size=64).astype(np.uint64)
-        grads = rng.normal(size=(64, 4)).astype(np.float32)
-        bags = RaggedIds(ids[:40], np.array([0, 3, 3, 10, 12, 20, 25, 31, 33, 35, 36] + [40] * 6))
-        pooled_grads = rng.normal(size=(16, 2, 8)).astype(np.float32)
-        answers = []
-        for store in stores:
-            store.set_step(step)
-            rows = store.lookup("ads", ids).result().copy()
-            store.apply_gradients("ads", ids, grads).result()
-            pooled = store.lookup_features(
-                {"f1": ids[:16], "f2": bags}, feature_tables={"f1": "users", "f2": "users"}
-            ).result()
-            store.apply_pooled_gradients(pooled, pooled_grads).result()
-            answers.append((rows, pooled.embeddings.copy()))
-        for rows, embeddings in answers[1:]:
-            np.testing.assert_array_equal(rows, answers[0][0])
-            np.testing.assert_array_equal(embeddings, answers[0][1])
-
-
 def test_tls_and_mutual_tls_give_the_rows_of_plaintext(start_servers, tls_certs):
     plain = start_servers([[0], [1]], num_shards=2, token=TOKEN)
     tls = start_servers([[0], [1]], num_shards=2, token=TOKEN, tls=_server_tls(tls_certs))
@@ -104,22 +62,22 @@ def test_tls_and_mutual_tls_give_the_rows_of_plaintext(start_servers, tls_certs)
     assert mutual[0].client_certificates_required and not tls[0].client_certificates_required
     stores = [
         EmbeddingStore(TABLES, num_shards=2),
-        EmbeddingStore(TABLES, shards=connect(_addresses(plain), TABLES, token=TOKEN)),
+        EmbeddingStore(TABLES, shards=connect(addresses(plain), TABLES, token=TOKEN)),
         EmbeddingStore(
             TABLES,
-            shards=connect(_addresses(tls), TABLES, token=TOKEN, tls=_client_tls(tls_certs)),
+            shards=connect(addresses(tls), TABLES, token=TOKEN, tls=_client_tls(tls_certs)),
         ),
         EmbeddingStore(
             TABLES,
             shards=connect(
-                _addresses(mutual), TABLES, token=TOKEN, tls=_client_tls(tls_certs, client="client")
+                addresses(mutual), TABLES, token=TOKEN, tls=_client_tls(tls_certs, client="client")
             ),
         ),
     ]
     assert [shard.address for shard in stores[2]._shards] == [
         f"grpc+tls://127.0.0.1:{server.port}" for server in tls
     ]
-    _same_calls(stores, np.random.default_rng(0), range(4))
+    same_calls(stores, np.random.default_rng(0), range(4))
     universe = np.arange(300, dtype=np.uint64)
     everything = [store.lookup("users", universe, train=False).result() for store in stores]
     for rows in everything[1:]:
@@ -138,7 +96,7 @@ def test_tls_and_mutual_tls_give_the_rows_of_plaintext(start_servers, tls_certs)
 
     # the token is still checked inside TLS
     with pytest.raises(RemoteShardError, match="refused the token"):
-        connect(_addresses(tls), TABLES, token="wrong", tls=_client_tls(tls_certs))
+        connect(addresses(tls), TABLES, token="wrong", tls=_client_tls(tls_certs))
 
 
 def _refusal(addresses, tls, token=None):
@@ -179,7 +137,7 @@ def test_refusals_are_one_line_and_immediate(start_servers, tls_certs, server, c
         "expired_client": _client_tls(tls_certs, client="expired_client"),
     }[client]
     servers = start_servers([[0]], num_shards=1, token=TOKEN, tls=server_tls)
-    message, seconds = _refusal(_addresses(servers), client_tls, token=TOKEN)
+    message, seconds = _refusal(addresses(servers), client_tls, token=TOKEN)
     assert message.startswith(f"embedding server grpc{'+tls' if client_tls else ''}://127.0.0.1:")
     assert re.search(expected, message), message
     assert seconds < 10, f"refused after {seconds:.1f} s: {message}"

@@ -10,6 +10,8 @@ import tritonclient.http as triton
 from hybridrec.model import StreamingMetrics
 from hybridrec.pipeline import RowEncoder, read_metadata, spec_from_json
 
+from .kserve import id_and_dense_inputs
+
 TOLERANCE = 1e-6
 CHUNK = 256
 
@@ -73,25 +75,7 @@ def test_hashed_and_raw_inputs_equal_evaluate(server, trained, reference, header
         for start in range(0, len(lines), CHUNK):
             rows = slice(start, start + CHUNK)
             ids, dense = reference.ids[rows], reference.dense[rows]
-            answer = _infer(
-                client,
-                server.url,
-                [
-                    {
-                        "name": "ids",
-                        "datatype": "UINT64",
-                        "shape": list(ids.shape),
-                        "data": ids.ravel().tolist(),
-                    },
-                    {
-                        "name": "dense",
-                        "datatype": "FP32",
-                        "shape": list(dense.shape),
-                        "data": dense.ravel().tolist(),
-                    },
-                ],
-                headers,
-            )
+            answer = _infer(client, server.url, id_and_dense_inputs(ids, dense), headers)
             assert answer["outputs"][0]["name"] == "probabilities"
             assert answer["outputs"][0]["datatype"] == "FP32"
             served_ids.append(answer["outputs"][0]["data"])

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 
+from .kserve import id_and_dense_inputs
+
 ROWS = 64
 
 
@@ -23,21 +25,7 @@ def _context(ca: str, client: tuple[str, str] | None = None) -> ssl.SSLContext:
 
 
 def _inputs(reference) -> list[dict]:
-    ids, dense = reference.ids[:ROWS], reference.dense[:ROWS]
-    return [
-        {
-            "name": "ids",
-            "datatype": "UINT64",
-            "shape": list(ids.shape),
-            "data": ids.ravel().tolist(),
-        },
-        {
-            "name": "dense",
-            "datatype": "FP32",
-            "shape": list(dense.shape),
-            "data": dense.ravel().tolist(),
-        },
-    ]
+    return id_and_dense_inputs(reference.ids[:ROWS], reference.dense[:ROWS])
 
 
 def _scores(client: httpx.Client, url: str, reference, headers=None) -> np.ndarray:

@@ -59,31 +59,28 @@ def test_training_over_mutual_tls_and_the_refusal_without_it(
     try:
         command = training.args(dataset, tmp_path / "refused", *keys)
         command += ["--set", f"embedding.servers={json.dumps([f'127.0.0.1:{server.port}'])}"]
-        refused = subprocess.run(
-            [sys.executable, "-m", "hybridrec", *command],
-            env={**os.environ, "HYBRIDREC_EMBEDDING_TOKEN": TOKEN},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert refused.returncode == 2
-        error = refused.stderr.strip()
-        assert error.count("\n") == 0, error
+        error = _refused(command)
         assert "speaks TLS and this client connects in plaintext" in error
         assert "embedding.tls.ca" in error
         # with the CA but no client certificate
         command += ["--set", tls_keys[0]]
-        refused = subprocess.run(
-            [sys.executable, "-m", "hybridrec", *command],
-            env={**os.environ, "HYBRIDREC_EMBEDDING_TOKEN": TOKEN},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert refused.returncode == 2
-        error = refused.stderr.strip()
-        assert error.count("\n") == 0, error
+        error = _refused(command)
         assert "requires a client certificate" in error
         assert "embedding.tls.cert and embedding.tls.key" in error
     finally:
         server.drain_and_stop(timeout=5)
+
+
+def _refused(command: list[str]) -> str:
+    """Runs `hybridrec *command`, which must be refused with one line; returns that line."""
+    refused = subprocess.run(
+        [sys.executable, "-m", "hybridrec", *command],
+        env={**os.environ, "HYBRIDREC_EMBEDDING_TOKEN": TOKEN},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode == 2
+    error = refused.stderr.strip()
+    assert error.count("\n") == 0, error
+    return error
