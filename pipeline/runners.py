@@ -242,10 +242,23 @@ def stop_runner(result, timeout: float = 60.0) -> None:
     try:
         result.cancel()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(client.processing().values()):
+        while time.monotonic() < deadline and _tasks_running(client):
             time.sleep(0.1)
     except Exception:  # noqa: BLE001 - the cluster is gone: nothing of it still writes
         pass
+
+
+def _running_threads(dask_worker) -> int:
+    return len(dask_worker.active_threads)
+
+
+def _tasks_running(client) -> bool:
+    """Whether any task still runs on the cluster. The scheduler forgets a cancelled task at
+    once, while the worker thread running it goes on (and writes) until the task returns:
+    so this asks the workers for their busy threads, not only the scheduler."""
+    if any(client.processing().values()):
+        return True
+    return any(client.run(_running_threads, on_error="ignore").values())
 
 
 def close_runner_client(result) -> None:
