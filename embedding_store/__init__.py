@@ -10,6 +10,8 @@ Public surface:
     RemoteShard (+ RemoteShardError, ServerUnavailableError): a shard hosted by a
         `hybridrec serve-embeddings` server; `embedding_store.remote.connect` builds them.
     route_hash, shard_of: how ids map to shards.
+    SlotMap, initial_rows, initial_optimizer_state: an id -> row map, and the values and
+        optimizer state a new row starts from (for rows held outside the store, on devices).
     latest_checkpoint_step: newest committed checkpoint under a URL.
     load_tables: TableConfigs from a TOML/JSON file.
     Errors: EmbeddingStoreError and its kinds (invalid input, unknown table, checkpoints).
@@ -21,7 +23,10 @@ snapshots (fp32, fp16, int8 or int4 rows: `EmbeddingStore.checkpoint(precision=.
 `columns` holds column-wise sharding (`TableConfig.column_shards`) and its planner.
 """
 
+from hybridrec.embedding_store._initializers import initial_rows
+from hybridrec.embedding_store._optimizers import initial_state as initial_optimizer_state
 from hybridrec.embedding_store._pooling import FeatureIds, PooledLookup, RaggedIds
+from hybridrec.embedding_store._slot_map import SlotMap
 from hybridrec.embedding_store.checkpoint import latest_checkpoint_step
 from hybridrec.embedding_store.config import (
     AdmissionConfig,
@@ -65,10 +70,13 @@ __all__ = [
     "RemoteShardError",
     "ServerUnavailableError",
     "Shard",
+    "SlotMap",
     "SparseOptimizerConfig",
     "TableConfig",
     "TieringConfig",
     "UnknownTableError",
+    "initial_optimizer_state",
+    "initial_rows",
     "latest_checkpoint_step",
     "load_tables",
     "route_hash",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from hybridrec.embedding_store._arrays import sum_by_inverse, take_rows, unique_inverse
@@ -207,3 +207,20 @@ def unpool(lookup: PooledLookup, grads: np.ndarray) -> dict[str, np.ndarray]:
         occurrences = np.concatenate(parts) if len(parts) > 1 else parts[0]
         result[table] = sum_by_inverse(occurrences, ids.inverse, len(ids.unique))
     return result
+
+
+def check_rows(table: Any, grads: object, rows: int) -> np.ndarray:
+    """`grads` as a float32 [rows, table.dim] array, or an InvalidInputError naming the table."""
+    if not isinstance(grads, np.ndarray) or grads.dtype.kind != "f":
+        described = (
+            f"{grads.dtype} array" if isinstance(grads, np.ndarray) else type(grads).__name__
+        )
+        raise InvalidInputError(
+            f"table {table.name!r}: gradients must be a float numpy array, got {described}"
+        )
+    if grads.shape != (rows, table.dim):
+        raise InvalidInputError(
+            f"table {table.name!r}: gradients must have shape [{rows}, {table.dim}] "
+            f"(one row per id), got {list(grads.shape)}"
+        )
+    return grads.astype(np.float32, copy=False)

@@ -19,6 +19,7 @@ from hybridrec.embedding_store._slot_map import SlotMap
 from hybridrec.embedding_store._storage import RamRows, TieredRows
 from hybridrec.embedding_store.checkpoint import RowBlock
 from hybridrec.embedding_store.config import TableConfig
+from hybridrec.embedding_store.errors import EmbeddingStoreError
 
 
 class _Counters:
@@ -202,6 +203,40 @@ class ShardTable:
             self._modified[slots] = self._sequence
             self._last_step[slots] = self._step
             self._stats["updates"] += len(slots) - skipped
+
+    def write_rows(self, ids: np.ndarray, values: np.ndarray, state: np.ndarray) -> None:
+        """Sets rows (unique ids [n], values [n, dim], optimizer state [n, width]), creating
+        the ids not held; they count as changed (the next incremental snapshot has them).
+
+        Rows held elsewhere (a device table, `training.device_rows`) come back this way.
+        """
+        with self._lock:
+            slots = self._map.find(ids)
+            new = slots < 0
+            if new.any():
+                fresh = self._allocate(int(new.sum()), slots[~new])
+                if len(fresh) < int(new.sum()):
+                    raise EmbeddingStoreError(
+                        f"table {self.config.name!r}: no room for {int(new.sum())} rows written "
+                        f"back ({len(self._map):,} of {self.capacity:,} held); raise its capacity"
+                    )
+                self._map.insert(ids[new], fresh)
+                self._slot_ids[fresh] = ids[new]
+                self._live[fresh] = True
+                slots[new] = fresh
+            self._rows.write_rows(slots, values, state)
+            self._last_step[slots] = self._step
+            self._modified[slots] = self._sequence
+
+    def read_rows(self, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, values, state) of the held rows whose ids `select(ids) -> bool mask` picks."""
+        with self._lock:
+            slots = np.flatnonzero(self._live[: self._high_water])
+            ids = self._slot_ids[slots]
+            picked = np.asarray(select(ids), bool)
+            slots, ids = slots[picked], ids[picked].copy()
+            values, state = self._rows.read_rows(slots)
+            return ids, values.astype(np.float32, copy=False), state
 
     # ----------------------------------------------------------------- admission / eviction
 

@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from hybridrec.embedding_store._arrays import put_rows
 from hybridrec.embedding_store.config import TableConfig
 from hybridrec.embedding_store.routing import shard_of
 
@@ -158,3 +159,18 @@ def describe_plan(
         f"{after.max() / after.mean():.3f} with the plan"
     )
     return "\n".join(lines)
+
+
+def piece_columns(rows: np.ndarray, piece: TableConfig) -> np.ndarray:
+    """The columns of [n, dim] `rows` that column slice `piece` holds (all for a whole table)."""
+    if piece.first_column == 0 and piece.dim == rows.shape[1]:
+        return rows
+    return np.ascontiguousarray(rows[:, piece.first_column : piece.first_column + piece.dim])
+
+
+def put_piece_columns(out: np.ndarray, where, piece: TableConfig, rows: np.ndarray) -> None:
+    """out[where, piece's columns] = rows."""
+    if piece.first_column == 0 and piece.dim == out.shape[1]:
+        put_rows(out, where, rows)
+    else:
+        out[where, piece.first_column : piece.first_column + piece.dim] = rows

@@ -231,6 +231,18 @@ class RemoteShard:
         received = self.connection.call(attempt, f"update on shard {self.index}")
         self._count_bytes("apply", descriptor, batches, received)
 
+    def write_rows(self, updates) -> None:
+        """Not carried over the wire yet: rows trained on the devices stay with in-process
+        shards (`training.device_rows` refuses servers)."""
+        raise RemoteShardError(
+            f"shard {self.index} at {self.address}: writing whole rows to a shard server is "
+            "not supported; keep device tables with in-process shards"
+        )
+
+    def read_rows(self, table: str, select):
+        """Not carried over the wire yet (see `write_rows`)."""
+        self.write_rows({})
+
     def set_step(self, step: int) -> None:
         """Remembers the step; every later request of this shard carries it (no extra call).
 

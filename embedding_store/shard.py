@@ -41,6 +41,15 @@ class Shard(Protocol):
         """{table: (ids [n], grads [n, dim])}: duplicates summed, non-finite rows skipped."""
         ...
 
+    def write_rows(self, updates: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """{table: (unique ids [n], values [n, dim], optimizer state [n, width])}: sets the
+        rows, creating those not held."""
+        ...
+
+    def read_rows(self, table: str, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, values, state) of the held rows of `table` that `select(ids)` picks."""
+        ...
+
     def set_step(self, step: int) -> None:
         """The training step: last-access time for LRU/TTL eviction."""
         ...
@@ -131,6 +140,15 @@ class LocalShard:
         """
         for name, (ids, grads) in updates.items():
             self._table(name).apply_gradients(ids, grads)
+
+    def write_rows(self, updates: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """See `Shard.write_rows`."""
+        for name, (ids, values, state) in updates.items():
+            self._table(name).write_rows(ids, values, state)
+
+    def read_rows(self, table: str, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """See `Shard.read_rows`."""
+        return self._table(table).read_rows(select)
 
     def set_step(self, step: int) -> None:
         """See `Shard.set_step`; sets the step of every table (may run a TTL sweep)."""

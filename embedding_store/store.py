@@ -17,10 +17,15 @@ import numpy as np
 from hybridrec.common.errors import UserError
 from hybridrec.embedding_store import _pooling
 from hybridrec.embedding_store import checkpoint as _checkpoint
-from hybridrec.embedding_store._arrays import put_rows, sum_duplicates, take_rows, unique_inverse
+from hybridrec.embedding_store._arrays import sum_duplicates, take_rows, unique_inverse
 from hybridrec.embedding_store._calls import Inline, when_all
 from hybridrec.embedding_store._pooling import FeatureIds, PooledLookup
-from hybridrec.embedding_store.columns import column_slices, stored_tables
+from hybridrec.embedding_store.columns import (
+    column_slices,
+    piece_columns,
+    put_piece_columns,
+    stored_tables,
+)
 from hybridrec.embedding_store.config import TableConfig
 from hybridrec.embedding_store.errors import CheckpointError, InvalidInputError, UnknownTableError
 from hybridrec.embedding_store.routing import partition, table_offset
@@ -29,21 +34,6 @@ from hybridrec.embedding_store.shard import LocalShard, Shard
 
 def _rows(array: np.ndarray, where: np.ndarray | slice) -> np.ndarray:
     return array[where] if isinstance(where, slice) else take_rows(array, where)
-
-
-def _columns(rows: np.ndarray, piece: TableConfig) -> np.ndarray:
-    """The columns of [n, dim] `rows` that column slice `piece` holds (all for a whole table)."""
-    if piece.first_column == 0 and piece.dim == rows.shape[1]:
-        return rows
-    return np.ascontiguousarray(rows[:, piece.first_column : piece.first_column + piece.dim])
-
-
-def _put_columns(out: np.ndarray, where, piece: TableConfig, rows: np.ndarray) -> None:
-    """out[where, piece's columns] = rows."""
-    if piece.first_column == 0 and piece.dim == out.shape[1]:
-        put_rows(out, where, rows)
-    else:
-        out[where, piece.first_column : piece.first_column + piece.dim] = rows
 
 
 class EmbeddingStore:
@@ -146,21 +136,6 @@ class EmbeddingStore:
                 f"unknown embedding table {table!r}; tables: {', '.join(self._configs)}"
             ) from None
 
-    def _grads(self, table: TableConfig, grads: object, rows: int) -> np.ndarray:
-        if not isinstance(grads, np.ndarray) or grads.dtype.kind != "f":
-            described = (
-                f"{grads.dtype} array" if isinstance(grads, np.ndarray) else type(grads).__name__
-            )
-            raise InvalidInputError(
-                f"table {table.name!r}: gradients must be a float numpy array, got {described}"
-            )
-        if grads.shape != (rows, table.dim):
-            raise InvalidInputError(
-                f"table {table.name!r}: gradients must have shape [{rows}, {table.dim}] "
-                f"(one row per id), got {list(grads.shape)}"
-            )
-        return grads.astype(np.float32, copy=False)
-
     # ----------------------------------------------------------------- routing
 
     def _route(self, ids: np.ndarray, offset: int = 0) -> list[tuple[int, np.ndarray | slice]]:
@@ -217,7 +192,7 @@ class EmbeddingStore:
             else:
                 out = np.empty((len(ids), config.dim), np.float32)
                 for (piece, _, where), result in zip(routes, results, strict=True):
-                    _put_columns(out, where, piece, result[piece.name])
+                    put_piece_columns(out, where, piece, result[piece.name])
             return out if expand is None else take_rows(out, expand)
 
         return when_all(futures, combine, self._pool)
@@ -232,7 +207,7 @@ class EmbeddingStore:
         """
         config = self._config(table)
         ids = _pooling._check_ids(f"table {table!r}", ids)
-        grads = self._grads(config, grads, len(ids))
+        grads = _pooling.check_rows(config, grads, len(ids))
         summed_ids, summed = sum_duplicates(ids, grads)  # in call order, as a shard would
         if summed_ids is not ids:
             ids, grads = summed_ids, summed  # new arrays: each distinct id is sent once
@@ -242,12 +217,35 @@ class EmbeddingStore:
             self._submit(
                 shard,
                 "apply_gradients",
-                {piece.name: (ids[where], _rows(_columns(grads, piece), where))},
+                {piece.name: (ids[where], _rows(piece_columns(grads, piece), where))},
             )
             for piece in self._slices[table]
             for shard, where in self._route(ids, table_offset(piece))
         ]
         return when_all(futures, lambda _: None, self._pool)
+
+    def write_rows(self, table: str, ids: np.ndarray, values: np.ndarray, state: Any) -> Future:
+        """Sets whole rows with their optimizer state (unique ids [n], values [n, dim], state
+        [n, width]), creating those not held: rows trained on the devices come back."""
+        config = self._whole_rows(table)
+        ids = _pooling._check_ids(f"table {table!r}", ids)
+        values, state = _pooling.check_rows(config, values, len(ids)), state.astype(np.float32)
+        calls = [
+            self._submit(shard, "write_rows", {table: (ids[at], values[at], state[at])})
+            for shard, at in self._route(ids, table_offset(config))
+        ]
+        return when_all(calls, lambda _: None, self._pool)
+
+    def read_rows(self, table: str, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, values, state) of every held row whose ids `select(ids) -> bool mask` picks."""
+        self._whole_rows(table)
+        parts = [shard.read_rows(table, select) for shard in self._shards]
+        return tuple(np.concatenate([part[i] for part in parts]) for i in range(3))
+
+    def _whole_rows(self, table: str) -> TableConfig:
+        if len(self._slices[self._config(table).name]) > 1:
+            raise InvalidInputError(f"table {table!r} is split by columns: no whole rows")
+        return self._configs[table]
 
     # ----------------------------------------------------------------- pooled features
 
@@ -296,7 +294,7 @@ class EmbeddingStore:
                 unique_rows = np.empty((len(ids.unique), dim), np.float32)
                 for piece in pieces:
                     for shard, where in ids.routes[piece.name]:
-                        _put_columns(unique_rows, where, piece, by_shard[shard][piece.name])
+                        put_piece_columns(unique_rows, where, piece, by_shard[shard][piece.name])
                 rows[table] = unique_rows
             embeddings = _pooling.pool(planned, tables, rows, batch, dim, pooling)
             return PooledLookup(embeddings, tuple(features), pooling, planned, tables)
@@ -324,7 +322,7 @@ class EmbeddingStore:
         for table, table_grads in per_table.items():
             ids = lookup._tables[table]
             for piece in self._slices[table]:
-                piece_grads = _columns(table_grads, piece)
+                piece_grads = piece_columns(table_grads, piece)
                 for shard, where in ids.routes[piece.name]:
                     requests.setdefault(shard, {})[piece.name] = (
                         ids.unique[where],
@@ -369,15 +367,13 @@ class EmbeddingStore:
 
     def _merge_stats(self, step: int, per_shard: list[dict]) -> dict[str, Any]:
         tables: dict[str, dict[str, int]] = {}
+        totals: dict[str, int] = {}
         for shard_stats in per_shard:
             for table, counters in shard_stats.items():
                 merged = tables.setdefault(table, {})
                 for key, value in counters.items():
                     merged[key] = merged.get(key, 0) + value
-        totals: dict[str, int] = {}
-        for counters in tables.values():
-            for key, value in counters.items():
-                totals[key] = totals.get(key, 0) + value
+                    totals[key] = totals.get(key, 0) + value
         return {"step": step, "num_shards": self.num_shards, **totals, "tables": tables}
 
     # ----------------------------------------------------------------- checkpoints

@@ -46,6 +46,9 @@ class TrainState:
     opt_state: optax.OptState  # optax state, laid out like `params` where it mirrors them
     graphdef: nnx.GraphDef = struct.field(pytree_node=False)
     optimizer_config: DenseOptimizerConfig = struct.field(pytree_node=False)
+    # embedding tables held on the devices (`model.device_tables`): name -> values, state;
+    # not part of a dense checkpoint (their rows are saved with the store's)
+    tables: dict[str, Any] = struct.field(default_factory=dict)
 
     @property
     def tx(self) -> optax.GradientTransformation:

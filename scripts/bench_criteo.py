@@ -18,7 +18,9 @@ devices, in its own process.
 
 The last line is one JSON object (keys: auc_b512, auc_sync_b512, steady_over_dense_b128,
 steady_over_dense_b512, steady_over_dense_b4096, e2e_over_dense_b512,
-steady_samples_per_s_b512, e2e_samples_per_s_b512, hybrid_over_sync_b512, peak_rss_gb;
+steady_samples_per_s_b512, e2e_samples_per_s_b512, hybrid_over_sync_b512, peak_rss_gb,
+steady_samples_per_s_b512_host, steady_samples_per_s_b512_device, device_over_host_b512,
+device_lookup_fraction_b512 (lookups served by tables on the devices), auc_b512_host;
 the e2e keys are of the first batch-512 run, which compiles: the run has a compilation
 cache of its own, so later seeds' runs load the programs instead, reported as
 e2e_warm_over_dense_b512 and e2e_warm_samples_per_s_b512).
@@ -114,9 +116,16 @@ def _run_child(command: list[str], env: dict[str, str]) -> tuple[float, float, i
 
 
 def _train(
-    data: Path, batch: int, staleness: int, work: Path, env: dict, extra: list[str], seed: int = 0
+    data: Path,
+    batch: int,
+    staleness: int,
+    work: Path,
+    env: dict,
+    extra: list[str],
+    seed: int = 0,
+    tag: str = "",
 ):
-    run_dir = work / f"run_b{batch}_k{staleness}_seed{seed}"
+    run_dir = work / f"run_b{batch}_k{staleness}_seed{seed}{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [sys.executable, "-m", "hybridrec", "train", "--config", "criteo_dlrm"]
     command += ["--data", str(data), "--run-dir", str(run_dir), "--quiet"]
@@ -130,7 +139,7 @@ def _train(
     ]
     for setting in settings:
         command += ["--set", setting]
-    print(f"\n== train batch {batch}, staleness {staleness}, seed {seed}", flush=True)
+    print(f"\n== train batch {batch}, staleness {staleness}, seed {seed}{tag}", flush=True)
     seconds, rss_gb, code = _run_child(command, env)
     if code:
         _fail(f"training at batch {batch} failed (exit {code}); see the output above")
@@ -138,7 +147,8 @@ def _train(
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     train = [r for r in records if r["kind"] == "train"]
     first = next((r for r in train if r["step"] >= STEADY_AFTER), train[0])
-    last = train[-1]
+    # the last record holds the end's drain and write-back, which are not steady training
+    last = train[-2] if len(train) > 2 and train[-2]["step"] > first["step"] else train[-1]
     steady_steps = [r for r in train if r["step"] > first["step"]]
     done = "samples_done" if "samples_done" in last else "samples"  # trained, not dispatched
     if last["step"] > first["step"]:
@@ -163,6 +173,8 @@ def _train(
             (r.get("slowest_step_ms", 0.0) for r in steady_steps), default=float("nan")
         ),
         "store_bytes": summary["embedding_store"].get("bytes"),
+        # the share of embedding lookups served by tables on the devices
+        "device_lookup_fraction": _device_fraction(summary),
         **phases,
     }
     print(
@@ -174,6 +186,12 @@ def _train(
         flush=True,
     )
     return result
+
+
+def _device_fraction(summary: dict) -> float:
+    on_devices = (summary.get("device_tables") or {}).get("lookups", 0)
+    on_host = summary["embedding_store"].get("lookups", 0)
+    return round(on_devices / max(on_devices + on_host, 1), 4)
 
 
 def _mean_run(runs: list[dict]) -> dict:
@@ -289,6 +307,11 @@ def main() -> None:
             hybrid_runs.append(_train(data, 512, 4, work, env, args.extra, seed))
             sync_runs.append(_train(data, 512, 0, work, env, args.extra, seed))
         results[512], sync = _mean_run(hybrid_runs), _mean_run(sync_runs)
+    host = None
+    if 512 in args.batches:  # every table in the host store, as before device tables
+        host = _train(
+            data, 512, 4, work, env, [*args.extra, "embedding.device_budget=0"], tag="_host"
+        )
 
     print(
         "\n| batch | e2e samples/s | steady samples/s | dense-only | steady/dense | e2e/dense "
@@ -323,6 +346,23 @@ def main() -> None:
                 e2e_warm_over_dense_b512=round(b512["e2e_warm_samples_per_s"] / dense[512], 3),
                 e2e_warm_samples_per_s_b512=round(b512["e2e_warm_samples_per_s"]),
             )
+    if host:
+        device = results[512]
+        print(
+            f"batch 512, staleness 4: steady {device['steady_samples_per_s']:,.0f} samples/s with "
+            f"the planned device tables ({device['device_lookup_fraction']:.0%} of lookups on "
+            f"the devices) against {host['steady_samples_per_s']:,.0f} with every table in the "
+            f"host store; AUC {device['auc']:.4f} against {host['auc']:.4f}"
+        )
+        summary.update(
+            steady_samples_per_s_b512_host=round(host["steady_samples_per_s"]),
+            steady_samples_per_s_b512_device=round(device["steady_samples_per_s"]),
+            device_over_host_b512=round(
+                device["steady_samples_per_s"] / host["steady_samples_per_s"], 3
+            ),
+            device_lookup_fraction_b512=device["device_lookup_fraction"],
+            auc_b512_host=round(host["auc"], 4),
+        )
     if sync:
         print(
             f"AUC per seed at batch 512: hybrid {results[512]['auc_per_seed']}, "

@@ -99,10 +99,11 @@ class RunCheckpoints:
             raise UserError(f"{path}: unreadable checkpoint pointer: {error}") from None
 
     def save_dense(self, step: int, state: Any) -> None:
-        """Saves the dense state (call on every process; returns when written)."""
+        """Saves the dense state (call on every process; returns when written). Device
+        tables are not part of it: their rows are saved with the store's."""
         if step in self.manager.all_steps():
             self.manager.delete(step)  # left over from a run killed before its LAST
-        self.manager.save(step, args=ocp.args.StandardSave(state))
+        self.manager.save(step, args=ocp.args.StandardSave(_dense(state)))
         self.manager.wait_until_finished()
 
     def save_position(self, step: int, process_index: int, position: dict[str, Any]) -> None:
@@ -145,10 +146,14 @@ class RunCheckpoints:
             ) from None
 
     def restore_dense(self, step: int, like: Any) -> Any:
-        """Restores the dense state of `step` with the shapes, dtypes and shardings of `like`."""
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        """Restores the dense state of `step` with the shapes, dtypes and shardings of `like`
+        (its device tables, if any, come back as they are in `like`)."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _dense(like))
         try:
-            return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            return (
+                restored.replace(tables=like.tables) if getattr(like, "tables", None) else restored
+            )
         except FileNotFoundError as error:
             raise UserError(
                 f"{self.root / 'dense'}: no dense checkpoint at step {step}: {error}"
@@ -173,3 +178,8 @@ class RunCheckpoints:
         if self._manager is not None:
             self._manager.close()
             self._manager = None
+
+
+def _dense(state: Any) -> Any:
+    """The state without its device tables (`TrainState.tables`)."""
+    return state.replace(tables={}) if getattr(state, "tables", None) else state

@@ -104,6 +104,14 @@ class EmbeddingConfig:
     # with id_map: "learned" (frequent ids alone, the tail grouped by the previous run's
     # embeddings) or "hashing_trick" (the same budgets, ids hashed into them)
     id_map_kind: Literal["learned", "hashing_trick"] = "learned"
+    # bytes per device for embedding rows kept on the devices, looked up and trained inside
+    # the jitted step (synchronously): the planner (training.device_plan) puts the smallest
+    # tables there first; -1 = auto, a quarter of a device's free memory; 0 = all on the host
+    device_budget: int = -1
+    # per spec table, overriding the planner: "host", or "device" with optional ":ROWS"
+    # (default: from the dataset's distinct ids) and ":sharded" / ":replicated" (default:
+    # replicated up to 4 MiB), e.g. "device:200000:sharded"
+    placement: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if (
@@ -118,6 +126,12 @@ class EmbeddingConfig:
             raise ValueError(
                 f"embedding.column_shards must be >= 1, or 0 to plan it; got {self.column_shards}"
             )
+        if self.device_budget < -1:
+            raise ValueError(
+                f"embedding.device_budget must be bytes >= 0, or -1 (auto); got {self.device_budget}"
+            )
+        for table, where in self.placement.items():
+            parse_placement(table, where)
 
     def table(self, name: str) -> TableConfig:
         return TableConfig(
@@ -222,3 +236,23 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)  # saves
     log: LogConfig = dataclasses.field(default_factory=LogConfig)  # metrics output
     seed: int = 0  # dense initialization and data order
+
+
+def parse_placement(table: str, where: str) -> tuple[str, int, str]:
+    """`embedding.placement.<table>` -> (place "host" | "device", rows (0: planned), layout
+    "" | "sharded" | "replicated"); a ValueError naming the key for anything else."""
+    place, *options = where.split(":")
+    rows, layout = 0, ""
+    for option in options:
+        if option.isdigit() and int(option) > 0 and not rows:
+            rows = int(option)
+        elif option in ("sharded", "replicated") and not layout:
+            layout = option
+        else:
+            place = ""
+    if place not in ("device", "host") or (place == "host" and options):
+        raise ValueError(
+            f'embedding.placement.{table} = {where!r}: use "host", or "device" with '
+            'optional ":ROWS" (ROWS > 0) and ":sharded" or ":replicated"'
+        )
+    return place, rows, layout

@@ -104,6 +104,7 @@ class _Ready:
     lookup: Any  # the store's PooledLookup
     device_batch: dict[str, jax.Array]
     staleness: int
+    device_rows: Any = None  # the batch's device-table rows (training.device_rows.Prepared)
 
 
 class HybridLoop:
@@ -132,6 +133,9 @@ class HybridLoop:
         gather: [local rows, ...] -> [global rows, ...] over all processes.
         nice: lower the background threads' priority by this much (0 = unchanged), so that
             on CPU hosts host work yields the cores to the dense step.
+        device_rows: the host side of the tables trained on the devices
+            (`training.device_rows.DeviceRows`); the store then looks up the layout's
+            features only, and `drain` writes the device rows a step changed back to it.
     """
 
     def __init__(
@@ -152,8 +156,10 @@ class HybridLoop:
         replicated: bool = False,
         gather: Callable[[np.ndarray], np.ndarray] | None = None,
         nice: int = 0,
+        device_rows: Any = None,
     ):
         self.state = state
+        self.device_rows = device_rows
         self.gate = StalenessGate(staleness)
         self._train_step = train_step
         self._store = store
@@ -209,6 +215,8 @@ class HybridLoop:
             return None
         clock = self._time("wait_ms", clock)
         self.state, metrics, embedding_grads = self._train_step(self.state, item.device_batch)
+        if item.device_rows is not None:
+            self.device_rows.trained(item.device_rows)
         clock = self._time("step_ms", clock)
         if self._steps_ahead:
             self._unfinished.append(metrics)
@@ -228,10 +236,13 @@ class HybridLoop:
         return StepResult(item.step, metrics, item.batch.position, item.staleness)
 
     def drain(self) -> None:
-        """Returns once every update handed over is applied in the store."""
+        """Returns once every update handed over is applied in the store, and the rows
+        trained on the devices are written back to it: the store holds the whole table."""
         self._updates.join()
         self._store.flush()
         self._raise_errors()
+        if self.device_rows is not None:
+            self.device_rows.write_back(self.state, self._store)
 
     def resume(self) -> None:
         """Lets lookups go on after a `progress(quiesce=True)`."""
@@ -344,18 +355,31 @@ class HybridLoop:
                     # a replica looks up (and later updates) the whole global batch; a
                     # shared store only this process's rows
                     rows = None if self._replicated else self._layout.rows
-                    future = self._store.lookup_features(
-                        feature_ids(item, rows, self._layout.features),
-                        feature_tables=self._feature_tables,
-                        pooling=self._pooling,
-                    )
+                    future = self._host_lookup(item, rows)
+                    # device tables: new ids get their rows here, in step order
+                    on_devices = self.device_rows and self.device_rows.prepare(item)
                 if self._direct:
-                    self._put(self._ready, self._to_devices(step, item, future, staleness))
+                    self._put(
+                        self._ready, self._to_devices(step, item, future, staleness, on_devices)
+                    )
                 else:
-                    self._put(self._looked_up, (step, item, future, staleness))
+                    self._put(self._looked_up, (step, item, future, staleness, on_devices))
                 step += 1
         except BaseException as error:
             self._put(self._ready if self._direct else self._looked_up, error)
+
+    def _host_lookup(self, batch: Batch, rows: slice | None) -> Future:
+        """The store's lookup of the batch's host features (None when every feature's
+        table is on the devices)."""
+        if self._layout.features == []:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        return self._store.lookup_features(
+            feature_ids(batch, rows, self._layout.features),
+            feature_tables=self._feature_tables,
+            pooling=self._pooling,
+        )
 
     def _transfer(self) -> None:
         lower_thread_priority(self._nice)
@@ -369,13 +393,23 @@ class HybridLoop:
         except BaseException as error:
             self._put(self._ready, error)
 
-    def _to_devices(self, step: int, batch: Batch, future: Future, staleness: int) -> _Ready:
+    def _to_devices(
+        self, step: int, batch: Batch, future: Future, staleness: int, on_devices: Any = None
+    ) -> _Ready:
         """Waits for the batch's lookup and copies what the step needs to the devices."""
         lookup = future.result()
         rows = self._layout.rows
-        embeddings = lookup.embeddings[rows] if self._replicated else lookup.embeddings
+        if lookup is None:  # no host features: [rows, 0, dim]
+            dim = self.device_rows.tables[0].dim
+            embeddings = np.zeros((len(batch.dense[rows]), 0, dim), np.float32)
+        elif self._replicated:
+            embeddings = lookup.embeddings[rows]
+        else:
+            embeddings = lookup.embeddings
         arrays = self._layout.device_batch(batch, embeddings)
-        return _Ready(step, batch, lookup, arrays, staleness)
+        if on_devices:
+            arrays.update(self.device_rows.device_arrays(on_devices, rows))
+        return _Ready(step, batch, lookup, arrays, staleness, on_devices or None)
 
     def _update(self) -> None:
         # Not lowered: an update that lags raises the staleness the next lookups see.
@@ -390,7 +424,7 @@ class HybridLoop:
 
     def _apply(self, lookup: Any, embedding_grads: jax.Array | np.ndarray) -> None:
         """Hands one step's update to the store (whose shard workers apply them in order)."""
-        if self._errors:  # after a failure, return the slot without applying
+        if self._errors or lookup is None:  # after a failure, or nothing looked up
             self.gate.release()
             return
         try:

@@ -27,6 +27,7 @@ from hybridrec.embedding_store import EmbeddingStore
 from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, ServerSet, connect
 from hybridrec.model import (
     create_train_state,
+    device_tables,
     make_eval_step,
     make_mesh,
     make_train_step,
@@ -43,6 +44,8 @@ from hybridrec.pipeline.id_map import IdMap, read_id_map
 from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.defaults import resolve_auto
+from hybridrec.training.device_plan import plan_devices
+from hybridrec.training.device_rows import DevicePlan, DeviceRows
 from hybridrec.training.hybrid import HybridLoop
 from hybridrec.training.input import Batch, ParquetReader
 from hybridrec.training.layouts import FlatLayout, TowerLayout
@@ -74,6 +77,19 @@ class Job:
     retry_timeout: float = DEFAULT_RETRY_TIMEOUT  # seconds to retry an unreachable server
     choices: tuple[str, ...] = ()  # what each "auto" config value became and why, a line each
     id_map: Any = None  # training.learned_hash.IdMap of embedding.id_map, or None
+    devices: DevicePlan | None = None  # tables on the devices (training.device_plan)
+
+    @property
+    def device_tables(self) -> bool:
+        """Whether some tables are trained on the devices."""
+        return bool(self.devices and self.devices.layout.tables)
+
+    def device_rows(self) -> DeviceRows | None:
+        """The host side of the device tables (id -> row maps), None without any."""
+        if not self.device_tables:
+            return None
+        tables = {table.name: table for table in self.tables.tables}
+        return DeviceRows(self.devices, tables, self.mesh, self.config.embedding.pooling)
 
     @property
     def is_chief(self) -> bool:
@@ -149,7 +165,7 @@ class Job:
     def new_state(self) -> Any:
         """A freshly initialized dense train state, laid out on the mesh."""
         config = self.config
-        return create_train_state(
+        state = create_train_state(
             config.model,
             config.optimizer,
             self.mesh,
@@ -158,6 +174,9 @@ class Job:
             num_features=self.num_features,
             embedding_dim=config.embedding.dim,
         )
+        if self.device_tables:
+            state = state.replace(tables=device_tables.init_tables(self.devices.layout, self.mesh))
+        return state
 
     def layout(self, batch_size: int, rows: slice = slice(None)) -> FlatLayout | TowerLayout:
         """How a batch of `batch_size` (this process's `rows` of it) meets the devices."""
@@ -170,6 +189,8 @@ class Job:
         """The jitted train step of the run's layout."""
         if self.tower_parallel:
             return make_tower_parallel_train_step(self.mesh, self.config.model.towers)
+        if self.device_tables:
+            return device_tables.make_train_step(self.mesh, self.devices.layout)
         return make_train_step(self.mesh)
 
     def eval_step(self) -> Any:
@@ -187,16 +208,22 @@ class Job:
         store: Any,
         first_step: int,
         rows: slice = slice(None),
+        device_rows: DeviceRows | None = None,
     ) -> HybridLoop:
         """The hybrid loop over `batches` with the run's settings (`hybrid.*`,
-        `data.prefetch`, `embedding.pooling`), this job's mesh, tables and processes."""
+        `data.prefetch`, `embedding.pooling`), this job's mesh, tables and processes;
+        `device_rows` (from `device_rows()`) when some tables are on the devices."""
         config = self.config
+        layout = self.layout(self.config.data.batch_size, rows)
+        if device_rows is not None:
+            layout = FlatLayout(self.mesh, rows, self.devices.host_features)
         return HybridLoop(
             batches,
             state=state,
             train_step=train_step,
             store=store,
-            layout=self.layout(self.config.data.batch_size, rows),
+            layout=layout,
+            device_rows=device_rows,
             feature_tables=self.tables.feature_tables,
             pooling=config.embedding.pooling,
             staleness=config.hybrid.staleness,
@@ -258,6 +285,7 @@ def prepare(
     *,
     distributed: dict[str, Any] | None = None,
     servers: ServerSet | None = None,
+    follow: bool = False,
 ) -> Job:
     """Joins the multi-process job (if any) and checks the config against the data and devices.
 
@@ -266,6 +294,8 @@ def prepare(
         distributed: coordinator / num_processes / process_id of a multi-process job.
         servers: the remote shard servers as the command resolved them; None:
             `embedding.servers`, no token.
+        follow: the run trains a followed stream (no tables on the devices: new ids
+            arrive without end).
     """
     maybe_initialize_distributed(**(distributed or {}))
     if not config.data.path:
@@ -310,6 +340,14 @@ def prepare(
         else config.embedding.num_shards or default_local_shards(),
         id_map=id_map,
     )
+    host_only = None
+    if addresses:
+        host_only = "the tables are on embedding servers (embedding.servers)"
+    elif config.model.layout == "towers":
+        host_only = "model.layout = 'towers' places each tower's tables itself"
+    elif follow:
+        host_only = "a followed stream brings new ids without end"
+    devices = plan_devices(config, metadata, mesh, tables, host_only=host_only)
     return Job(
         config=config,
         metadata=metadata,
@@ -320,8 +358,9 @@ def prepare(
         servers=addresses,
         server_token=servers.token if servers else None,
         retry_timeout=servers.retry_timeout if servers else DEFAULT_RETRY_TIMEOUT,
-        choices=(*choices, *plan_lines),
+        choices=(*choices, *plan_lines, *devices.lines),
         id_map=id_map,
+        devices=devices,
     )
 
 

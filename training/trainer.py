@@ -97,7 +97,9 @@ class Trainer:
         self.publish = publish
         self.resume = resume
         self.quiet = quiet
-        self.job: Job = prepare(config, distributed=distributed, servers=servers)
+        self.job: Job = prepare(
+            config, distributed=distributed, servers=servers, follow=follow is not None
+        )
         self.config = self.job.config
         self.checkpoints = RunCheckpoints(self.run_dir, keep=config.checkpoint.keep)
         if follow is None:
@@ -133,6 +135,9 @@ class Trainer:
         if self._given_store is not None and resume_step is not None:
             raise UserError("a given embedding store cannot resume a run: let the trainer open it")
         self.store = self._given_store or job.open_store(self.checkpoints, resume_step)
+        self.device_rows = job.device_rows()  # id -> row maps of the tables on the devices
+        if self.device_rows is not None and resume_step is not None:
+            self.state = self.device_rows.load(self.state, self.store)
         self.step = self.saved_step = resume_step or 0
         self.published_step = None
         self.last_save = self.last_publish = time.monotonic()
@@ -188,6 +193,7 @@ class Trainer:
             store=self.store,
             first_step=self.step + 1,
             rows=segment.rows,
+            device_rows=self.device_rows,
         )
         with self.loop as loop:
             for index in range(segment.size):
@@ -326,6 +332,8 @@ class Trainer:
             "embedding_store": {
                 key: value for key, value in self.store.stats().items() if key != "tables"
             },
+            # tables trained on the devices: rows held each, and the share of lookups there
+            "device_tables": self.device_rows.summary() if self.device_rows else {},
             "processes": self.job.process_count,
             "devices": int(self.job.mesh.devices.size),
             "run_dir": str(self.run_dir),

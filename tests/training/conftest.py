@@ -29,6 +29,9 @@ SMALL_MODEL = [
     "log.every_steps=5",
     "checkpoint.every_steps=0",
     "eval.every_steps=0",
+    # every table in the host store: these tests measure the store and the hybrid loop
+    # (tables on the devices: test_device_tables.py)
+    "embedding.device_budget=0",
 ]
 
 

@@ -1,0 +1,297 @@
+"""Embedding tables held on the devices: looked up and updated inside the jitted step.
+
+A device table is `values` [rows + 1, dim] and `state` [rows + 1, state_width] f32 in
+the train state (`TrainState.tables[name]`), replicated on every device or split by
+rows over all of them. Its last row is scratch: padding entries of a batch point there.
+The host maps ids to rows (`training.device_rows`); what the step receives per table:
+
+    slots    [U] i32     the batch's distinct rows (padded with the scratch row), replicated
+    fresh    [U] bool    rows the batch creates: their values and state come with the batch
+    values   [U, dim]    initial values of the fresh rows (zeros elsewhere)
+    state    [U, width]  initial optimizer state of the fresh rows
+    inverse  [B, F, L]   per example and feature of the table, up to L indices into `slots`
+    weights  [B, F, L]   the pooling weight of each (0 for padding)
+
+The step gathers the U rows once, pools them into the features' embeddings, and after
+the backward pass applies the sparse optimizer to the same U rows (their gradients
+summed over the global batch, a reduction XLA inserts like the dense one) and writes
+them back. A row without a gradient in a step is left as it is: the same lazy,
+per-row math as the host store's optimizers (`embedding_store._optimizers`), in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hybridrec.model import sharding as sharding_lib
+from hybridrec.model import step as step_lib
+from hybridrec.model.sharding import batch_sharding, replicated
+
+P = jax.sharding.PartitionSpec
+
+ARRAYS = ("slots", "fresh", "values", "state", "inverse", "weights")  # per table, in the batch
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseRule:
+    """A per-row sparse optimizer (the fields of `embedding_store.SparseOptimizerConfig`)."""
+
+    name: str  # "sgd" | "adagrad" | "rowwise_adagrad" | "adam"
+    learning_rate: float
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+    initial_accumulator: float = 0.0
+
+    def state_width(self, dim: int) -> int:
+        return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim + 1}[self.name]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTable:
+    """One table on the devices.
+
+    Args:
+        name: the table's name (the features' spec table).
+        positions: positions of its features among the tower's F features.
+        rows: rows it holds (the scratch row comes on top).
+        dim: values per row.
+        rule: its sparse optimizer.
+        sharded: split its rows over all devices; False: a replica on every device.
+    """
+
+    name: str
+    positions: tuple[int, ...]
+    rows: int
+    dim: int
+    rule: SparseRule
+    sharded: bool = False
+
+    @property
+    def scratch(self) -> int:
+        return self.rows
+
+    def padded_rows(self, num_devices: int) -> int:
+        """Rows allocated: rows + scratch, rounded up to split evenly over the devices."""
+        total = self.rows + 1
+        return -(-total // num_devices) * num_devices if self.sharded else total
+
+    def bytes_per_device(self, num_devices: int) -> int:
+        width = self.dim + self.rule.state_width(self.dim)
+        total = self.padded_rows(num_devices) * width * 4
+        return total // num_devices if self.sharded else total
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTableLayout:
+    """Which of the tower's F features come from device tables; the rest come looked up
+    by the host, in `host_positions` order, as the batch's `embeddings` [B, F_host, D]."""
+
+    tables: tuple[DeviceTable, ...]
+    num_features: int
+
+    @property
+    def host_positions(self) -> tuple[int, ...]:
+        on_devices = {p for table in self.tables for p in table.positions}
+        return tuple(p for p in range(self.num_features) if p not in on_devices)
+
+    def order(self) -> np.ndarray:
+        """Feature position -> column of [host features..., each table's features...]."""
+        sources = [*self.host_positions, *(p for t in self.tables for p in t.positions)]
+        order = np.empty(self.num_features, np.int32)
+        order[np.asarray(sources, np.int64)] = np.arange(self.num_features)
+        return order
+
+
+def sparse_update(
+    rule: SparseRule, weights: jax.Array, state: jax.Array, grads: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One optimizer step on gathered rows [m, dim] (duplicates summed); rows whose gradient
+    is not finite keep their values and state."""
+    lr = jnp.float32(rule.learning_rate)
+    eps = jnp.float32(rule.eps)
+    if rule.name == "sgd":
+        new_weights, new_state = weights - lr * grads, state
+    elif rule.name in ("adagrad", "rowwise_adagrad"):
+        squares = grads * grads
+        if rule.name == "rowwise_adagrad":
+            squares = jnp.mean(squares, axis=1, keepdims=True, dtype=jnp.float32)
+        accumulator = state + squares
+        scale = jnp.where(accumulator > 0, 1.0 / jnp.sqrt(accumulator + eps), jnp.float32(0.0))
+        new_weights, new_state = weights - lr * (scale * grads), accumulator
+    else:  # adam, lazy per row, as the host store's
+        dim = weights.shape[1]
+        b1, b2 = jnp.float32(rule.beta1), jnp.float32(rule.beta2)
+        mu = jnp.float32(1 - rule.beta1) * grads + b1 * state[:, :dim]
+        nu = jnp.float32(1 - rule.beta2) * (grads * grads) + b2 * state[:, dim : 2 * dim]
+        count = state[:, 2 * dim :] + jnp.float32(1)
+        mu_hat = mu / (1 - b1**count)
+        nu_hat = nu / (1 - b2**count)
+        new_weights = weights - lr * (mu_hat / (jnp.sqrt(nu_hat) + eps))
+        new_state = jnp.concatenate([mu, nu, count], axis=1)
+    finite = jnp.all(jnp.isfinite(grads), axis=1, keepdims=True)
+    return jnp.where(finite, new_weights, weights), jnp.where(finite, new_state, state)
+
+
+def table_specs(layout: DeviceTableLayout, mesh: jax.sharding.Mesh) -> dict[str, dict[str, P]]:
+    """The partition specs of `TrainState.tables`: rows over every mesh axis, or none."""
+    rows = P(tuple(mesh.axis_names))
+    return {
+        table.name: {
+            "values": rows if table.sharded else P(),
+            "state": rows if table.sharded else P(),
+        }
+        for table in layout.tables
+    }
+
+
+def init_tables(
+    layout: DeviceTableLayout, mesh: jax.sharding.Mesh
+) -> dict[str, dict[str, jax.Array]]:
+    """Zeroed tables in their layout on `mesh` (rows are filled as the batches create them)."""
+    specs = table_specs(layout, mesh)
+    tables = {}
+    for table in layout.tables:
+        rows = table.padded_rows(mesh.devices.size)
+        shapes = {
+            "values": (rows, table.dim),
+            "state": (rows, table.rule.state_width(table.dim)),
+        }
+        tables[table.name] = {
+            key: jax.jit(
+                lambda shape=shape: jnp.zeros(shape, jnp.float32),
+                out_shardings=jax.sharding.NamedSharding(mesh, specs[table.name][key]),
+            )()
+            for key, shape in shapes.items()
+        }
+    return tables
+
+
+def batch_shardings(layout: DeviceTableLayout, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """Shardings of a batch's device-table arrays: per-row ones split over the data axis,
+    the distinct rows and their initial values replicated."""
+    out = {}
+    for table in layout.tables:
+        for key in ARRAYS:
+            per_example = key in ("inverse", "weights")
+            sharding = batch_sharding(mesh, 3) if per_example else replicated(mesh)
+            out[array_key(table.name, key)] = sharding
+    return out
+
+
+def array_key(table: str, key: str) -> str:
+    return f"table/{table}/{key}"
+
+
+def gather_rows(
+    layout: DeviceTableLayout, tables: Mapping[str, Mapping[str, jax.Array]], batch: Mapping
+) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """Per table, (values [U, dim], state [U, width]) of the batch's distinct rows, fresh
+    rows taking their initial values from the batch."""
+    out = {}
+    for table in layout.tables:
+        slots = batch[array_key(table.name, "slots")]
+        fresh = batch[array_key(table.name, "fresh")][:, None]
+        values = jnp.where(
+            fresh, batch[array_key(table.name, "values")], tables[table.name]["values"][slots]
+        )
+        state = jnp.where(
+            fresh, batch[array_key(table.name, "state")], tables[table.name]["state"][slots]
+        )
+        out[table.name] = (values, state)
+    return out
+
+
+def assemble(
+    layout: DeviceTableLayout, host: jax.Array, rows: Mapping[str, jax.Array], batch: Mapping
+) -> jax.Array:
+    """[B, F, D] embeddings in the tower's feature order, from the host's features
+    [B, F_host, D] and each table's gathered rows [U, D], pooled per feature."""
+    parts = [host]
+    for table in layout.tables:
+        inverse = batch[array_key(table.name, "inverse")]
+        weights = batch[array_key(table.name, "weights")]
+        picked = rows[table.name][inverse]  # [B, F_t, L, D]
+        parts.append(jnp.sum(picked * weights[..., None], axis=2))
+    embeddings = jnp.concatenate(parts, axis=1)
+    return embeddings[:, layout.order()]
+
+
+def update_tables(
+    layout: DeviceTableLayout,
+    tables: Mapping[str, Mapping[str, jax.Array]],
+    gathered: Mapping[str, tuple[jax.Array, jax.Array]],
+    grads: Mapping[str, jax.Array],
+    batch: Mapping,
+) -> dict[str, dict[str, jax.Array]]:
+    """The tables after the sparse optimizer stepped the batch's rows."""
+    out = {}
+    for table in layout.tables:
+        values, state = gathered[table.name]
+        new_values, new_state = sparse_update(table.rule, values, state, grads[table.name])
+        slots = batch[array_key(table.name, "slots")]
+        out[table.name] = {
+            "values": tables[table.name]["values"].at[slots].set(new_values),
+            "state": tables[table.name]["state"].at[slots].set(new_state),
+        }
+    return out
+
+
+def split_names(names: Sequence[str]) -> tuple[str, ...]:
+    """The batch keys a step with device tables reads, for `names` tables."""
+    return tuple(array_key(name, key) for name in names for key in ARRAYS)
+
+
+def train_step(
+    layout: DeviceTableLayout, state: Any, batch: Mapping[str, jax.Array]
+) -> tuple[Any, dict[str, jax.Array], jax.Array]:
+    """`model.step.train_step` with some features' rows on the devices.
+
+    `batch["embeddings"]` [B, F_host, D] holds the host's features (`layout.host_positions`);
+    the device tables' arrays come under `array_key(table, ...)`. Returns the new state
+    (dense parameters and device tables updated), the metrics, and the embedding
+    gradients of the host's features only.
+    """
+    gathered = gather_rows(layout, state.tables, batch)
+
+    def objective(params, host, rows):
+        embeddings = assemble(layout, host, rows, batch)
+        return step_lib.loss_fn(state.graphdef, params, {**batch, "embeddings": embeddings})
+
+    rows = {name: values for name, (values, _) in gathered.items()}
+    loss, (param_grads, host_grads, row_grads) = jax.value_and_grad(objective, argnums=(0, 1, 2))(
+        state.params, batch["embeddings"], rows
+    )
+    new_state, metrics = step_lib.apply_dense_gradients(state, loss, param_grads)
+    tables = update_tables(layout, state.tables, gathered, row_grads, batch)
+    return new_state.replace(tables=tables), metrics, host_grads
+
+
+def make_train_step(
+    mesh: jax.sharding.Mesh, layout: DeviceTableLayout, *, state_shardings: Any = None
+) -> step_lib.ShardedStep:
+    """Jits `train_step` with `layout`'s device tables once for `mesh` (see
+    `model.step.make_train_step`; the state, device tables included, is donated)."""
+    in_batch = {**sharding_lib.train_batch_sharding(mesh), **batch_shardings(layout, mesh)}
+    function = functools.partial(train_step, layout)
+
+    def make_jitted(shardings):
+        return jax.jit(
+            function,
+            in_shardings=(shardings, in_batch),
+            out_shardings=(
+                shardings,
+                sharding_lib.replicated(mesh),
+                sharding_lib.batch_sharding(mesh, 3),
+            ),
+            donate_argnums=(0,),
+        )
+
+    keys = ("embeddings", "dense", "labels", *split_names([t.name for t in layout.tables]))
+    return step_lib.ShardedStep(function, mesh, keys, make_jitted, state_shardings)

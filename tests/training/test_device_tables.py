@@ -1,0 +1,129 @@
+"""Embedding tables on the devices (8 CPU devices): the same training as the host store,
+checkpoints that restore anywhere, and one-line errors for placements that cannot be."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hybridrec.embedding_store.checkpoint import read_table_rows
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# the small model keeps every table on the host (embedding.device_budget = 0); these runs
+# plan their own placement (-1 = auto)
+SYNC = [
+    "hybrid.staleness=0",
+    "eval.max_batches=4",
+    "log.every_steps=1000",
+    "embedding.device_budget=-1",
+]
+# half of the tables split by rows over the 8 devices, the others replicated (planned)
+SHARDED = [f"embedding.placement.C{i}=device:sharded" for i in range(1, 14)]
+
+
+def _train(cli, training, small_model, dataset, run_dir, *keys, resume=False):
+    extra = ["--resume"] if resume else []
+    result = cli(*training.args(dataset, run_dir, *small_model(*SYNC, *keys), *extra))
+    return json.loads((run_dir / "summary.json").read_text()), result.stdout
+
+
+def _rows(run_dir: Path, step: int) -> tuple[np.ndarray, np.ndarray]:
+    return read_table_rows(str(run_dir / "checkpoints" / "embeddings"), step, "embeddings")
+
+
+def _assert_same_rows(a: Path, b: Path, step: int) -> None:
+    ids_a, values_a = _rows(a, step)
+    ids_b, values_b = _rows(b, step)
+    np.testing.assert_array_equal(ids_a, ids_b)
+    np.testing.assert_allclose(values_a, values_b, rtol=1e-4, atol=2e-6)
+
+
+def test_device_tables_train_like_the_host_store_and_restore_anywhere(
+    cli, dataset, tmp_path, training, small_model
+):
+    steps = ["data.max_steps=24", "checkpoint.every_steps=12"]
+    host, _ = _train(
+        cli, training, small_model, dataset, tmp_path / "host", *steps, "embedding.device_budget=0"
+    )
+    devices, printed = _train(
+        cli, training, small_model, dataset, tmp_path / "devices", *steps, *SHARDED
+    )
+    assert "device tables: 26 of 26 tables on the devices (13 replicated, 13 split by rows)" in (
+        printed
+    )
+    assert host["device_tables"] == {} and devices["device_tables"]["lookups"] == 24 * 256 * 26
+    # at staleness 0 both placements run the same math: losses, rows and evaluation agree
+    assert devices["final_loss"] == pytest.approx(host["final_loss"], rel=1e-4)
+    assert devices["eval"]["auc"] == pytest.approx(host["eval"]["auc"], abs=1e-4)
+    for step in (12, 24):  # a mid-run checkpoint and the final one hold every row's latest value
+        _assert_same_rows(tmp_path / "host", tmp_path / "devices", step)
+
+    # the device run's checkpoint resumes as a host-only run, and on the devices again
+    shutil.copytree(tmp_path / "devices", tmp_path / "devices_to_host")
+    more = ["data.max_steps=36", "checkpoint.every_steps=12"]
+    on_host, _ = _train(
+        cli,
+        training,
+        small_model,
+        dataset,
+        tmp_path / "devices_to_host",
+        *more,
+        "embedding.device_budget=0",
+        resume=True,
+    )
+    on_devices, _ = _train(
+        cli, training, small_model, dataset, tmp_path / "devices", *more, *SHARDED, resume=True
+    )
+    assert on_host["steps"] == on_devices["steps"] == 36
+    assert on_devices["device_tables"]["rows"]  # the rows came back onto the devices
+    assert on_devices["eval"]["auc"] == pytest.approx(on_host["eval"]["auc"], abs=1e-4)
+    _assert_same_rows(tmp_path / "devices_to_host", tmp_path / "devices", 36)
+
+
+def _refused(dataset: Path, run_dir: Path, *keys: str) -> str:
+    settings = [item for key in keys for item in ("--set", key)]
+    result = subprocess.run(
+        [sys.executable, "-m", "hybridrec", "train", "--config", "quickstart"]
+        + ["--data", str(dataset), "--run-dir", str(run_dir), "--quiet", *settings],
+        cwd=REPO_ROOT,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("keys", "expected"),
+    [
+        (["embedding.placement.C99=device"], "embedding.placement.C99: no table 'C99'"),
+        (["embedding.placement.C1=devices"], "embedding.placement.C1 = 'devices': use"),
+        (
+            ["embedding.device_budget=4096", "embedding.placement.C1=device"],
+            "embedding.device_budget = 4,096 bytes per device (embedding.device_budget) is "
+            "too small for table 'C1' forced onto the devices",
+        ),
+        (
+            ["embedding.admission.min_count=2", "embedding.placement.C2=device"],
+            "embedding.placement.C2 = 'device': table 'C2' cannot be trained on the devices: "
+            "it admits ids by count",
+        ),
+        (
+            ["embedding.fuse_tables=false", "embedding.placement.C3=device:10"],
+            "embedding table 'C3' on the devices is full: 10 rows",
+        ),
+    ],
+    ids=["unknown_table", "bad_value", "budget_too_small", "admission", "table_full"],
+)
+def test_placements_that_cannot_be_are_one_line_errors(dataset, tmp_path, keys, expected):
+    line = _refused(dataset, tmp_path / "run", "data.max_steps=4", *keys)
+    assert expected in line, line

@@ -1,0 +1,299 @@
+"""The host's side of embedding tables held on the devices (`model.device_tables`).
+
+A table on the devices is trained inside the jitted step, synchronously (staleness 0):
+the host only maps each batch's ids to rows. `DeviceRows` keeps, per device table, an id
+-> row map (`embedding_store.SlotMap`), gives a new id the next free row and its initial
+values and optimizer state (the store's initializer, so the same id starts from the same
+vector wherever it lives), and turns a global batch into the arrays the step reads.
+
+The store stays the table of record for checkpoints, evaluation and export: when the
+loop quiesces, `write_back` copies every row a step changed since the last write-back,
+optimizer state included, into the host store (`EmbeddingStore.write_rows`), so a
+checkpoint, `evaluate` or `export` sees each row's latest value, and a checkpoint
+restores into a host-only run (or another device count) unchanged. `load` reads a
+restored store's rows of the device tables back onto the devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from hybridrec.common.errors import UserError
+from hybridrec.embedding_store import SlotMap, TableConfig, initial_optimizer_state, initial_rows
+from hybridrec.model import device_tables, make_global_batch
+from hybridrec.model.device_tables import DeviceTableLayout, array_key
+from hybridrec.model.sharding import replicated
+from hybridrec.training.input import Batch
+
+MIN_ROWS = 256  # a batch's distinct rows per table are padded to a power of two, at least this
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """Which spec tables live on the devices, and how (`training.device_plan.plan_devices`)."""
+
+    layout: DeviceTableLayout  # what the step sees
+    features: dict[str, tuple[str, ...]]  # device table -> its features, in position order
+    store_tables: dict[str, str]  # device table -> the store table its rows are written to
+    prefixes: dict[str, tuple[int, ...]]  # device table -> its features' id prefixes
+    prefix_bits: int
+    lines: tuple[str, ...] = ()  # the plan, as printed at start-up
+    all_features: tuple[str, ...] = ()  # every categorical feature, in position order
+
+    @property
+    def host_features(self) -> list[str] | None:
+        """Features the host store looks up, in position order (None: every feature)."""
+        if not self.layout.tables:
+            return None
+        on_devices = {name for names in self.features.values() for name in names}
+        return [f for f in self.all_features if f not in on_devices]
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One global batch's device-table arrays (host numpy), made by `DeviceRows.prepare`."""
+
+    arrays: dict[str, np.ndarray]
+    touched: dict[str, np.ndarray]  # table -> rows the batch's step changes
+
+
+class DeviceRows:
+    """Id -> row maps of the device tables of one run, and their batches.
+
+    Args:
+        plan: the device tables.
+        tables: the store's tables by name (initializer and optimizer of new rows).
+        mesh: the step's mesh.
+        pooling: how multi-valued features pool their rows ("sum", "mean", "sqrtn").
+    """
+
+    def __init__(
+        self, plan: DevicePlan, tables: Mapping[str, TableConfig], mesh: Any, pooling: str
+    ):
+        self.plan = plan
+        self.mesh = mesh
+        self.pooling = pooling
+        self._configs = {t.name: tables[plan.store_tables[t.name]] for t in plan.layout.tables}
+        self._maps = {t.name: SlotMap(min(t.rows, 1 << 16)) for t in plan.layout.tables}
+        self._ids = {t.name: np.zeros(t.rows, np.uint64) for t in plan.layout.tables}
+        self._used = dict.fromkeys(self._maps, 0)
+        self._touched = {t.name: np.zeros(t.rows, bool) for t in plan.layout.tables}
+        self.lookups = 0  # ids looked up on the devices (each occurrence)
+
+    @property
+    def tables(self):
+        return self.plan.layout.tables
+
+    def summary(self) -> dict[str, Any]:
+        """Rows held per device table, and the ids looked up on the devices so far."""
+        return {"rows": dict(self._used), "lookups": self.lookups}
+
+    # ---- per batch (the lookup thread, in step order) -----------------------------------
+
+    def prepare(self, batch: Batch) -> Prepared:
+        """The device-table arrays of a global batch; new ids get rows here."""
+        arrays, touched = {}, {}
+        for table in self.tables:
+            columns = [_as_bags(batch.ids[name]) for name in self.plan.features[table.name]]
+            values = np.concatenate([c[0] for c in columns]) if columns else np.zeros(0, np.uint64)
+            unique, inverse = np.unique(values, return_inverse=True)
+            slots = self._slots_of(table, unique)
+            size = _bucket(max(len(unique), MIN_ROWS))  # padded to a power of two: few compiles
+            config = self._configs[table.name]
+            width = table.rule.state_width(table.dim)
+            fresh = slots < 0
+            slots = self._assign(table, unique, slots)
+            padded = np.full(size, table.scratch, np.int32)
+            padded[: len(unique)] = slots
+            is_fresh = np.zeros(size, bool)
+            is_fresh[: len(unique)] = fresh
+            new_values = np.zeros((size, table.dim), np.float32)
+            new_state = np.zeros((size, width), np.float32)
+            if fresh.any():
+                new_ids = unique[fresh]
+                new_values[: len(unique)][fresh] = initial_rows(
+                    config.initializer, new_ids, table.dim, config.first_column
+                )
+                new_state[: len(unique)][fresh] = initial_optimizer_state(
+                    config.optimizer, len(new_ids), table.dim
+                )
+            index, weights = self._bags(columns, inverse, batch.size)
+            key = table.name
+            arrays.update(
+                {
+                    array_key(key, "slots"): padded,
+                    array_key(key, "fresh"): is_fresh,
+                    array_key(key, "values"): new_values,
+                    array_key(key, "state"): new_state,
+                    array_key(key, "inverse"): index,
+                    array_key(key, "weights"): weights,
+                }
+            )
+            touched[key] = slots
+            self.lookups += len(values)
+        return Prepared(arrays, touched)
+
+    def _slots_of(self, table, unique: np.ndarray) -> np.ndarray:
+        return self._maps[table.name].find(unique) if len(unique) else np.zeros(0, np.int64)
+
+    def _assign(self, table, unique: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        new = slots < 0
+        count = int(np.count_nonzero(new))
+        if not count:
+            return slots
+        start = self._used[table.name]
+        if start + count > table.rows:
+            raise UserError(
+                f"embedding table {table.name!r} on the devices is full: {table.rows:,} rows "
+                f"hold {start:,} ids and this batch brings {count:,} new ones; give it more "
+                f'rows (embedding.placement.{table.name} = "device:ROWS") or keep it on the '
+                'host ("host")'
+            )
+        fresh = np.arange(start, start + count, dtype=np.int64)
+        self._maps[table.name].insert(unique[new], fresh)
+        self._ids[table.name][fresh] = unique[new]
+        self._used[table.name] = start + count
+        slots = slots.copy()
+        slots[new] = fresh
+        return slots
+
+    def _bags(self, columns, inverse: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """[rows, F_t, L] indices into the batch's distinct rows and their pooling weights."""
+        longest = [1 if counts is None else int(counts.max(initial=1)) for _, counts in columns]
+        width = _bucket(max(longest, default=1))
+        index = np.zeros((rows, len(columns), width), np.int32)
+        weights = np.zeros((rows, len(columns), width), np.float32)
+        start = 0
+        for position, (values, counts) in enumerate(columns):
+            part = inverse[start : start + len(values)]
+            start += len(values)
+            if counts is None:  # single-valued: one id per row
+                index[:, position, 0] = part
+                weights[:, position, 0] = 1.0
+                continue
+            row_of = np.repeat(np.arange(rows), counts)
+            first = np.repeat(np.cumsum(counts) - counts, counts)
+            slot = np.arange(len(values)) - first
+            index[row_of, position, slot] = part
+            scale = np.ones(rows, np.float32)
+            if self.pooling == "mean":
+                scale = 1.0 / np.maximum(counts, 1).astype(np.float32)
+            elif self.pooling == "sqrtn":
+                scale = 1.0 / np.sqrt(np.maximum(counts, 1).astype(np.float32))
+            weights[row_of, position, slot] = scale[row_of]
+        return index, weights
+
+    def device_arrays(self, prepared: Prepared, rows: slice) -> dict[str, jax.Array]:
+        """The batch's arrays on the devices: per-example ones from this process's `rows`."""
+        out = {}
+        per_example = {}
+        for key, array in prepared.arrays.items():
+            if key.endswith(("/inverse", "/weights")):
+                per_example[key] = array[rows]
+            else:
+                out[key] = _replicated_array(array, self.mesh)
+        out.update(make_global_batch(per_example, self.mesh))
+        return out
+
+    def trained(self, prepared: Prepared) -> None:
+        """Marks the rows a dispatched step changed (written back at the next quiesce)."""
+        for name, slots in prepared.touched.items():
+            self._touched[name][slots] = True
+
+    # ---- at quiesce points (the caller's thread, every process) ---------------------------
+
+    def write_back(self, state: Any, store: Any) -> int:
+        """Copies the rows changed since the last write-back into `store`; returns how many.
+
+        Every process calls it at the same step (a replicated store takes every row on
+        each process; a gather of a table split over processes is a collective).
+        """
+        written = 0
+        for table in self.tables:
+            slots = np.flatnonzero(self._touched[table.name])
+            if not len(slots):
+                continue
+            values, opt_state = _take_rows(state.tables[table.name], slots, self.mesh)
+            store.write_rows(
+                self.plan.store_tables[table.name], self._ids[table.name][slots], values, opt_state
+            ).result()
+            self._touched[table.name][:] = False
+            written += len(slots)
+        return written
+
+    def load(self, state: Any, store: Any) -> Any:
+        """The state with the device tables filled from `store`'s rows of their features
+        (after a restore); the id -> row maps start over from them."""
+        bits = np.uint64(64 - self.plan.prefix_bits)
+        tables = dict(state.tables)
+        for table in self.tables:
+            prefixes = np.asarray(self.plan.prefixes[table.name], np.uint64)
+            ids, values, opt_state = store.read_rows(
+                self.plan.store_tables[table.name], lambda ids, p=prefixes: np.isin(ids >> bits, p)
+            )
+            if len(ids) > table.rows:
+                raise UserError(
+                    f"the checkpoint holds {len(ids):,} rows of embedding table {table.name!r}, "
+                    f"more than the {table.rows:,} planned on the devices; set "
+                    f'embedding.placement.{table.name} = "device:ROWS" with more rows, or "host"'
+                )
+            self._maps[table.name] = SlotMap(min(table.rows, 1 << 16))
+            slots = np.arange(len(ids), dtype=np.int64)
+            self._maps[table.name].insert(ids, slots)
+            self._ids[table.name][:] = 0
+            self._ids[table.name][: len(ids)] = ids
+            self._used[table.name] = len(ids)
+            self._touched[table.name][:] = False
+            tables[table.name] = _filled(state.tables[table.name], values, opt_state)
+        return state.replace(tables=tables)
+
+
+def _as_bags(ids: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """(values, counts per row or None for single-valued) of a feature's ids."""
+    if hasattr(ids, "offsets"):
+        return np.asarray(ids.values, np.uint64), np.diff(ids.offsets)
+    return np.asarray(ids, np.uint64), None
+
+
+def _bucket(size: int) -> int:
+    return 1 << max(0, int(size - 1).bit_length())
+
+
+def _replicated_array(array: np.ndarray, mesh: Any) -> jax.Array:
+    sharding = replicated(mesh)
+    if jax.process_count() == 1:
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_process_local_data(sharding, array, array.shape)
+
+
+def _take_rows(table: Mapping[str, jax.Array], slots: np.ndarray, mesh: Any):
+    """(values, state) host copies of a device table's `slots` (on every process)."""
+    index = _replicated_array(slots.astype(np.int32), mesh)
+    values, state = _taker(mesh)(dict(table), index)
+    return np.asarray(values.addressable_data(0)), np.asarray(state.addressable_data(0))
+
+
+@functools.cache
+def _taker(mesh: Any):
+    return jax.jit(lambda t, i: (t["values"][i], t["state"][i]), out_shardings=replicated(mesh))
+
+
+def _filled(table: Mapping[str, jax.Array], values: np.ndarray, state: np.ndarray) -> dict:
+    """The device table with rows [0, n) set to `values` / `state`, the rest zeros."""
+    out = {}
+    for key, rows in (("values", values), ("state", state)):
+        array = table[key]
+        full = np.zeros(array.shape, np.float32)
+        full[: len(rows)] = rows
+        out[key] = jax.make_array_from_callback(array.shape, array.sharding, lambda i, f=full: f[i])
+    return out
+
+
+def new_tables(layout: DeviceTableLayout, mesh: Any) -> dict[str, Any]:
+    """Zeroed device tables for a fresh state."""
+    return device_tables.init_tables(layout, mesh)
