@@ -27,6 +27,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import numpy as np
 from hybridrec.common.errors import ConfigError
 from hybridrec.embedding_store import TableConfig
 from hybridrec.model.device_tables import DeviceTable, DeviceTableLayout, SparseRule
@@ -34,6 +36,7 @@ from hybridrec.pipeline import DatasetMetadata
 from hybridrec.training.config import TrainConfig, parse_placement
 from hybridrec.training.device_rows import DevicePlan
 from hybridrec.training.tables import TablePlan
+from jax.experimental import multihost_utils
 
 AUTO_FRACTION = 0.25  # of a device's free memory, when embedding.device_budget = -1
 REPLICATE_BYTES = 4 << 20  # tables up to this size get a replica on every device
@@ -41,15 +44,24 @@ HEADROOM = 1.1  # rows planned per distinct id seen in the training split
 
 
 def free_bytes_per_device(mesh: Any) -> tuple[int, str]:
-    """(free bytes of one of the mesh's devices, where the number comes from)."""
-    device = mesh.devices.flat[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    """(free bytes of one of this process's devices, where the number comes from); the
+    smallest over the processes of a multi-process job, so that all plan alike."""
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        stats = None
     if stats and "bytes_limit" in stats:
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        return free, f"{device.device_kind} memory"
-    pages = _available_host_memory()
-    local = max(1, sum(1 for d in mesh.devices.flat if d.process_index == device.process_index))
-    return pages // local, f"host memory shared by {local} {device.platform} devices"
+        where = f"{device.device_kind} memory"
+    else:
+        local = len([d for d in mesh.devices.flat if d.process_index == device.process_index])
+        free = _available_host_memory() // local
+        where = f"host memory shared by {local} {device.platform} devices"
+    if jax.process_count() > 1:
+        free = int(np.min(multihost_utils.process_allgather(np.asarray(free, np.int64))))
+        where += ", the smallest of the processes'"
+    return free, where
 
 
 def _available_host_memory() -> int:

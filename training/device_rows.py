@@ -89,6 +89,10 @@ class DeviceRows:
     def tables(self):
         return self.plan.layout.tables
 
+    def rows_of(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """The rows of device table `table` holding `ids` (-1 for ids it does not hold)."""
+        return self._maps[table].find(np.asarray(ids, np.uint64))
+
     def summary(self) -> dict[str, Any]:
         """Rows held per device table, and the ids looked up on the devices so far."""
         return {"rows": dict(self._used), "lookups": self.lookups}

@@ -225,7 +225,8 @@ class HybridLoop:
             clock = self._time("device_ms", clock)
         if quiesce:
             self._pause_lookups()  # no lookup may slip in between this update and the snapshot
-        if self._replicated:  # a collective: every process, in step order, on this thread
+        if self._replicated and item.lookup is not None:  # a collective: every process, in
+            # step order, on this thread (none when every table is on the devices)
             embedding_grads = self._gather(self._layout.gradients(embedding_grads))
         self._updates.put((item.lookup, embedding_grads))
         if quiesce:

@@ -53,9 +53,19 @@ def test_sigkill_then_resume_finishes_from_the_last_complete_checkpoint(
     ]
 
 
-def test_two_processes_agree_on_the_final_metrics(dataset, tmp_path, cli, small_model):
+# tables on the devices: 13 split by rows over both processes' devices, 13 replicated
+DEVICE_TABLES = [
+    "embedding.device_budget=-1",
+    *(f"embedding.placement.C{i}=device:sharded" for i in range(1, 14)),
+]
+
+
+@pytest.mark.parametrize("placement", [[], DEVICE_TABLES], ids=["host_store", "device_tables"])
+def test_two_processes_agree_on_the_final_metrics(dataset, tmp_path, cli, small_model, placement):
     # k = 0 and one shard: the 2-process job must match one process with the same 8 devices
-    keys = small_model("data.max_steps=20", "hybrid.staleness=0", "embedding.num_shards=1")
+    keys = small_model(
+        "data.max_steps=20", "hybrid.staleness=0", "embedding.num_shards=1", *placement
+    )
     common = ["--data", str(dataset), "--config", "quickstart", "--quiet", *keys]
     run_dir = tmp_path / "two"
     launched = cli(
@@ -83,6 +93,8 @@ def test_two_processes_agree_on_the_final_metrics(dataset, tmp_path, cli, small_
         assert summary["steps"] == 20
     assert summaries[0]["eval"] == summaries[1]["eval"]  # every process reports the same
     assert summaries[0]["eval"]["count"] == 4000
+    assert summaries[0]["device_tables"] == summaries[1]["device_tables"]
+    assert bool(summaries[0]["device_tables"]) == bool(placement)
 
     cli("train", "--run-dir", str(tmp_path / "one"), *common)
     single = json.loads((tmp_path / "one" / "summary.json").read_text())
