@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from hybridrec.common.errors import UserError
 from hybridrec.embedding_store import SlotMap, TableConfig, initial_optimizer_state, initial_rows
-from hybridrec.model import device_tables, make_global_batch
+from hybridrec.model import make_global_batch
 from hybridrec.model.device_tables import DeviceTableLayout, array_key
 from hybridrec.model.sharding import replicated
 from hybridrec.training.input import Batch
@@ -106,7 +106,7 @@ class DeviceRows:
             columns = [_as_bags(batch.ids[name]) for name in self.plan.features[table.name]]
             values = np.concatenate([c[0] for c in columns]) if columns else np.zeros(0, np.uint64)
             unique, inverse = np.unique(values, return_inverse=True)
-            slots = self._slots_of(table, unique)
+            slots = self.rows_of(table.name, unique)
             size = _bucket(max(len(unique), MIN_ROWS))  # padded to a power of two: few compiles
             config = self._configs[table.name]
             width = table.rule.state_width(table.dim)
@@ -141,9 +141,6 @@ class DeviceRows:
             touched[key] = slots
             self.lookups += len(values)
         return Prepared(arrays, touched)
-
-    def _slots_of(self, table, unique: np.ndarray) -> np.ndarray:
-        return self._maps[table.name].find(unique) if len(unique) else np.zeros(0, np.int64)
 
     def _assign(self, table, unique: np.ndarray, slots: np.ndarray) -> np.ndarray:
         new = slots < 0
@@ -296,8 +293,3 @@ def _filled(table: Mapping[str, jax.Array], values: np.ndarray, state: np.ndarra
         full[: len(rows)] = rows
         out[key] = jax.make_array_from_callback(array.shape, array.sharding, lambda i, f=full: f[i])
     return out
-
-
-def new_tables(layout: DeviceTableLayout, mesh: Any) -> dict[str, Any]:
-    """Zeroed device tables for a fresh state."""
-    return device_tables.init_tables(layout, mesh)
