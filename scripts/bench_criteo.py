@@ -81,12 +81,15 @@ def checked_inputs(given: list[Path] | None) -> list[Path]:
     return inputs
 
 
-def _dataset(inputs: list[Path], cache: Path) -> Path:
-    """The preprocessed dataset of `inputs`, from the cache or written into it atomically."""
+def _dataset(inputs: list[Path], cache: Path, options: tuple[str, ...] = ()) -> Path:
+    """The preprocessed dataset of `inputs` (with `preprocess` `options`), from the cache or
+    written into it atomically."""
     key = hashlib.sha256()
     for path in inputs:
         stat = path.stat()
         key.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    if options:
+        key.update("\0".join(options).encode())
     target = cache / f"data-{key.hexdigest()[:16]}"
     if (target / "_SUCCESS").exists():
         print(f"preprocessed data: {target} (cached)", flush=True)
@@ -96,6 +99,7 @@ def _dataset(inputs: list[Path], cache: Path) -> Path:
     try:
         command = [sys.executable, "-m", "hybridrec", "preprocess", "--input"]
         command += [str(path) for path in inputs] + ["--output", str(staging), "--overwrite"]
+        command += list(options)
         subprocess.run(command, check=True, cwd=REPO)
         if target.exists():
             shutil.rmtree(target)
@@ -124,10 +128,14 @@ def _train(
     extra: list[str],
     seed: int = 0,
     tag: str = "",
+    preset: str | None = "criteo_dlrm",
 ):
+    """One `hybridrec train` run of `preset` (None: no preset, the "auto" defaults) in a
+    fresh process; its speeds, eval metrics and peak memory."""
     run_dir = work / f"run_b{batch}_k{staleness}_seed{seed}{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "hybridrec", "train", "--config", "criteo_dlrm"]
+    command = [sys.executable, "-m", "hybridrec", "train"]
+    command += ["--config", preset] if preset else []
     command += ["--data", str(data), "--run-dir", str(run_dir), "--quiet"]
     settings = [
         f"data.batch_size={batch}",

@@ -129,21 +129,31 @@ class RunCheckpoints:
             shutil.rmtree(old, ignore_errors=True)
         store_checkpoint.prune(self.embeddings_url, self.keep)
 
-    def read_position(self, step: int, process_index: int) -> dict[str, Any]:
+    def read_position(self, step: int, process_index: int, process_count: int) -> dict[str, Any]:
         """Reads the dict `save_position` wrote for `step` and `process_index`.
 
+        A checkpoint written by a job with a different number of processes has no position
+        per process of this job: the record of its process 0 comes back (the run's counters
+        are the same on every process) with `"processes"` = the writing job's count, and the
+        source places each reader by the step alone (`ParquetReader.position_after`).
+
         Raises:
-            UserError: the file is missing (the checkpoint was written by a job
-                with a different number of processes).
+            UserError: the step has no positions, or this process's file is unreadable.
         """
-        path = self.root / "positions" / f"{step:010d}" / f"process_{process_index}.json"
+        directory = self.root / "positions" / f"{step:010d}"
+        written = sorted(directory.glob("process_*.json"))
+        if not written:
+            raise UserError(f"{directory}: no input positions for checkpoint step {step}")
+        path = directory / f"process_{process_index}.json"
+        if len(written) != process_count:
+            path = directory / "process_0.json"
         try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(
-                f"{path}: missing; the checkpoint was written by a job with a different "
-                "number of processes"
-            ) from None
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise UserError(f"{path}: unreadable input position ({error})") from None
+        if len(written) != process_count:
+            record["processes"] = len(written)
+        return record
 
     def restore_dense(self, step: int, like: Any) -> Any:
         """Restores the dense state of `step` with the shapes, dtypes and shardings of `like`

@@ -52,9 +52,12 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EmbeddingOptimizerConfig(SparseOptimizerConfig):
     """The store's per-row optimizer as a run configures it: the same keys, but the step
-    size defaults to 0 = auto (chosen for the optimizer and batch size, training.defaults)."""
+    size defaults to 0 = auto (chosen for the optimizer and batch size, training.defaults),
+    and Adagrad's accumulators start at 0, as FBGEMM's (TorchRec) do: a new row's first
+    step is the full rate (measured on the Criteo sample: docs/training.md)."""
 
     learning_rate: float = 0.0
+    initial_accumulator: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

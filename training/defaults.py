@@ -11,7 +11,7 @@ and each choice is printed at start-up with its reason:
 | `model.tower` ("auto")                  | DLRM with numeric features; DCN-V2 without (`model.config.choose_tower`) |
 | `data.batch_size` (0)                   | a power of two near rows / 200 in [256, 4096] |
 | `embedding.dim` (0)                     | a power of two near (distinct ids of the largest feature) ** 0.25, in [8, 128]; a bottom MLP's last width follows it |
-| `embedding.optimizer.learning_rate` (0) | Adagrad and row-wise Adagrad 0.5 * sqrt(batch / 512); SGD 2 * batch / 512; Adam 0.01 |
+| `embedding.optimizer.learning_rate` (0) | Adagrad and row-wise Adagrad 0.05 (accumulators starting at 0, the default), else 0.5 * sqrt(batch / 512); SGD 2 * batch / 512; Adam 0.01 |
 
 The measurements behind the constants are in docs/training.md ("Defaults that fit the data").
 """
@@ -31,6 +31,9 @@ AUTO_DIM_RANGE = (8, 128)  # embedding.dim = 0 picks a power of two within this 
 # embedding.optimizer.learning_rate = 0: the rate at batch 512, the best of those tried on
 # the Criteo sample (docs/training.md), and how it scales with the batch for each optimizer
 AUTO_SPARSE_RATES_AT_512 = {"adagrad": 0.5, "rowwise_adagrad": 0.5, "sgd": 2.0, "adam": 0.01}
+# Adagrad whose accumulators start at 0 (the run default, as FBGEMM's): a row's first step
+# is the rate itself whatever the gradient's scale, so the rate does not follow the batch
+AUTO_ADAGRAD_RATE_FROM_ZERO = 0.05
 
 
 def choose_batch_size(batch_size: int, train_rows: int, divisor: int) -> tuple[int, str]:
@@ -73,17 +76,23 @@ def choose_embedding_dim(dim: int, distinct_ids: dict[str, int]) -> tuple[int, s
     )
 
 
-def choose_sparse_learning_rate(rate: float, optimizer: str, batch_size: int) -> tuple[float, str]:
+def choose_sparse_learning_rate(
+    rate: float, optimizer: str, batch_size: int, initial_accumulator: float = 0.0
+) -> tuple[float, str]:
     """The embedding optimizer's step size and why: `rate` itself unless it is 0 (auto).
 
     The loss is a mean over the batch, so a row's gradient shrinks as the batch grows: SGD's
-    rate grows with the batch, Adagrad's (whose accumulator starts at a constant) with its
-    square root; Adam normalizes the gradient's scale away.
+    rate grows with the batch, Adagrad's (whose accumulator starts at a constant > 0) with
+    its square root; Adam, and Adagrad from a zero accumulator, normalize the gradient's
+    scale away.
     """
     if rate:
         return rate, f"embedding.optimizer.learning_rate = {rate:g} as configured"
-    scale = {"adagrad": math.sqrt, "rowwise_adagrad": math.sqrt, "sgd": float, "adam": None}
+    adagrad_scale = None if initial_accumulator == 0 else math.sqrt
+    scale = {"adagrad": adagrad_scale, "rowwise_adagrad": adagrad_scale, "sgd": float, "adam": None}
     chosen = AUTO_SPARSE_RATES_AT_512[optimizer]
+    if optimizer in ("adagrad", "rowwise_adagrad") and initial_accumulator == 0:
+        chosen = AUTO_ADAGRAD_RATE_FROM_ZERO
     if scale[optimizer]:
         chosen *= scale[optimizer](batch_size / 512)
     chosen = float(f"{chosen:.3g}")
@@ -135,7 +144,7 @@ def resolve_auto(
     nominal_batch, _ = choose_batch_size(config.data.batch_size, train_rows, 1)
     optimizer = config.embedding.optimizer
     rate, rate_reason = choose_sparse_learning_rate(
-        optimizer.learning_rate, optimizer.name, nominal_batch
+        optimizer.learning_rate, optimizer.name, nominal_batch, optimizer.initial_accumulator
     )
     resolved = dataclasses.replace(
         config,

@@ -341,6 +341,21 @@ class ParquetReader:
             rows = _take(rows, np.random.default_rng([self.seed, epoch, index]).permutation(count))
         return rows
 
+    def position_after(self, batches: int) -> DataPosition:
+        """Where this reader's stream stands after `batches` batches from the start of
+        training (row-group sizes only, nothing read): what `batches()` yields at that
+        point. A job resumed on a different number of processes starts each new reader
+        there, so the global step, epoch and share of the epoch carry over."""
+        epoch, in_epoch = divmod(batches, self.batches_per_epoch)
+        rows = in_epoch * self.batch_size
+        windows = self._epoch_windows(epoch)
+        for index, window in enumerate(windows):
+            size = sum(group.rows for group in window)
+            if rows < size:
+                return DataPosition(epoch, index, rows, batches)
+            rows -= size
+        return DataPosition(epoch, len(windows), 0, batches)
+
     def batches(
         self, num_batches: int | None = None, position: DataPosition | None = None
     ) -> Iterator[Batch]:

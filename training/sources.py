@@ -57,6 +57,8 @@ class EpochSource:
         if "position" not in saved:
             raise UserError("the checkpoint is of a --follow run; resume it with --follow")
         self.position = DataPosition.from_dict(saved["position"])
+        if "processes" in saved:  # written by a job of another process count
+            self.position = self.reader.position_after(self.position.batches)
         self.samples = int(saved["samples"])
         return float(saved["seconds"])
 

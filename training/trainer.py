@@ -130,7 +130,9 @@ class Trainer:
         saved = None
         if resume_step is not None:
             self.state = self.checkpoints.restore_dense(resume_step, self.state)
-            saved = self.checkpoints.read_position(resume_step, job.process_index)
+            saved = self.checkpoints.read_position(
+                resume_step, job.process_index, job.process_count
+            )
         self.seconds = source.restore(saved)
         if self._given_store is not None and resume_step is not None:
             raise UserError("a given embedding store cannot resume a run: let the trainer open it")

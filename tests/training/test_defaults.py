@@ -37,7 +37,13 @@ def test_auto_dim_follows_the_fourth_root_of_the_largest_vocabulary():
 
 
 def test_auto_sparse_rate_scales_with_the_batch_as_each_optimizer_needs():
-    adagrad = [choose_sparse_learning_rate(0, "adagrad", batch)[0] for batch in (128, 512, 2048)]
+    # Adagrad from a zero accumulator (the run default): the same rate at any batch
+    from_zero = [choose_sparse_learning_rate(0, "adagrad", batch)[0] for batch in (128, 2048)]
+    assert from_zero == [0.05, 0.05]
+    adagrad = [
+        choose_sparse_learning_rate(0, "adagrad", batch, initial_accumulator=0.1)[0]
+        for batch in (128, 512, 2048)
+    ]
     assert adagrad[1] == pytest.approx(0.5)
     assert adagrad[0] == pytest.approx(0.25) and adagrad[2] == pytest.approx(1.0)  # sqrt
     sgd = [choose_sparse_learning_rate(0, "sgd", batch)[0] for batch in (256, 1024)]

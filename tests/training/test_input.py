@@ -82,6 +82,21 @@ def test_resume_from_any_position_continues_the_same_stream(files, cut):
     assert not np.array_equal(first, second)
 
 
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_position_after_is_where_the_stream_stands_after_that_many_batches(files, shards):
+    # what a job resumed on another process count starts each reader at
+    for index in range(shards):
+        reader = _reader(files, seed=3, shuffle_buffer=700, shard_index=index, shard_count=shards)
+        total = reader.batches_per_epoch * 2
+        stream = list(reader.batches(num_batches=total))
+        for made in (0, 1, 5, reader.batches_per_epoch - 1, reader.batches_per_epoch, total - 1):
+            resumed = list(reader.batches(total, reader.position_after(made)))
+            assert len(resumed) == total - made, (index, made)
+            for expected, got in zip(stream[made:], resumed, strict=True):
+                np.testing.assert_array_equal(expected.labels, got.labels)
+                assert expected.position == got.position
+
+
 def test_sharded_eval_readers_pad_and_cover_every_row_once(files):
     readers = [_reader(files, pad_final=True, shard_index=i, shard_count=2) for i in range(2)]
     assert readers[0].batches_per_epoch == readers[1].batches_per_epoch

@@ -103,5 +103,33 @@ def test_two_processes_agree_on_the_final_metrics(dataset, tmp_path, cli, small_
         assert abs(single["eval"][key] - summaries[0]["eval"][key]) < 2e-3, key
 
 
+def test_resume_on_another_process_count_continues_the_step_and_epoch(
+    dataset, tmp_path, cli, small_model
+):
+    # 2 processes to step 10, then 1 process on to 20 from their checkpoint: the global
+    # step, the samples and the share of the epoch carry over (ParquetReader.position_after)
+    keys = small_model("hybrid.staleness=0", "checkpoint.every_steps=10")
+    run_dir = tmp_path / "run"
+    common = ["--data", str(dataset), "--config", "quickstart", "--quiet", *keys]
+    launch = ["launch", "--num-processes", "2", "--devices-per-process", "4", "--timeout", "200"]
+    cli(*launch, "--", "train", "--run-dir", str(run_dir), *common, "--set", "data.max_steps=10", timeout=240)  # fmt: skip
+    positions = run_dir / "checkpoints" / "positions" / f"{10:010d}"
+    assert sorted(path.name for path in positions.iterdir()) == [
+        "process_0.json",
+        "process_1.json",
+    ]
+    cli("train", "--run-dir", str(run_dir), "--resume", *common, "--set", "data.max_steps=20")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["processes"] == 1 and summary["steps"] == 20
+    assert summary["samples"] == 20 * 256
+    saved = json.loads((run_dir / "checkpoints" / "positions" / f"{20:010d}" / "process_0.json").read_text())  # fmt: skip
+    assert saved["position"]["batches"] == 20 and saved["samples"] == 20 * 256
+    steps = [
+        json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open() if '"train"' in line
+    ]
+    assert steps == sorted(set(steps)) and steps[-1] == 20
+    assert 0.5 < summary["eval"]["auc"] <= 1.0
+
+
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__])
