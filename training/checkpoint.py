@@ -144,14 +144,13 @@ class RunCheckpoints:
         written = sorted(directory.glob("process_*.json"))
         if not written:
             raise UserError(f"{directory}: no input positions for checkpoint step {step}")
-        path = directory / f"process_{process_index}.json"
-        if len(written) != process_count:
-            path = directory / "process_0.json"
+        same_layout = len(written) == process_count
+        path = directory / f"process_{process_index if same_layout else 0}.json"
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError) as error:
             raise UserError(f"{path}: unreadable input position ({error})") from None
-        if len(written) != process_count:
+        if not same_layout:
             record["processes"] = len(written)
         return record
 

@@ -88,13 +88,13 @@ def choose_sparse_learning_rate(
     """
     if rate:
         return rate, f"embedding.optimizer.learning_rate = {rate:g} as configured"
-    adagrad_scale = None if initial_accumulator == 0 else math.sqrt
-    scale = {"adagrad": adagrad_scale, "rowwise_adagrad": adagrad_scale, "sgd": float, "adam": None}
-    chosen = AUTO_SPARSE_RATES_AT_512[optimizer]
     if optimizer in ("adagrad", "rowwise_adagrad") and initial_accumulator == 0:
         chosen = AUTO_ADAGRAD_RATE_FROM_ZERO
-    if scale[optimizer]:
-        chosen *= scale[optimizer](batch_size / 512)
+    else:
+        scale = {"adagrad": math.sqrt, "rowwise_adagrad": math.sqrt, "sgd": float, "adam": None}
+        chosen = AUTO_SPARSE_RATES_AT_512[optimizer]
+        if scale[optimizer]:
+            chosen *= scale[optimizer](batch_size / 512)
     chosen = float(f"{chosen:.3g}")
     return chosen, (
         f"embedding.optimizer.learning_rate = 0 (auto): {chosen:g} for {optimizer} at batch "
