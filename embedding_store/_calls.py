@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 
 def when_all(futures: Sequence[Future], combine: Callable[[list], Any], pool) -> Future:
     """A future for `combine([results])`, computed on `pool` once every input is done."""
@@ -43,6 +45,18 @@ def when_all(futures: Sequence[Future], combine: Callable[[list], Any], pool) ->
     for future in futures:
         future.add_done_callback(done)
     return result
+
+
+def join_rows(routes: Sequence[tuple[int, Any]], parts: Sequence[tuple], count: int) -> tuple:
+    """Per-shard (values, state) answers, in route order -> (values, state) of all `count`
+    ids in the caller's order (routes: [(shard, positions or slice)])."""
+    if len(parts) == 1:
+        return parts[0]
+    out = tuple(np.empty((count, part.shape[1]), part.dtype) for part in parts[0])
+    for (_, at), part in zip(routes, parts, strict=True):
+        for whole, piece in zip(out, part, strict=True):
+            whole[at] = piece
+    return out
 
 
 class Inline:

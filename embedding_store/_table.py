@@ -228,6 +228,23 @@ class ShardTable:
             self._last_step[slots] = self._step
             self._modified[slots] = self._sequence
 
+    def take_rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(values [n, dim], state [n, width]) of unique ids [n], creating those not held
+        as a training lookup would: rows a device cache takes over (`training.device_rows`)."""
+        with self._lock:
+            slots = self._map.find(ids)
+            missing = slots < 0
+            if missing.any():
+                slots[missing] = self._admit(ids[missing], protect=slots[~missing])
+                if (slots < 0).any():
+                    raise EmbeddingStoreError(
+                        f"table {self.config.name!r}: no room for {int(missing.sum())} rows "
+                        f"({len(self._map):,} of {self.capacity:,} held); raise its capacity"
+                    )
+            values, state = self._rows.read_rows(slots)
+            self._last_step[slots] = self._step
+            return values.astype(np.float32, copy=False), state
+
     def read_rows(self, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, values, state) of the held rows whose ids `select(ids) -> bool mask` picks."""
         with self._lock:

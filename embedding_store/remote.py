@@ -243,6 +243,10 @@ class RemoteShard:
         """Not carried over the wire yet (see `write_rows`)."""
         self.write_rows({})
 
+    def take_rows(self, table: str, ids):
+        """Not carried over the wire yet (see `write_rows`)."""
+        self.write_rows({})
+
     def set_step(self, step: int) -> None:
         """Remembers the step; every later request of this shard carries it (no extra call).
 

@@ -46,6 +46,11 @@ class Shard(Protocol):
         rows, creating those not held."""
         ...
 
+    def take_rows(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(values [n, dim], state [n, width]) of unique ids [n] of `table`, creating the
+        rows not held."""
+        ...
+
     def read_rows(self, table: str, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, values, state) of the held rows of `table` that `select(ids)` picks."""
         ...
@@ -145,6 +150,10 @@ class LocalShard:
         """See `Shard.write_rows`."""
         for name, (ids, values, state) in updates.items():
             self._table(name).write_rows(ids, values, state)
+
+    def take_rows(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """See `Shard.take_rows`."""
+        return self._table(table).take_rows(ids)
 
     def read_rows(self, table: str, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """See `Shard.read_rows`."""

@@ -18,7 +18,7 @@ from hybridrec.common.errors import UserError
 from hybridrec.embedding_store import _pooling
 from hybridrec.embedding_store import checkpoint as _checkpoint
 from hybridrec.embedding_store._arrays import sum_duplicates, take_rows, unique_inverse
-from hybridrec.embedding_store._calls import Inline, when_all
+from hybridrec.embedding_store._calls import Inline, join_rows, when_all
 from hybridrec.embedding_store._pooling import FeatureIds, PooledLookup
 from hybridrec.embedding_store.columns import (
     column_slices,
@@ -235,6 +235,15 @@ class EmbeddingStore:
             for shard, at in self._route(ids, table_offset(config))
         ]
         return when_all(calls, lambda _: None, self._pool)
+
+    def take_rows(self, table: str, ids: np.ndarray) -> Future:
+        """A future of (values [n, dim], state [n, width]) of unique ids [n], creating the
+        rows not held: rows a device cache takes over, with their optimizer state."""
+        config = self._whole_rows(table)
+        ids = _pooling._check_ids(f"table {table!r}", ids)
+        routes = self._route(ids, table_offset(config))
+        calls = [self._submit(shard, "take_rows", table, ids[at]) for shard, at in routes]
+        return when_all(calls, lambda parts: join_rows(routes, parts, len(ids)), self._pool)
 
     def read_rows(self, table: str, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, values, state) of every held row whose ids `select(ids) -> bool mask` picks."""

@@ -17,13 +17,25 @@ the backward pass applies the sparse optimizer to the same U rows (their gradien
 summed over the global batch, a reduction XLA inserts like the dense one) and writes
 them back. A row without a gradient in a step is left as it is: the same lazy,
 per-row math as the host store's optimizers (`embedding_store._optimizers`), in float32.
+
+A hot-row cache (`DeviceTable.cache`) is a device table in front of a host table: it
+holds the table's most used rows, and its features are also looked up by the host
+store, for the ids the cache does not hold. A cached feature's embedding is the sum of
+both parts: the cache's rows pooled with the whole bag's weights (0 for the ids it
+does not hold), and the host's pooling of the other ids, rescaled to the whole bag
+(`host_scale`, 1 for sum pooling). Rows the cache admits come with the batch ("fresh",
+their values and optimizer state read from the host store); the rows they replace
+(`evict`) leave the step as outputs, read before the update, for the host store:
+
+    evict       [E] i32     rows evicted this step (padded with the scratch row), replicated
+    host_scale  [B, F_t]    per example and feature: the host part's factor
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -36,6 +48,8 @@ from hybridrec.model.sharding import batch_sharding, replicated
 P = jax.sharding.PartitionSpec
 
 ARRAYS = ("slots", "fresh", "values", "state", "inverse", "weights")  # per table, in the batch
+CACHE_ARRAYS = ("evict", "host_scale")  # and per cache
+PER_EXAMPLE = ("inverse", "weights", "host_scale")  # split over the batch axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +78,8 @@ class DeviceTable:
         dim: values per row.
         rule: its sparse optimizer.
         sharded: split its rows over all devices; False: a replica on every device.
+        cache: a hot-row cache of a host table (`rows` its capacity): the host store
+            looks up the ids it does not hold.
     """
 
     name: str
@@ -72,6 +88,12 @@ class DeviceTable:
     dim: int
     rule: SparseRule
     sharded: bool = False
+    cache: bool = False
+
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        """The batch arrays of this table (`array_key(name, ...)`)."""
+        return ARRAYS + CACHE_ARRAYS if self.cache else ARRAYS
 
     @property
     def scratch(self) -> int:
@@ -98,12 +120,22 @@ class DeviceTableLayout:
 
     @property
     def host_positions(self) -> tuple[int, ...]:
-        on_devices = {p for table in self.tables for p in table.positions}
+        """Features the host looks up: those of no device table, and the cached ones."""
+        on_devices = {p for table in self.whole for p in table.positions}
         return tuple(p for p in range(self.num_features) if p not in on_devices)
 
+    @property
+    def whole(self) -> tuple[DeviceTable, ...]:
+        """The tables held whole on the devices (not caches)."""
+        return tuple(table for table in self.tables if not table.cache)
+
+    @property
+    def caches(self) -> tuple[DeviceTable, ...]:
+        return tuple(table for table in self.tables if table.cache)
+
     def order(self) -> np.ndarray:
-        """Feature position -> column of [host features..., each table's features...]."""
-        sources = [*self.host_positions, *(p for t in self.tables for p in t.positions)]
+        """Feature position -> column of [host features..., each whole table's features...]."""
+        sources = [*self.host_positions, *(p for t in self.whole for p in t.positions)]
         order = np.empty(self.num_features, np.int32)
         order[np.asarray(sources, np.int64)] = np.arange(self.num_features)
         return order
@@ -178,10 +210,10 @@ def batch_shardings(layout: DeviceTableLayout, mesh: jax.sharding.Mesh) -> dict[
     the distinct rows and their initial values replicated."""
     out = {}
     for table in layout.tables:
-        for key in ARRAYS:
-            per_example = key in ("inverse", "weights")
-            sharding = batch_sharding(mesh, 3) if per_example else replicated(mesh)
-            out[array_key(table.name, key)] = sharding
+        for key in table.arrays:
+            per_example = key in PER_EXAMPLE
+            sharding = batch_sharding(mesh, 2 + (key != "host_scale")) if per_example else None
+            out[array_key(table.name, key)] = sharding or replicated(mesh)
     return out
 
 
@@ -212,15 +244,24 @@ def assemble(
     layout: DeviceTableLayout, host: jax.Array, rows: Mapping[str, jax.Array], batch: Mapping
 ) -> jax.Array:
     """[B, F, D] embeddings in the tower's feature order, from the host's features
-    [B, F_host, D] and each table's gathered rows [U, D], pooled per feature."""
-    parts = [host]
-    for table in layout.tables:
+    [B, F_host, D] and each table's gathered rows [U, D], pooled per feature (a cache's
+    added to the host's part of its features)."""
+
+    def pooled(table):
         inverse = batch[array_key(table.name, "inverse")]
         weights = batch[array_key(table.name, "weights")]
         picked = rows[table.name][inverse]  # [B, F_t, L, D]
-        parts.append(jnp.sum(picked * weights[..., None], axis=2))
-    embeddings = jnp.concatenate(parts, axis=1)
-    return embeddings[:, layout.order()]
+        return jnp.sum(picked * weights[..., None], axis=2)
+
+    columns = {p: i for i, p in enumerate(layout.host_positions)}
+    for table in layout.caches:
+        at = np.asarray([columns[p] for p in table.positions])
+        host = host.at[:, at].multiply(batch[array_key(table.name, "host_scale")][..., None])
+    parts = [host, *(pooled(table) for table in layout.whole)]
+    embeddings = jnp.concatenate(parts, axis=1)[:, layout.order()]
+    for table in layout.caches:
+        embeddings = embeddings.at[:, np.asarray(table.positions)].add(pooled(table))
+    return embeddings
 
 
 def update_tables(
@@ -229,23 +270,28 @@ def update_tables(
     gathered: Mapping[str, tuple[jax.Array, jax.Array]],
     grads: Mapping[str, jax.Array],
     batch: Mapping,
-) -> dict[str, dict[str, jax.Array]]:
-    """The tables after the sparse optimizer stepped the batch's rows."""
-    out = {}
+) -> tuple[dict[str, dict[str, jax.Array]], dict[str, tuple[jax.Array, jax.Array]]]:
+    """(the tables after the sparse optimizer stepped the batch's rows, per cache the
+    (values, state) of the rows it evicts, as they were before this step)."""
+    out, evicted = {}, {}
     for table in layout.tables:
         values, state = gathered[table.name]
         new_values, new_state = sparse_update(table.rule, values, state, grads[table.name])
         slots = batch[array_key(table.name, "slots")]
+        held = tables[table.name]
+        if table.cache:
+            evict = batch[array_key(table.name, "evict")]
+            evicted[table.name] = (held["values"][evict], held["state"][evict])
         out[table.name] = {
-            "values": tables[table.name]["values"].at[slots].set(new_values),
-            "state": tables[table.name]["state"].at[slots].set(new_state),
+            "values": held["values"].at[slots].set(new_values),
+            "state": held["state"].at[slots].set(new_state),
         }
-    return out
+    return out, evicted
 
 
-def split_names(names: Sequence[str]) -> tuple[str, ...]:
-    """The batch keys a step with device tables reads, for `names` tables."""
-    return tuple(array_key(name, key) for name in names for key in ARRAYS)
+def split_names(layout: DeviceTableLayout) -> tuple[str, ...]:
+    """The batch keys a step with `layout`'s device tables reads."""
+    return tuple(array_key(table.name, key) for table in layout.tables for key in table.arrays)
 
 
 def train_step(
@@ -256,7 +302,8 @@ def train_step(
     `batch["embeddings"]` [B, F_host, D] holds the host's features (`layout.host_positions`);
     the device tables' arrays come under `array_key(table, ...)`. Returns the new state
     (dense parameters and device tables updated), the metrics, and the embedding
-    gradients of the host's features only.
+    gradients of the host's features only; with caches, the last is (those gradients,
+    {cache: (values, state) of its evicted rows}).
     """
     gathered = gather_rows(layout, state.tables, batch)
 
@@ -269,8 +316,9 @@ def train_step(
         state.params, batch["embeddings"], rows
     )
     new_state, metrics = step_lib.apply_dense_gradients(state, loss, param_grads)
-    tables = update_tables(layout, state.tables, gathered, row_grads, batch)
-    return new_state.replace(tables=tables), metrics, host_grads
+    tables, evicted = update_tables(layout, state.tables, gathered, row_grads, batch)
+    out = (host_grads, evicted) if layout.caches else host_grads
+    return new_state.replace(tables=tables), metrics, out
 
 
 def make_train_step(
@@ -281,17 +329,17 @@ def make_train_step(
     in_batch = {**sharding_lib.train_batch_sharding(mesh), **batch_shardings(layout, mesh)}
     function = functools.partial(train_step, layout)
 
+    grads = sharding_lib.batch_sharding(mesh, 3)
+    if layout.caches:
+        grads = (grads, sharding_lib.replicated(mesh))
+
     def make_jitted(shardings):
         return jax.jit(
             function,
             in_shardings=(shardings, in_batch),
-            out_shardings=(
-                shardings,
-                sharding_lib.replicated(mesh),
-                sharding_lib.batch_sharding(mesh, 3),
-            ),
+            out_shardings=(shardings, sharding_lib.replicated(mesh), grads),
             donate_argnums=(0,),
         )
 
-    keys = ("embeddings", "dense", "labels", *split_names([t.name for t in layout.tables]))
+    keys = ("embeddings", "dense", "labels", *split_names(layout))
     return step_lib.ShardedStep(function, mesh, keys, make_jitted, state_shardings)

@@ -111,9 +111,11 @@ class EmbeddingConfig:
     # the jitted step (synchronously): the planner (training.device_plan) puts the smallest
     # tables there first; -1 = auto, a quarter of a device's free memory; 0 = all on the host
     device_budget: int = -1
-    # per spec table, overriding the planner: "host", or "device" with optional ":ROWS"
+    # per spec table, overriding the planner: "host"; "device" with optional ":ROWS"
     # (default: from the dataset's distinct ids) and ":sharded" / ":replicated" (default:
-    # replicated up to 4 MiB), e.g. "device:200000:sharded"
+    # replicated up to 4 MiB), e.g. "device:200000:sharded"; or "cache" (a hot-row cache on
+    # the devices in front of the host table) with the same options, ROWS its capacity
+    # (default: planned from the budget), e.g. "cache:50000"
     placement: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -242,7 +244,7 @@ class TrainConfig:
 
 
 def parse_placement(table: str, where: str) -> tuple[str, int, str]:
-    """`embedding.placement.<table>` -> (place "host" | "device", rows (0: planned), layout
+    """`embedding.placement.<table>` -> (place "host" | "device" | "cache", rows (0: planned), layout
     "" | "sharded" | "replicated"); a ValueError naming the key for anything else."""
     place, *options = where.split(":")
     rows, layout = 0, ""
@@ -253,9 +255,9 @@ def parse_placement(table: str, where: str) -> tuple[str, int, str]:
             layout = option
         else:
             place = ""
-    if place not in ("device", "host") or (place == "host" and options):
+    if place not in ("device", "cache", "host") or (place == "host" and options):
         raise ValueError(
-            f'embedding.placement.{table} = {where!r}: use "host", or "device" with '
+            f'embedding.placement.{table} = {where!r}: use "host", or "device" or "cache" with '
             'optional ":ROWS" (ROWS > 0) and ":sharded" or ":replicated"'
         )
     return place, rows, layout

@@ -9,7 +9,13 @@ statistics (the distinct ids of its features, with 10% headroom), or from the co
     small tables (<= REPLICATE_BYTES)   one replica on every device; their gradient is
                                         reduced over the devices like the dense one
     larger tables                       rows split over all devices
-    the rest                            the host store (async, staleness k)
+    the rest                            the host store (async, staleness k), each with a
+                                        hot-row cache on the devices in what is left of
+                                        the budget (`training.hot_rows`), if that holds
+                                        at least MIN_CACHE_ROWS rows
+
+When not every table fits, whole tables take at most half of the budget (smallest
+first) and the caches of the others share the rest equally.
 
 With `embedding.fuse_tables` the tables of each kind share one device table (their ids
 never collide: each feature's ids carry its prefix), so a step gathers and updates
@@ -40,6 +46,8 @@ from jax.experimental import multihost_utils
 
 AUTO_FRACTION = 0.25  # of a device's free memory, when embedding.device_budget = -1
 REPLICATE_BYTES = 4 << 20  # tables up to this size get a replica on every device
+MIN_CACHE_ROWS = 4096  # a smaller cache than this is not planned
+WHOLE_SHARE = 0.5  # of the budget for whole tables, when some tables get caches
 HEADROOM = 1.1  # rows planned per distinct id seen in the training split
 
 
@@ -148,7 +156,9 @@ def plan_devices(
         for name, stats in ((metadata.raw.get("stats") or {}).get("categorical") or {}).items()
     }
     store = {t.name: t for t in tables.tables}
-    candidates = []  # (bytes per device, spec table, rows, sharded, store table)
+    candidates = []  # (bytes per device, spec table, rows, sharded, store table, forced, row bytes)
+    # (spec table, rows (0: planned), layout, store table, row bytes, forced, most rows)
+    cached = []
     for spec_table in spec_tables:
         members = [f for f in features if f.table == spec_table]
         store_name = tables.feature_tables[members[0].name]
@@ -168,6 +178,15 @@ def plan_devices(
                 )
             continue
         seen = sum(distinct.get(f.name, 0) for f in members)
+        row_bytes = 4 * (embedding.dim + config_of.optimizer.state_width(embedding.dim))
+        most = min(
+            math.ceil(seen * HEADROOM) + 64 if seen else embedding.capacity, embedding.capacity
+        )
+        if place == "cache":
+            cached.append(
+                (spec_table, forced_rows, forced_layout, store_name, row_bytes, True, most)
+            )
+            continue
         if forced_rows:
             rows = forced_rows
         elif seen:
@@ -178,48 +197,56 @@ def plan_devices(
                 f'count for its features; give its rows: "device:ROWS"'
             )
         else:
-            continue  # unknown size: the host store grows as needed
-        width = embedding.dim + config_of.optimizer.state_width(embedding.dim)
-        total = (rows + 1) * width * 4
+            cached.append((spec_table, 0, "", store_name, row_bytes, False, most))  # unknown size
+            continue
+        total = (rows + 1) * row_bytes
         sharded = forced_layout == "sharded" or (
             not forced_layout and total > REPLICATE_BYTES and devices > 1
         )
         per_device = math.ceil(total / devices) if sharded else total
-        candidates.append((per_device, spec_table, rows, sharded, store_name, where != "auto"))
+        candidates.append(
+            (per_device, spec_table, rows, sharded, store_name, where != "auto", row_bytes)
+        )
     chosen, used = [], 0
-    for per_device, spec_table, rows, sharded, store_name, is_forced in sorted(
+    # when not every table fits (or a cache was asked for), whole tables that were not
+    # asked for take at most WHOLE_SHARE of the budget: caches share the rest
+    whole_budget = budget
+    if cached or sum(c[0] for c in candidates) > budget:
+        whole_budget = int(budget * WHOLE_SHARE)
+    for per_device, spec_table, rows, sharded, store_name, is_forced, row_bytes in sorted(
         candidates, key=lambda c: (not c[5], c[0])
     ):
-        if used + per_device > budget:
+        if used + per_device > (budget if is_forced else whole_budget):
             if is_forced:
                 raise ConfigError(
                     f"embedding.device_budget = {budget:,} bytes per device ({budget_note}) is "
                     f"too small for table {spec_table!r} forced onto the devices by "
                     f"embedding.placement ({_size(per_device)} per device, {_size(used)} taken)"
                 )
+            # left on the host: a cache of it where what is left of the budget allows
+            cached.append((spec_table, 0, "", store_name, row_bytes, False, rows))
             continue
         used += per_device
-        chosen.append((spec_table, rows, sharded, store_name))
+        chosen.append((spec_table, rows, sharded, store_name, False))
+    used = _plan_caches(cached, chosen, budget, budget_note, used, devices)
     if not chosen:
         return _with_lines(
             empty, [f"device tables: none fit {_size(budget)} per device ({budget_note})"]
         )
     groups: dict[tuple[Any, ...], list[tuple[str, int]]] = {}
-    for spec_table, rows, sharded, store_name in chosen:
-        key = (
-            ("sharded" if sharded else "replicated", store_name)
-            if embedding.fuse_tables
-            else (
-                spec_table,
-                store_name,
-            )
-        )
-        groups.setdefault((*key, sharded), []).append((spec_table, rows))
+    for spec_table, rows, sharded, store_name, cache in chosen:
+        if cache:  # a cache holds one table's rows: never fused
+            key: tuple[Any, ...] = (f"{spec_table}.cache", store_name)
+        elif embedding.fuse_tables:
+            key = ("sharded" if sharded else "replicated", store_name)
+        else:
+            key = (spec_table, store_name)
+        groups.setdefault((*key, sharded, cache), []).append((spec_table, rows))
     device: list[DeviceTable] = []
     member_features: dict[str, tuple[str, ...]] = {}
     store_tables: dict[str, str] = {}
     prefixes: dict[str, tuple[int, ...]] = {}
-    for (name, store_name, sharded), members in groups.items():
+    for (name, store_name, sharded, cache), members in groups.items():
         held = {t for t, _ in members}
         positions = tuple(i for i, f in enumerate(features) if f.table in held)
         device.append(
@@ -230,6 +257,7 @@ def plan_devices(
                 dim=embedding.dim,
                 rule=_rule(store[store_name]),
                 sharded=sharded,
+                cache=cache,
             )
         )
         member_features[str(name)] = tuple(names[p] for p in positions)
@@ -246,29 +274,81 @@ def plan_devices(
     return _with_lines(plan, _describe(plan, chosen, spec_tables, budget, budget_note, used))
 
 
+def _plan_caches(
+    cached: Sequence[tuple], chosen: list, budget: int, budget_note: str, used: int, devices: int
+) -> int:
+    """Appends to `chosen` the caches of the tables in `cached` that get one; returns the
+    budget used.
+
+    A forced cache with its rows gets them (a ConfigError if they do not fit); the others
+    share what is left equally (up to the rows their table is planned to hold), forced
+    ones first; an auto one that would hold fewer than MIN_CACHE_ROWS rows is not
+    planned, a forced one is a ConfigError.
+    """
+    ordered = sorted(cached, key=lambda c: (not c[5], not c[1]))
+    for index, entry in enumerate(ordered):
+        spec_table, rows, layout, store_name, row_bytes, forced, most = entry
+        left = budget - used
+        if not rows:
+            share = left // (len(ordered) - index)
+            sharded = layout == "sharded" or (
+                not layout and share > REPLICATE_BYTES and devices > 1
+            )
+            rows = min(share * (devices if sharded else 1) // row_bytes - 1, most)
+            if rows < min(MIN_CACHE_ROWS, most):
+                if forced:
+                    raise ConfigError(
+                        f"embedding.device_budget = {budget:,} bytes per device ({budget_note}) "
+                        f"leaves {_size(max(left, 0))} for the cache of table {spec_table!r} "
+                        f"(embedding.placement), under {MIN_CACHE_ROWS:,} rows; give it rows "
+                        '("cache:ROWS") or a larger budget'
+                    )
+                continue
+        total = (rows + 1) * row_bytes
+        sharded = layout == "sharded" or (not layout and total > REPLICATE_BYTES and devices > 1)
+        per_device = math.ceil(total / devices) if sharded else total
+        if used + per_device > budget:
+            raise ConfigError(
+                f"embedding.device_budget = {budget:,} bytes per device ({budget_note}) is too "
+                f"small for the cache of table {spec_table!r} forced by embedding.placement "
+                f"({_size(per_device)} per device, {_size(used)} taken)"
+            )
+        used += per_device
+        chosen.append((spec_table, rows, sharded, store_name, True))
+    return used
+
+
 def _describe(
     plan: DevicePlan,
-    chosen: Sequence[tuple[str, int, bool, str]],
+    chosen: Sequence[tuple[str, int, bool, str, bool]],
     spec_tables: Sequence[str],
     budget: int,
     budget_note: str,
     used: int,
 ) -> list[str]:
-    on = len(chosen)
-    replicated = sum(1 for _, _, sharded, _ in chosen if not sharded)
+    whole = [c for c in chosen if not c[4]]
+    caches = [c for c in chosen if c[4]]
+    on = len(whole)
+    replicated = sum(1 for c in whole if not c[2])
     lines = [
         f"device tables: {on} of {len(spec_tables)} tables on the devices "
         f"({replicated} replicated, {on - replicated} split by rows), {_size(used)} of "
         f"{_size(budget)} per device ({budget_note}); "
         f"{len(spec_tables) - on} in the host store"
+        + (f", {len(caches)} of them with a hot-row cache on the devices" if caches else "")
     ]
-    shown = chosen if len(chosen) <= 8 else sorted(chosen, key=lambda c: -c[1])[:4]
-    for spec_table, rows, sharded, _ in shown:
+    shown = whole if len(whole) <= 8 else sorted(whole, key=lambda c: -c[1])[:4]
+    for spec_table, rows, sharded, _, _ in shown:
         lines.append(
             f"  {spec_table}: {rows:,} rows, {'split by rows' if sharded else 'replicated'}"
         )
-    if len(shown) < len(chosen):
-        lines.append(f"  ... and {len(chosen) - len(shown)} smaller tables")
+    if len(shown) < len(whole):
+        lines.append(f"  ... and {len(whole) - len(shown)} smaller tables")
+    for spec_table, rows, sharded, _, _ in caches:
+        lines.append(
+            f"  {spec_table}: host store, hot-row cache of {rows:,} rows, "
+            f"{'split by rows' if sharded else 'replicated'}"
+        )
     return lines
 
 

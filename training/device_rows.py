@@ -12,6 +12,15 @@ optimizer state included, into the host store (`EmbeddingStore.write_rows`), so 
 checkpoint, `evaluate` or `export` sees each row's latest value, and a checkpoint
 restores into a host-only run (or another device count) unchanged. `load` reads a
 restored store's rows of the device tables back onto the devices.
+
+A hot-row cache (a device table with `cache`) holds some rows of a host table; the host
+store keeps them all. Per batch, `prepare` counts the table's ids, admits the frequent
+ones it does not hold (`training.hot_rows`), reads the admitted rows with their
+optimizer state from the store (`EmbeddingStore.take_rows`), and hands the host lookup
+the ids the cache does not hold. The rows it evicts leave the step as outputs and are
+written back to the store with that step's update (`write_evicted`), before any lookup
+that may read them (the staleness gate). A cached row is trained on the devices at
+staleness 0; the others in the store, at staleness k.
 """
 
 from __future__ import annotations
@@ -24,10 +33,17 @@ from typing import Any
 import jax
 import numpy as np
 from hybridrec.common.errors import UserError
-from hybridrec.embedding_store import SlotMap, TableConfig, initial_optimizer_state, initial_rows
+from hybridrec.embedding_store import (
+    RaggedIds,
+    SlotMap,
+    TableConfig,
+    initial_optimizer_state,
+    initial_rows,
+)
 from hybridrec.model import make_global_batch
-from hybridrec.model.device_tables import DeviceTableLayout, array_key
+from hybridrec.model.device_tables import PER_EXAMPLE, DeviceTableLayout, array_key
 from hybridrec.model.sharding import replicated
+from hybridrec.training.hot_rows import HotRows
 from hybridrec.training.input import Batch
 
 MIN_ROWS = 256  # a batch's distinct rows per table are padded to a power of two, at least this
@@ -50,7 +66,7 @@ class DevicePlan:
         """Features the host store looks up, in position order (None: every feature)."""
         if not self.layout.tables:
             return None
-        on_devices = {name for names in self.features.values() for name in names}
+        on_devices = {name for t in self.layout.whole for name in self.features[t.name]}
         return [f for f in self.all_features if f not in on_devices]
 
 
@@ -60,6 +76,16 @@ class Prepared:
 
     arrays: dict[str, np.ndarray]
     touched: dict[str, np.ndarray]  # table -> rows the batch's step changes
+    placed: dict[str, tuple[np.ndarray, np.ndarray]]  # table -> (rows, ids) new in them
+    host_ids: dict[str, Any] = dataclasses.field(default_factory=dict)  # cached feature ->
+    # the ids the host looks up (those its cache does not hold)
+    evicted: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # cache -> ids
+
+    def host_batch(self, batch: Batch) -> Batch:
+        """`batch` with the cached features' ids the host store looks up."""
+        if not self.host_ids:
+            return batch
+        return dataclasses.replace(batch, ids={**batch.ids, **self.host_ids})
 
 
 class DeviceRows:
@@ -70,65 +96,117 @@ class DeviceRows:
         tables: the store's tables by name (initializer and optimizer of new rows).
         mesh: the step's mesh.
         pooling: how multi-valued features pool their rows ("sum", "mean", "sqrtn").
+        store: the embedding store (caches read the rows they admit from it).
+        staleness: the run's bound k (an id a cache evicts stays out for k batches).
     """
 
     def __init__(
-        self, plan: DevicePlan, tables: Mapping[str, TableConfig], mesh: Any, pooling: str
+        self,
+        plan: DevicePlan,
+        tables: Mapping[str, TableConfig],
+        mesh: Any,
+        pooling: str,
+        *,
+        store: Any = None,
+        staleness: int = 0,
     ):
         self.plan = plan
         self.mesh = mesh
         self.pooling = pooling
+        self.store = store
+        self._staleness = staleness
         self._configs = {t.name: tables[plan.store_tables[t.name]] for t in plan.layout.tables}
-        self._maps = {t.name: SlotMap(min(t.rows, 1 << 16)) for t in plan.layout.tables}
-        self._ids = {t.name: np.zeros(t.rows, np.uint64) for t in plan.layout.tables}
-        self._used = dict.fromkeys(self._maps, 0)
-        self._touched = {t.name: np.zeros(t.rows, bool) for t in plan.layout.tables}
+        self._reset()
         self.lookups = 0  # ids looked up on the devices (each occurrence)
+        self._cache_counts = {
+            t.name: dict.fromkeys(("lookups", "hits", "admitted", "evicted"), 0)
+            for t in plan.layout.caches
+        }
+
+    def _reset(self) -> None:
+        tables = self.plan.layout.tables
+        self._maps = {t.name: SlotMap(min(t.rows, 1 << 16)) for t in tables}
+        self._ids = {t.name: np.zeros(t.rows, np.uint64) for t in tables}  # as prepared
+        self._resident = {t.name: np.zeros(t.rows, np.uint64) for t in tables}  # as trained
+        self._used = {t.name: 0 for t in tables}
+        self._touched = {t.name: np.zeros(t.rows, bool) for t in tables}
+        self._hot = {
+            t.name: HotRows(t.rows, cooldown=self._staleness) for t in self.plan.layout.caches
+        }
 
     @property
     def tables(self):
         return self.plan.layout.tables
+
+    @property
+    def caches(self) -> bool:
+        """Whether some device tables are hot-row caches of host tables."""
+        return bool(self.plan.layout.caches)
 
     def rows_of(self, table: str, ids: np.ndarray) -> np.ndarray:
         """The rows of device table `table` holding `ids` (-1 for ids it does not hold)."""
         return self._maps[table].find(np.asarray(ids, np.uint64))
 
     def summary(self) -> dict[str, Any]:
-        """Rows held per device table, and the ids looked up on the devices so far."""
-        return {"rows": dict(self._used), "lookups": self.lookups}
+        """Rows held per device table, the ids looked up on the devices so far, and per
+        cache its lookups, hits (ids it held), admissions, evictions and hit rate."""
+        out: dict[str, Any] = {"rows": dict(self._used), "lookups": self.lookups}
+        if self._cache_counts:
+            out["caches"] = {
+                name: {**counts, "hit_rate": round(counts["hits"] / max(counts["lookups"], 1), 4)}
+                for name, counts in self._cache_counts.items()
+            }
+        return out
+
+    def hit_rate(self) -> float | None:
+        """Of every cached feature's ids so far, the share its cache held (None: no cache)."""
+        if not self._cache_counts:
+            return None
+        lookups = sum(c["lookups"] for c in self._cache_counts.values())
+        return sum(c["hits"] for c in self._cache_counts.values()) / max(lookups, 1)
 
     # ---- per batch (the lookup thread, in step order) -----------------------------------
 
     def prepare(self, batch: Batch) -> Prepared:
-        """The device-table arrays of a global batch; new ids get rows here."""
-        arrays, touched = {}, {}
+        """The device-table arrays of a global batch; new ids get rows here, and caches
+        admit and evict theirs."""
+        prepared = Prepared({}, {}, {})
         for table in self.tables:
             columns = [_as_bags(batch.ids[name]) for name in self.plan.features[table.name]]
             values = np.concatenate([c[0] for c in columns]) if columns else np.zeros(0, np.uint64)
             unique, inverse = np.unique(values, return_inverse=True)
             slots = self.rows_of(table.name, unique)
             size = _bucket(max(len(unique), MIN_ROWS))  # padded to a power of two: few compiles
-            config = self._configs[table.name]
             width = table.rule.state_width(table.dim)
-            fresh = slots < 0
-            slots = self._assign(table, unique, slots)
-            padded = np.full(size, table.scratch, np.int32)
-            padded[: len(unique)] = slots
-            is_fresh = np.zeros(size, bool)
-            is_fresh[: len(unique)] = fresh
             new_values = np.zeros((size, table.dim), np.float32)
             new_state = np.zeros((size, width), np.float32)
-            if fresh.any():
-                new_ids = unique[fresh]
-                new_values[: len(unique)][fresh] = initial_rows(
-                    config.initializer, new_ids, table.dim, config.first_column
-                )
-                new_state[: len(unique)][fresh] = initial_optimizer_state(
-                    config.optimizer, len(new_ids), table.dim
-                )
-            index, weights = self._bags(columns, inverse, batch.size)
+            if table.cache:
+                fresh, slots = self._admit(table, unique, inverse, slots, columns, prepared, size)
+                if fresh.any():
+                    read = self.store.take_rows(self.plan.store_tables[table.name], unique[fresh])
+                    new_values[: len(unique)][fresh], new_state[: len(unique)][fresh] = (
+                        read.result()
+                    )
+            else:
+                fresh = slots < 0
+                slots = self._assign(table, unique, slots)
+                if fresh.any():
+                    config = self._configs[table.name]
+                    new_ids = unique[fresh]
+                    new_values[: len(unique)][fresh] = initial_rows(
+                        config.initializer, new_ids, table.dim, config.first_column
+                    )
+                    new_state[: len(unique)][fresh] = initial_optimizer_state(
+                        config.optimizer, len(new_ids), table.dim
+                    )
+            held = slots >= 0
+            padded = np.full(size, table.scratch, np.int32)
+            padded[: len(unique)][held] = slots[held]
+            is_fresh = np.zeros(size, bool)
+            is_fresh[: len(unique)] = fresh
+            index, weights = self._bags(columns, inverse, batch.size, held[inverse])
             key = table.name
-            arrays.update(
+            prepared.arrays.update(
                 {
                     array_key(key, "slots"): padded,
                     array_key(key, "fresh"): is_fresh,
@@ -138,9 +216,58 @@ class DeviceRows:
                     array_key(key, "weights"): weights,
                 }
             )
-            touched[key] = slots
+            prepared.touched[key] = slots[held]
+            prepared.placed[key] = (slots[fresh], unique[fresh])
             self.lookups += len(values)
-        return Prepared(arrays, touched)
+        return prepared
+
+    def _admit(self, table, unique, inverse, slots, columns, prepared: Prepared, size: int):
+        """A cache's admissions and evictions for one batch: (admitted [U] bool, rows [U]
+        with -1 for the ids left to the host); fills `prepared`'s evict and host arrays."""
+        name, hot = table.name, self._hot[table.name]
+        occurrences = np.bincount(inverse, minlength=len(unique))
+        counts = self._cache_counts[name]
+        counts["lookups"] += len(inverse)
+        counts["hits"] += int(occurrences[slots >= 0].sum())
+        admitted, rows = hot.choose(unique, hot.seen(unique, occurrences), slots)
+        leaving = rows[rows < self._used[name]]  # rows given out before: evicted
+        evicted = self._ids[name][leaving]
+        hot.evicted(evicted)
+        if len(leaving):
+            self._maps[name].remove(evicted)
+        self._maps[name].insert(unique[admitted], rows)
+        self._ids[name][rows] = unique[admitted]
+        self._used[name] = hot.used
+        counts["admitted"] += len(admitted)
+        counts["evicted"] += len(leaving)
+        # as long as the batch's rows (it evicts at most as many): no shape of its own to compile
+        evict = np.full(size, table.scratch, np.int32)
+        evict[: len(leaving)] = leaving
+        prepared.arrays[array_key(name, "evict")] = evict
+        prepared.evicted[name] = evicted
+        fresh = np.zeros(len(unique), bool)
+        fresh[admitted] = True
+        slots = slots.copy()
+        slots[admitted] = rows
+        self._host_part(table, slots >= 0, inverse, columns, prepared)
+        return fresh, slots
+
+    def _host_part(self, table, held, inverse, columns, prepared: Prepared) -> None:
+        """The ids of a cache's features the host looks up (those not held), and the
+        factor that rescales the host's pooling of them to the whole bag."""
+        start, scales = 0, []
+        for name, (values, counts) in zip(self.plan.features[table.name], columns, strict=True):
+            rows = len(values) if counts is None else len(counts)
+            counts = np.ones(rows, np.int64) if counts is None else counts
+            missed = ~held[inverse[start : start + len(values)]]
+            start += len(values)
+            row_of = np.repeat(np.arange(rows), counts)
+            kept = np.bincount(row_of[missed], minlength=rows)
+            offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
+            prepared.host_ids[name] = RaggedIds(values=values[missed], offsets=offsets)
+            whole, part = _pool_scale(counts, self.pooling), _pool_scale(kept, self.pooling)
+            scales.append(np.divide(part, whole, out=np.zeros_like(whole), where=whole > 0))
+        prepared.arrays[array_key(table.name, "host_scale")] = np.stack(scales, axis=1)
 
     def _assign(self, table, unique: np.ndarray, slots: np.ndarray) -> np.ndarray:
         new = slots < 0
@@ -163,8 +290,9 @@ class DeviceRows:
         slots[new] = fresh
         return slots
 
-    def _bags(self, columns, inverse: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """[rows, F_t, L] indices into the batch's distinct rows and their pooling weights."""
+    def _bags(self, columns, inverse, rows: int, held) -> tuple[np.ndarray, np.ndarray]:
+        """[rows, F_t, L] indices into the batch's distinct rows and their pooling weights
+        (0 for the occurrences not `held` [nnz] on the devices)."""
         longest = [1 if counts is None else int(counts.max(initial=1)) for _, counts in columns]
         width = _bucket(max(longest, default=1))
         index = np.zeros((rows, len(columns), width), np.int32)
@@ -172,10 +300,11 @@ class DeviceRows:
         start = 0
         for position, (values, counts) in enumerate(columns):
             part = inverse[start : start + len(values)]
+            on = held[start : start + len(values)]
             start += len(values)
             if counts is None:  # single-valued: one id per row
                 index[:, position, 0] = part
-                weights[:, position, 0] = 1.0
+                weights[:, position, 0] = on
                 continue
             row_of = np.repeat(np.arange(rows), counts)
             first = np.repeat(np.cumsum(counts) - counts, counts)
@@ -186,7 +315,7 @@ class DeviceRows:
                 scale = 1.0 / np.maximum(counts, 1).astype(np.float32)
             elif self.pooling == "sqrtn":
                 scale = 1.0 / np.sqrt(np.maximum(counts, 1).astype(np.float32))
-            weights[row_of, position, slot] = scale[row_of]
+            weights[row_of, position, slot] = scale[row_of] * on
         return index, weights
 
     def device_arrays(self, prepared: Prepared, rows: slice) -> dict[str, jax.Array]:
@@ -194,7 +323,7 @@ class DeviceRows:
         out = {}
         per_example = {}
         for key, array in prepared.arrays.items():
-            if key.endswith(("/inverse", "/weights")):
+            if key.rsplit("/", 1)[-1] in PER_EXAMPLE:
                 per_example[key] = array[rows]
             else:
                 out[key] = _replicated_array(array, self.mesh)
@@ -205,6 +334,23 @@ class DeviceRows:
         """Marks the rows a dispatched step changed (written back at the next quiesce)."""
         for name, slots in prepared.touched.items():
             self._touched[name][slots] = True
+        for name, (slots, ids) in prepared.placed.items():
+            self._resident[name][slots] = ids
+
+    def write_evicted(self, prepared: Prepared, evicted: Mapping[str, Any], store: Any) -> list:
+        """Hands the rows a step's caches evicted (its `evicted` output) to `store`;
+        returns the store's futures."""
+        futures = []
+        for name, ids in prepared.evicted.items():
+            if not len(ids):
+                continue
+            values, state = (np.asarray(part.addressable_data(0)) for part in evicted[name])
+            futures.append(
+                store.write_rows(
+                    self.plan.store_tables[name], ids, values[: len(ids)], state[: len(ids)]
+                )
+            )
+        return futures
 
     # ---- at quiesce points (the caller's thread, every process) ---------------------------
 
@@ -220,19 +366,19 @@ class DeviceRows:
             if not len(slots):
                 continue
             values, opt_state = _take_rows(state.tables[table.name], slots, self.mesh)
-            store.write_rows(
-                self.plan.store_tables[table.name], self._ids[table.name][slots], values, opt_state
-            ).result()
+            ids = self._resident[table.name][slots]
+            store.write_rows(self.plan.store_tables[table.name], ids, values, opt_state).result()
             self._touched[table.name][:] = False
             written += len(slots)
         return written
 
     def load(self, state: Any, store: Any) -> Any:
         """The state with the device tables filled from `store`'s rows of their features
-        (after a restore); the id -> row maps start over from them."""
+        (after a restore); the id -> row maps start over from them, and caches empty."""
         bits = np.uint64(64 - self.plan.prefix_bits)
         tables = dict(state.tables)
-        for table in self.tables:
+        self._reset()
+        for table in self.plan.layout.whole:
             prefixes = np.asarray(self.plan.prefixes[table.name], np.uint64)
             ids, values, opt_state = store.read_rows(
                 self.plan.store_tables[table.name], lambda ids, p=prefixes: np.isin(ids >> bits, p)
@@ -243,13 +389,9 @@ class DeviceRows:
                     f"more than the {table.rows:,} planned on the devices; set "
                     f'embedding.placement.{table.name} = "device:ROWS" with more rows, or "host"'
                 )
-            self._maps[table.name] = SlotMap(min(table.rows, 1 << 16))
-            slots = np.arange(len(ids), dtype=np.int64)
-            self._maps[table.name].insert(ids, slots)
-            self._ids[table.name][:] = 0
-            self._ids[table.name][: len(ids)] = ids
+            self._maps[table.name].insert(ids, np.arange(len(ids), dtype=np.int64))
+            self._ids[table.name][: len(ids)] = self._resident[table.name][: len(ids)] = ids
             self._used[table.name] = len(ids)
-            self._touched[table.name][:] = False
             tables[table.name] = _filled(state.tables[table.name], values, opt_state)
         return state.replace(tables=tables)
 
@@ -259,6 +401,13 @@ def _as_bags(ids: Any) -> tuple[np.ndarray, np.ndarray | None]:
     if hasattr(ids, "offsets"):
         return np.asarray(ids.values, np.uint64), np.diff(ids.offsets)
     return np.asarray(ids, np.uint64), None
+
+
+def _pool_scale(counts: np.ndarray, pooling: str) -> np.ndarray:
+    """What pooling divides a bag of `counts` ids by (1 for sum; 0 for an empty bag)."""
+    counts = counts.astype(np.float32)
+    scale = np.minimum(counts, 1) if pooling == "sum" else counts
+    return np.sqrt(scale) if pooling == "sqrtn" else scale
 
 
 def _bucket(size: int) -> int:

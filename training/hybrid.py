@@ -215,8 +215,11 @@ class HybridLoop:
             return None
         clock = self._time("wait_ms", clock)
         self.state, metrics, embedding_grads = self._train_step(self.state, item.device_batch)
+        evicted = None
         if item.device_rows is not None:
             self.device_rows.trained(item.device_rows)
+            if self.device_rows.caches:  # the rows the caches evicted come out of the step
+                embedding_grads, evicted = embedding_grads
         clock = self._time("step_ms", clock)
         if self._steps_ahead:
             self._unfinished.append(metrics)
@@ -228,7 +231,7 @@ class HybridLoop:
         if self._replicated and item.lookup is not None:  # a collective: every process, in
             # step order, on this thread (none when every table is on the devices)
             embedding_grads = self._gather(self._layout.gradients(embedding_grads))
-        self._updates.put((item.lookup, embedding_grads))
+        self._updates.put((item.lookup, embedding_grads, item.device_rows, evicted))
         if quiesce:
             self.drain()
         self._time("update_ms", clock)
@@ -356,9 +359,14 @@ class HybridLoop:
                     # a replica looks up (and later updates) the whole global batch; a
                     # shared store only this process's rows
                     rows = None if self._replicated else self._layout.rows
-                    future = self._host_lookup(item, rows)
-                    # device tables: new ids get their rows here, in step order
-                    on_devices = self.device_rows and self.device_rows.prepare(item)
+                    if self.device_rows and self.device_rows.caches:
+                        # caches first: the host looks up the ids they do not hold
+                        on_devices = self.device_rows.prepare(item)
+                        future = self._host_lookup(on_devices.host_batch(item), rows)
+                    else:
+                        future = self._host_lookup(item, rows)
+                        # device tables: new ids get their rows here, in step order
+                        on_devices = self.device_rows and self.device_rows.prepare(item)
                 if self._direct:
                     self._put(
                         self._ready, self._to_devices(step, item, future, staleness, on_devices)
@@ -423,21 +431,47 @@ class HybridLoop:
             finally:
                 self._updates.task_done()
 
-    def _apply(self, lookup: Any, embedding_grads: jax.Array | np.ndarray) -> None:
-        """Hands one step's update to the store (whose shard workers apply them in order)."""
+    def _apply(
+        self,
+        lookup: Any,
+        embedding_grads: jax.Array | np.ndarray,
+        prepared: Any = None,
+        evicted: Any = None,
+    ) -> None:
+        """Hands one step's update to the store (whose shard workers apply them in order):
+        the rows its caches evicted, then its embedding gradients."""
         if self._errors or lookup is None:  # after a failure, or nothing looked up
             self.gate.release()
             return
         try:
+            futures = []
+            if evicted is not None:
+                futures += self.device_rows.write_evicted(prepared, evicted, self._store)
             grads = embedding_grads
             if not isinstance(grads, np.ndarray):
                 grads = self._layout.gradients(grads)  # waits for the step to finish
-            future = self._store.apply_pooled_gradients(lookup, grads)
+            futures.append(self._store.apply_pooled_gradients(lookup, grads))
         except BaseException as error:  # reported to the caller by progress / drain
             self._errors.append(error)
             self.gate.release()
             return
-        future.add_done_callback(self._applied)
+        if len(futures) == 1:
+            futures[0].add_done_callback(self._applied)
+            return
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def done(future: Future) -> None:  # the slot returns once every part is applied
+            if future.exception() is not None:
+                self._errors.append(future.exception())
+            with lock:
+                remaining[0] -= 1
+                last = not remaining[0]
+            if last:
+                self.gate.release()
+
+        for future in futures:
+            future.add_done_callback(done)
 
 
 def lower_thread_priority(nice: int) -> None:

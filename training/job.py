@@ -84,12 +84,20 @@ class Job:
         """Whether some tables are trained on the devices."""
         return bool(self.devices and self.devices.layout.tables)
 
-    def device_rows(self) -> DeviceRows | None:
-        """The host side of the device tables (id -> row maps), None without any."""
+    def device_rows(self, store: Any) -> DeviceRows | None:
+        """The host side of the device tables (id -> row maps) in front of `store`, None
+        without any."""
         if not self.device_tables:
             return None
         tables = {table.name: table for table in self.tables.tables}
-        return DeviceRows(self.devices, tables, self.mesh, self.config.embedding.pooling)
+        return DeviceRows(
+            self.devices,
+            tables,
+            self.mesh,
+            self.config.embedding.pooling,
+            store=store,
+            staleness=self.config.hybrid.staleness,
+        )
 
     @property
     def is_chief(self) -> bool:
@@ -212,7 +220,7 @@ class Job:
     ) -> HybridLoop:
         """The hybrid loop over `batches` with the run's settings (`hybrid.*`,
         `data.prefetch`, `embedding.pooling`), this job's mesh, tables and processes;
-        `device_rows` (from `device_rows()`) when some tables are on the devices."""
+        `device_rows` (from `device_rows(store)`) when some tables are on the devices."""
         config = self.config
         layout = self.layout(self.config.data.batch_size, rows)
         if device_rows is not None:

@@ -137,7 +137,9 @@ class Trainer:
         if self._given_store is not None and resume_step is not None:
             raise UserError("a given embedding store cannot resume a run: let the trainer open it")
         self.store = self._given_store or job.open_store(self.checkpoints, resume_step)
-        self.device_rows = job.device_rows()  # id -> row maps of the tables on the devices
+        self.device_rows = job.device_rows(
+            self.store
+        )  # id -> row maps of the tables on the devices
         if self.device_rows is not None and resume_step is not None:
             self.state = self.device_rows.load(self.state, self.store)
         self.step = self.saved_step = resume_step or 0

@@ -72,7 +72,7 @@ def test_a_device_table_pools_and_steps_rows_as_the_store_does(pooling, optimize
                 return jnp.sum(assemble(layout, jnp.zeros((ROWS, 0, DIM)), v, arrays) * upstream)
 
             grads = jax.grad(objective)(values)
-            tables = update_tables(layout, tables, gathered, grads, arrays)
+            tables, _ = update_tables(layout, tables, gathered, grads, arrays)
             store.apply_pooled_gradients(host, upstream).result()
         ids, stored, state = store.read_rows("t", lambda ids: np.ones(len(ids), bool))
         slots = rows.rows_of("t", ids)

@@ -86,6 +86,76 @@ def test_device_tables_train_like_the_host_store_and_restore_anywhere(
     _assert_same_rows(tmp_path / "devices_to_host", tmp_path / "devices", 36)
 
 
+# hot-row caches in front of host tables, beside whole tables on the devices and host-only
+# ones: C3's 64 rows are far fewer than its hot ids (it evicts nearly every step), C12's
+# are split by rows over the 8 devices
+CACHED = [
+    *SHARDED[:6],
+    "embedding.placement.C3=cache:64",
+    "embedding.placement.C12=cache:3000:sharded",
+    "embedding.placement.C16=cache",
+    *(f"embedding.placement.C{i}=host" for i in range(17, 27)),
+]
+
+
+def test_hot_row_caches_train_like_the_host_store_and_restore_into_host_only(
+    cli, dataset, tmp_path, training, small_model
+):
+    steps = ["data.max_steps=24", "checkpoint.every_steps=12"]
+    host, _ = _train(
+        cli, training, small_model, dataset, tmp_path / "host", *steps, "embedding.device_budget=0"
+    )
+    cached, printed = _train(
+        cli, training, small_model, dataset, tmp_path / "cached", *steps, *CACHED
+    )
+    assert "3 of them with a hot-row cache on the devices" in printed
+    assert "C3: host store, hot-row cache of 64 rows, replicated" in printed
+    assert "C12: host store, hot-row cache of 3,000 rows, split by rows" in printed
+    caches = cached["device_tables"]["caches"]
+    assert set(caches) == {"C3.cache", "C12.cache", "C16.cache"}
+    assert caches["C3.cache"]["evicted"] > 100  # smaller than the hot set: evicting every step
+    for counts in caches.values():
+        assert counts["lookups"] == 24 * 256 and 0 < counts["hit_rate"] < 1
+    # at staleness 0, cached rows (trained on the devices) and the others (in the store)
+    # run the host store's math: losses, rows and evaluation agree
+    assert cached["final_loss"] == pytest.approx(host["final_loss"], rel=1e-4)
+    assert cached["eval"]["auc"] == pytest.approx(host["eval"]["auc"], abs=1e-4)
+    for step in (12, 24):  # the checkpoints hold every row's latest value, cached or not
+        _assert_same_rows(tmp_path / "host", tmp_path / "cached", step)
+
+    # the cached run's checkpoint resumes as a host-only run, and with its caches again
+    # (they start empty and fill from the store), both as the host run goes on
+    shutil.copytree(tmp_path / "cached", tmp_path / "cached_to_host")
+    more = ["data.max_steps=36", "checkpoint.every_steps=12"]
+    to_host, _ = _train(
+        cli,
+        training,
+        small_model,
+        dataset,
+        tmp_path / "cached_to_host",
+        *more,
+        "embedding.device_budget=0",
+        resume=True,
+    )
+    again, _ = _train(
+        cli, training, small_model, dataset, tmp_path / "cached", *more, *CACHED, resume=True
+    )
+    on_host, _ = _train(
+        cli,
+        training,
+        small_model,
+        dataset,
+        tmp_path / "host",
+        *more,
+        "embedding.device_budget=0",
+        resume=True,
+    )
+    assert to_host["steps"] == again["steps"] == on_host["steps"] == 36
+    assert again["device_tables"]["caches"]["C16.cache"]["hits"] > 0
+    for run in ("cached_to_host", "cached"):
+        _assert_same_rows(tmp_path / "host", tmp_path / run, 36)
+
+
 def _refused(dataset: Path, run_dir: Path, *keys: str) -> str:
     settings = [item for key in keys for item in ("--set", key)]
     result = subprocess.run(
@@ -121,8 +191,26 @@ def _refused(dataset: Path, run_dir: Path, *keys: str) -> str:
             ["embedding.fuse_tables=false", "embedding.placement.C3=device:10"],
             "embedding table 'C3' on the devices is full: 10 rows",
         ),
+        (
+            ["embedding.device_budget=100000", "embedding.placement.C4=cache:5000"],
+            "embedding.device_budget = 100,000 bytes per device (embedding.device_budget) is "
+            "too small for the cache of table 'C4' forced by embedding.placement",
+        ),
+        (
+            ["embedding.eviction.ttl_steps=100", "embedding.placement.C5=cache"],
+            "embedding.placement.C5 = 'cache': table 'C5' cannot be trained on the devices: "
+            "its rows expire",
+        ),
     ],
-    ids=["unknown_table", "bad_value", "budget_too_small", "admission", "table_full"],
+    ids=[
+        "unknown_table",
+        "bad_value",
+        "budget_too_small",
+        "admission",
+        "table_full",
+        "cache_budget_too_small",
+        "cache_of_unplaceable_table",
+    ],
 )
 def test_placements_that_cannot_be_are_one_line_errors(dataset, tmp_path, keys, expected):
     line = _refused(dataset, tmp_path / "run", "data.max_steps=4", *keys)

@@ -60,7 +60,18 @@ DEVICE_TABLES = [
 ]
 
 
-@pytest.mark.parametrize("placement", [[], DEVICE_TABLES], ids=["host_store", "device_tables"])
+# hot-row caches in front of host tables: one evicting all the time, one split by rows
+CACHES = [
+    "embedding.device_budget=-1",
+    "embedding.placement.C3=cache:64",
+    "embedding.placement.C12=cache:3000:sharded",
+    *(f"embedding.placement.C{i}=host" for i in range(14, 27) if i != 12),
+]
+
+
+@pytest.mark.parametrize(
+    "placement", [[], DEVICE_TABLES, CACHES], ids=["host_store", "device_tables", "caches"]
+)
 def test_two_processes_agree_on_the_final_metrics(dataset, tmp_path, cli, small_model, placement):
     # k = 0 and one shard: the 2-process job must match one process with the same 8 devices
     keys = small_model(
@@ -95,6 +106,9 @@ def test_two_processes_agree_on_the_final_metrics(dataset, tmp_path, cli, small_
     assert summaries[0]["eval"]["count"] == 4000
     assert summaries[0]["device_tables"] == summaries[1]["device_tables"]
     assert bool(summaries[0]["device_tables"]) == bool(placement)
+    if placement is CACHES:  # both processes admitted and evicted the same rows
+        caches = summaries[0]["device_tables"]["caches"]
+        assert caches["C3.cache"]["evicted"] > 0 and caches["C12.cache"]["hits"] > 0
 
     cli("train", "--run-dir", str(tmp_path / "one"), *common)
     single = json.loads((tmp_path / "one" / "summary.json").read_text())

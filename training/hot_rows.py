@@ -1,0 +1,115 @@
+"""Which rows a hot-row cache on the devices holds: admission by access frequency.
+
+A cache (`model.device_tables.DeviceTable.cache`) holds up to `capacity` rows of a host
+table. `HotRows` decides, batch by batch, which of the batch's ids not yet held come in
+and which held rows leave for them (TinyLFU's rule):
+
+- Every id's accesses are counted in a count-min sketch (`depth` rows of 2**`width_bits`
+  counters; an estimate is the smallest of its counters, never below the true count).
+  The counts halve every `period` accesses, so the cache follows a drifting hot set.
+- While the cache has free rows, every id of a batch comes in.
+- When it is full, a candidate comes in only if it has been seen more often than the
+  least used held row not in this batch, which leaves for it: the most frequent
+  candidates meet the least used rows first.
+- An id evicted in the last `cooldown` batches is not admitted again: its value, written
+  back to the host store after that batch's step, may not have landed yet when a later
+  batch's rows are read (the staleness bound k).
+
+Everything here is host numpy, run in step order on every process alike, so every
+process of a job makes the same choices.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+from hybridrec.pipeline.hashing import splitmix64
+
+DEPTH = 4
+SALTS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5)
+
+
+class HotRows:
+    """Admission and eviction for one cache.
+
+    Args:
+        capacity: rows the cache holds.
+        cooldown: batches an evicted id waits before it may come back (the staleness k).
+        width_bits: log2 of the sketch's counters per row (default: room for ~8x the
+            capacity, at least 2**16).
+        period: accesses between two halvings of every count (default: 10x the capacity).
+    """
+
+    def __init__(self, capacity: int, *, cooldown: int = 0, width_bits: int = 0, period: int = 0):
+        self.capacity = capacity
+        self.cooldown = cooldown
+        bits = width_bits or max(16, int(8 * capacity - 1).bit_length())
+        self._mask = np.uint64((1 << bits) - 1)
+        self._sketch = np.zeros((DEPTH, 1 << bits), np.uint32)
+        self._period = period or 10 * capacity
+        self._since_halving = 0
+        self.counts = np.zeros(capacity, np.float64)  # per held row: its estimate when last seen
+        self.used = 0  # rows [0, used) have been given out; rows are never returned
+        self._recent: collections.deque = collections.deque(maxlen=max(cooldown, 1))
+
+    def seen(self, ids: np.ndarray, occurrences: np.ndarray) -> np.ndarray:
+        """Counts one batch's distinct `ids` (each `occurrences` times); their estimates."""
+        columns = [
+            (splitmix64(ids ^ np.uint64(salt)) & self._mask).astype(np.int64) for salt in SALTS
+        ]
+        for row, column in enumerate(columns):
+            np.add.at(self._sketch[row], column, occurrences.astype(np.uint32))
+        estimate = np.min([self._sketch[row][c] for row, c in enumerate(columns)], axis=0)
+        self._since_halving += int(occurrences.sum())
+        if self._since_halving >= self._period:
+            self._sketch >>= 1
+            self.counts /= 2
+            self._since_halving = 0
+        return estimate.astype(np.float64)
+
+    def choose(
+        self, ids: np.ndarray, estimate: np.ndarray, slots: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(positions in `ids` of those admitted, the rows they take), for a batch's
+        distinct `ids` with their estimates and held rows (`slots`, -1: not held).
+
+        The rows taken are free ones first, then rows evicted for them; the caller reads
+        the evicted rows' ids before it reuses them.
+        """
+        held = slots >= 0
+        self.counts[slots[held]] = estimate[held]
+        candidates = np.flatnonzero(~held)
+        if self.cooldown and len(self._recent) and len(candidates):
+            recent = np.concatenate(list(self._recent))
+            candidates = candidates[~np.isin(ids[candidates], recent)]
+        candidates = candidates[np.argsort(-estimate[candidates], kind="stable")]
+        free = min(self.capacity - self.used, len(candidates))
+        rows = np.arange(self.used, self.used + free, dtype=np.int64)
+        self.used += free
+        self.counts[rows] = estimate[candidates[:free]]
+        rest = candidates[free:]
+        victims = np.zeros(0, np.int64)
+        if len(rest) and self.used == self.capacity:
+            counts = self.counts.copy()
+            counts[slots[held]] = np.inf  # rows this batch uses stay
+            counts[rows] = np.inf
+            take = min(len(rest), self.capacity)
+            lowest = np.argpartition(counts, take - 1)[:take] if take < self.capacity else None
+            lowest = np.arange(self.capacity) if lowest is None else lowest
+            lowest = lowest[np.argsort(counts[lowest], kind="stable")]
+            wins = estimate[rest[:take]] > counts[lowest]
+            n = int(np.argmin(wins)) if not wins.all() else take
+            victims = lowest[:n]
+            rest = rest[:n]
+        else:
+            rest = rest[:0]
+        admitted = np.concatenate([candidates[:free], rest])
+        taken = np.concatenate([rows, victims])
+        self.counts[taken] = estimate[admitted]
+        return admitted, taken
+
+    def evicted(self, ids: np.ndarray) -> None:
+        """Records the ids the last `choose` evicted (kept out for `cooldown` batches)."""
+        if self.cooldown:
+            self._recent.append(ids)
