@@ -21,6 +21,10 @@ steady_over_dense_b512, steady_over_dense_b4096, e2e_over_dense_b512,
 steady_samples_per_s_b512, e2e_samples_per_s_b512, hybrid_over_sync_b512, peak_rss_gb,
 steady_samples_per_s_b512_host, steady_samples_per_s_b512_device, device_over_host_b512,
 device_lookup_fraction_b512 (lookups served by tables on the devices), auc_b512_host;
+with --cache-budget (a budget that leaves the big tables on the host, each with a hot-row
+cache on the devices): steady_samples_per_s_b512_cached, cached_over_host_b512,
+cache_hit_rate_b512 (of the cached tables' lookups, the share their caches held),
+auc_b512_cached;
 the e2e keys are of the first batch-512 run, which compiles: the run has a compilation
 cache of its own, so later seeds' runs load the programs instead, reported as
 e2e_warm_over_dense_b512 and e2e_warm_samples_per_s_b512).
@@ -183,6 +187,7 @@ def _train(
         "store_bytes": summary["embedding_store"].get("bytes"),
         # the share of embedding lookups served by tables on the devices
         "device_lookup_fraction": _device_fraction(summary),
+        "cache_hit_rate": _cache_hit_rate(summary),
         **phases,
     }
     print(
@@ -200,6 +205,15 @@ def _device_fraction(summary: dict) -> float:
     on_devices = (summary.get("device_tables") or {}).get("lookups", 0)
     on_host = summary["embedding_store"].get("lookups", 0)
     return round(on_devices / max(on_devices + on_host, 1), 4)
+
+
+def _cache_hit_rate(summary: dict) -> float | None:
+    """Of the cached tables' lookups, the share their hot-row caches held (None: none)."""
+    caches = (summary.get("device_tables") or {}).get("caches") or {}
+    if not caches:
+        return None
+    lookups = sum(c["lookups"] for c in caches.values())
+    return round(sum(c["hits"] for c in caches.values()) / max(lookups, 1), 4)
 
 
 def _mean_run(runs: list[dict]) -> dict:
@@ -289,6 +303,12 @@ def main() -> None:
     parser.add_argument(
         "--seeds", type=int, nargs="+", default=[0, 1], help="seeds of the batch-512 runs"
     )
+    parser.add_argument(
+        "--cache-budget",
+        type=int,
+        default=8 << 20,
+        help="embedding.device_budget of the run with hot-row caches (bytes; 0: no such run)",
+    )
     parser.add_argument("--set", dest="extra", action="append", default=[], help="train override")
     parser.add_argument("--dense-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -320,6 +340,11 @@ def main() -> None:
         host = _train(
             data, 512, 4, work, env, [*args.extra, "embedding.device_budget=0"], tag="_host"
         )
+    cached = None
+    if 512 in args.batches and args.cache_budget:  # a budget that leaves the big tables
+        # on the host, each with a hot-row cache on the devices
+        budget = f"embedding.device_budget={args.cache_budget}"
+        cached = _train(data, 512, 4, work, env, [*args.extra, budget], tag="_cached")
 
     print(
         "\n| batch | e2e samples/s | steady samples/s | dense-only | steady/dense | e2e/dense "
@@ -370,6 +395,22 @@ def main() -> None:
             ),
             device_lookup_fraction_b512=device["device_lookup_fraction"],
             auc_b512_host=round(host["auc"], 4),
+        )
+    if cached and host:
+        print(
+            f"batch 512, staleness 4, embedding.device_budget = {args.cache_budget:,}: steady "
+            f"{cached['steady_samples_per_s']:,.0f} samples/s, its caches held "
+            f"{cached['cache_hit_rate']:.1%} of their tables' lookups "
+            f"({cached['device_lookup_fraction']:.0%} of all lookups on the devices); AUC "
+            f"{cached['auc']:.4f}"
+        )
+        summary.update(
+            steady_samples_per_s_b512_cached=round(cached["steady_samples_per_s"]),
+            cached_over_host_b512=round(
+                cached["steady_samples_per_s"] / host["steady_samples_per_s"], 3
+            ),
+            cache_hit_rate_b512=cached["cache_hit_rate"],
+            auc_b512_cached=round(cached["auc"], 4),
         )
     if sync:
         print(

@@ -19,7 +19,8 @@ first) and the caches of the others share the rest equally.
 
 With `embedding.fuse_tables` the tables of each kind share one device table (their ids
 never collide: each feature's ids carry its prefix), so a step gathers and updates
-rows with two operations, not one per table (FBGEMM's table-batched embeddings).
+rows with two operations, not one per table (FBGEMM's table-batched embeddings); the
+caches of each layout share one cache too, with the sum of their rows.
 `embedding.placement.<table>` overrides the choice per table; the plan is printed at
 start-up. Where device tables cannot go (embedding servers, the tower-parallel layout,
 a followed stream) the auto plan keeps everything on the host and says why.
@@ -235,8 +236,10 @@ def plan_devices(
         )
     groups: dict[tuple[Any, ...], list[tuple[str, int]]] = {}
     for spec_table, rows, sharded, store_name, cache in chosen:
-        if cache:  # a cache holds one table's rows: never fused
-            key: tuple[Any, ...] = (f"{spec_table}.cache", store_name)
+        if cache:  # fused caches share one capacity: the hottest rows of any of them stay
+            layout = "sharded" if sharded else "replicated"
+            name = f"cache.{layout}" if embedding.fuse_tables else f"{spec_table}.cache"
+            key: tuple[Any, ...] = (name, store_name)
         elif embedding.fuse_tables:
             key = ("sharded" if sharded else "replicated", store_name)
         else:

@@ -176,7 +176,10 @@ class DeviceRows:
             values = np.concatenate([c[0] for c in columns]) if columns else np.zeros(0, np.uint64)
             unique, inverse = np.unique(values, return_inverse=True)
             slots = self.rows_of(table.name, unique)
-            size = _bucket(max(len(unique), MIN_ROWS))  # padded to a power of two: few compiles
+            # padded to a power of two of the ids (the most distinct rows there can be), not
+            # of the distinct ones: single-valued features give every batch the same shapes,
+            # whatever their rows (one compile, not one per combination of tables' counts)
+            size = _bucket(max(len(values), MIN_ROWS))
             width = table.rule.state_width(table.dim)
             new_values = np.zeros((size, table.dim), np.float32)
             new_state = np.zeros((size, width), np.float32)
@@ -218,7 +221,7 @@ class DeviceRows:
             )
             prepared.touched[key] = slots[held]
             prepared.placed[key] = (slots[fresh], unique[fresh])
-            self.lookups += len(values)
+            self.lookups += int(np.count_nonzero(held[inverse]))  # a cache: those it holds
         return prepared
 
     def _admit(self, table, unique, inverse, slots, columns, prepared: Prepared, size: int):
@@ -320,13 +323,16 @@ class DeviceRows:
 
     def device_arrays(self, prepared: Prepared, rows: slice) -> dict[str, jax.Array]:
         """The batch's arrays on the devices: per-example ones from this process's `rows`."""
-        out = {}
-        per_example = {}
+        whole, per_example = {}, {}
         for key, array in prepared.arrays.items():
             if key.rsplit("/", 1)[-1] in PER_EXAMPLE:
                 per_example[key] = array[rows]
             else:
-                out[key] = _replicated_array(array, self.mesh)
+                whole[key] = array
+        if jax.process_count() == 1:  # one call for them all: one dispatch, not one each
+            out = jax.device_put(whole, replicated(self.mesh))
+        else:
+            out = {key: _replicated_array(array, self.mesh) for key, array in whole.items()}
         out.update(make_global_batch(per_example, self.mesh))
         return out
 

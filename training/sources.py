@@ -31,7 +31,9 @@ class Segment:
 
     batches: Iterator[Batch]
     size: int  # batches in it
-    rows: slice = dataclasses.field(default_factory=lambda: slice(None))  # this process's rows of each batch
+    rows: slice = dataclasses.field(
+        default_factory=lambda: slice(None)
+    )  # this process's rows of each batch
 
 
 class EpochSource:

@@ -41,6 +41,16 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"{store.get('evicted_lru', 0) + store.get('evicted_ttl', 0):,} evicted, "
             f"{store.get('nonfinite_skipped', 0):,} non-finite updates skipped"
         )
+    caches = (summary.get("device_tables") or {}).get("caches") or {}
+    if caches:
+        lookups = sum(c["lookups"] for c in caches.values())
+        hits = sum(c["hits"] for c in caches.values())
+        lines.append(
+            f"  caches          {len(caches)} hot-row caches on the devices held "
+            f"{hits / max(lookups, 1):.1%} of their tables' lookups; "
+            f"{sum(c['admitted'] for c in caches.values()):,} rows admitted, "
+            f"{sum(c['evicted'] for c in caches.values()):,} evicted (written back)"
+        )
     if evaluation:
         lines.append(
             f"  eval            AUC {evaluation.get('auc', math.nan):.4f}  logloss "

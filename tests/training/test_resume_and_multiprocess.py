@@ -108,7 +108,7 @@ def test_two_processes_agree_on_the_final_metrics(dataset, tmp_path, cli, small_
     assert bool(summaries[0]["device_tables"]) == bool(placement)
     if placement is CACHES:  # both processes admitted and evicted the same rows
         caches = summaries[0]["device_tables"]["caches"]
-        assert caches["C3.cache"]["evicted"] > 0 and caches["C12.cache"]["hits"] > 0
+        assert caches["cache.replicated"]["evicted"] > 0 and caches["cache.sharded"]["hits"] > 0
 
     cli("train", "--run-dir", str(tmp_path / "one"), *common)
     single = json.loads((tmp_path / "one" / "summary.json").read_text())
