@@ -176,10 +176,10 @@ class DeviceRows:
             values = np.concatenate([c[0] for c in columns]) if columns else np.zeros(0, np.uint64)
             unique, inverse = np.unique(values, return_inverse=True)
             slots = self.rows_of(table.name, unique)
-            # padded to a power of two of the ids (the most distinct rows there can be), not
-            # of the distinct ones: single-valued features give every batch the same shapes,
-            # whatever their rows (one compile, not one per combination of tables' counts)
-            size = _bucket(max(len(values), MIN_ROWS))
+            # padded to a power of two: few compiles. A cache pads to the ids' count (the
+            # most distinct rows there can be): with single-valued features every batch has
+            # the same shapes, whatever its admissions and evictions
+            size = _bucket(max(len(values) if table.cache else len(unique), MIN_ROWS))
             width = table.rule.state_width(table.dim)
             new_values = np.zeros((size, table.dim), np.float32)
             new_state = np.zeros((size, width), np.float32)
