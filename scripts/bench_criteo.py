@@ -187,7 +187,8 @@ def _train(
         "store_bytes": summary["embedding_store"].get("bytes"),
         # the share of embedding lookups served by tables on the devices
         "device_lookup_fraction": _device_fraction(summary),
-        "cache_hit_rate": _cache_hit_rate(summary),
+        # of the cached tables' lookups, the share their hot-row caches held (None: none)
+        "cache_hit_rate": (summary.get("device_tables") or {}).get("cache_hit_rate"),
         **phases,
     }
     print(
@@ -205,15 +206,6 @@ def _device_fraction(summary: dict) -> float:
     on_devices = (summary.get("device_tables") or {}).get("lookups", 0)
     on_host = summary["embedding_store"].get("lookups", 0)
     return round(on_devices / max(on_devices + on_host, 1), 4)
-
-
-def _cache_hit_rate(summary: dict) -> float | None:
-    """Of the cached tables' lookups, the share their hot-row caches held (None: none)."""
-    caches = (summary.get("device_tables") or {}).get("caches") or {}
-    if not caches:
-        return None
-    lookups = sum(c["lookups"] for c in caches.values())
-    return round(sum(c["hits"] for c in caches.values()) / max(lookups, 1), 4)
 
 
 def _mean_run(runs: list[dict]) -> dict:

@@ -191,7 +191,7 @@ def plan_devices(
         if forced_rows:
             rows = forced_rows
         elif seen:
-            rows = min(math.ceil(seen * HEADROOM) + 64, embedding.capacity)
+            rows = most
         elif place == "device":
             raise ConfigError(
                 f"embedding.placement.{spec_table} = {where!r}: the dataset has no distinct-id "
@@ -200,11 +200,7 @@ def plan_devices(
         else:
             cached.append((spec_table, 0, "", store_name, row_bytes, False, most))  # unknown size
             continue
-        total = (rows + 1) * row_bytes
-        sharded = forced_layout == "sharded" or (
-            not forced_layout and total > REPLICATE_BYTES and devices > 1
-        )
-        per_device = math.ceil(total / devices) if sharded else total
+        sharded, per_device = _split(forced_layout, (rows + 1) * row_bytes, devices)
         candidates.append(
             (per_device, spec_table, rows, sharded, store_name, where != "auto", row_bytes)
         )
@@ -277,6 +273,13 @@ def plan_devices(
     return _with_lines(plan, _describe(plan, chosen, spec_tables, budget, budget_note, used))
 
 
+def _split(layout: str, total: int, devices: int) -> tuple[bool, int]:
+    """(split by rows, bytes per device) of a table of `total` bytes: split when its layout
+    says "sharded", or, with none given, when larger than REPLICATE_BYTES."""
+    sharded = layout == "sharded" or (not layout and total > REPLICATE_BYTES and devices > 1)
+    return sharded, math.ceil(total / devices) if sharded else total
+
+
 def _plan_caches(
     cached: Sequence[tuple], chosen: list, budget: int, budget_note: str, used: int, devices: int
 ) -> int:
@@ -294,9 +297,7 @@ def _plan_caches(
         left = budget - used
         if not rows:
             share = left // (len(ordered) - index)
-            sharded = layout == "sharded" or (
-                not layout and share > REPLICATE_BYTES and devices > 1
-            )
+            sharded, _ = _split(layout, share, devices)
             rows = min(share * (devices if sharded else 1) // row_bytes - 1, most)
             if rows < min(MIN_CACHE_ROWS, most):
                 if forced:
@@ -307,9 +308,7 @@ def _plan_caches(
                         '("cache:ROWS") or a larger budget'
                     )
                 continue
-        total = (rows + 1) * row_bytes
-        sharded = layout == "sharded" or (not layout and total > REPLICATE_BYTES and devices > 1)
-        per_device = math.ceil(total / devices) if sharded else total
+        sharded, per_device = _split(layout, (rows + 1) * row_bytes, devices)
         if used + per_device > budget:
             raise ConfigError(
                 f"embedding.device_budget = {budget:,} bytes per device ({budget_note}) is too "

@@ -149,21 +149,19 @@ class DeviceRows:
 
     def summary(self) -> dict[str, Any]:
         """Rows held per device table, the ids looked up on the devices so far, and per
-        cache its lookups, hits (ids it held), admissions, evictions and hit rate."""
+        cache its lookups, hits (ids it held), admissions, evictions and hit rate, with
+        the hit rate of all caches together (`cache_hit_rate`)."""
         out: dict[str, Any] = {"rows": dict(self._used), "lookups": self.lookups}
         if self._cache_counts:
+            counts = self._cache_counts.values()
             out["caches"] = {
-                name: {**counts, "hit_rate": round(counts["hits"] / max(counts["lookups"], 1), 4)}
-                for name, counts in self._cache_counts.items()
+                name: {**c, "hit_rate": _ratio(c["hits"], c["lookups"])}
+                for name, c in self._cache_counts.items()
             }
+            out["cache_hit_rate"] = _ratio(
+                sum(c["hits"] for c in counts), sum(c["lookups"] for c in counts)
+            )
         return out
-
-    def hit_rate(self) -> float | None:
-        """Of every cached feature's ids so far, the share its cache held (None: no cache)."""
-        if not self._cache_counts:
-            return None
-        lookups = sum(c["lookups"] for c in self._cache_counts.values())
-        return sum(c["hits"] for c in self._cache_counts.values()) / max(lookups, 1)
 
     # ---- per batch (the lookup thread, in step order) -----------------------------------
 
@@ -313,11 +311,7 @@ class DeviceRows:
             first = np.repeat(np.cumsum(counts) - counts, counts)
             slot = np.arange(len(values)) - first
             index[row_of, position, slot] = part
-            scale = np.ones(rows, np.float32)
-            if self.pooling == "mean":
-                scale = 1.0 / np.maximum(counts, 1).astype(np.float32)
-            elif self.pooling == "sqrtn":
-                scale = 1.0 / np.sqrt(np.maximum(counts, 1).astype(np.float32))
+            scale = 1.0 / np.maximum(_pool_scale(counts, self.pooling), 1)  # 1 for an empty bag
             weights[row_of, position, slot] = scale[row_of] * on
         return index, weights
 
@@ -407,6 +401,10 @@ def _as_bags(ids: Any) -> tuple[np.ndarray, np.ndarray | None]:
     if hasattr(ids, "offsets"):
         return np.asarray(ids.values, np.uint64), np.diff(ids.offsets)
     return np.asarray(ids, np.uint64), None
+
+
+def _ratio(part: int, whole: int) -> float:
+    return round(part / max(whole, 1), 4)
 
 
 def _pool_scale(counts: np.ndarray, pooling: str) -> np.ndarray:

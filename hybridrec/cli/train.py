@@ -41,13 +41,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"{store.get('evicted_lru', 0) + store.get('evicted_ttl', 0):,} evicted, "
             f"{store.get('nonfinite_skipped', 0):,} non-finite updates skipped"
         )
-    caches = (summary.get("device_tables") or {}).get("caches") or {}
+    device_tables = summary.get("device_tables") or {}
+    caches = device_tables.get("caches") or {}
     if caches:
-        lookups = sum(c["lookups"] for c in caches.values())
-        hits = sum(c["hits"] for c in caches.values())
         lines.append(
             f"  caches          {len(caches)} hot-row caches on the devices held "
-            f"{hits / max(lookups, 1):.1%} of their tables' lookups; "
+            f"{device_tables['cache_hit_rate']:.1%} of their tables' lookups; "
             f"{sum(c['admitted'] for c in caches.values()):,} rows admitted, "
             f"{sum(c['evicted'] for c in caches.values()):,} evicted (written back)"
         )

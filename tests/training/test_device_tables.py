@@ -44,46 +44,48 @@ def _assert_same_rows(a: Path, b: Path, step: int) -> None:
     np.testing.assert_allclose(values_a, values_b, rtol=1e-4, atol=2e-6)
 
 
+def _like_host_then_resumed(run, tmp_path: Path, name: str, placement: list[str]):
+    """Trains 24 steps with every table in the store and with `placement`, and asserts
+    that at staleness 0 both run the same math: losses, evaluation and the rows of the
+    mid-run and final checkpoints (every row's latest value, wherever it was trained)
+    agree. Then resumes the placed run's checkpoint to step 36 as a host-only run
+    ("<name>_to_host") and with `placement` again, and asserts that those agree too.
+
+    Returns the summaries (host, placed, resumed host-only, resumed placed) and what the
+    placed run printed.
+    """
+    steps = ["data.max_steps=24", "checkpoint.every_steps=12"]
+    host, _ = run(tmp_path / "host", *steps, "embedding.device_budget=0")
+    placed, printed = run(tmp_path / name, *steps, *placement)
+    assert placed["final_loss"] == pytest.approx(host["final_loss"], rel=1e-4)
+    assert placed["eval"]["auc"] == pytest.approx(host["eval"]["auc"], abs=1e-4)
+    for step in (12, 24):
+        _assert_same_rows(tmp_path / "host", tmp_path / name, step)
+
+    shutil.copytree(tmp_path / name, tmp_path / f"{name}_to_host")
+    more = ["data.max_steps=36", "checkpoint.every_steps=12"]
+    to_host, _ = run(tmp_path / f"{name}_to_host", *more, "embedding.device_budget=0", resume=True)
+    again, _ = run(tmp_path / name, *more, *placement, resume=True)
+    assert to_host["steps"] == again["steps"] == 36
+    assert again["eval"]["auc"] == pytest.approx(to_host["eval"]["auc"], abs=1e-4)
+    _assert_same_rows(tmp_path / f"{name}_to_host", tmp_path / name, 36)
+    return (host, placed, to_host, again), printed
+
+
 def test_device_tables_train_like_the_host_store_and_restore_anywhere(
     cli, dataset, tmp_path, training, small_model
 ):
-    steps = ["data.max_steps=24", "checkpoint.every_steps=12"]
-    host, _ = _train(
-        cli, training, small_model, dataset, tmp_path / "host", *steps, "embedding.device_budget=0"
-    )
-    devices, printed = _train(
-        cli, training, small_model, dataset, tmp_path / "devices", *steps, *SHARDED
+    def run(run_dir, *keys, resume=False):
+        return _train(cli, training, small_model, dataset, run_dir, *keys, resume=resume)
+
+    (host, devices, _, on_devices), printed = _like_host_then_resumed(
+        run, tmp_path, "devices", SHARDED
     )
     assert "device tables: 26 of 26 tables on the devices (13 replicated, 13 split by rows)" in (
         printed
     )
     assert host["device_tables"] == {} and devices["device_tables"]["lookups"] == 24 * 256 * 26
-    # at staleness 0 both placements run the same math: losses, rows and evaluation agree
-    assert devices["final_loss"] == pytest.approx(host["final_loss"], rel=1e-4)
-    assert devices["eval"]["auc"] == pytest.approx(host["eval"]["auc"], abs=1e-4)
-    for step in (12, 24):  # a mid-run checkpoint and the final one hold every row's latest value
-        _assert_same_rows(tmp_path / "host", tmp_path / "devices", step)
-
-    # the device run's checkpoint resumes as a host-only run, and on the devices again
-    shutil.copytree(tmp_path / "devices", tmp_path / "devices_to_host")
-    more = ["data.max_steps=36", "checkpoint.every_steps=12"]
-    on_host, _ = _train(
-        cli,
-        training,
-        small_model,
-        dataset,
-        tmp_path / "devices_to_host",
-        *more,
-        "embedding.device_budget=0",
-        resume=True,
-    )
-    on_devices, _ = _train(
-        cli, training, small_model, dataset, tmp_path / "devices", *more, *SHARDED, resume=True
-    )
-    assert on_host["steps"] == on_devices["steps"] == 36
     assert on_devices["device_tables"]["rows"]  # the rows came back onto the devices
-    assert on_devices["eval"]["auc"] == pytest.approx(on_host["eval"]["auc"], abs=1e-4)
-    _assert_same_rows(tmp_path / "devices_to_host", tmp_path / "devices", 36)
 
 
 # hot-row caches in front of host tables, beside whole tables on the devices and host-only
@@ -101,13 +103,12 @@ CACHED = [
 def test_hot_row_caches_train_like_the_host_store_and_restore_into_host_only(
     cli, dataset, tmp_path, training, small_model
 ):
-    steps = ["data.max_steps=24", "checkpoint.every_steps=12"]
-    host, _ = _train(
-        cli, training, small_model, dataset, tmp_path / "host", *steps, "embedding.device_budget=0"
-    )
-    cached, printed = _train(
-        cli, training, small_model, dataset, tmp_path / "cached", *steps, *CACHED
-    )
+    def run(run_dir, *keys, resume=False):
+        return _train(cli, training, small_model, dataset, run_dir, *keys, resume=resume)
+
+    # cached rows (trained on the devices) and the others (in the store) run the host
+    # store's math; the caches start empty on resume and fill from the store
+    (_, cached, _, again), printed = _like_host_then_resumed(run, tmp_path, "cached", CACHED)
     assert "3 of them with a hot-row cache on the devices" in printed
     assert "C3: host store, hot-row cache of 64 rows, replicated" in printed
     assert "C12: host store, hot-row cache of" in printed and "rows, split by rows" in printed
@@ -118,45 +119,16 @@ def test_hot_row_caches_train_like_the_host_store_and_restore_into_host_only(
     assert small["lookups"] == 2 * 24 * 256 and caches["cache.sharded"]["lookups"] == 24 * 256
     for counts in caches.values():
         assert 0 < counts["hit_rate"] < 1
-    # at staleness 0, cached rows (trained on the devices) and the others (in the store)
-    # run the host store's math: losses, rows and evaluation agree
-    assert cached["final_loss"] == pytest.approx(host["final_loss"], rel=1e-4)
-    assert cached["eval"]["auc"] == pytest.approx(host["eval"]["auc"], abs=1e-4)
-    for step in (12, 24):  # the checkpoints hold every row's latest value, cached or not
-        _assert_same_rows(tmp_path / "host", tmp_path / "cached", step)
-
-    # the cached run's checkpoint resumes as a host-only run, and with its caches again
-    # (they start empty and fill from the store), both as the host run goes on
-    shutil.copytree(tmp_path / "cached", tmp_path / "cached_to_host")
-    more = ["data.max_steps=36", "checkpoint.every_steps=12"]
-    to_host, _ = _train(
-        cli,
-        training,
-        small_model,
-        dataset,
-        tmp_path / "cached_to_host",
-        *more,
-        "embedding.device_budget=0",
-        resume=True,
-    )
-    again, _ = _train(
-        cli, training, small_model, dataset, tmp_path / "cached", *more, *CACHED, resume=True
-    )
-    on_host, _ = _train(
-        cli,
-        training,
-        small_model,
-        dataset,
-        tmp_path / "host",
-        *more,
-        "embedding.device_budget=0",
-        resume=True,
-    )
-    assert to_host["steps"] == again["steps"] == on_host["steps"] == 36
     assert again["device_tables"]["caches"]["cache.sharded"]["hits"] > 0
-    # from the same checkpoint, host-only and cached placement go on alike
-    _assert_same_rows(tmp_path / "cached_to_host", tmp_path / "cached", 36)
-    assert again["eval"]["auc"] == pytest.approx(to_host["eval"]["auc"], abs=1e-4)
+    # the host run goes on from its own checkpoint too
+    on_host, _ = run(
+        tmp_path / "host",
+        "data.max_steps=36",
+        "checkpoint.every_steps=12",
+        "embedding.device_budget=0",
+        resume=True,
+    )
+    assert on_host["steps"] == 36
 
 
 def _refused(dataset: Path, run_dir: Path, *keys: str) -> str:
