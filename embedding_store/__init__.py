@@ -18,7 +18,8 @@ Public surface:
 
 Modules for remote shards: `server` (ShardServer, the Flight transport), `remote`
 (connect, the client side), `processes` (start servers as subprocesses), `wire`
-(the request format and wire dtypes). `checkpoint` holds the on-disk format of
+(the request format and wire dtypes; `wire_rows` whole rows with their optimizer
+state). `checkpoint` holds the on-disk format of
 snapshots (fp32, fp16, int8 or int4 rows: `EmbeddingStore.checkpoint(precision=...)`).
 `columns` holds column-wise sharding (`TableConfig.column_shards`) and its planner.
 """

@@ -7,6 +7,7 @@ for large arrays, so other tables and shards proceed in parallel.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -19,7 +20,7 @@ from hybridrec.embedding_store._slot_map import SlotMap
 from hybridrec.embedding_store._storage import RamRows, TieredRows
 from hybridrec.embedding_store.checkpoint import RowBlock
 from hybridrec.embedding_store.config import TableConfig
-from hybridrec.embedding_store.errors import EmbeddingStoreError
+from hybridrec.embedding_store.errors import EmbeddingStoreError, InvalidInputError
 
 
 class _Counters:
@@ -245,13 +246,21 @@ class ShardTable:
             self._last_step[slots] = self._step
             return values.astype(np.float32, copy=False), state
 
-    def read_rows(self, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ids, values, state) of the held rows whose ids `select(ids) -> bool mask` picks."""
+    def read_rows(
+        self, prefixes: Sequence[int] | None = None, prefix_bits: int = 0
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, values, state) of the held rows: all, or with `prefixes` those whose id's
+        top `prefix_bits` bits (1 to 63) are one of them."""
+        if prefixes is not None and not 0 < prefix_bits < 64:
+            raise InvalidInputError(f"prefix_bits must be in [1, 63], got {prefix_bits}")
         with self._lock:
             slots = np.flatnonzero(self._live[: self._high_water])
             ids = self._slot_ids[slots]
-            picked = np.asarray(select(ids), bool)
-            slots, ids = slots[picked], ids[picked].copy()
+            if prefixes is not None:
+                wanted = np.asarray(prefixes, np.uint64)
+                picked = np.isin(ids >> np.uint64(64 - prefix_bits), wanted)
+                slots, ids = slots[picked], ids[picked]
+            ids = ids.copy()
             values, state = self._rows.read_rows(slots)
             return ids, values.astype(np.float32, copy=False), state
 

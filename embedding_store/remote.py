@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow.flight as flight
 from hybridrec.common.tls import TLSFiles
-from hybridrec.embedding_store import wire
+from hybridrec.embedding_store import wire, wire_rows
 from hybridrec.embedding_store._connection import (
     DEFAULT_RETRY_TIMEOUT,
     RemoteShardError,
@@ -83,6 +83,9 @@ class RemoteShard:
         connection: the server's connection (shared with its other shards).
         index: global shard index.
         table_dims: table name -> dim, to shape lookup results.
+        wire_dtype: how looked-up rows and gradients travel (see `connect`).
+        row_shapes: table name -> (dim, optimizer-state width) of whole rows
+            (`write_rows`, `take_rows`, `read_rows`).
     """
 
     def __init__(
@@ -91,10 +94,12 @@ class RemoteShard:
         index: int,
         table_dims: Mapping[str, int],
         wire_dtype: str = "float32",
+        row_shapes: Mapping[str, tuple[int, int]] | None = None,
     ):
         self.connection = connection
         self.index = index
         self.table_dims = dict(table_dims)
+        self.row_shapes = dict(row_shapes or {})  # without: no whole-rows calls
         self.wire_dtype = wire_dtype
         self._step = -1  # the client's training step, sent with every request (-1: unset)
         # Recent training lookups (seq, {table: ids}): an update of the same ids names
@@ -109,8 +114,9 @@ class RemoteShard:
 
     @property
     def wire_bytes(self) -> dict[str, int]:
-        """{"lookup_sent", "lookup_received", "apply_sent", "apply_received"}: payload bytes
-        of this client's calls that completed, retries of one call counted once."""
+        """{"lookup_sent", "lookup_received", "apply_sent", "apply_received", and for whole
+        rows "rows_sent", "rows_received"}: payload bytes of this client's calls that
+        completed, retries of one call counted once."""
         with self._recent_lock:
             return dict(self._wire_bytes)
 
@@ -231,21 +237,76 @@ class RemoteShard:
         received = self.connection.call(attempt, f"update on shard {self.index}")
         self._count_bytes("apply", descriptor, batches, received)
 
-    def write_rows(self, updates) -> None:
-        """Not carried over the wire yet: rows trained on the devices stay with in-process
-        shards (`training.device_rows` refuses servers)."""
-        raise RemoteShardError(
-            f"shard {self.index} at {self.address}: writing whole rows to a shard server is "
-            "not supported; keep device tables with in-process shards"
+    def write_rows(self, updates: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """See `Shard.write_rows`: one call; setting rows twice is harmless, so a call whose
+        reply was lost is simply sent again."""
+        if not updates:
+            return
+        header = wire.Header(op=wire.WRITE_ROWS, shard=self.index, step=self._step)
+        descriptor = flight.FlightDescriptor.for_command(wire.encode_header(header))
+        batches = list(wire_rows.rows_batches(updates))
+
+        def attempt(client, options):
+            writer, reader = _send(client, options, descriptor, wire_rows.ROWS_SCHEMA, batches)
+            try:
+                chunk = reader.read_chunk()
+                wire.decode_json(chunk.app_metadata, "write_rows reply")
+                return len(chunk.app_metadata or b"")
+            finally:
+                writer.close()
+
+        received = self.connection.call(attempt, f"write_rows on shard {self.index}")
+        self._count_bytes("rows", descriptor, batches, received)
+
+    def take_rows(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """See `Shard.take_rows`."""
+        header = wire.Header(op=wire.TAKE_ROWS, shard=self.index, step=self._step)
+        _, values, state = self._rows(header, table, list(wire.lookup_batches({table: ids})))
+        if len(values) != len(ids):
+            raise RemoteShardError(
+                f"shard {self.index} at {self.address}: take_rows of {len(ids)} ids of table "
+                f"{table!r} answered {len(values)} rows"
+            )
+        return values, state
+
+    def read_rows(
+        self, table: str, prefixes: Sequence[int] | None = None, prefix_bits: int = 0
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """See `Shard.read_rows`."""
+        header = wire.Header(
+            op=wire.READ_ROWS,
+            shard=self.index,
+            step=self._step,
+            table=table,
+            prefixes=None if prefixes is None else tuple(int(p) for p in prefixes),
+            prefix_bits=int(prefix_bits),
         )
+        return self._rows(header, table, [])
 
-    def read_rows(self, table: str, select):
-        """Not carried over the wire yet (see `write_rows`)."""
-        self.write_rows({})
+    def _rows(self, header: wire.Header, table: str, batches) -> tuple[np.ndarray, ...]:
+        """Sends a take_rows or read_rows request; (ids, values, state) of `table`."""
+        descriptor = flight.FlightDescriptor.for_command(wire.encode_header(header))
+        shapes = {table: self._row_shape(table)}
 
-    def take_rows(self, table: str, ids):
-        """Not carried over the wire yet (see `write_rows`)."""
-        self.write_rows({})
+        def attempt(client, options):
+            writer, reader = _send(client, options, descriptor, wire.IDS_SCHEMA, batches)
+            try:
+                chunks = [(chunk.data, chunk.app_metadata) for chunk in reader]
+                received = sum(data.nbytes + len(meta or b"") for data, meta in chunks)
+                return wire_rows.decode_rows(chunks, reader.schema, shapes), received
+            finally:
+                writer.close()
+
+        rows, received = self.connection.call(attempt, f"{header.op} on shard {self.index}")
+        self._count_bytes("rows", descriptor, batches, received)
+        dim, width = shapes[table]
+        empty = (np.zeros(0, np.uint64), np.zeros((0, dim), np.float32))
+        return rows.get(table, (*empty, np.zeros((0, width), np.float32)))
+
+    def _row_shape(self, table: str) -> tuple[int, int]:
+        if table not in self.row_shapes:
+            raise RemoteShardError(f"shard {self.index} at {self.address}: no table {table!r}")
+        return self.row_shapes[table]
 
     def set_step(self, step: int) -> None:
         """Remembers the step; every later request of this shard carries it (no extra call).
@@ -368,6 +429,10 @@ def connect(
     uris = parse_addresses(addresses)
     expected_fingerprint = table_fingerprint(tables)
     table_dims = {table.name: int(table.dim) for table in stored_tables(tables)}
+    row_shapes = {
+        table.name: (int(table.dim), table.optimizer.state_width(table.dim))
+        for table in stored_tables(tables)
+    }
     if tls is not None:
         tls.check_client()
     connections = []
@@ -415,4 +480,7 @@ def connect(
         for connection in connections:
             connection.close()
         raise
-    return [RemoteShard(owner[index], index, table_dims, wire_dtype) for index in range(num_shards)]
+    return [
+        RemoteShard(owner[index], index, table_dims, wire_dtype, row_shapes)
+        for index in range(num_shards)
+    ]

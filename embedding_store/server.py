@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import collections
-import hmac
+import contextlib
 import json
 import threading
 import time
@@ -31,8 +31,14 @@ import numpy as np
 import pyarrow.flight as flight
 from hybridrec.common.errors import UserError
 from hybridrec.common.tls import TLSFiles
-from hybridrec.embedding_store import _tls, wire
+from hybridrec.embedding_store import _tls, wire, wire_rows
 from hybridrec.embedding_store._fingerprint import table_fingerprint
+from hybridrec.embedding_store._server_parts import (
+    Latency,
+    TokenMiddlewareFactory,
+    field,
+    json_default,
+)
 from hybridrec.embedding_store.checkpoint import (
     PRECISIONS,
     check_compatible,
@@ -54,44 +60,6 @@ _APPLIED_MEMORY = 65536
 # only: at most this many lookups and ids (8 bytes each) per server, oldest forgotten first.
 _LOOKUP_MEMORY = 1024
 _LOOKUP_MEMORY_IDS = 8 * 1024 * 1024
-_LATENCY_WINDOW = 8192
-
-
-class _TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
-    """Rejects every call whose `authorization: Bearer <token>` header is wrong."""
-
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-    def start_call(self, info, headers):
-        values = headers.get(wire.AUTH_HEADER) or headers.get(wire.AUTH_HEADER.title()) or []
-        given = values[0] if values else ""
-        given = given.encode() if isinstance(given, str) else bytes(given)
-        if not hmac.compare_digest(given, self._expected):
-            raise flight.FlightUnauthenticatedError("missing or wrong embedding-server token")
-        return None
-
-
-class _Latency:
-    """A sliding window of request latencies for p50/p99."""
-
-    def __init__(self):
-        self._samples: collections.deque[float] = collections.deque(maxlen=_LATENCY_WINDOW)
-        self._lock = threading.Lock()
-        self.count = 0
-
-    def add(self, seconds: float) -> None:
-        with self._lock:
-            self._samples.append(seconds)
-            self.count += 1
-
-    def summary(self) -> dict[str, float]:
-        with self._lock:
-            count, samples = self.count, np.array(self._samples, dtype=np.float64) * 1e3
-        if not len(samples):
-            return {"count": count, "p50_ms": 0.0, "p99_ms": 0.0}
-        p50, p99 = np.percentile(samples, [50, 99])
-        return {"count": count, "p50_ms": float(p50), "p99_ms": float(p99)}
 
 
 class ShardServer(flight.FlightServerBase):
@@ -133,6 +101,10 @@ class ShardServer(flight.FlightServerBase):
         self.tables = tuple(stored_tables(tables))
         self.num_shards = num_shards
         self.table_dims = {table.name: int(table.dim) for table in self.tables}
+        self.row_shapes = {  # whole rows: (dim, optimizer-state width)
+            table.name: (int(table.dim), table.optimizer.state_width(table.dim))
+            for table in self.tables
+        }
         self.shards = {index: self._new_shard(index) for index in sorted(set(shard_indices))}
         self.max_request_bytes = max_request_bytes
         self.max_request_rows = max_request_rows
@@ -151,7 +123,7 @@ class ShardServer(flight.FlightServerBase):
             tuple[str, int], tuple[int, dict[str, np.ndarray]]
         ] = collections.OrderedDict()
         self._lookup_ids = 0  # ids held by self._lookups
-        self._latency = {op: _Latency() for op in wire.OPERATIONS}
+        self._latency = {op: Latency() for op in wire.OPERATIONS}
         self._counters: collections.Counter[str] = collections.Counter()
         self._step = 0
         self._shard_steps: dict[int, int] = {}
@@ -167,7 +139,7 @@ class ShardServer(flight.FlightServerBase):
         self.token_required = bool(token)
         self.tls = tls is not None
         self.client_certificates_required = tls is not None and bool(tls.ca)
-        middleware = {"token": _TokenMiddlewareFactory(token)} if token else None
+        middleware = {"token": TokenMiddlewareFactory(token)} if token else None
         super().__init__(location, middleware=middleware, **tls_options)  # serving starts here
 
     def _new_shard(self, index: int) -> LocalShard:
@@ -224,6 +196,9 @@ class ShardServer(flight.FlightServerBase):
                 self._count("rows_looked_up", limits.rows)
                 kind = "lookup" if header.train else "eval_lookup"
                 received += sum(len(table) for table in requests)
+            elif header.op in (wire.WRITE_ROWS, wire.TAKE_ROWS, wire.READ_ROWS):
+                names, sent = self._whole_rows(shard, header, chunks, reader, writer, limits)
+                kind, received = "rows", received + names
             else:
                 lookup_ids = self._recall(header)
                 updates = wire.decode_apply(
@@ -249,6 +224,57 @@ class ShardServer(flight.FlightServerBase):
             raise
         self._count(f"{header.op}_requests")
         self._latency[header.op].add(time.perf_counter() - start)
+
+    def _whole_rows(
+        self, shard, header: wire.Header, chunks, reader, writer, limits
+    ) -> tuple[int, int]:
+        """Serves write_rows, take_rows or read_rows (rows with their optimizer state, for
+        the tables trained on the trainers' devices); returns the bytes of the request's
+        table names and of the reply."""
+        if header.op == wire.WRITE_ROWS:
+            rows = wire_rows.decode_rows(chunks, reader.schema, self.row_shapes, limits)
+            with self._update_in_flight():
+                shard.write_rows(rows)
+            written = sum(len(ids) for ids, _, _ in rows.values())
+            reply = json.dumps({"written": written}).encode()
+            writer.write_metadata(reply)
+            self._count("rows_written", written)
+            return sum(len(table) for table in rows), len(reply)
+        if header.op == wire.TAKE_ROWS:
+            requests = wire.decode_lookup(chunks, reader.schema, self.table_dims, limits)
+            rows = {table: (ids, *shard.take_rows(table, ids)) for table, ids in requests.items()}
+            names = sum(len(table) for table in requests)
+        else:
+            if header.table not in self.row_shapes:
+                raise wire.WireError(f"unknown table {header.table[:64]!r}")
+            if any(True for _ in chunks):  # (also waits for the client's end of the stream)
+                raise wire.WireError("a read_rows request carries no record batches")
+            rows = {
+                header.table: shard.read_rows(header.table, header.prefixes, header.prefix_bits)
+            }
+            names = 0
+        writer.begin(wire_rows.ROWS_SCHEMA)
+        sent = 0
+        for batch, table in wire_rows.rows_batches(rows):
+            writer.write_with_metadata(batch, table)
+            sent += batch.nbytes + len(table)
+        self._count("rows_read", sum(len(ids) for ids, _, _ in rows.values()))
+        return names, sent
+
+    @contextlib.contextmanager
+    def _update_in_flight(self):
+        """Counts an update as in flight (`wait_idle`, `drain_and_stop`) while it runs."""
+        with self._lock:
+            token = self._next_pending
+            self._next_pending += 1
+            self._pending[token] = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._pending[token]
+                if not self._pending:
+                    self._idle.notify_all()
 
     def _set_step(self, index: int, step: int) -> None:
         """Sets shard `index`'s training step when it changed (LRU time, TTL sweeps)."""
@@ -313,25 +339,19 @@ class ShardServer(flight.FlightServerBase):
                     self._applied[key] = done
                     while len(self._applied) > _APPLIED_MEMORY:
                         self._applied.popitem(last=False)
-                token = self._next_pending
-                self._next_pending += 1
-                self._pending[token] = time.monotonic()
         if duplicate:
             done.wait()
             self._count("duplicates")
             return True
         try:
-            shard.apply_gradients(updates)
+            with self._update_in_flight():
+                shard.apply_gradients(updates)
         except BaseException:
             with self._lock:
                 self._applied.pop(key, None)
             raise
         finally:
             done.set()
-            with self._lock:
-                del self._pending[token]
-                if not self._pending:
-                    self._idle.notify_all()
         return False
 
     # --- control path -----------------------------------------------------------------
@@ -357,7 +377,7 @@ class ShardServer(flight.FlightServerBase):
         except (wire.WireError, EmbeddingStoreError) as error:
             self._count("rejected")
             raise flight.FlightServerError(f"rejected: {error}") from None
-        return [json.dumps(result, default=_json_default).encode()]
+        return [json.dumps(result, default=json_default).encode()]
 
     def _action(self, kind: str, body: dict[str, Any]) -> Any:
         if kind == "health":
@@ -374,13 +394,13 @@ class ShardServer(flight.FlightServerBase):
         if kind == "set_step":
             index = body.get("shard")
             self._shard(index)
-            self._set_step(index, _field(body, "step", int))
+            self._set_step(index, field(body, "step", int))
             return {}
         if kind == "checkpoint":
             index = body.get("shard")
             shard = self._shard(index)
-            url, step = _field(body, "url", str), _field(body, "step", int)
-            self._check_num_shards(_field(body, "num_shards", int))
+            url, step = field(body, "url", str), field(body, "step", int)
+            self._check_num_shards(field(body, "num_shards", int))
             precision = body.get("precision", "fp32")  # older clients send none
             if precision not in PRECISIONS:
                 raise wire.WireError(f"field 'precision' must be one of {PRECISIONS}")
@@ -391,18 +411,18 @@ class ShardServer(flight.FlightServerBase):
                 step,
                 index,
                 num_shards=self.num_shards,
-                full=_field(body, "full", bool),
+                full=field(body, "full", bool),
                 precision=precision,
             )
         if kind == "commit_checkpoint":
-            self._shard(body.get("shard")).commit_checkpoint(_field(body, "step", int))
+            self._shard(body.get("shard")).commit_checkpoint(field(body, "step", int))
             return {}
         if kind == "load_checkpoint":
             index = body.get("shard")
             self._shard(index)
-            self._check_num_shards(_field(body, "num_shards", int))
+            self._check_num_shards(field(body, "num_shards", int))
             self.wait_idle()
-            return self._load(index, _field(body, "url", str), _field(body, "step", int))
+            return self._load(index, field(body, "url", str), field(body, "step", int))
         raise wire.WireError(f"unknown action {kind!r}")
 
     def _check_num_shards(self, num_shards: int) -> None:
@@ -468,23 +488,3 @@ class ShardServer(flight.FlightServerBase):
         self.shutdown()  # blocks until the requests still running have returned
         for shard in self.shards.values():
             shard.close()
-
-
-def _field(body: Mapping[str, Any], key: str, kind: type) -> Any:
-    value = body.get(key)
-    valid = isinstance(value, kind) and (kind is not int or not isinstance(value, bool))
-    if kind is int:
-        valid = valid and value >= 0
-    if kind is str:
-        valid = valid and bool(value)
-    if not valid:
-        raise wire.WireError(f"field {key!r} must be a {kind.__name__}, got {value!r}")
-    return value
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return str(value)

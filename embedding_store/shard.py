@@ -51,8 +51,11 @@ class Shard(Protocol):
         rows not held."""
         ...
 
-    def read_rows(self, table: str, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ids, values, state) of the held rows of `table` that `select(ids)` picks."""
+    def read_rows(
+        self, table: str, prefixes: Sequence[int] | None = None, prefix_bits: int = 0
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, values, state) of the held rows of `table`: every row, or with `prefixes`
+        those whose id's top `prefix_bits` bits are one of them (one feature's rows)."""
         ...
 
     def set_step(self, step: int) -> None:
@@ -155,9 +158,11 @@ class LocalShard:
         """See `Shard.take_rows`."""
         return self._table(table).take_rows(ids)
 
-    def read_rows(self, table: str, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read_rows(
+        self, table: str, prefixes: Sequence[int] | None = None, prefix_bits: int = 0
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """See `Shard.read_rows`."""
-        return self._table(table).read_rows(select)
+        return self._table(table).read_rows(prefixes, prefix_bits)
 
     def set_step(self, step: int) -> None:
         """See `Shard.set_step`; sets the step of every table (may run a TTL sweep)."""

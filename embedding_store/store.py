@@ -245,10 +245,10 @@ class EmbeddingStore:
         calls = [self._submit(shard, "take_rows", table, ids[at]) for shard, at in routes]
         return when_all(calls, lambda parts: join_rows(routes, parts, len(ids)), self._pool)
 
-    def read_rows(self, table: str, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ids, values, state) of every held row whose ids `select(ids) -> bool mask` picks."""
+    def read_rows(self, table: str, prefixes: Sequence[int] | None = None, prefix_bits: int = 0):
+        """(ids, values, state) of held rows: all, or those with a prefix (`Shard.read_rows`)."""
         self._whole_rows(table)
-        parts = [shard.read_rows(table, select) for shard in self._shards]
+        parts = [shard.read_rows(table, prefixes, prefix_bits) for shard in self._shards]
         return tuple(np.concatenate([part[i] for part in parts]) for i in range(3))
 
     def _whole_rows(self, table: str) -> TableConfig:

@@ -21,6 +21,20 @@ Streams (version 1):
                                                                 for the ids of a lookup
     apply response    metadata only: JSON {"applied": rows, "duplicate": bool}
 
+Whole rows with their optimizer state, for the tables and hot-row caches trained on the
+devices (always float32: they are the rows themselves, not updates to them):
+
+    write_rows request    schema ROWS {ids: uint64, values: list<float32>,
+                          state: list<float32>}, batches named by table (a table's
+                          rows may span several); lists exactly dim and state-width long
+    write_rows response   metadata only: JSON {"written": rows}
+    take_rows request     schema {ids: uint64}, one batch per table (unique ids)
+    take_rows response    schema ROWS, the rows of the request's ids in its order
+    read_rows request     no batches: the header names `table`, and `prefixes` with
+                          `prefix_bits` to pick one feature's rows of a fused table
+    read_rows response    schema ROWS, in batches of at most ROWS_PER_BATCH rows
+                          (their encoding: `wire_rows`)
+
 `T` is the header's wire dtype (`dtype`): float32 (default), float16, or bfloat16 sent
 as its 16 raw bits (uint16; Arrow has no bfloat16). Gradients sent as float16 are
 multiplied by 2^e per table (`grad_exponents`, chosen by the client so the largest
@@ -55,7 +69,10 @@ WIRE_VERSION = 1
 
 LOOKUP = "lookup"
 APPLY = "apply"
-OPERATIONS = (LOOKUP, APPLY)
+WRITE_ROWS = "write_rows"
+TAKE_ROWS = "take_rows"
+READ_ROWS = "read_rows"
+OPERATIONS = (LOOKUP, APPLY, WRITE_ROWS, TAKE_ROWS, READ_ROWS)
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 _ARROW_TYPES = {"float32": pa.float32(), "bfloat16": pa.uint16(), "float16": pa.float16()}
@@ -108,6 +125,9 @@ class Header:
         lookup: apply only: the seq of this client's lookup whose ids the update is for
             (gradients only on the wire), or -1 (the update carries its ids).
         grad_exponents: apply only, float16: {table: e}, gradients were sent times 2^e.
+        table: read_rows only: the table whose rows are read.
+        prefixes: read_rows only: read the rows whose ids' top `prefix_bits` bits are
+            one of these; None: every row.
     """
 
     op: str
@@ -119,6 +139,9 @@ class Header:
     dtype: str = "float32"
     lookup: int = -1
     grad_exponents: Mapping[str, int] | None = None
+    table: str = ""
+    prefixes: tuple[int, ...] | None = None
+    prefix_bits: int = 0
 
 
 def encode_header(header: Header) -> bytes:
@@ -134,6 +157,12 @@ def encode_header(header: Header) -> bytes:
             "dtype": header.dtype,
             "lookup": header.lookup,
             **({"grad_exponents": dict(header.grad_exponents)} if header.grad_exponents else {}),
+            **({"table": header.table} if header.table else {}),
+            **(
+                {"prefixes": [int(p) for p in header.prefixes], "prefix_bits": header.prefix_bits}
+                if header.prefixes is not None
+                else {}
+            ),
         }
     ).encode()
 
@@ -183,6 +212,25 @@ def decode_header(raw: bytes | pa.Buffer | None) -> Header:
         for e in exponents.values()
     ):
         raise WireError("request header: 'grad_exponents' must map tables to integers in [-64, 64]")
+    table = data.get("table", "")
+    if not isinstance(table, str) or (op == READ_ROWS and not table):
+        raise WireError("request header: 'table' must name a table")
+    prefixes, prefix_bits = data.get("prefixes"), 0
+    if prefixes is not None:
+        prefix_bits = _int_field(data, "prefix_bits", "request header", minimum=1)
+        if (
+            prefix_bits > 63
+            or not isinstance(prefixes, list)
+            or not all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 1 << prefix_bits
+                for p in prefixes
+            )
+        ):
+            raise WireError(
+                "request header: 'prefixes' must be integers below 2^prefix_bits "
+                "(prefix_bits from 1 to 63)"
+            )
+        prefixes = tuple(prefixes)
     return Header(
         op=op,
         train=train,
@@ -193,10 +241,13 @@ def decode_header(raw: bytes | pa.Buffer | None) -> Header:
         dtype=dtype,
         lookup=_int_field(data, "lookup", "request header", minimum=-1) if "lookup" in data else -1,
         grad_exponents=exponents,
+        table=table,
+        prefixes=prefixes,
+        prefix_bits=prefix_bits,
     )
 
 
-def _check_ids(ids: np.ndarray, where: str) -> np.ndarray:
+def check_ids(ids: np.ndarray, where: str) -> np.ndarray:
     ids = np.asarray(ids)
     if ids.dtype != np.uint64 or ids.ndim != 1:
         raise WireError(f"{where}: ids must be a 1-D uint64 array, got {ids.dtype} {ids.shape}")
@@ -247,7 +298,7 @@ def gradient_exponent(grads: np.ndarray) -> int:
 def lookup_batches(requests: Mapping[str, np.ndarray]) -> Iterable[tuple[pa.RecordBatch, bytes]]:
     """Yields (record batch, table name) for a multi-table lookup request."""
     for table, ids in requests.items():
-        ids = np.ascontiguousarray(_check_ids(ids, f"table {table!r}"))
+        ids = np.ascontiguousarray(check_ids(ids, f"table {table!r}"))
         yield pa.record_batch([pa.array(ids, type=pa.uint64())], schema=IDS_SCHEMA), table.encode()
 
 
@@ -268,7 +319,7 @@ def apply_batches(
         exponents: float16 only: {table: e}, gradients are sent times 2^e.
     """
     for table, (ids, grads) in updates.items():
-        ids = np.ascontiguousarray(_check_ids(ids, f"table {table!r}"))
+        ids = np.ascontiguousarray(check_ids(ids, f"table {table!r}"))
         grads = np.ascontiguousarray(grads, dtype=np.float32)
         if grads.ndim != 2 or grads.shape[0] != ids.shape[0]:
             raise WireError(
@@ -319,7 +370,7 @@ class RequestLimits:
             raise WireError(f"request too large: more than {self.max_bytes} bytes")
 
 
-def _table_name(metadata: pa.Buffer | None, dims: Mapping[str, int], seen: set[str]) -> str:
+def table_name(metadata: pa.Buffer | None, dims: Mapping[str, int], seen: set[str]) -> str:
     if metadata is None:
         raise WireError("record batch without a table name in its app_metadata")
     try:
@@ -335,7 +386,7 @@ def _table_name(metadata: pa.Buffer | None, dims: Mapping[str, int], seen: set[s
     return table
 
 
-def _column_numpy(column: pa.Array, dtype: np.dtype, where: str) -> np.ndarray:
+def column_numpy(column: pa.Array, dtype: np.dtype, where: str) -> np.ndarray:
     if column.null_count:
         raise WireError(f"{where}: nulls are not allowed")
     return column.to_numpy(zero_copy_only=True).astype(dtype, copy=False)
@@ -352,9 +403,9 @@ def decode_lookup(
         raise WireError(f"lookup request schema must be {IDS_SCHEMA}, got {schema}")
     requests: dict[str, np.ndarray] = {}
     for batch, metadata in chunks:
-        table = _table_name(metadata, dims, set(requests))
+        table = table_name(metadata, dims, set(requests))
         limits.charge(batch.num_rows, batch.nbytes)
-        requests[table] = _column_numpy(batch.column(0), np.uint64, f"table {table!r} ids")
+        requests[table] = column_numpy(batch.column(0), np.uint64, f"table {table!r} ids")
     return requests
 
 
@@ -380,7 +431,7 @@ def decode_apply(
         raise WireError(f"apply request schema must be {expected_schema}, got {schema}")
     updates: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for batch, metadata in chunks:
-        table = _table_name(metadata, dims, set(updates))
+        table = table_name(metadata, dims, set(updates))
         limits.charge(batch.num_rows, batch.nbytes)
         dim = dims[table]
         where = f"table {table!r} grads"
@@ -394,7 +445,7 @@ def decode_apply(
                 )
             flat = from_wire(batch.column(0), dtype, where)
         else:
-            ids = _column_numpy(batch.column(0), np.uint64, f"table {table!r} ids")
+            ids = column_numpy(batch.column(0), np.uint64, f"table {table!r} ids")
             lists = batch.column(1)
             if lists.null_count:
                 raise WireError(f"{where}: nulls are not allowed")

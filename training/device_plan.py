@@ -22,8 +22,10 @@ never collide: each feature's ids carry its prefix), so a step gathers and updat
 rows with two operations, not one per table (FBGEMM's table-batched embeddings); the
 caches of each layout share one cache too, with the sum of their rows.
 `embedding.placement.<table>` overrides the choice per table; the plan is printed at
-start-up. Where device tables cannot go (embedding servers, the tower-parallel layout,
-a followed stream) the auto plan keeps everything on the host and says why.
+start-up. Where device tables cannot go (several trainer processes sharing embedding
+servers, the tower-parallel layout, a followed stream) the auto plan keeps everything on
+the host and says why. One trainer process in front of embedding servers may use them:
+rows move between its devices and the servers over the wire (`take_rows`, `write_rows`).
 """
 
 from __future__ import annotations

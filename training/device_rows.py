@@ -375,13 +375,13 @@ class DeviceRows:
     def load(self, state: Any, store: Any) -> Any:
         """The state with the device tables filled from `store`'s rows of their features
         (after a restore); the id -> row maps start over from them, and caches empty."""
-        bits = np.uint64(64 - self.plan.prefix_bits)
         tables = dict(state.tables)
         self._reset()
         for table in self.plan.layout.whole:
-            prefixes = np.asarray(self.plan.prefixes[table.name], np.uint64)
             ids, values, opt_state = store.read_rows(
-                self.plan.store_tables[table.name], lambda ids, p=prefixes: np.isin(ids >> bits, p)
+                self.plan.store_tables[table.name],
+                self.plan.prefixes[table.name],
+                self.plan.prefix_bits,
             )
             if len(ids) > table.rows:
                 raise UserError(

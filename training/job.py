@@ -349,8 +349,10 @@ def prepare(
         id_map=id_map,
     )
     host_only = None
-    if addresses:
-        host_only = "the tables are on embedding servers (embedding.servers)"
+    if addresses and process_count > 1:
+        # each process reads its own rows of the files, so its device tables would take
+        # other ids than the others'; one trainer process in front of servers may use them
+        host_only = "the trainer processes share embedding servers (embedding.servers)"
     elif config.model.layout == "towers":
         host_only = "model.layout = 'towers' places each tower's tables itself"
     elif follow:

@@ -20,6 +20,7 @@ from hybridrec.embedding_store import (
     TieringConfig,
     shard_of,
     wire,
+    wire_rows,
 )
 from hybridrec.embedding_store.remote import (
     RemoteShardError,
@@ -112,6 +113,49 @@ def test_clients_count_the_payload_bytes_their_servers_count(start_servers):
         assert counted["lookup_sent"] + counted["lookup_received"] == lookups
         assert counted["apply_sent"] + counted["apply_received"] == counters["wire_bytes_apply"]
     store.close()
+
+
+def test_whole_rows_travel_like_in_process(start_servers):
+    """take_rows, write_rows and read_rows (the rows trained on the devices, with their
+    optimizer state) give a remote store the in-process store's rows."""
+    servers = start_servers([[0, 1], [2]], num_shards=3)
+    shards = connect(addresses(servers), TABLES)
+    local, remote = EmbeddingStore(TABLES, num_shards=3), EmbeddingStore(TABLES, shards=shards)
+    rng = np.random.default_rng(4)
+    same_calls([local, remote], rng, range(0, 2))
+    # ids of two features of a fused table: the top 8 bits name the feature
+    ids = np.concatenate([(np.uint64(p) << np.uint64(56)) + np.arange(40, dtype=np.uint64)
+                          for p in (3, 5)])  # fmt: skip
+    for store in (local, remote):  # creates the rows not held, as a lookup would
+        taken = [store.take_rows(table, ids).result() for table in ("ads", "users")]
+    for (values, state), (values_l, state_l) in zip(
+        taken, [local.take_rows(t, ids).result() for t in ("ads", "users")], strict=True
+    ):
+        np.testing.assert_array_equal(values, values_l)
+        np.testing.assert_array_equal(state, state_l)
+    assert taken[1][1].shape == (80, 17)  # Adam: two moments and the step count
+    new_values = rng.normal(size=(40, 8)).astype(np.float32)
+    new_state = rng.random((40, 17)).astype(np.float32)
+    for store in (local, remote):
+        store.write_rows("users", ids[::2], new_values, new_state).result()
+    for prefixes in (None, [5], [3, 5], [9]):
+        read = [store.read_rows("users", prefixes, 8) for store in (local, remote)]
+        order = [np.argsort(ids_) for ids_, _, _ in read]
+        for part_l, part_r in zip(read[0], read[1], strict=True):
+            np.testing.assert_array_equal(part_r[order[1]], part_l[order[0]])
+    got_ids, got_values, got_state = remote.read_rows("users", [3, 5], 8)
+    assert len(got_ids) == 80
+    at = np.searchsorted(got_ids, ids[::2], sorter=np.argsort(got_ids))
+    at = np.argsort(got_ids)[at]
+    np.testing.assert_array_equal(got_values[at], new_values)
+    np.testing.assert_array_equal(got_state[at], new_state)
+    assert len(remote.read_rows("users", [9], 8)[0]) == 0
+    bytes_sent = sum(shard.wire_bytes["rows_sent"] for shard in shards)
+    counted = sum(server.stats()["counters"]["wire_bytes_rows"] for server in servers)
+    received = sum(shard.wire_bytes["rows_received"] for shard in shards)
+    assert bytes_sent + received == counted and received > 80 * (8 + 17) * 4
+    for store in (local, remote):
+        store.close()
 
 
 def test_handshake_rejects_a_misconfigured_server_set(start_servers):
@@ -254,11 +298,45 @@ def test_malformed_and_oversized_requests_leave_the_server_intact(start_servers)
             wire.APPLY_SCHEMA,
             [(_apply_batch(np.arange(90, dtype=np.uint64), np.ones((90, 4), "f4"), 4), b"ads")],
         ),
+        "rows of the wrong state width": (
+            _header("write_rows"),
+            wire_rows.ROWS_SCHEMA,
+            list(wire_rows.rows_batches({"ads": (ids[:3], ones, np.ones((3, 2), "f4"))})),
+        ),
+        "rows in the apply schema": (
+            _header("write_rows"),
+            wire.APPLY_SCHEMA,
+            [(_apply_batch(ids[:3], ones, 4), b"ads")],
+        ),
+        "read_rows of no table": (_header("read_rows"), wire.IDS_SCHEMA, []),
+        "read_rows of an unknown table": (
+            _header("read_rows", table="nope"),
+            wire.IDS_SCHEMA,
+            [],
+        ),
+        "prefixes without their bits": (
+            _header("read_rows", table="ads", prefixes=[1]),
+            wire.IDS_SCHEMA,
+            [],
+        ),
+        "a prefix wider than its bits": (
+            _header("read_rows", table="ads", prefixes=[4], prefix_bits=2),
+            wire.IDS_SCHEMA,
+            [],
+        ),
         # A valid first table followed by a bad second one: nothing may be applied.
         "good then bad": (
             _header(),
             wire.APPLY_SCHEMA,
             [(_apply_batch(ids[:3], ones, 4), b"ads"), (wide, b"users")],
+        ),
+        "good rows then bad": (
+            _header("write_rows"),
+            wire_rows.ROWS_SCHEMA,
+            [
+                *wire_rows.rows_batches({"ads": (ids[:3], ones * 7, ones)}),
+                *wire_rows.rows_batches({"users": (ids[:3], ones, np.ones((3, 17), "f4"))}),
+            ],
         ),
     }
     for name, (header, schema, batches) in cases.items():

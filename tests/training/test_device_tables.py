@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from hybridrec.embedding_store.checkpoint import read_table_rows
 
+from hybridrec.cli.server_processes import start_servers, stop_servers
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # the small model keeps every table on the host (embedding.device_budget = 0); these runs
 # plan their own placement (-1 = auto). Adagrad from a zero accumulator takes a full step
@@ -128,6 +130,39 @@ def test_hot_row_caches_train_like_the_host_store_and_restore_into_host_only(
     for counts in caches.values():
         assert 0 < counts["hit_rate"] < 1
     assert again["device_tables"]["caches"]["cache.sharded"]["hits"] > 0
+
+
+def test_tables_and_caches_on_the_devices_of_a_trainer_in_front_of_a_shard_server(
+    cli, dataset, tmp_path, training, small_model
+):
+    """One trainer process with whole tables and hot-row caches on its devices, the rest
+    on an embedding server: rows come from the server and go back to it over the wire
+    (take_rows, write_rows, read_rows), and at staleness 0 the run is the in-process
+    host-only run: the same losses, and the server's checkpoints hold the same rows."""
+    steps = ["data.max_steps=24", "checkpoint.every_steps=12"]
+    host, _ = _train(cli, training, small_model, dataset, tmp_path / "host", *steps,
+                     "embedding.device_budget=0")  # fmt: skip
+    keys = small_model(*SYNC, *steps, *CACHED)
+    servers = start_servers(
+        1, num_shards=2, config="quickstart", data=dataset, overrides=keys[1::2], log_dir=tmp_path
+    )
+    env = {"HYBRIDREC_EMBEDDING_SERVERS": servers[0].address}
+    try:
+        result = cli(*training.args(dataset, tmp_path / "served", *keys), env=env)
+        served = json.loads((tmp_path / "served" / "summary.json").read_text())
+        assert "3 of them with a hot-row cache on the devices" in result.stdout
+        assert served["final_loss"] == pytest.approx(host["final_loss"], rel=1e-4)
+        assert served["eval"]["auc"] == pytest.approx(host["eval"]["auc"], abs=1e-4)
+        assert served["device_tables"]["caches"]["cache.replicated"]["evicted"] > 100
+        for step in (12, 24):
+            _assert_same_rows(tmp_path / "host", tmp_path / "served", step)
+        # a resumed run reads the device tables' rows back from the server
+        more = small_model(*SYNC, "data.max_steps=30", "checkpoint.every_steps=12", *CACHED)
+        cli(*training.args(dataset, tmp_path / "served", *more, "--resume"), env=env)
+        resumed = json.loads((tmp_path / "served" / "summary.json").read_text())
+        assert resumed["steps"] == 30 and resumed["device_tables"]["rows"]
+    finally:
+        assert stop_servers(servers) == [0]
 
 
 def _refused(dataset: Path, run_dir: Path, *keys: str) -> str:
