@@ -391,9 +391,13 @@ def main() -> None:
     if cached and host:
         print(
             f"batch 512, staleness 4, embedding.device_budget = {args.cache_budget:,}: steady "
-            f"{cached['steady_samples_per_s']:,.0f} samples/s, its caches held "
-            f"{cached['cache_hit_rate']:.1%} of their tables' lookups "
-            f"({cached['device_lookup_fraction']:.0%} of all lookups on the devices); AUC "
+            f"{cached['steady_samples_per_s']:,.0f} samples/s, "
+            + (
+                f"its caches held {cached['cache_hit_rate']:.1%} of their tables' lookups "
+                if cached["cache_hit_rate"] is not None
+                else "no hot-row cache planned "
+            )
+            + f"({cached['device_lookup_fraction']:.0%} of all lookups on the devices); AUC "
             f"{cached['auc']:.4f}"
         )
         summary.update(
