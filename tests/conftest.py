@@ -1,6 +1,7 @@
 """Every test sees an 8-device CPU mesh; set before anything imports JAX."""
 
 import os
+import socket
 
 os.environ["XLA_FLAGS"] = " ".join(
     flag
@@ -68,6 +69,8 @@ def tls_certs(tmp_path_factory):
         expired         like server, but it expired ten days ago
         expired_client  like client, expired
         wrong_host      for elsewhere.example and 10.1.2.3 only
+        node            this machine's host name, localhost and 127.0.0.1 (servers that
+                        announce the host name, as the Slurm job's do)
         other_client    a client certificate signed by another CA
     """
     import importlib.util
@@ -87,6 +90,7 @@ def tls_certs(tmp_path_factory):
         "expired": make_certs.issue(ca, "localhost", hosts=local, expired=True),
         "expired_client": make_certs.issue(ca, "trainer", client=True, expired=True),
         "wrong_host": make_certs.issue(ca, "elsewhere", hosts=["elsewhere.example", "10.1.2.3"]),
+        "node": make_certs.issue(ca, socket.gethostname(), hosts=[socket.gethostname(), *local]),
         "other_client": make_certs.issue(other_ca, "trainer", client=True),
     }
     files = {name: tuple(map(str, pair.write(out, name))) for name, pair in issued.items()}

@@ -67,7 +67,9 @@ def cluster(tmp_path_factory):
         pytest.skip("a Slurm cluster can only be started here as root")
     missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch") if not shutil.which(b)]
     if missing:
-        pytest.skip(f"Slurm is not installed ({', '.join(missing)}): scripts/slurm_local.sh install")
+        pytest.skip(
+            f"Slurm is not installed ({', '.join(missing)}): scripts/slurm_local.sh install"
+        )
     directory = tmp_path_factory.mktemp("slurm")
     env = dict(os.environ, HYBRIDREC_SLURM_PORT=str(_free_port_pair()))
     started = subprocess.run(
@@ -127,9 +129,13 @@ class Job:
                 continue
             if Path(words[0].decode()).name in ("srun", "bash"):
                 continue  # the launcher of a step, not one of its tasks
-            if command.encode() in words and b"hybridrec" in words and (
-                str(self.run_dir).encode() in words
-                or (command == "serve-embeddings" and self._serves_this_run(int(entry.name)))
+            if (
+                command.encode() in words
+                and b"hybridrec" in words
+                and (
+                    str(self.run_dir).encode() in words
+                    or (command == "serve-embeddings" and self._serves_this_run(int(entry.name)))
+                )
             ):
                 found.append(int(entry.name))
         return found
@@ -175,11 +181,25 @@ def _metrics_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in lines if '"train"' in line]
 
 
-def test_the_sbatch_job_trains_with_servers_and_survives_losing_a_process(cluster):
+def test_the_sbatch_job_trains_with_servers_and_survives_losing_a_process(cluster, tls_certs):
     env, directory = cluster
-    # 1. uninterrupted: 2 servers + 2 trainers, data made by the job itself
-    reference = Job(env, directory, "reference", tasks=4, servers=2)
+    # 1. uninterrupted: 2 servers + 2 trainers, data made by the job itself; the servers
+    #    serve TLS with a certificate for this node's name, which they announce, and ask
+    #    for a token, which the trainers send only inside TLS (verified against the CA)
+    cert, key = tls_certs.node
+    secure = dict(
+        env,
+        HYBRIDREC_TLS_CERT=cert,
+        HYBRIDREC_TLS_KEY=key,
+        HYBRIDREC_EMBEDDING_TOKEN="slurm-job-secret",
+        HYBRIDREC_SET=f"{SETTINGS} embedding.tls.ca={tls_certs.ca}",
+    )
+    reference = Job(secure, directory, "reference", tasks=4, servers=2)
     assert reference.wait() == 0, reference.text()
+    assert f"from $HYBRIDREC_EMBEDDING_SERVERS: grpc+tls://{socket.gethostname()}:" in (
+        reference.text()
+    )
+    assert reference.text().count("token required; TLS") == 2  # each server says so
     summary = reference.summary()
     assert summary["processes"] == 2 and summary["steps"] == STEPS
     assert summary["checkpoint_step"] == STEPS

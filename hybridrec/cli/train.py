@@ -114,7 +114,12 @@ def _train(
     config = load_config(args.config, overrides, run_dir if args.resume else None)
     servers = embedding_servers(config.embedding.servers)
     if servers.source.startswith("$") and not args.quiet and (args.process_id or 0) == 0:
-        print(f"embedding servers from {servers.source}: {', '.join(servers.addresses)}")
+        tls = config.embedding.tls
+        shown = [  # as dialled: a client with TLS files dials grpc:// as grpc+tls://
+            address.replace("grpc://", "grpc+tls://", 1) if tls.ca or tls.cert else address
+            for address in servers.addresses
+        ]
+        print(f"embedding servers from {servers.source}: {', '.join(shown)}")
     trainer = Trainer(
         config,
         run_dir,
