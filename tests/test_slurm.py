@@ -37,6 +37,10 @@ SETTINGS = " ".join(
         # gradient however small, so the servers' arrival order of two trainers' updates
         # shows in the AUC (0.0027 apart in one run); the resume is compared from optax's 0.1
         "embedding.optimizer.initial_accumulator=0.1",
+        # every trainer reads the global batch stream and keeps its rows: the same data
+        # order for any trainer count, so a job resumed on another count goes on as the
+        # uninterrupted one (without it, the rest of the epoch comes in another order)
+        "data.global_order=true",
         f"data.max_steps={STEPS}",
         f"checkpoint.every_steps={EVERY}",
         "log.every_steps=10",
@@ -231,17 +235,15 @@ def test_the_sbatch_job_trains_with_servers_and_survives_losing_a_process(cluste
     assert detected < 10 and ended < 90, (detected, ended)
     text = server.text()
     assert "an embedding server was lost" in text and "resubmit this job" in text, text
-    # resubmitted onto 3 servers and 1 trainer: the step, samples and epoch carry over;
-    # one reader instead of two orders the remaining rows differently, so the model is
-    # another sample of the same training (at these 90 steps, far from converged, another
-    # data order moves the AUC by up to ~0.01: docs/scale.md)
+    # resubmitted onto 3 servers and 1 trainer: the step, samples, epoch and data order
+    # carry over (data.global_order), so the model is the uninterrupted run's
     resumed = Job(env, directory, "server_lost", tasks=4, servers=3)
     assert resumed.wait() == 0, resumed.text()
     summary = resumed.summary()
     assert summary["processes"] == 1 and summary["steps"] == STEPS
     assert summary["samples"] == STEPS * 256
     print(f"resumed on 3 servers + 1 trainer: AUC {summary['eval']['auc']:.4f} against {auc:.4f}")
-    assert abs(summary["eval"]["auc"] - auc) < 0.02, (summary["eval"]["auc"], auc)
+    assert abs(summary["eval"]["auc"] - auc) < 0.002, (summary["eval"]["auc"], auc)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,10 @@ class DataConfig:
     epochs: int = 1  # passes over the training split (when max_steps = 0)
     max_steps: int = 0  # stop after this many steps; 0 = run `epochs` epochs
     prefetch: int = 4  # batches decoded ahead by the input thread
+    # every training process reads the global batch stream and keeps its rows: the data
+    # order is the same for any number of processes, so a run resumed on another count
+    # goes on as it would have; false: each reads its own share of the files (less I/O)
+    global_order: bool = False
 
     def __post_init__(self):
         if self.batch_size < 0 or self.eval_batch_size < 0:

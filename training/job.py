@@ -122,16 +122,16 @@ class Job:
         """A reader of `split` and the rows of each of its batches this process uses.
 
         Normally each process reads its own share of the files in local batches (slice
-        = all rows). Training with replicated in-process stores, or a split with fewer
-        files than processes, reads the global batch stream on every process instead
-        and the slice picks this process's rows.
+        = all rows). Training with replicated in-process stores or `data.global_order`,
+        or a split with fewer files than processes, reads the global batch stream on
+        every process instead and the slice picks this process's rows.
         """
         metadata = self.metadata
         files = metadata.split_files(split)
         if not files:
             raise UserError(f"{self.config.data.path}: split {split!r} has no files")
         whole = (
-            (train and self.replicated_store)
+            (train and (self.replicated_store or self.config.data.global_order))
             or self.tower_parallel  # a tower's devices take its features of every row
             or len(files) < self.process_count
         )
