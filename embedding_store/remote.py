@@ -224,18 +224,23 @@ class RemoteShard:
                 updates, header.dtype, with_ids=with_ids, exponents=header.grad_exponents
             )
         )
+        self._send_for_reply("apply", descriptor, schema, batches, f"update on shard {self.index}")
+
+    def _send_for_reply(self, kind: str, descriptor, schema, batches, what: str) -> None:
+        """Sends one request whose reply is a small JSON object (an update, written rows);
+        counts its bytes under `kind` ("apply", "rows")."""
 
         def attempt(client, options):
             writer, reader = _send(client, options, descriptor, schema, batches)
             try:
                 chunk = reader.read_chunk()
-                wire.decode_json(chunk.app_metadata, "apply reply")
+                wire.decode_json(chunk.app_metadata, f"{kind} reply")
                 return len(chunk.app_metadata or b"")
             finally:
                 writer.close()
 
-        received = self.connection.call(attempt, f"update on shard {self.index}")
-        self._count_bytes("apply", descriptor, batches, received)
+        received = self.connection.call(attempt, what)
+        self._count_bytes(kind, descriptor, batches, received)
 
     def write_rows(self, updates: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
         """See `Shard.write_rows`: one call; setting rows twice is harmless, so a call whose
@@ -245,18 +250,8 @@ class RemoteShard:
         header = wire.Header(op=wire.WRITE_ROWS, shard=self.index, step=self._step)
         descriptor = flight.FlightDescriptor.for_command(wire.encode_header(header))
         batches = list(wire_rows.rows_batches(updates))
-
-        def attempt(client, options):
-            writer, reader = _send(client, options, descriptor, wire_rows.ROWS_SCHEMA, batches)
-            try:
-                chunk = reader.read_chunk()
-                wire.decode_json(chunk.app_metadata, "write_rows reply")
-                return len(chunk.app_metadata or b"")
-            finally:
-                writer.close()
-
-        received = self.connection.call(attempt, f"write_rows on shard {self.index}")
-        self._count_bytes("rows", descriptor, batches, received)
+        what = f"write_rows on shard {self.index}"
+        self._send_for_reply("rows", descriptor, wire_rows.ROWS_SCHEMA, batches, what)
 
     def take_rows(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """See `Shard.take_rows`."""

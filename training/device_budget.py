@@ -92,12 +92,7 @@ def plan_by_lookups(
         whole = planned >= most and not forced
         if not whole and planned < min(MIN_CACHE_ROWS, most):
             if forced:
-                raise ConfigError(
-                    f"embedding.device_budget = {budget:,} bytes per device ({budget_note}) "
-                    f"leaves {size_text(max(budget - used, 0))} for the cache of table "
-                    f"{spec_table!r} (embedding.placement), under {MIN_CACHE_ROWS:,} rows; "
-                    'give it rows ("cache:ROWS") or a larger budget'
-                )
+                raise _cache_too_small(budget, budget_note, budget - used, spec_table)
             continue
         sharded, per_device = split_layout(layout, (planned + 1) * row_bytes, devices)
         used += per_device
@@ -158,6 +153,16 @@ def _values(
     return [(rows, value, atomic) for rows, value, atomic in merged]
 
 
+def _cache_too_small(budget: int, budget_note: str, left: int, spec_table: str) -> ConfigError:
+    """The error of a forced cache that what is `left` of the budget cannot hold."""
+    return ConfigError(
+        f"embedding.device_budget = {budget:,} bytes per device ({budget_note}) leaves "
+        f"{size_text(max(left, 0))} for the cache of table {spec_table!r} "
+        f"(embedding.placement), under {MIN_CACHE_ROWS:,} rows; give it rows "
+        '("cache:ROWS") or a larger budget'
+    )
+
+
 def split_layout(layout: str, total: int, devices: int) -> tuple[bool, int]:
     """(split by rows, bytes per device) of a table of `total` bytes: split when its layout
     says "sharded", or, with none given, when larger than REPLICATE_BYTES."""
@@ -186,12 +191,7 @@ def plan_caches(
             rows = min(share * (devices if sharded else 1) // row_bytes - 1, most)
             if rows < min(MIN_CACHE_ROWS, most):
                 if forced:
-                    raise ConfigError(
-                        f"embedding.device_budget = {budget:,} bytes per device ({budget_note}) "
-                        f"leaves {size_text(max(left, 0))} for the cache of table {spec_table!r} "
-                        f"(embedding.placement), under {MIN_CACHE_ROWS:,} rows; give it rows "
-                        '("cache:ROWS") or a larger budget'
-                    )
+                    raise _cache_too_small(budget, budget_note, left, spec_table)
                 continue
         sharded, per_device = split_layout(layout, (rows + 1) * row_bytes, devices)
         if used + per_device > budget:
