@@ -41,6 +41,9 @@ SETTINGS = " ".join(
         # order for any trainer count, so a job resumed on another count goes on as the
         # uninterrupted one (without it, the rest of the epoch comes in another order)
         "data.global_order=true",
+        # half of the tables trained on the trainers' devices (written back to the servers
+        # by the chief at checkpoints), the others looked up from the servers every step
+        *(f"embedding.placement.C{i}=host" for i in range(14, 27)),
         f"data.max_steps={STEPS}",
         f"checkpoint.every_steps={EVERY}",
         "log.every_steps=10",

@@ -54,7 +54,14 @@ def merge_bands(curves: Sequence[list[tuple[float, float]]]) -> list[tuple[float
 
 
 def plan_by_lookups(
-    weighed: Sequence[tuple], chosen: list, budget: int, budget_note: str, used: int, devices: int
+    weighed: Sequence[tuple],
+    chosen: list,
+    budget: int,
+    budget_note: str,
+    used: int,
+    devices: int,
+    *,
+    caches: bool = True,
 ) -> int:
     """Gives the tables in `weighed` rows on the devices by the lookups each byte serves
     (their bands of ids, densest first over all tables, until the budget is spent);
@@ -64,7 +71,7 @@ def plan_by_lookups(
     fewer gets a hot-row cache of them when that is at least MIN_CACHE_ROWS (a forced
     cache that gets fewer is a ConfigError); the rest stay on the host only. A table's
     first rows (`_segments`) are granted whole or not at all, so no grant falls below the
-    smallest cache.
+    smallest cache. Without `caches`, each table is one piece: whole or host only.
     """
     segments = []  # (value per byte, table index, rows, bytes per row, whole or nothing)
     per_row = []  # bytes per device of one row, and its layout
@@ -72,7 +79,10 @@ def plan_by_lookups(
         sharded, _ = split_layout(layout, (most + 1) * row_bytes, devices)
         cost = row_bytes / devices if sharded else row_bytes
         per_row.append((cost, "sharded" if sharded else "replicated"))
-        for rows, value, atomic in _values(_segments(bands, most), forced):
+        pieces = _values(_segments(bands, most), forced) if caches else []
+        if not caches:  # the table's lookups over all its rows
+            pieces = [(float(most), sum(count for _, count in bands), True)]
+        for rows, value, atomic in pieces:
             segments.append((value / rows / cost, index, rows, cost, atomic))
     rows = [0.0] * len(weighed)
     stopped = [False] * len(weighed)  # a piece did not fit: the table takes no more

@@ -77,15 +77,16 @@ def free_bytes_per_device(mesh: Any) -> tuple[int, str]:
         where = f"{device.device_kind} memory"
     else:
         local = len([d for d in mesh.devices.flat if d.process_index == device.process_index])
-        free = _available_host_memory() // local
+        free = available_host_memory() // local
         where = f"host memory shared by {local} {device.platform} devices"
-    if jax.process_count() > 1:
-        free = int(np.min(multihost_utils.process_allgather(np.asarray(free, np.int64))))
+    if jax.process_count() > 1:  # in MiB: JAX gathers 32-bit integers unless x64 is on
+        mib = np.asarray(max(free, 0) >> 20, np.int32)
+        free = int(np.min(multihost_utils.process_allgather(mib))) << 20
         where += ", the smallest of the processes'"
     return free, where
 
 
-def _available_host_memory() -> int:
+def available_host_memory() -> int:
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
@@ -128,12 +129,15 @@ def plan_devices(
     tables: TablePlan,
     *,
     host_only: str | None = None,
+    no_caches: str | None = None,
 ) -> DevicePlan:
     """The run's device tables.
 
     Args:
         host_only: why this run keeps every table on the host (None: it need not); a
             table forced onto the devices then is a ConfigError.
+        no_caches: why this run can have whole tables on the devices but no hot-row
+            caches (None: it can); a forced cache then is a ConfigError.
     """
     embedding = config.embedding
     features = metadata.categorical
@@ -184,6 +188,11 @@ def plan_devices(
         )
         if place == "host":
             continue
+        if place == "cache" and no_caches:
+            raise ConfigError(
+                f"embedding.placement.{spec_table} = {where!r}, but {no_caches}: hot-row "
+                'caches cannot be used here ("device" or "host")'
+            )
         reason = _unplaceable(config_of)
         if reason is not None:
             if where != "auto":
@@ -236,16 +245,19 @@ def plan_devices(
                     f"too small for table {spec_table!r} forced onto the devices by "
                     f"embedding.placement ({size_text(per_device)} per device, {size_text(used)} taken)"
                 )
-            # left on the host: a cache of it where what is left of the budget allows
-            cached.append((spec_table, 0, "", store_name, row_bytes, False, rows))
+            if not no_caches:  # left on the host: a cache of it where the budget allows
+                cached.append((spec_table, 0, "", store_name, row_bytes, False, rows))
             continue
         used += per_device
         chosen.append((spec_table, rows, sharded, store_name, False))
     given = [c for c in cached if c[1]]
     used = plan_caches(given, chosen, budget, budget_note, used, devices)
     # the others by lookups per byte: whole where a table's rows all earn their place
-    used = plan_by_lookups(weighed, chosen, budget, budget_note, used, devices)
-    rest = [c for c in cached if not c[1]]  # no statistics: what is left, shared equally
+    used = plan_by_lookups(
+        weighed, chosen, budget, budget_note, used, devices, caches=not no_caches
+    )
+    # no statistics: what is left, shared equally
+    rest = [c for c in cached if not c[1] and not no_caches]
     used = plan_caches(rest, chosen, budget, budget_note, used, devices)
     if not chosen:
         return _with_lines(
@@ -291,7 +303,10 @@ def plan_devices(
         prefix_bits,
         all_features=tuple(names),
     )
-    return _with_lines(plan, _describe(plan, chosen, spec_tables, budget, budget_note, used))
+    lines = _describe(plan, chosen, spec_tables, budget, budget_note, used)
+    if no_caches:
+        lines.append(f"  no hot-row caches: {no_caches}")
+    return _with_lines(plan, lines)
 
 
 def _describe(

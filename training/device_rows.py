@@ -16,8 +16,9 @@ restored store's rows of the device tables back onto the devices.
 A hot-row cache (a device table with `cache`) holds some rows of a host table; the host
 store keeps them all. Per batch, `prepare` counts the table's ids, admits the frequent
 ones it does not hold (`training.hot_rows`), reads the admitted rows with their
-optimizer state from the store (`EmbeddingStore.take_rows`), and hands the host lookup
-the ids the cache does not hold. The rows it evicts leave the step as outputs and are
+optimizer state from the store (`EmbeddingStore.take_rows`: a request that runs beside
+the host lookup; `device_arrays` waits for it), and hands the host lookup the ids the
+cache does not hold. The rows it evicts leave the step as outputs and are
 written back to the store with that step's update (`write_evicted`), before any lookup
 that may read them (the staleness gate). A cached row is trained on the devices at
 staleness 0; the others in the store, at staleness k.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -80,6 +81,17 @@ class Prepared:
     host_ids: dict[str, Any] = dataclasses.field(default_factory=dict)  # cached feature ->
     # the ids the host looks up (those its cache does not hold)
     evicted: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # cache -> ids
+    # rows the caches admitted, still being read from the store: (future, values, state,
+    # positions), filled by `complete` (the read overlaps the host lookup)
+    pending: list[tuple[Any, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
+        default_factory=list
+    )
+
+    def complete(self) -> None:
+        """Waits for the admitted rows and puts them into the batch's arrays."""
+        for future, values, state, positions in self.pending:
+            values[positions], state[positions] = future.result()
+        self.pending.clear()
 
     def host_batch(self, batch: Batch) -> Batch:
         """`batch` with the cached features' ids the host store looks up."""
@@ -98,6 +110,10 @@ class DeviceRows:
         pooling: how multi-valued features pool their rows ("sum", "mean", "sqrtn").
         store: the embedding store (caches read the rows they admit from it).
         staleness: the run's bound k (an id a cache evicts stays out for k batches).
+        writes: whether this process writes the rows back to the store (of trainer
+            processes sharing embedding servers, the chief alone does).
+        written: called by every process after a write-back (a barrier where the store
+            is shared: no process reads the rows before they are written).
     """
 
     def __init__(
@@ -109,8 +125,12 @@ class DeviceRows:
         *,
         store: Any = None,
         staleness: int = 0,
+        writes: bool = True,
+        written: Callable[[], None] | None = None,
     ):
         self.plan = plan
+        self._writes = writes
+        self._written = written
         self.mesh = mesh
         self.pooling = pooling
         self.store = store
@@ -183,11 +203,9 @@ class DeviceRows:
             new_state = np.zeros((size, width), np.float32)
             if table.cache:
                 fresh, slots = self._admit(table, unique, inverse, slots, columns, prepared, size)
-                if fresh.any():
+                if fresh.any():  # read while the host looks up the rest (`complete`)
                     read = self.store.take_rows(self.plan.store_tables[table.name], unique[fresh])
-                    new_values[: len(unique)][fresh], new_state[: len(unique)][fresh] = (
-                        read.result()
-                    )
+                    prepared.pending.append((read, new_values, new_state, np.flatnonzero(fresh)))
             else:
                 fresh = slots < 0
                 slots = self._assign(table, unique, slots)
@@ -317,6 +335,7 @@ class DeviceRows:
 
     def device_arrays(self, prepared: Prepared, rows: slice) -> dict[str, jax.Array]:
         """The batch's arrays on the devices: per-example ones from this process's `rows`."""
+        prepared.complete()
         whole, per_example = {}, {}
         for key, array in prepared.arrays.items():
             if key.rsplit("/", 1)[-1] in PER_EXAMPLE:
@@ -358,7 +377,8 @@ class DeviceRows:
         """Copies the rows changed since the last write-back into `store`; returns how many.
 
         Every process calls it at the same step (a replicated store takes every row on
-        each process; a gather of a table split over processes is a collective).
+        each process; a gather of a table split over processes is a collective; a shared
+        store takes the rows from one of them).
         """
         written = 0
         for table in self.tables:
@@ -367,9 +387,13 @@ class DeviceRows:
                 continue
             values, opt_state = _take_rows(state.tables[table.name], slots, self.mesh)
             ids = self._resident[table.name][slots]
-            store.write_rows(self.plan.store_tables[table.name], ids, values, opt_state).result()
+            if self._writes:
+                write = store.write_rows(self.plan.store_tables[table.name], ids, values, opt_state)
+                write.result()
             self._touched[table.name][:] = False
             written += len(slots)
+        if self._written is not None:
+            self._written()
         return written
 
     def load(self, state: Any, store: Any) -> Any:

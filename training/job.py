@@ -90,6 +90,7 @@ class Job:
         if not self.device_tables:
             return None
         tables = {table.name: table for table in self.tables.tables}
+        shared = bool(self.servers) and self.process_count > 1
         return DeviceRows(
             self.devices,
             tables,
@@ -97,6 +98,9 @@ class Job:
             self.config.embedding.pooling,
             store=store,
             staleness=self.config.hybrid.staleness,
+            # trainers sharing servers: the chief writes the rows, the others wait for it
+            writes=self.is_chief or not shared,
+            written=(lambda: self.barrier("device-rows-written")) if shared else None,
         )
 
     @property
@@ -348,16 +352,23 @@ def prepare(
         else config.embedding.num_shards or default_local_shards(),
         id_map=id_map,
     )
-    host_only = None
-    if addresses and process_count > 1:
+    host_only = no_caches = None
+    if addresses and process_count > 1 and not config.data.global_order:
         # each process reads its own rows of the files, so its device tables would take
         # other ids than the others'; one trainer process in front of servers may use them
-        host_only = "the trainer processes share embedding servers (embedding.servers)"
+        host_only = (
+            "the trainer processes share embedding servers and each reads its own rows "
+            "(data.global_order = true lets them keep tables on the devices)"
+        )
+    elif addresses and process_count > 1:
+        # every process sees the global batch, but a row admitted into a cache would be
+        # read from the servers by each process at its own time: the replicas could differ
+        no_caches = "several trainer processes share the embedding servers"
     elif config.model.layout == "towers":
         host_only = "model.layout = 'towers' places each tower's tables itself"
     elif follow:
         host_only = "a followed stream brings new ids without end"
-    devices = plan_devices(config, metadata, mesh, tables, host_only=host_only)
+    devices = plan_devices(config, metadata, mesh, tables, host_only=host_only, no_caches=no_caches)
     return Job(
         config=config,
         metadata=metadata,

@@ -71,3 +71,23 @@ def test_a_forced_cache_the_budget_cannot_hold_is_refused():
     forced = _entry("C3", [(5_000, 50_000.0)], 10_000, forced=True)
     with pytest.raises(ConfigError, match="for the cache of table 'C3'"):
         device_budget.plan_by_lookups([forced], [], 100 * ROW_BYTES, "test", 0, 1)
+
+
+def test_without_caches_tables_go_whole_by_their_lookups_per_byte():
+    # trainers sharing embedding servers: no caches, so a table is whole or host only
+    small = _entry("small", [(50, 100_000.0)], 120)
+    skewed = _entry("skewed", [(5_000, 400_000.0), (95_000, 95_000.0)], 110_000)
+    dense = _entry("dense", [(8_000, 300_000.0)], 9_000)  # more lookups per byte than skewed
+    chosen: list = []
+    budget = 20_000 * ROW_BYTES
+    used = device_budget.plan_by_lookups(
+        [small, skewed, dense], chosen, budget, "", 0, 1, caches=False
+    )
+    assert used <= budget
+    assert {(name, rows, cache) for name, rows, _, _, cache in chosen} == {
+        ("small", 120, False),
+        ("dense", 9_000, False),
+    }  # the skewed table's hot rows would need a cache: it stays on the host
+    with_caches: list = []
+    device_budget.plan_by_lookups([small, skewed, dense], with_caches, budget, "", 0, 1)
+    assert ("skewed", True) in {(c[0], c[4]) for c in with_caches}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hybridrec.embedding_store.checkpoint import read_table_rows
+from hybridrec.training.device_plan import available_host_memory
 
 from hybridrec.cli.server_processes import start_servers, stop_servers
 
@@ -161,6 +163,85 @@ def test_tables_and_caches_on_the_devices_of_a_trainer_in_front_of_a_shard_serve
         cli(*training.args(dataset, tmp_path / "served", *more, "--resume"), env=env)
         resumed = json.loads((tmp_path / "served" / "summary.json").read_text())
         assert resumed["steps"] == 30 and resumed["device_tables"]["rows"]
+    finally:
+        assert stop_servers(servers) == [0]
+
+
+# half of the tables on the devices (6 split by rows, 7 replicated), the others on the server
+MIXED = [*SHARDED[:6], *(f"embedding.placement.C{i}=host" for i in range(14, 27))]
+
+
+def test_device_tables_of_two_trainer_processes_sharing_a_shard_server(
+    cli, dataset, tmp_path, training, small_model
+):
+    """Two trainer processes (4 devices each) in front of one embedding server, reading
+    the global batch (data.global_order): both map the same ids to the same device rows,
+    the chief alone writes them back to the server, and its checkpoints hold every row;
+    a resumed job reads them back onto the devices. The host tables are trained on the
+    shared server as usual (each process's own rows, so not bit for bit the in-process
+    run); the job ends where the in-process host-only run does."""
+    steps = ["data.max_steps=24", "checkpoint.every_steps=12"]
+    host, _ = _train(cli, training, small_model, dataset, tmp_path / "host", *steps,
+                     "embedding.device_budget=0")  # fmt: skip
+    keys = small_model(*SYNC, *steps, *MIXED, "data.global_order=true")
+    servers = start_servers(
+        1, num_shards=2, config="quickstart", data=dataset, overrides=keys[1::2], log_dir=tmp_path
+    )
+    env = {"HYBRIDREC_EMBEDDING_SERVERS": servers[0].address}
+    launch = ["launch", "--num-processes", "2", "--devices-per-process", "4", "--timeout", "200"]
+    run_dir = tmp_path / "two"
+
+    def summaries() -> list[dict]:
+        return [
+            json.loads((run_dir / "processes" / f"summary_{i}.json").read_text()) for i in range(2)
+        ]
+
+    try:
+        train = ["--", *training.args(dataset, run_dir, *keys)]
+        result = cli(*launch, *train, env=env, timeout=240)
+        assert "device tables: 13 of 26 tables on the devices (7 replicated, 6 split" in (
+            result.stdout
+        )
+        assert "no hot-row caches: several trainer processes share the embedding servers" in (
+            result.stdout
+        )
+        # the auto budget: the processes' smallest free memory, gathered without overflow
+        free = re.search(r"auto: 25% of ([\d.,]+) GiB free host memory shared by 4", result.stdout)
+        assert free, result.stdout
+        gib = float(free.group(1).replace(",", "")) * 2**30
+        assert 0.5 < gib / (available_host_memory() / 4) < 2
+        first, second = summaries()
+        assert first["processes"] == 2 and first["steps"] == 24
+        assert first["device_tables"] == second["device_tables"]  # the same rows everywhere
+        assert first["device_tables"]["lookups"] == 24 * 256 * 13
+        assert first["eval"] == second["eval"]
+        assert first["eval"]["auc"] == pytest.approx(host["eval"]["auc"], abs=2e-3)
+        for step in (12, 24):  # every row in the server's checkpoints, near the host run's
+            ids, values = _rows(run_dir, step)
+            host_ids, host_values = _rows(tmp_path / "host", step)
+            np.testing.assert_array_equal(ids, host_ids)
+            np.testing.assert_allclose(values, host_values, atol=5e-4)
+        more = small_model(*SYNC, "data.max_steps=30", "checkpoint.every_steps=12", *MIXED,
+                           "data.global_order=true")  # fmt: skip
+        cli(*launch, "--", *training.args(dataset, run_dir, *more, "--resume"),
+            env=env, timeout=240)  # fmt: skip
+        first, second = summaries()
+        assert first["steps"] == 30 and first["device_tables"]["rows"]
+        assert first["device_tables"] == second["device_tables"]
+        # a cache there is a one-line error naming the key, from each trainer
+        refused = subprocess.run(
+            [sys.executable, "-m", "hybridrec", *launch, "--", *training.args(
+                dataset, tmp_path / "cached", *keys, "--set", "embedding.placement.C3=cache")],
+            cwd=REPO_ROOT, env={**os.environ, **env}, capture_output=True, text=True,
+            timeout=240,
+        )  # fmt: skip
+        assert refused.returncode != 0
+        expected = (
+            "embedding.placement.C3 = 'cache', but several trainer processes share the "
+            "embedding servers: hot-row caches cannot be used here"
+        )
+        assert expected in refused.stdout + refused.stderr
+        assert "Traceback" not in refused.stdout + refused.stderr
     finally:
         assert stop_servers(servers) == [0]
 
