@@ -25,6 +25,11 @@ with --cache-budget (a budget that leaves the big tables on the host, each with 
 cache on the devices): steady_samples_per_s_b512_cached, cached_over_host_b512,
 cache_hit_rate_b512 (of the cached tables' lookups, the share their caches held),
 auc_b512_cached;
+with --server (the same batch-512 run against one `hybridrec serve-embeddings` process of
+2 shards on loopback, a fresh one per run): steady_samples_per_s_b512_server (every table
+on the server), steady_samples_per_s_b512_server_device (the default budget),
+steady_samples_per_s_b512_server_cached (--cache-budget), server_device_over_server_b512,
+server_cached_over_server_b512, cache_hit_rate_b512_server;
 the e2e keys are of the first batch-512 run, which compiles: the run has a compilation
 cache of its own, so later seeds' runs load the programs instead, reported as
 e2e_warm_over_dense_b512 and e2e_warm_samples_per_s_b512).
@@ -202,6 +207,47 @@ def _train(
     return result
 
 
+def _against_a_server(data: Path, work: Path, env: dict, extra: list[str], cache_budget: int):
+    """Batch 512, staleness 4, one trainer in front of a fresh server process per run:
+    every table on the server, the default budget's device tables, and `cache_budget`."""
+    from hybridrec.cli.server_processes import start_servers, stop_servers
+
+    runs = {"server": ["embedding.device_budget=0"], "server_device": []}
+    if cache_budget:
+        runs["server_cached"] = [f"embedding.device_budget={cache_budget}"]
+    results = {}
+    for tag, keys in runs.items():
+        servers = start_servers(
+            1,
+            num_shards=2,
+            config="criteo_dlrm",
+            data=data,
+            overrides=["data.batch_size=512", *extra],
+            log_dir=work,
+        )
+        served = dict(env, HYBRIDREC_EMBEDDING_SERVERS=servers[0].address)
+        try:
+            results[tag] = _train(data, 512, 4, work, served, [*extra, *keys], tag=f"_{tag}")
+        finally:
+            stop_servers(servers)
+    base = results["server"]["steady_samples_per_s"]
+    out = {
+        f"steady_samples_per_s_b512_{tag}": round(r["steady_samples_per_s"])
+        for tag, r in results.items()
+    }
+    for tag in ("server_device", "server_cached"):
+        if tag in results:
+            out[f"{tag}_over_server_b512"] = round(results[tag]["steady_samples_per_s"] / base, 3)
+    if "server_cached" in results:
+        out["cache_hit_rate_b512_server"] = results["server_cached"]["cache_hit_rate"]
+    print(
+        "batch 512, staleness 4, one embedding server: steady "
+        + ", ".join(f"{tag} {r['steady_samples_per_s']:,.0f}" for tag, r in results.items())
+        + " samples/s"
+    )
+    return out
+
+
 def _device_fraction(summary: dict) -> float:
     on_devices = (summary.get("device_tables") or {}).get("lookups", 0)
     on_host = summary["embedding_store"].get("lookups", 0)
@@ -300,6 +346,11 @@ def main() -> None:
         type=int,
         default=8 << 20,
         help="embedding.device_budget of the run with hot-row caches (bytes; 0: no such run)",
+    )
+    parser.add_argument(
+        "--server",
+        action="store_true",
+        help="also train batch 512 against an embedding server process (3 placements)",
     )
     parser.add_argument("--set", dest="extra", action="append", default=[], help="train override")
     parser.add_argument("--dense-child", type=int, help=argparse.SUPPRESS)
@@ -419,6 +470,8 @@ def main() -> None:
                 results[512]["steady_samples_per_s"] / sync["steady_samples_per_s"], 3
             ),
         )
+    if args.server:
+        summary.update(_against_a_server(data, work, env, args.extra, args.cache_budget))
     shutil.rmtree(env["HYBRIDREC_COMPILATION_CACHE"], ignore_errors=True)
     print(json.dumps(summary))
 

@@ -16,9 +16,8 @@ restored store's rows of the device tables back onto the devices.
 A hot-row cache (a device table with `cache`) holds some rows of a host table; the host
 store keeps them all. Per batch, `prepare` counts the table's ids, admits the frequent
 ones it does not hold (`training.hot_rows`), reads the admitted rows with their
-optimizer state from the store (`EmbeddingStore.take_rows`: a request that runs beside
-the host lookup; `device_arrays` waits for it), and hands the host lookup the ids the
-cache does not hold. The rows it evicts leave the step as outputs and are
+optimizer state from the store (`EmbeddingStore.take_rows`), and hands the host lookup
+the ids the cache does not hold. The rows it evicts leave the step as outputs and are
 written back to the store with that step's update (`write_evicted`), before any lookup
 that may read them (the staleness gate). A cached row is trained on the devices at
 staleness 0; the others in the store, at staleness k.
@@ -81,17 +80,6 @@ class Prepared:
     host_ids: dict[str, Any] = dataclasses.field(default_factory=dict)  # cached feature ->
     # the ids the host looks up (those its cache does not hold)
     evicted: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # cache -> ids
-    # rows the caches admitted, still being read from the store: (future, values, state,
-    # positions), filled by `complete` (the read overlaps the host lookup)
-    pending: list[tuple[Any, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
-        default_factory=list
-    )
-
-    def complete(self) -> None:
-        """Waits for the admitted rows and puts them into the batch's arrays."""
-        for future, values, state, positions in self.pending:
-            values[positions], state[positions] = future.result()
-        self.pending.clear()
 
     def host_batch(self, batch: Batch) -> Batch:
         """`batch` with the cached features' ids the host store looks up."""
@@ -203,9 +191,11 @@ class DeviceRows:
             new_state = np.zeros((size, width), np.float32)
             if table.cache:
                 fresh, slots = self._admit(table, unique, inverse, slots, columns, prepared, size)
-                if fresh.any():  # read while the host looks up the rest (`complete`)
+                if fresh.any():
                     read = self.store.take_rows(self.plan.store_tables[table.name], unique[fresh])
-                    prepared.pending.append((read, new_values, new_state, np.flatnonzero(fresh)))
+                    new_values[: len(unique)][fresh], new_state[: len(unique)][fresh] = (
+                        read.result()
+                    )
             else:
                 fresh = slots < 0
                 slots = self._assign(table, unique, slots)
@@ -335,7 +325,6 @@ class DeviceRows:
 
     def device_arrays(self, prepared: Prepared, rows: slice) -> dict[str, jax.Array]:
         """The batch's arrays on the devices: per-example ones from this process's `rows`."""
-        prepared.complete()
         whole, per_example = {}, {}
         for key, array in prepared.arrays.items():
             if key.rsplit("/", 1)[-1] in PER_EXAMPLE:
