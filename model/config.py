@@ -223,9 +223,12 @@ class DenseOptimizerConfig:
     learning_rate: float = 1e-3
     # steps of linear warmup from 0 to learning_rate
     warmup_steps: int = 0
-    # schedule after warmup: "constant", or "cosine"/"linear" decay over decay_steps
-    decay: Literal["constant", "cosine", "linear"] = "constant"
-    # steps of decay after warmup (required > 0 unless decay = "constant")
+    # schedule after warmup: "constant", or "cosine"/"linear" decay over decay_steps; "auto":
+    # cosine to final_learning_rate_factor over the run's steps after warmup when the run has
+    # a last step (`hybridrec train`: data.max_steps or data.epochs), constant for a followed
+    # stream (test AUC +0.002 on the Criteo sample at batch 128 and 512: docs/training.md)
+    decay: Literal["auto", "constant", "cosine", "linear"] = "auto"
+    # steps of decay after warmup (required > 0 for "cosine" and "linear")
     decay_steps: int = 0
     # learning rate at the end of decay as a fraction of learning_rate
     final_learning_rate_factor: float = 0.0
@@ -257,7 +260,7 @@ class DenseOptimizerConfig:
             raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.decay != "constant" and self.decay_steps <= 0:
+        if self.decay in ("cosine", "linear") and self.decay_steps <= 0:
             raise ValueError(f"decay = {self.decay!r} needs decay_steps > 0")
         if not 0.0 <= self.final_learning_rate_factor <= 1.0:
             raise ValueError("final_learning_rate_factor must be within [0, 1]")

@@ -60,7 +60,9 @@ class TrainState:
 
 
 def make_schedule(config: DenseOptimizerConfig) -> optax.Schedule:
-    """Linear warmup to `learning_rate` over `warmup_steps`, then constant/cosine/linear decay."""
+    """Linear warmup to `learning_rate` over `warmup_steps`, then constant/cosine/linear decay
+    ("auto" is made cosine over a run's steps by the trainer, `training.defaults.choose_decay`;
+    left unresolved, where no run length is known, it is constant)."""
     peak = config.learning_rate
     end = peak * config.final_learning_rate_factor
     if config.decay == "cosine":

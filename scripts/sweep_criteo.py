@@ -42,7 +42,9 @@ CANDIDATES = {
         "embedding.optimizer.initial_accumulator=0.1",
         "embedding.optimizer.learning_rate=0.2",
         "optimizer.warmup_steps=100",
+        "optimizer.decay=constant",
     ],
+    "constant-lr": ["optimizer.decay=constant"],  # before the dense rate decayed to the end
     "adagrad-0.03": ["embedding.optimizer.learning_rate=0.03"],
     "adagrad-0.1": ["embedding.optimizer.learning_rate=0.1"],
     "rowwise-0.05": ["embedding.optimizer.name=rowwise_adagrad"],
@@ -113,8 +115,15 @@ def main() -> None:
         for batch in args.batches:
             runs = [
                 _train(
-                    data, batch, args.staleness, work, env, settings, seed,
-                    tag=f"_{name}", preset=preset,
+                    data,
+                    batch,
+                    args.staleness,
+                    work,
+                    env,
+                    settings,
+                    seed,
+                    tag=f"_{name}",
+                    preset=preset,
                 )  # fmt: skip
                 for seed in args.seeds
             ]
@@ -124,7 +133,9 @@ def main() -> None:
             )
             per_seed = [round(r["auc"], 4) for r in runs]
             print(f"-> {name} batch {batch}: AUC {auc[name][batch]} {per_seed}", flush=True)
-    print("\n| candidate | " + " | ".join(f"AUC b{b} | samples/s b{b}" for b in args.batches) + " |")
+    print(
+        "\n| candidate | " + " | ".join(f"AUC b{b} | samples/s b{b}" for b in args.batches) + " |"
+    )
     print("|---|" + "---|---|" * len(args.batches))
     for name in candidates:
         cells = [f"{auc[name][b]:.4f} | {speed[name][b]:,}" for b in args.batches]

@@ -34,6 +34,7 @@ from hybridrec.common.files import append_line
 from hybridrec.common.progress import Progress
 from hybridrec.embedding_store.remote import ServerSet
 from hybridrec.training.checkpoint import RunCheckpoints
+from hybridrec.training.defaults import choose_decay
 from hybridrec.training.evaluate import evaluate
 from hybridrec.training.job import Job, prepare
 from hybridrec.training.meters import IntervalMeter, StoreMeter
@@ -100,7 +101,6 @@ class Trainer:
         self.job: Job = prepare(
             config, distributed=distributed, servers=servers, follow=follow is not None
         )
-        self.config = self.job.config
         self.checkpoints = RunCheckpoints(self.run_dir, keep=config.checkpoint.keep)
         if follow is None:
             self.source: EpochSource | StreamSource = EpochSource(self.job)
@@ -111,6 +111,18 @@ class Trainer:
                 poll_interval=follow.poll_interval,
                 max_idle=follow.max_idle,
             )
+        # the dense rate's "auto" decay needs the run's length, which the source knows; the
+        # run's config.json keeps "auto", so that a run resumed with more steps decays to
+        # its new end instead of training on at the rate's floor
+        self._saved_config = self.job.config
+        optimizer, reason = choose_decay(self.job.config.optimizer, self.source.last_step)
+        if reason:
+            self.job = dataclasses.replace(
+                self.job,
+                config=dataclasses.replace(self.job.config, optimizer=optimizer),
+                choices=(*self.job.choices, reason),
+            )
+        self.config = self.job.config
         self._given_store = store
         self.store = None
         self.loop = None
@@ -124,7 +136,9 @@ class Trainer:
         (also written to summary.json)."""
         config, job, source = self.config, self.job, self.source
         stop = stop or threading.Event()
-        resume_step = self.checkpoints.begin(config, resume=self.resume, chief=self.is_chief)
+        resume_step = self.checkpoints.begin(
+            self._saved_config, resume=self.resume, chief=self.is_chief
+        )
         job.barrier("discarded-partial-checkpoints")
         self.state = job.new_state()
         saved = None
@@ -237,6 +251,7 @@ class Trainer:
             store_bytes_at_capacity=held.get("bytes_at_capacity"),
             **self.source.fields(),
             **record,
+            learning_rate=float(self.state.schedule(step - 1)),  # the dense rate of `step`
         )
 
     def _evaluate(self, step: int, *, final: bool) -> None:

@@ -7,14 +7,18 @@ import json
 import numpy as np
 import pytest
 from hybridrec.common import config as config_lib
+from hybridrec.model.config import DenseOptimizerConfig
+from hybridrec.model.step import make_schedule
 from hybridrec.pipeline import read_metadata
 from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.defaults import (
     choose_batch_size,
+    choose_decay,
     choose_embedding_dim,
     choose_sparse_learning_rate,
     resolve_auto,
 )
+from hybridrec.training.sources import StreamSource
 from hybridrec.training.tables import plan_tables
 
 
@@ -53,6 +57,27 @@ def test_auto_sparse_rate_scales_with_the_batch_as_each_optimizer_needs():
         == choose_sparse_learning_rate(0, "adam", 256)[0]
     )
     assert choose_sparse_learning_rate(0.05, "adagrad", 4096)[0] == 0.05  # as configured
+
+
+def test_an_auto_decay_is_cosine_to_the_end_of_the_run_and_constant_for_a_stream():
+    auto = DenseOptimizerConfig(learning_rate=0.002, warmup_steps=10)
+    decayed, reason = choose_decay(auto, last_step=110)
+    assert (decayed.decay, decayed.decay_steps) == ("cosine", 100)
+    assert "over the run's 100 steps after 10 of warmup" in reason
+    schedule = make_schedule(decayed)
+    assert float(schedule(9)) == pytest.approx(0.002)  # warmup ends at the peak
+    assert float(schedule(60)) == pytest.approx(0.001, rel=1e-5)  # half way down
+    assert float(schedule(110)) == pytest.approx(0.0, abs=1e-9)  # the last step: 0
+    assert StreamSource.last_step is None  # what a followed stream's trainer passes
+    stream, reason = choose_decay(auto, last_step=None)
+    assert stream.decay == "constant" and "no last step" in reason
+    assert float(make_schedule(stream)(10_000)) == pytest.approx(0.002)
+    configured = DenseOptimizerConfig(decay="linear", decay_steps=7)
+    assert choose_decay(configured, last_step=110) == (configured, None)
+    # unresolved (no run: no length), "auto" is constant
+    assert float(make_schedule(DenseOptimizerConfig())(10**6)) == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match="needs decay_steps"):
+        DenseOptimizerConfig(decay="cosine")
 
 
 def test_a_run_without_a_preset_resolves_every_auto_value_for_its_data(dataset):

@@ -74,6 +74,10 @@ def test_dmt_tower_layout_trains_like_flat_and_checkpoints_resumes_evaluates_exp
     # resume to a later step, evaluate the checkpoint, export it and score through it
     cli("train", "--run-dir", str(placed), "--resume", "--quiet", "--set", "data.max_steps=30")
     assert json.loads((placed / "summary.json").read_text())["checkpoint_step"] == 30
+    records = [json.loads(line) for line in (placed / "metrics.jsonl").open()]
+    rates = {r["step"]: r["learning_rate"] for r in records if r["kind"] == "train"}
+    assert rates[20] < 0.01 * rates[5]  # the first run's dense rate decayed to its end, 20
+    assert rates[25] > 0.05 * rates[5]  # the resumed run decays to its own end, 30
     evaluated = json.loads(cli("evaluate", "--run", str(placed), "--json").stdout)
     assert evaluated["step"] == 30 and 0.5 < evaluated["auc"] <= 1.0
     cli("export", "--run", str(placed), "--out", str(tmp_path / "export"))

@@ -121,6 +121,9 @@ def test_own_schema_trains_evaluates_and_plots_with_the_defaults(tmp_path, cli):
     assert "training finished: own_run" in train.stdout
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["model"]["tower"] == "dcnv2" and saved["data"]["batch_size"] == 256
+    steps = json.loads((run_dir / "summary.json").read_text())["steps"]
+    assert f"cosine from 0.001 to 0 over the run's {steps:,} steps" in train.stdout
+    assert saved["optimizer"]["decay"] == "auto"  # a resumed run decays to its own end
 
     evaluated = cli("evaluate", "--run", str(run_dir))
     assert evaluated.stdout.startswith("own_run step ")
