@@ -124,7 +124,7 @@ def main() -> None:
                     seed,
                     tag=f"_{name}",
                     preset=preset,
-                )  # fmt: skip
+                )
                 for seed in args.seeds
             ]
             auc.setdefault(name, {})[batch] = round(statistics.mean(r["auc"] for r in runs), 4)

@@ -79,8 +79,9 @@ def plan_by_lookups(
         sharded, _ = split_layout(layout, (most + 1) * row_bytes, devices)
         cost = row_bytes / devices if sharded else row_bytes
         per_row.append((cost, "sharded" if sharded else "replicated"))
-        pieces = _values(_segments(bands, most), forced) if caches else []
-        if not caches:  # the table's lookups over all its rows
+        if caches:
+            pieces = _values(_segments(bands, most), forced)
+        else:  # one piece: the table's lookups over all its rows
             pieces = [(float(most), sum(count for _, count in bands), True)]
         for rows, value, atomic in pieces:
             segments.append((value / rows / cost, index, rows, cost, atomic))
