@@ -4,8 +4,10 @@ Rows are `label, I1..I13, C1..C26`, tab separated, an empty field is a missing
 value, categoricals are 8 hex digits: byte for byte the format of Criteo's
 `train.txt` / `day_N`. The data is built to look like Criteo and to be learnable:
 
-- categorical cardinalities from 10 to 5M, Zipf-like id frequencies (power law
-  over ranks, per-feature exponent), per-column missing rates up to ~45%;
+- categorical cardinalities from 3 to 3M, Zipf-like id frequencies (power law
+  over ranks, per-feature exponent), per-column missing rates up to ~45%; the
+  long-tail features' cardinalities (100k and more) scale with `cardinality_scale`
+  (10 gives ~10M distinct ids over those features in 10M rows, where 1 gives ~5M);
 - integer features are heavy-tailed counts with missing values; I2 is sometimes
   negative (as in Criteo);
 - the click probability is a logistic function of a few per-id effects, a dense
@@ -57,6 +59,7 @@ DENSE_PROFILE = (
     (3.5, 1.6, 0.22), (1.5, 1.5, 0.04), (2.5, 1.0, 0.0), (3.5, 1.4, 0.04), (0.3, 0.5, 0.45),
     (0.8, 1.0, 0.04), (0.2, 1.0, 0.77), (1.6, 1.2, 0.22),
 )  # fmt: skip
+LONG_TAIL = 100_000  # features of at least this many values scale with cardinality_scale
 _HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
 # For each byte value, its two hex digits as they lie in memory (a little-endian uint16).
 _HEX_PAIRS = _HEX[np.arange(256) >> 4].astype(np.uint16) | (
@@ -106,7 +109,13 @@ def _hex_column(values: np.ndarray, missing: np.ndarray) -> pa.Array:
     )
 
 
-def generate_block(seed: int, block_index: int, rows: int) -> tuple[bytes, int]:
+def _cardinality(card: int, scale: float) -> int:
+    return int(card * scale) if card >= LONG_TAIL else card
+
+
+def generate_block(
+    seed: int, block_index: int, rows: int, cardinality_scale: float = 1.0
+) -> tuple[bytes, int]:
     """One block of raw TSV rows.
 
     Returns:
@@ -114,7 +123,11 @@ def generate_block(seed: int, block_index: int, rows: int) -> tuple[bytes, int]:
     """
     rng = np.random.default_rng([seed, block_index])
     ranks = np.stack(
-        [_zipf_ranks(rng, rows, card, exp) for card, exp, _ in CATEGORICAL_PROFILE], axis=1
+        [
+            _zipf_ranks(rng, rows, _cardinality(card, cardinality_scale), exp)
+            for card, exp, _ in CATEGORICAL_PROFILE
+        ],
+        axis=1,
     )
     cat_missing = rng.random((rows, NUM_CATEGORICAL)) < np.array(
         [m for _, _, m in CATEGORICAL_PROFILE]
@@ -164,17 +177,21 @@ def generate(
     seed: int = 0,
     compress: bool | None = None,
     workers: int | None = None,
+    cardinality_scale: float = 1.0,
 ) -> dict:
     """Writes `rows` synthetic rows to `path` (gzip when it ends with .gz or `compress`).
 
     `workers` processes build blocks in parallel (default: one per core); the output does
-    not depend on it.
+    not depend on it. `cardinality_scale` multiplies the long-tail features' cardinalities
+    (those of at least `LONG_TAIL` values): more distinct ids for the same rows.
 
     Returns:
         {"path", "rows", "clicks", "bytes", "seconds"}.
     """
     if rows < 0:
         raise UserError(f"--rows must be >= 0, got {rows}")
+    if not cardinality_scale > 0:
+        raise UserError(f"--cardinality-scale must be > 0, got {cardinality_scale}")
     path = Path(path)
     compress = path.suffix == ".gz" if compress is None else compress
     try:
@@ -185,7 +202,7 @@ def generate(
     workers = (os.cpu_count() or 1) if workers is None else workers
     progress = Progress("generate", total=rows, unit="rows")
     try:
-        clicks = _write_rows(path, rows, seed, compress, progress, workers)
+        clicks = _write_rows(path, rows, seed, compress, progress, workers, cardinality_scale)
     except OSError as error:  # disk full, file removed underneath, ...
         raise UserError(f"--output {path}: write failed: {error}") from None
     progress.close()
@@ -198,12 +215,12 @@ def generate(
     }
 
 
-def _blocks(rows: int, seed: int, workers: int):
+def _blocks(rows: int, seed: int, workers: int, scale: float):
     """Yields (text, clicks) of every block in order; blocks are built `workers` at a time."""
     starts = range(0, rows, BLOCK_ROWS)
     if workers <= 1 or len(starts) <= 1:
         for block_index, _ in enumerate(starts):
-            yield generate_block(seed, block_index, BLOCK_ROWS)
+            yield generate_block(seed, block_index, BLOCK_ROWS, scale)
         return
     # Blocks are independent (seeded by their index): build them in worker processes,
     # at most 2 per worker in flight so memory stays bounded, and write them in order.
@@ -211,21 +228,23 @@ def _blocks(rows: int, seed: int, workers: int):
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
         pending: collections.deque = collections.deque()
         for block_index, _ in enumerate(starts):
-            pending.append(pool.submit(generate_block, seed, block_index, BLOCK_ROWS))
+            pending.append(pool.submit(generate_block, seed, block_index, BLOCK_ROWS, scale))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
 
 
-def _write_rows(path, rows: int, seed: int, compress: bool, progress, workers: int) -> int:
+def _write_rows(
+    path, rows: int, seed: int, compress: bool, progress, workers: int, scale: float
+) -> int:
     clicks = 0
     with contextlib.ExitStack() as stack:
         handle = stack.enter_context(open(path, "wb"))
         if compress:
             handle = stack.enter_context(gzip.GzipFile(fileobj=handle, mode="wb", compresslevel=1))
         for start, (text, block_clicks) in zip(
-            range(0, rows, BLOCK_ROWS), _blocks(rows, seed, workers), strict=True
+            range(0, rows, BLOCK_ROWS), _blocks(rows, seed, workers, scale), strict=True
         ):
             count = min(BLOCK_ROWS, rows - start)
             if count < BLOCK_ROWS:

@@ -84,3 +84,25 @@ def auc(scores, labels):
     positives = labels == 1
     n_pos, n_neg = positives.sum(), (~positives).sum()
     return (ranks[positives].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def test_cardinality_scale_widens_the_long_tail_only(tmp_path):
+    rows = synthetic.BLOCK_ROWS
+    base, _ = synthetic.generate_block(3, 0, rows)
+    assert synthetic.generate_block(3, 0, rows, 1.0)[0] == base  # the default is scale 1
+    wide, _ = synthetic.generate_block(3, 0, rows, 10.0)
+    base_rows, wide_rows = parse(base), parse(wide)
+    long_tail = [0, 0]
+    for j, (card, _, _) in enumerate(synthetic.CATEGORICAL_PROFILE):
+        before = len({r[14 + j] for r in base_rows})
+        after = len({r[14 + j] for r in wide_rows})
+        if card >= synthetic.LONG_TAIL:  # more distinct ids in the same rows
+            assert after > before, (j, before, after)
+            long_tail = [long_tail[0] + before, long_tail[1] + after]
+        else:  # the same values, drawn the same way
+            assert after == before, (j, before, after)
+    assert long_tail[1] > 1.15 * long_tail[0]  # measured: 1.20 in one block
+    # the label reads only features below the long tail: the same clicks, as learnable
+    assert [r[0] for r in wide_rows] == [r[0] for r in base_rows]
+    out = tmp_path / "bad.tsv"
+    assert cli.main(["generate", "-o", str(out), "--rows", "10", "--cardinality-scale", "0"]) == 2
