@@ -14,6 +14,25 @@ from hybridrec.model import check_finite_losses
 from hybridrec.training.hybrid import StepResult
 
 
+def device_memory() -> dict[str, Any] | None:
+    """The peak and the limit of device memory over this process's devices (bytes), as
+    the backend reports them (a GPU's allocator); None where it reports none (CPU)."""
+    peak = limit = None
+    for device in jax.local_devices():
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - a backend without memory statistics
+            stats = None
+        if not stats:
+            return None
+        used = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
+        peak = max(peak or 0, int(used))
+        limit = max(limit or 0, int(stats.get("bytes_limit", 0)))
+    if peak is None:
+        return None
+    return {"peak_bytes_per_device": peak, "bytes_limit_per_device": limit}
+
+
 class StoreMeter:
     """The store's counters for the log without waiting for the shards: each read asks
     for fresh counters and returns the latest answer at hand (the previous request's,

@@ -37,7 +37,7 @@ from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.defaults import choose_decay
 from hybridrec.training.evaluate import evaluate
 from hybridrec.training.job import Job, prepare
-from hybridrec.training.meters import IntervalMeter, StoreMeter
+from hybridrec.training.meters import IntervalMeter, StoreMeter, device_memory
 from hybridrec.training.run_log import RunLog
 from hybridrec.training.sources import EpochSource, Segment, StreamSource
 
@@ -355,6 +355,9 @@ class Trainer:
             "device_tables": self.device_rows.summary() if self.device_rows else {},
             "processes": self.job.process_count,
             "devices": int(self.job.mesh.devices.size),
+            "device_kind": self.job.mesh.devices.flat[0].device_kind,
+            # peak and limit per device (None where the backend reports none, as on CPU)
+            "device_memory": device_memory(),
             "run_dir": str(self.run_dir),
             "checkpoint_step": self.checkpoints.latest_step(),
             "metrics_file": str(self.run_dir / "metrics.jsonl"),

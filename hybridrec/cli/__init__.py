@@ -126,9 +126,35 @@ def run(name: str, argv: Sequence[str]) -> int:
     except UserError as error:
         print(f"hybridrec {name}: error: {error}", file=sys.stderr)
         return 2
+    except (AssertionError, RuntimeError) as error:
+        problem = _platform_problem(error)
+        if problem is None:
+            raise
+        print(f"hybridrec {name}: error: {problem}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"hybridrec {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _platform_problem(error: BaseException) -> str | None:
+    """One line for a JAX backend that cannot start (JAX_PLATFORMS naming a platform this
+    machine lacks, or a broken plugin); None for an error of any other kind."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = frames[-1].filename.replace(os.sep, "/") if frames else ""
+    if not where.endswith("/jax/_src/xla_bridge.py"):  # raised by JAX starting its backends
+        return None
+    # JAX says why in a RuntimeError; with no usable platform at all it only asserts
+    detail = str(error).split(" (set JAX_PLATFORMS")[0].split(" (you may need")[0]
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if not platforms:
+        return f"JAX cannot start its backend: {detail or 'no platform is usable'}"
+    return (
+        f"JAX_PLATFORMS={platforms}: JAX cannot start {platforms!r} on this machine ("
+        + (detail or "no such device is visible, or JAX's plugin for it is not installed")
+        + "); on a GPU host install JAX's CUDA build (pip install 'hybridrec[cuda13]'), "
+        "or unset JAX_PLATFORMS to use the devices there are"
+    )
 
 
 def _exit_now_if_threads_linger(code: int) -> None:

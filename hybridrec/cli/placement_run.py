@@ -212,7 +212,8 @@ def run_process(
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m hybridrec.cli.placement_run", description=run_process.__doc__.splitlines()[0]
+        prog="python -m hybridrec.cli.placement_run",
+        description=run_process.__doc__.splitlines()[0],
     )
     parser.add_argument("--mode", choices=("flat", "towers"), required=True)
     parser.add_argument("--data", required=True)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -126,3 +130,24 @@ def test_quickstart_runs_end_to_end_and_serves_its_model(tmp_path, cli):
     assert json.loads((out / "run" / "summary.json").read_text())["eval"]["count"] > 0
     assert (out / "run" / "plots" / "curves.png").stat().st_size > 0
     assert any((out / "export").glob("*/manifest.json"))
+
+
+def test_a_missing_platform_or_an_uneven_batch_is_one_line(dataset, tmp_path, training):
+    """JAX_PLATFORMS naming a platform this machine lacks (cuda on a CPU host), or a
+    batch that the devices do not divide, ends `train` with one line naming it."""
+    platforms = ["nosuchplatform"] + ([] if shutil.which("nvidia-smi") else ["cuda"])
+    cases = [({"JAX_PLATFORMS": p}, f"JAX_PLATFORMS={p}: JAX cannot start") for p in platforms]
+    uneven = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    cases.append((uneven, "data.batch_size = 256 must divide evenly over 3 devices"))
+    for index, (env, message) in enumerate(cases):
+        args = training.args(dataset, tmp_path / f"run{index}", "--set", "data.batch_size=256")
+        result = subprocess.run(
+            [sys.executable, "-m", "hybridrec", *args],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
