@@ -119,13 +119,14 @@ def _dataset(inputs: list[Path], cache: Path, options: tuple[str, ...] = ()) -> 
     return target
 
 
-def _run_child(command: list[str], env: dict[str, str]) -> tuple[float, float, int]:
-    """Runs `command`; returns (wall seconds, peak RSS in GB, exit code)."""
+def _run_child(command: list[str], env: dict[str, str]) -> tuple[float, float, int, float]:
+    """Runs `command`; returns (wall seconds, peak RSS in GB, exit code, CPU seconds)."""
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=REPO, env=env)
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
-    return time.perf_counter() - start, usage.ru_maxrss / 2**20, process.returncode
+    cpu = usage.ru_utime + usage.ru_stime
+    return time.perf_counter() - start, usage.ru_maxrss / 2**20, process.returncode, cpu
 
 
 def _train(
@@ -157,7 +158,7 @@ def _train(
     for setting in settings:
         command += ["--set", setting]
     print(f"\n== train batch {batch}, staleness {staleness}, seed {seed}{tag}", flush=True)
-    seconds, rss_gb, code = _run_child(command, env)
+    seconds, rss_gb, code, cpu_seconds = _run_child(command, env)
     if code:
         _fail(f"training at batch {batch} failed (exit {code}); see the output above")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -185,6 +186,10 @@ def _train(
         "auc": summary["eval"]["auc"],
         "logloss": summary["eval"]["logloss"],
         "peak_rss_gb": rss_gb,
+        "host_cores": cpu_seconds / seconds,  # host CPU busy on average over the process
+        # the devices' peak memory (None where the backend reports none, as on CPU)
+        "device_peak_bytes": (summary.get("device_memory") or {}).get("peak_bytes_per_device"),
+        "device_kind": summary.get("device_kind"),
         # after the warm-up: the first steps hold compilation, later ones table growth
         "slowest_step_ms": max(
             (r.get("slowest_step_ms", 0.0) for r in steady_steps), default=float("nan")
@@ -270,10 +275,14 @@ def _mean_run(runs: list[dict]) -> dict:
     return out
 
 
-def _dense_only(batch: int, env: dict, rounds: int) -> float:
-    """Samples/s of the criteo_dlrm train step alone (batches on the devices), median round."""
+def _dense_only(batch: int, env: dict, rounds: int, overrides: tuple[str, ...] = ()) -> float:
+    """Samples/s of the criteo_dlrm train step alone (batches on the devices), median round;
+    `overrides` change the preset (another shape)."""
+    command = [sys.executable, __file__, "--dense-child", str(batch), "--rounds", str(rounds)]
+    for setting in overrides:
+        command += ["--set", setting]
     out = subprocess.run(
-        [sys.executable, __file__, "--dense-child", str(batch), "--rounds", str(rounds)],
+        command,
         cwd=REPO,
         env=env,
         check=True,
@@ -285,14 +294,14 @@ def _dense_only(batch: int, env: dict, rounds: int) -> float:
     return rate
 
 
-def _dense_child(batch: int, rounds: int) -> None:
+def _dense_child(batch: int, rounds: int, overrides: list[str]) -> None:
     import jax
     import numpy as np
     from hybridrec.common import config as config_lib
     from hybridrec.model import create_train_state, make_global_batch, make_mesh, make_train_step
     from hybridrec.training.config import PRESET_DIR, TrainConfig
 
-    config = config_lib.load(TrainConfig, "criteo_dlrm", preset_dir=PRESET_DIR)
+    config = config_lib.load(TrainConfig, "criteo_dlrm", overrides, preset_dir=PRESET_DIR)
     mesh = make_mesh(config.mesh)
     state = create_train_state(
         config.model,
@@ -308,9 +317,8 @@ def _dense_child(batch: int, rounds: int) -> None:
     batches = [
         make_global_batch(
             {
-                "embeddings": rng.normal(0, 0.01, (batch, 26, config.embedding.dim)).astype(
-                    np.float32
-                ),
+                "embeddings": 0.01
+                * rng.standard_normal((batch, 26, config.embedding.dim), np.float32),
                 "dense": rng.random((batch, 13)).astype(np.float32),
                 "labels": (rng.random(batch) < 0.25).astype(np.float32),
             },
@@ -321,7 +329,12 @@ def _dense_child(batch: int, rounds: int) -> None:
     for index in range(5):
         state, metrics, grads = step(state, batches[index % 2])
     jax.block_until_ready((state, metrics, grads))
-    steps = max(10, 200_000 // (batch * rounds))  # ~1-3 s a round
+    start = time.perf_counter()
+    for index in range(10):
+        state, metrics, grads = step(state, batches[index % 2])
+    jax.block_until_ready((state, metrics, grads))
+    # rounds of at least ~0.5 s, whatever the device's speed
+    steps = max(10, int(0.5 / ((time.perf_counter() - start) / 10)))
     rates = []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -356,7 +369,7 @@ def main() -> None:
     parser.add_argument("--dense-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.dense_child:
-        _dense_child(args.dense_child, args.rounds)
+        _dense_child(args.dense_child, args.rounds, args.extra)
         return
     inputs = checked_inputs(args.input)
     env = dict(os.environ)
