@@ -24,6 +24,7 @@ snapshots (fp32, fp16, int8 or int4 rows: `EmbeddingStore.checkpoint(precision=.
 `columns` holds column-wise sharding (`TableConfig.column_shards`) and its planner.
 """
 
+from hybridrec.embedding_store._arrays import unique_inverse
 from hybridrec.embedding_store._initializers import initial_rows
 from hybridrec.embedding_store._optimizers import initial_state as initial_optimizer_state
 from hybridrec.embedding_store._pooling import FeatureIds, PooledLookup, RaggedIds
@@ -53,6 +54,7 @@ from hybridrec.embedding_store.shard import LocalShard, Shard
 from hybridrec.embedding_store.store import EmbeddingStore
 
 __all__ = [
+    "unique_inverse",
     "AdmissionConfig",
     "CheckpointCorruptedError",
     "CheckpointError",

@@ -39,6 +39,7 @@ from hybridrec.embedding_store import (
     TableConfig,
     initial_optimizer_state,
     initial_rows,
+    unique_inverse,
 )
 from hybridrec.model import make_global_batch
 from hybridrec.model.device_tables import PER_EXAMPLE, DeviceTableLayout, array_key
@@ -180,7 +181,9 @@ class DeviceRows:
         for table in self.tables:
             columns = [_as_bags(batch.ids[name]) for name in self.plan.features[table.name]]
             values = np.concatenate([c[0] for c in columns]) if columns else np.zeros(0, np.uint64)
-            unique, inverse = np.unique(values, return_inverse=True)
+            # one hash pass (the native kernels; else a sort): distinct ids in order of
+            # first occurrence, the same on every process
+            unique, inverse = unique_inverse(values)
             slots = self.rows_of(table.name, unique)
             # padded to a power of two: few compiles. A cache pads to the ids' count (the
             # most distinct rows there can be): with single-valued features every batch has

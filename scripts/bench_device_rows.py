@@ -1,0 +1,132 @@
+"""The host's side of tables on the devices, per batch: what caps the hybrid loop's rate
+when the device step is fast (a GPU), measured on whatever machine runs it.
+
+For batches of Criteo's shape (26 single-valued features, Zipf-distributed ids over
+Criteo-like cardinalities, the long tail widened as `bench_gpu`'s data), every table on
+the devices: `DeviceRows.prepare` (ids to rows, new rows' initial values, the arrays the
+step reads) and `DeviceRows.device_arrays` (those arrays onto the devices, waited for),
+each timed over --batches-timed batches after --warm batches have filled the tables.
+
+    python scripts/bench_device_rows.py                         # batch 4096, 16384, 65536
+    python scripts/bench_device_rows.py --batches 16384 --dim 128
+
+The last line is one JSON object: per batch B, prepare_ms_bB, device_arrays_ms_bB and
+host_side_samples_per_s_bB (B over the two together: the lookup thread's ceiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+from hybridrec.embedding_store import SparseOptimizerConfig, TableConfig
+from hybridrec.model import make_mesh
+from hybridrec.model.config import MeshConfig
+from hybridrec.model.device_tables import DeviceTable, DeviceTableLayout, SparseRule
+from hybridrec.pipeline.synthetic import CATEGORICAL_PROFILE, LONG_TAIL
+from hybridrec.training.device_rows import DevicePlan, DeviceRows
+from hybridrec.training.input import Batch, DataPosition
+
+MAX_ROWS = 4_000_000  # rows per device table at the most
+
+
+def _rows(plan_tables: int, dim: int, scale: float):
+    """DeviceRows over one table per Criteo feature, Adagrad, every table on the devices."""
+    optimizer = SparseOptimizerConfig(name="adagrad", learning_rate=0.05)
+    rule = SparseRule("adagrad", 0.05, optimizer.eps, optimizer.beta1, optimizer.beta2, 0.0)
+    cards = [
+        int(card * scale) if card >= LONG_TAIL else card
+        for card, _, _ in CATEGORICAL_PROFILE[:plan_tables]
+    ]
+    names = [f"C{j + 1}" for j in range(len(cards))]
+    tables = tuple(
+        DeviceTable(name, (j,), rows=min(MAX_ROWS, 2 * card + 1024), dim=dim, rule=rule)
+        for j, (name, card) in enumerate(zip(names, cards, strict=True))
+    )
+    plan = DevicePlan(
+        DeviceTableLayout(tables, len(tables)),
+        {name: (name,) for name in names},
+        {name: name for name in names},
+        {name: (j + 1,) for j, name in enumerate(names)},
+        8,
+        all_features=tuple(names),
+    )
+    configs = {
+        name: TableConfig(name=name, dim=dim, capacity=8_000_000, optimizer=optimizer)
+        for name in names
+    }
+    mesh = make_mesh(MeshConfig(shape=(1,)), jax.devices()[:1])
+    return DeviceRows(plan, configs, mesh, "sum"), cards, names
+
+
+def _batches(count: int, size: int, cards, names, seed: int) -> list[Batch]:
+    """Batches of Zipf ids (the generator's exponents), prefixed per feature."""
+    rng = np.random.default_rng(seed)
+    position = DataPosition(**{name: 0 for name in DataPosition.__dataclass_fields__})
+    out = []
+    for _ in range(count):
+        ids = {}
+        for j, (card, name) in enumerate(zip(cards, names, strict=True)):
+            exponent = CATEGORICAL_PROFILE[j][1]
+            u = rng.random(size)
+            a = 1.0 - exponent
+            ranks = np.minimum(((u * ((card + 1.0) ** a - 1.0) + 1.0) ** (1.0 / a) - 1.0), card - 1)
+            mixed = ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+            ids[name] = (np.uint64(j + 1) << np.uint64(56)) | (mixed >> np.uint64(8))
+        out.append(
+            Batch(
+                dense=np.zeros((size, 13), np.float32),
+                labels=np.zeros(size, np.float32),
+                ids=ids,
+                valid=np.ones(size, bool),
+                position=position,
+            )
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--cardinality-scale", type=float, default=10.0)
+    parser.add_argument("--warm", type=int, default=6, help="batches before the timing")
+    parser.add_argument("--batches-timed", type=int, default=8)
+    args = parser.parse_args()
+    summary = {}
+    for size in args.batches:
+        rows, cards, names = _rows(len(CATEGORICAL_PROFILE), args.dim, args.cardinality_scale)
+        batches = _batches(args.warm + args.batches_timed, size, cards, names, seed=size)
+        for batch in batches[: args.warm]:
+            rows.prepare(batch)
+        timed = batches[args.warm :]
+        prepare = transfer = 0.0
+        for batch in timed:
+            start = time.perf_counter()
+            prepared = rows.prepare(batch)
+            middle = time.perf_counter()
+            jax.block_until_ready(rows.device_arrays(prepared, slice(None)))
+            prepare += middle - start
+            transfer += time.perf_counter() - middle
+        prepare, transfer = prepare / len(timed), transfer / len(timed)
+        rate = size / (prepare + transfer)
+        print(
+            f"batch {size}: prepare {prepare * 1e3:.1f} ms, device_arrays {transfer * 1e3:.1f} "
+            f"ms: {rate:,.0f} samples/s on the lookup thread",
+            flush=True,
+        )
+        summary.update(
+            {
+                f"prepare_ms_b{size}": round(prepare * 1e3, 2),
+                f"device_arrays_ms_b{size}": round(transfer * 1e3, 2),
+                f"host_side_samples_per_s_b{size}": round(rate),
+            }
+        )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
