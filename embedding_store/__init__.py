@@ -54,7 +54,6 @@ from hybridrec.embedding_store.shard import LocalShard, Shard
 from hybridrec.embedding_store.store import EmbeddingStore
 
 __all__ = [
-    "unique_inverse",
     "AdmissionConfig",
     "CheckpointCorruptedError",
     "CheckpointError",
@@ -84,4 +83,5 @@ __all__ = [
     "load_tables",
     "route_hash",
     "shard_of",
+    "unique_inverse",
 ]

@@ -72,7 +72,7 @@ INTERACTION_SCALE = 0.3
 LABEL_BIAS = -1.15
 
 
-def _zipf_ranks(rng, size, cardinality, exponent):
+def zipf_ranks(rng, size, cardinality, exponent):
     """Ranks in [0, cardinality) with P(rank r) ~ (r+1)^-exponent (continuous inverse CDF)."""
     u = rng.random(size)
     a = 1.0 - exponent
@@ -109,7 +109,8 @@ def _hex_column(values: np.ndarray, missing: np.ndarray) -> pa.Array:
     )
 
 
-def _cardinality(card: int, scale: float) -> int:
+def scaled_cardinality(card: int, scale: float) -> int:
+    """A profile cardinality with the long tail (`LONG_TAIL` values and more) scaled."""
     return int(card * scale) if card >= LONG_TAIL else card
 
 
@@ -124,7 +125,7 @@ def generate_block(
     rng = np.random.default_rng([seed, block_index])
     ranks = np.stack(
         [
-            _zipf_ranks(rng, rows, _cardinality(card, cardinality_scale), exp)
+            zipf_ranks(rng, rows, scaled_cardinality(card, cardinality_scale), exp)
             for card, exp, _ in CATEGORICAL_PROFILE
         ],
         axis=1,

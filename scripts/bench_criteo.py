@@ -189,7 +189,6 @@ def _train(
         "host_cores": cpu_seconds / seconds,  # host CPU busy on average over the process
         # the devices' peak memory (None where the backend reports none, as on CPU)
         "device_peak_bytes": (summary.get("device_memory") or {}).get("peak_bytes_per_device"),
-        "device_kind": summary.get("device_kind"),
         # after the warm-up: the first steps hold compilation, later ones table growth
         "slowest_step_ms": max(
             (r.get("slowest_step_ms", 0.0) for r in steady_steps), default=float("nan")

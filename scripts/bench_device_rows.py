@@ -26,7 +26,7 @@ from hybridrec.embedding_store import SparseOptimizerConfig, TableConfig
 from hybridrec.model import make_mesh
 from hybridrec.model.config import MeshConfig
 from hybridrec.model.device_tables import DeviceTable, DeviceTableLayout, SparseRule
-from hybridrec.pipeline.synthetic import CATEGORICAL_PROFILE, LONG_TAIL
+from hybridrec.pipeline.synthetic import CATEGORICAL_PROFILE, scaled_cardinality, zipf_ranks
 from hybridrec.training.device_rows import DevicePlan, DeviceRows
 from hybridrec.training.input import Batch, DataPosition
 
@@ -36,11 +36,15 @@ MAX_ROWS = 4_000_000  # rows per device table at the most
 def _rows(plan_tables: int, dim: int, scale: float):
     """DeviceRows over one table per Criteo feature, Adagrad, every table on the devices."""
     optimizer = SparseOptimizerConfig(name="adagrad", learning_rate=0.05)
-    rule = SparseRule("adagrad", 0.05, optimizer.eps, optimizer.beta1, optimizer.beta2, 0.0)
-    cards = [
-        int(card * scale) if card >= LONG_TAIL else card
-        for card, _, _ in CATEGORICAL_PROFILE[:plan_tables]
-    ]
+    rule = SparseRule(
+        optimizer.name,
+        optimizer.learning_rate,
+        optimizer.eps,
+        optimizer.beta1,
+        optimizer.beta2,
+        optimizer.initial_accumulator,
+    )
+    cards = [scaled_cardinality(card, scale) for card, _, _ in CATEGORICAL_PROFILE[:plan_tables]]
     names = [f"C{j + 1}" for j in range(len(cards))]
     tables = tuple(
         DeviceTable(name, (j,), rows=min(MAX_ROWS, 2 * card + 1024), dim=dim, rule=rule)
@@ -70,10 +74,7 @@ def _batches(count: int, size: int, cards, names, seed: int) -> list[Batch]:
     for _ in range(count):
         ids = {}
         for j, (card, name) in enumerate(zip(cards, names, strict=True)):
-            exponent = CATEGORICAL_PROFILE[j][1]
-            u = rng.random(size)
-            a = 1.0 - exponent
-            ranks = np.minimum(((u * ((card + 1.0) ** a - 1.0) + 1.0) ** (1.0 / a) - 1.0), card - 1)
+            ranks = zipf_ranks(rng, size, card, CATEGORICAL_PROFILE[j][1])
             mixed = ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
             ids[name] = (np.uint64(j + 1) << np.uint64(56)) | (mixed >> np.uint64(8))
         out.append(

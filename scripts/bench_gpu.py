@@ -172,6 +172,10 @@ def _measure(data: Path, args, results: Results, env: dict) -> None:
                 results.add({"shape": shape, "batch": batch, "run": run, **measured})
 
 
+def _rate(record: dict | None) -> str:
+    return f"{record['samples_per_s']:,.0f}" if record else "-"
+
+
 def _report(results: Results, info: dict, distinct: tuple[int, int]) -> dict:
     """Prints the table of everything measured on this device kind; returns the JSON."""
     summary = {**info, "distinct_ids": distinct[0], "distinct_ids_long_tail": distinct[1]}
@@ -204,15 +208,14 @@ def _report(results: Results, info: dict, distinct: tuple[int, int]) -> dict:
             summary.update({f"{prefix}{k}_b{batch}": v for k, v in keyed.items() if v is not None})
             if shape == "mlperf" and hybrid and (best is None or hybrid["samples_per_s"] > best[0]):
                 best = (hybrid["samples_per_s"], batch)
-            cell = lambda r: f"{r['samples_per_s']:,.0f}" if r else "-"  # noqa: E731
             phases = (
                 "/".join(f"{main[n]:.1f}" for n in ("wait_ms", "step_ms", "device_ms", "update_ms"))
                 if main
                 else "-"
             )
             print(
-                f"| {shape} | {batch} | {cell(dense)} | {cell(hybrid)} | {cell(sync)} | "
-                f"{cell(host)} | {keyed.get('hybrid_over_dense', '-')} | "
+                f"| {shape} | {batch} | {_rate(dense)} | {_rate(hybrid)} | {_rate(sync)} | "
+                f"{_rate(host)} | {keyed.get('hybrid_over_dense', '-')} | "
                 f"{main['auc'] if main else '-'} | {phases} | "
                 f"{main['host_cores'] if main else '-'} | "
                 f"{(main and main['device_peak_gb']) or '-'} |"

@@ -68,10 +68,7 @@ def free_bytes_per_device(mesh: Any) -> tuple[int, str]:
     """(free bytes of one of this process's devices, where the number comes from); the
     smallest over the processes of a multi-process job, so that all plan alike."""
     device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - a backend without memory statistics
-        stats = None
+    stats = memory_stats(device)
     if stats and "bytes_limit" in stats:
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
         where = f"{device.device_kind} memory"
@@ -84,6 +81,14 @@ def free_bytes_per_device(mesh: Any) -> tuple[int, str]:
         free = int(np.min(multihost_utils.process_allgather(mib))) << 20
         where += ", the smallest of the processes'"
     return free, where
+
+
+def memory_stats(device: Any) -> dict[str, Any] | None:
+    """The device's allocator statistics; None where the backend keeps none (CPU)."""
+    try:
+        return device.memory_stats() or None
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        return None
 
 
 def available_host_memory() -> int:

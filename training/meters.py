@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 from hybridrec.model import check_finite_losses
+from hybridrec.training.device_plan import memory_stats
 from hybridrec.training.hybrid import StepResult
 
 
@@ -19,11 +20,8 @@ def device_memory() -> dict[str, Any] | None:
     the backend reports them (a GPU's allocator); None where it reports none (CPU)."""
     peak = limit = None
     for device in jax.local_devices():
-        try:
-            stats = device.memory_stats()
-        except Exception:  # noqa: BLE001 - a backend without memory statistics
-            stats = None
-        if not stats:
+        stats = memory_stats(device)
+        if stats is None:
             return None
         used = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
         peak = max(peak or 0, int(used))
