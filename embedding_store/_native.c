@@ -12,6 +12,10 @@
 #include <math.h>
 #include <stdint.h>
 
+#ifndef M_PI
+#define M_PI 3.14159265358979323846
+#endif
+
 #define EMPTY 0ULL
 #define PREFETCH 8 /* entries or rows ahead to prefetch in scattered loops */
 #define TOMBSTONE 0xFFFFFFFFFFFFFFFFULL
@@ -298,6 +302,65 @@ done:
     return result;
 }
 
+/* init_rows(out, at, ids, row_offset, bits_offset, first_column, kind, a, b): out[at[i]]
+ * = the initial values of ids[i] (float32 rows of out's width), columns first_column on;
+ * kind 0: uniform in [a, b); 1: normal, mean a, standard deviation b (Box-Muller on the two
+ * 32-bit halves). The same float64 arithmetic as _initializers.py, in the same order. */
+static PyObject *init_rows(PyObject *self, PyObject *args) {
+    Py_buffer out, at, ids;
+    unsigned long long row_offset, bits_offset, first_column;
+    Py_ssize_t dim;
+    int kind;
+    double a, b;
+    if (!PyArg_ParseTuple(args, "w*y*y*nKKKidd", &out, &at, &ids, &dim, &row_offset,
+                          &bits_offset, &first_column, &kind, &a, &b))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = ids.len / 8, rows = dim > 0 ? out.len / (4 * dim) : 0;
+    if (dim <= 0 || out.len != rows * 4 * dim || at.len != n * 8 || (kind != 0 && kind != 1)) {
+        PyErr_SetString(PyExc_ValueError, "init_rows: bad output, positions or kind");
+        goto done;
+    }
+    const uint64_t *keys = (const uint64_t *)ids.buf;
+    const int64_t *where = (const int64_t *)at.buf;
+    float *values = (float *)out.buf;
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (where[i] < 0 || where[i] >= rows) {
+            bad = 1;
+            break;
+        }
+        float *row = values + where[i] * dim;
+        uint64_t key = mix64(keys[i] + row_offset);
+        for (Py_ssize_t j = 0; j < dim; j++) {
+            uint64_t bits = mix64(key + (first_column + (uint64_t)j) * 0xD1B54A32D192ED03ULL
+                                  + bits_offset);
+            double v;
+            if (kind == 0) {
+                v = a + (b - a) * ((double)(bits >> 11) * (1.0 / 9007199254740992.0));
+            } else {
+                double u1 = ((double)(bits & 0xFFFFFFFFULL) + 1.0) * (1.0 / 4294967296.0);
+                double u2 = (double)(bits >> 32) * (1.0 / 4294967296.0);
+                v = a + b * sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2);
+            }
+            row[j] = (float)v;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "init_rows: row position out of range");
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&at);
+    PyBuffer_Release(&ids);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"slot_find", slot_find, METH_VARARGS, "slot_find(entries, ids, out, offset)"},
     {"slot_place", slot_place, METH_VARARGS, "slot_place(entries, ids, stored, offset)"},
@@ -306,6 +369,8 @@ static PyMethodDef methods[] = {
     {"segment_sum", segment_sum, METH_VARARGS, "segment_sum(rows, inverse, out, width)"},
     {"sparse_step", sparse_step, METH_VARARGS,
      "sparse_step(kind, values, state, lines, grads, dim, width, lr, eps) -> skipped"},
+    {"init_rows", init_rows, METH_VARARGS,
+     "init_rows(out, at, ids, dim, row_offset, bits_offset, first_column, kind, a, b)"},
     {NULL, NULL, 0, NULL},
 };
 

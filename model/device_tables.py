@@ -6,16 +6,16 @@ rows over all of them. Its last row is scratch: padding entries of a batch point
 The host maps ids to rows (`training.device_rows`); what the step receives per table:
 
     slots    [U] i32     the batch's distinct rows (padded with the scratch row), replicated
-    fresh    [U] bool    rows the batch creates: their values and state come with the batch
+    fresh    [U] bool    rows the batch creates: their values come with the batch
     values   [U, dim]    initial values of the fresh rows (zeros elsewhere)
-    state    [U, width]  initial optimizer state of the fresh rows
     inverse  [B, F, L]   per example and feature of the table, up to L indices into `slots`
     weights  [B, F, L]   the pooling weight of each (0 for padding)
 
 The step gathers the U rows once, pools them into the features' embeddings, and after
 the backward pass applies the sparse optimizer to the same U rows (their gradients
 summed over the global batch, a reduction XLA inserts like the dense one) and writes
-them back. A row without a gradient in a step is left as it is: the same lazy,
+them back. A fresh row's optimizer state starts from the rule's initial state, the
+same for every row (`SparseRule.initial_state`), set in the step. A row without a gradient in a step is left as it is: the same lazy,
 per-row math as the host store's optimizers (`embedding_store._optimizers`), in float32.
 
 A hot-row cache (`DeviceTable.cache`) is a device table in front of a host table: it
@@ -27,6 +27,7 @@ does not hold), and the host's pooling of the other ids, rescaled to the whole b
 their values and optimizer state read from the host store); the rows they replace
 (`evict`) leave the step as outputs, read before the update, for the host store:
 
+    state       [U, width]  the admitted rows' optimizer state (zeros elsewhere)
     evict       [E] i32     rows evicted this step (padded with the scratch row), replicated
     host_scale  [B, F_t]    per example and feature: the host part's factor
 """
@@ -47,8 +48,8 @@ from hybridrec.model.sharding import batch_sharding, replicated
 
 P = jax.sharding.PartitionSpec
 
-ARRAYS = ("slots", "fresh", "values", "state", "inverse", "weights")  # per table, in the batch
-CACHE_ARRAYS = ("evict", "host_scale")  # and per cache
+ARRAYS = ("slots", "fresh", "values", "inverse", "weights")  # per table, in the batch
+CACHE_ARRAYS = ("state", "evict", "host_scale")  # and per cache
 PER_EXAMPLE = ("inverse", "weights", "host_scale")  # split over the batch axis
 
 
@@ -65,6 +66,11 @@ class SparseRule:
 
     def state_width(self, dim: int) -> int:
         return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim + 1}[self.name]
+
+    def initial_state(self, dim: int) -> np.ndarray:
+        """[state_width] float32: a new row's optimizer state (the store's, every row alike)."""
+        fill = self.initial_accumulator if self.name in ("adagrad", "rowwise_adagrad") else 0.0
+        return np.full(self.state_width(dim), fill, np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +231,8 @@ def gather_rows(
     layout: DeviceTableLayout, tables: Mapping[str, Mapping[str, jax.Array]], batch: Mapping
 ) -> dict[str, tuple[jax.Array, jax.Array]]:
     """Per table, (values [U, dim], state [U, width]) of the batch's distinct rows, fresh
-    rows taking their initial values from the batch."""
+    rows taking their initial values from the batch (a cache's admitted rows their state
+    too; a whole table's new rows start from the rule's initial state)."""
     out = {}
     for table in layout.tables:
         slots = batch[array_key(table.name, "slots")]
@@ -233,9 +240,12 @@ def gather_rows(
         values = jnp.where(
             fresh, batch[array_key(table.name, "values")], tables[table.name]["values"][slots]
         )
-        state = jnp.where(
-            fresh, batch[array_key(table.name, "state")], tables[table.name]["state"][slots]
+        initial = (
+            batch[array_key(table.name, "state")]
+            if table.cache
+            else jnp.asarray(table.rule.initial_state(table.dim))[None, :]
         )
+        state = jnp.where(fresh, initial, tables[table.name]["state"][slots])
         out[table.name] = (values, state)
     return out
 

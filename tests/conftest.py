@@ -1,11 +1,19 @@
-"""Every test sees an 8-device CPU mesh; set before anything imports JAX."""
+"""Every test sees an 8-device CPU mesh; set before anything imports JAX.
+
+HYBRIDREC_TEST_HOST_DEVICES=1 gives the CPU one device instead, as a single GPU has
+(JAX_PLATFORMS=cuda on a GPU host runs the suite on the GPU).
+"""
 
 import os
 import socket
 
+HOST_DEVICES = int(os.environ.get("HYBRIDREC_TEST_HOST_DEVICES", "8"))
 os.environ["XLA_FLAGS"] = " ".join(
     flag
-    for flag in (os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8")
+    for flag in (
+        os.environ.get("XLA_FLAGS", ""),
+        f"--xla_force_host_platform_device_count={HOST_DEVICES}",
+    )
     if flag
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

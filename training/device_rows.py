@@ -3,8 +3,9 @@
 A table on the devices is trained inside the jitted step, synchronously (staleness 0):
 the host only maps each batch's ids to rows. `DeviceRows` keeps, per device table, an id
 -> row map (`embedding_store.SlotMap`), gives a new id the next free row and its initial
-values and optimizer state (the store's initializer, so the same id starts from the same
-vector wherever it lives), and turns a global batch into the arrays the step reads.
+values (the store's initializer, so the same id starts from the same vector wherever it
+lives; its optimizer state starts in the step from the same initial state as the
+store's), and turns a global batch into the arrays the step reads.
 
 The store stays the table of record for checkpoints, evaluation and export: when the
 loop quiesces, `write_back` copies every row a step changed since the last write-back,
@@ -37,7 +38,6 @@ from hybridrec.embedding_store import (
     RaggedIds,
     SlotMap,
     TableConfig,
-    initial_optimizer_state,
     initial_rows,
     unique_inverse,
 )
@@ -189,28 +189,30 @@ class DeviceRows:
             # most distinct rows there can be): with single-valued features every batch has
             # the same shapes, whatever its admissions and evictions
             size = _bucket(max(len(values) if table.cache else len(unique), MIN_ROWS))
-            width = table.rule.state_width(table.dim)
             new_values = np.zeros((size, table.dim), np.float32)
-            new_state = np.zeros((size, width), np.float32)
             if table.cache:
                 fresh, slots = self._admit(table, unique, inverse, slots, columns, prepared, size)
+                new_state = np.zeros((size, table.rule.state_width(table.dim)), np.float32)
                 if fresh.any():
                     read = self.store.take_rows(self.plan.store_tables[table.name], unique[fresh])
                     new_values[: len(unique)][fresh], new_state[: len(unique)][fresh] = (
                         read.result()
                     )
+                prepared.arrays[array_key(table.name, "state")] = new_state
             else:
                 fresh = slots < 0
                 slots = self._assign(table, unique, slots)
                 if fresh.any():
                     config = self._configs[table.name]
-                    new_ids = unique[fresh]
-                    new_values[: len(unique)][fresh] = initial_rows(
-                        config.initializer, new_ids, table.dim, config.first_column
-                    )
-                    new_state[: len(unique)][fresh] = initial_optimizer_state(
-                        config.optimizer, len(new_ids), table.dim
-                    )
+                    at = np.flatnonzero(fresh)
+                    initial_rows(
+                        config.initializer,
+                        unique[at],
+                        table.dim,
+                        config.first_column,
+                        out=new_values,
+                        at=at,
+                    )  # their optimizer state is set in the step (the rule's initial state)
             held = slots >= 0
             padded = np.full(size, table.scratch, np.int32)
             padded[: len(unique)][held] = slots[held]
@@ -223,7 +225,6 @@ class DeviceRows:
                     array_key(key, "slots"): padded,
                     array_key(key, "fresh"): is_fresh,
                     array_key(key, "values"): new_values,
-                    array_key(key, "state"): new_state,
                     array_key(key, "inverse"): index,
                     array_key(key, "weights"): weights,
                 }

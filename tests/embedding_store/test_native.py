@@ -4,10 +4,12 @@ import numpy as np
 import pytest
 from hybridrec.embedding_store import (
     EmbeddingStore,
+    InitializerConfig,
     RaggedIds,
     SparseOptimizerConfig,
     TableConfig,
     _arrays,
+    _initializers,
     _native,
     _optimizers,
     _slot_map,
@@ -17,7 +19,7 @@ DIM = 8
 
 
 def _numpy_kernels(patch):
-    for module in (_arrays, _optimizers, _slot_map):
+    for module in (_arrays, _initializers, _optimizers, _slot_map):
         patch.setattr(module, "native", None)
 
 
@@ -71,6 +73,46 @@ def test_in_place_step_matches_numpy_and_skips_nonfinite_rows(monkeypatch, name)
     np.testing.assert_array_equal(v1, v2)
     np.testing.assert_array_equal(s1, s2)
     np.testing.assert_array_equal(v1[lines[[7, 11]]], values[lines[[7, 11]]])  # untouched
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        InitializerConfig(),
+        InitializerConfig(kind="uniform", low=-0.3, high=0.7, seed=5),
+        InitializerConfig(kind="normal", mean=0.1, stddev=0.5, seed=2),
+    ],
+    ids=["uniform", "uniform-seeded", "normal"],
+)
+def test_initial_rows_match_numpy_whole_and_into_rows_of_an_array(monkeypatch, config):
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 2**64 - 1, 3000, dtype=np.uint64, endpoint=True)
+    native, numpy = _both(monkeypatch, lambda: _initializers.initial_rows(config, ids, 24, 40))
+    if config.kind == "uniform":
+        np.testing.assert_array_equal(native, numpy)
+    else:  # libm's log and cos against numpy's: at most a rare last bit
+        np.testing.assert_allclose(native, numpy, rtol=1e-6, atol=1e-7)
+        assert np.mean(native == numpy) > 0.999
+    spread = (config.high - config.low) / 12**0.5 if config.kind == "uniform" else config.stddev
+    assert abs(native.std() / spread - 1) < 0.05  # the distribution's spread, not zeros
+    # columns 40.. of a row are columns 40.. of the whole row: any column slicing agrees
+    whole = _initializers.initial_rows(config, ids[:10], 64)
+    np.testing.assert_array_equal(whole[:, 40:], native[:10])
+    # written into chosen rows of a larger array, the others left alone
+    at = rng.permutation(5000)[: len(ids)]
+    out = np.full((5000, 24), 7.0, np.float32)
+    placed = _initializers.initial_rows(config, ids, 24, 40, out=out, at=at)
+    assert placed is out
+    np.testing.assert_array_equal(out[at], native)
+    left = np.setdiff1d(np.arange(5000), at)
+    assert (out[left] == 7.0).all()
+    with monkeypatch.context() as patch:
+        _numpy_kernels(patch)
+        out_numpy = np.full((5000, 24), 7.0, np.float32)
+        _initializers.initial_rows(config, ids, 24, 40, out=out_numpy, at=at)
+    np.testing.assert_array_equal(out_numpy[at], numpy)
+    with pytest.raises(IndexError, match="out of range"):
+        _initializers.initial_rows(config, ids[:2], 24, out=out, at=np.array([0, 5000]))
 
 
 def test_sparse_step_rejects_rows_outside_the_table():
