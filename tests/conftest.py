@@ -33,6 +33,24 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CRITEO_SAMPLE = REPO_ROOT.parent / "shared" / "data" / "criteo_kaggle_sample" / "train.tsv.gz"
 
 
+def pytest_runtest_setup(item):
+    """`@pytest.mark.devices(n)`: the test needs n devices (a mesh of that shape, devices
+    in several processes); on a platform with fewer (one GPU, or
+    HYBRIDREC_TEST_HOST_DEVICES=1) it says so and skips. With `launched=True` the devices
+    are those of processes `hybridrec launch` starts: CPU devices it makes for each, so
+    only a GPU platform needs n of them."""
+    marker = item.get_closest_marker("devices")
+    if marker is None:
+        return
+    import jax
+
+    if marker.kwargs.get("launched") and jax.default_backend() == "cpu":
+        return
+    needed, have = marker.args[0], jax.device_count()
+    if have < needed:
+        pytest.skip(f"needs {needed} devices; this {jax.default_backend()} platform has {have}")
+
+
 @pytest.fixture(scope="session")
 def criteo_sample() -> Path:
     """The real Criteo sample next to the repo; tests using it skip when it is absent."""

@@ -1,6 +1,8 @@
 """`hybridrec launch`: run a hybridrec command as N cooperating processes on this machine.
 
-Each process gets its own CPU devices (`--devices-per-process`), the JAX coordinator
+Each process gets its own CPU devices (`--devices-per-process`), or with
+JAX_PLATFORMS=cuda (rocm) its own GPUs: process i sees GPUs [i * d, (i + 1) * d) of
+those the host shows (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`). The JAX coordinator
 runs in process 0 on 127.0.0.1 at a free port, and the layout reaches each process
 through HYBRIDREC_COORDINATOR / HYBRIDREC_NUM_PROCESSES / HYBRIDREC_PROCESS_ID, which
 `model.maybe_initialize_distributed` reads. Under Slurm or Kubernetes the same
@@ -46,11 +48,51 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# GPU platforms of JAX_PLATFORMS -> the variable that picks the GPUs a process sees
+VISIBLE_GPUS = {
+    "cuda": "CUDA_VISIBLE_DEVICES",
+    "gpu": "CUDA_VISIBLE_DEVICES",
+    "rocm": "HIP_VISIBLE_DEVICES",
+}
+
+
+def gpu_platform(env: dict[str, str]) -> str | None:
+    """The GPU platform JAX_PLATFORMS asks for first, or None (CPU devices)."""
+    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    return platforms[0] if platforms and platforms[0] in VISIBLE_GPUS else None
+
+
+def host_gpus(env: dict[str, str], platform: str) -> list[str] | None:
+    """The GPUs processes on this host may use (ids for the visibility variable): the
+    variable's list where it is set, else `nvidia-smi -L`'s GPUs; None when unknown."""
+    visible = env.get(VISIBLE_GPUS[platform])
+    if visible is not None:
+        return [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+    if platform == "rocm":
+        return None
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [str(i) for i, line in enumerate(listed.splitlines()) if line.startswith("GPU ")]
+
+
 def process_environment(
-    process_id: int, num_processes: int, coordinator: str, devices_per_process: int
+    process_id: int,
+    num_processes: int,
+    coordinator: str,
+    devices_per_process: int,
+    gpus: list[str] | None = None,
 ) -> dict[str, str]:
-    """The environment of process `process_id` of a local multi-process job."""
+    """The environment of process `process_id` of a local multi-process job; with `gpus`
+    (JAX_PLATFORMS naming a GPU platform) the process sees its own slice of them."""
     env = dict(os.environ)
+    platform = gpu_platform(env)
+    if platform and gpus is not None:
+        share = gpus[process_id * devices_per_process : (process_id + 1) * devices_per_process]
+        env[VISIBLE_GPUS[platform]] = ",".join(share)
     flags = [
         flag
         for flag in env.get("XLA_FLAGS", "").split()
@@ -97,11 +139,20 @@ def launch(
         raise UserError("--num-processes and --devices-per-process must be >= 1")
     if not command:
         raise UserError("nothing to launch: give a hybridrec command after --, e.g. -- train ...")
+    platform = gpu_platform(dict(os.environ))
+    gpus = host_gpus(dict(os.environ), platform) if platform else None
+    if gpus is not None and num_processes * devices_per_process > len(gpus):
+        raise UserError(
+            f"{num_processes} processes x {devices_per_process} devices need "
+            f"{num_processes * devices_per_process} GPUs, and JAX_PLATFORMS={platform} on this "
+            f"host sees {len(gpus)}; lower --num-processes or --devices-per-process, or unset "
+            "JAX_PLATFORMS for CPU devices"
+        )
     coordinator = f"127.0.0.1:{free_port()}"
     processes: list[subprocess.Popen] = []
     relays: list[threading.Thread] = []
     for process_id in range(num_processes):
-        env = process_environment(process_id, num_processes, coordinator, devices_per_process)
+        env = process_environment(process_id, num_processes, coordinator, devices_per_process, gpus)
         if verbose:
             env[VERBOSE_ENV] = "1"
         else:
@@ -230,7 +281,8 @@ def main(argv: list[str]) -> int:
         "--devices-per-process",
         type=int,
         default=0,
-        help="CPU devices per process (default: 8 / num-processes, at least 1)",
+        help="devices per process: CPU devices, or GPUs with JAX_PLATFORMS=cuda (default: 8 "
+        "CPU devices or the host's GPUs, split over the processes; at least 1)",
     )
     parser.add_argument("--timeout", type=float, help="stop everything after this many seconds")
     parser.add_argument(
@@ -260,7 +312,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- <hybridrec command and args>")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    devices = args.devices_per_process or max(1, 8 // args.num_processes)
+    platform = gpu_platform(dict(os.environ))
+    gpus = host_gpus(dict(os.environ), platform) if platform else None
+    devices = args.devices_per_process or max(
+        1, (8 if gpus is None else len(gpus)) // args.num_processes
+    )
     launch_args = dict(
         num_processes=args.num_processes,
         devices_per_process=devices,

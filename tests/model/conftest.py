@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from hybridrec.model import (
@@ -9,8 +10,10 @@ from hybridrec.model import (
     DenseOptimizerConfig,
     DHENConfig,
     DLRMConfig,
+    MeshConfig,
     MLPConfig,
     ModelConfig,
+    make_mesh,
 )
 
 NUM_DENSE = 6  # DCN-V2 width 6 + 3 * 8 = 30 splits over a model axis of 2
@@ -75,3 +78,11 @@ def batch_factory():
 @pytest.fixture
 def optimizer() -> DenseOptimizerConfig:
     return OPTIMIZER
+
+
+@pytest.fixture
+def data_model_mesh():
+    """A ("data", "model") mesh of every device: 4 x 2 on the 8-device CPU mesh, data only
+    where fewer devices do not split in two (one GPU)."""
+    shape = (4, 2) if jax.device_count() == 8 else (-1, 1)
+    return make_mesh(MeshConfig(shape=shape, axis_names=("data", "model")))

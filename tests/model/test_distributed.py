@@ -57,6 +57,7 @@ def test_the_command_line_reads_the_layout_from_flags_then_environment(monkeypat
         _flags.distributed_options(flags)
 
 
+@pytest.mark.devices(8)
 def test_mesh_shape_is_checked():
     with pytest.raises(UserError, match="needs 6 devices"):
         make_mesh(MeshConfig(shape=(3, 2), axis_names=("data", "model")))
@@ -66,6 +67,7 @@ def test_mesh_shape_is_checked():
     assert dict(mesh.shape) == {"data": 4, "model": 2}
 
 
+@pytest.mark.devices(8)
 def test_global_batch_round_trips_and_checks_divisibility(batch_factory):
     mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
     host = batch_factory(0, 32)
@@ -77,8 +79,8 @@ def test_global_batch_round_trips_and_checks_divisibility(batch_factory):
         make_global_batch(batch_factory(0, 6), mesh)
 
 
-def test_non_finite_loss_fails_loudly(tiny_config, dims, batch_factory, optimizer):
-    mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
+def test_non_finite_loss_fails_loudly(data_model_mesh, tiny_config, dims, batch_factory, optimizer):
+    mesh = data_model_mesh
     config = tiny_config("dlrm")
     state = create_train_state(config, optimizer, mesh, 0, **dims)
     step = make_train_step(mesh)

@@ -8,11 +8,9 @@ import jax
 import numpy as np
 import pytest
 from hybridrec.model import (
-    MeshConfig,
     create_train_state,
     local_rows,
     make_global_batch,
-    make_mesh,
     make_train_step,
 )
 from hybridrec.model.step import loss_fn
@@ -22,14 +20,14 @@ ROWS = 32  # the shared test batch shape (compilation cache)
 
 @pytest.mark.parametrize("tower", ["dlrm", "dcnv2"])
 def test_embedding_grads_match_finite_differences(
-    tower, tiny_config, dims, batch_factory, optimizer
+    data_model_mesh, tower, tiny_config, dims, batch_factory, optimizer
 ):
     config = tiny_config(tower)
     if tower == "dcnv2":
         config = dataclasses.replace(
             config, dcnv2=dataclasses.replace(config.dcnv2, low_rank=4, structure="parallel")
         )
-    mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
+    mesh = data_model_mesh
     state = create_train_state(config, optimizer, mesh, 11, **dims)
     graphdef = state.graphdef
     params = jax.tree.map(np.asarray, jax.device_get(state.params))  # before donation

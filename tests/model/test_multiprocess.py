@@ -33,6 +33,7 @@ def _load_worker():
     return module
 
 
+@pytest.mark.devices(8)
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     coordinator = f"127.0.0.1:{_free_port()}"

@@ -142,6 +142,7 @@ SHAMPOO = DenseOptimizerConfig(
 )
 
 
+@pytest.mark.devices(8)
 def test_sharded_step_matches_one_device_and_spreads_blocks(
     tmp_path, tiny_config, dims, batch_factory
 ):

@@ -99,6 +99,7 @@ CASES = [
 ]
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize(("tower_name", "mesh_name"), CASES)
 def test_mesh_matches_single_device(tower_name, mesh_name, tiny_config, dims, batch_factory):
     config = _config(tiny_config, tower_name)
@@ -127,8 +128,8 @@ def test_mesh_matches_single_device(tower_name, mesh_name, tiny_config, dims, ba
             assert cross == jax.sharding.PartitionSpec(None, "model")
 
 
-def test_step_compiles_once(tiny_config, dims, batch_factory):
-    mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
+def test_step_compiles_once(data_model_mesh, tiny_config, dims, batch_factory):
+    mesh = data_model_mesh
     config = tiny_config("dlrm")
     compiles = []
 
@@ -164,8 +165,10 @@ def test_step_compiles_once(tiny_config, dims, batch_factory):
     assert len(compiles) == 1 and step.num_compilations() == executables + 1
 
 
-def test_state_is_donated_and_host_batches_are_refused(tiny_config, dims, batch_factory):
-    mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
+def test_state_is_donated_and_host_batches_are_refused(
+    data_model_mesh, tiny_config, dims, batch_factory
+):
+    mesh = data_model_mesh
     config = tiny_config("dlrm")
     state = create_train_state(config, OPTIMIZER, mesh, 0, **dims)
     step = make_train_step(mesh)
@@ -178,8 +181,8 @@ def test_state_is_donated_and_host_batches_are_refused(tiny_config, dims, batch_
         step(state, batch_factory(1, BATCH))  # numpy: would be an implicit host->device copy
 
 
-def test_eval_probabilities_match_logits(tiny_config, dims, batch_factory):
-    mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
+def test_eval_probabilities_match_logits(data_model_mesh, tiny_config, dims, batch_factory):
+    mesh = data_model_mesh
     config = tiny_config("dlrm")
     state = create_train_state(config, OPTIMIZER, mesh, 3, **dims)
     host = batch_factory(5, BATCH)
@@ -194,12 +197,12 @@ def test_eval_probabilities_match_logits(tiny_config, dims, batch_factory):
 
 
 def test_orbax_restores_into_the_abstract_state(
-    tmp_path, tiny_config, dims, batch_factory, optimizer
+    data_model_mesh, tmp_path, tiny_config, dims, batch_factory, optimizer
 ):
     import orbax.checkpoint as ocp
     from hybridrec.model import abstract_train_state
 
-    mesh = make_mesh(MeshConfig(shape=(4, 2), axis_names=("data", "model")))
+    mesh = data_model_mesh
     config = tiny_config("dlrm")
     state = create_train_state(config, optimizer, mesh, 0, **dims)
     step = make_train_step(mesh)

@@ -39,6 +39,7 @@ def _tower_batch(mesh, towers, batch):
     return tp.make_tower_batch(mesh, towers, local, batch["dense"], batch["labels"])
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_tower_parallel_steps_match_the_flat_dmt_step(
     name, tiny_config, dims, batch_factory, optimizer
@@ -83,6 +84,7 @@ def test_tower_parallel_steps_match_the_flat_dmt_step(
     )
 
 
+@pytest.mark.devices(8)
 def test_only_compressed_outputs_cross_the_tower_axis(tiny_config, dims, batch_factory, optimizer):
     towers = LAYOUTS["2 towers x 4"]
     mesh = tp.make_tower_mesh(2)
@@ -98,6 +100,7 @@ def test_only_compressed_outputs_cross_the_tower_axis(tiny_config, dims, batch_f
     assert moved["all-reduce"] >= 2 * 7 / 8 * params  # the dense gradients' all-reduce
 
 
+@pytest.mark.devices(8)
 def test_layout_errors_name_the_problem(tiny_config, dims, optimizer):
     towers = LAYOUTS["2 towers x 4"]
     with pytest.raises(ConfigError, match="3 towers cannot split 8 devices"):

@@ -171,6 +171,7 @@ def test_tables_and_caches_on_the_devices_of_a_trainer_in_front_of_a_shard_serve
 MIXED = [*SHARDED[:6], *(f"embedding.placement.C{i}=host" for i in range(14, 27))]
 
 
+@pytest.mark.devices(8, launched=True)
 def test_device_tables_of_two_trainer_processes_sharing_a_shard_server(
     cli, dataset, tmp_path, training, small_model
 ):

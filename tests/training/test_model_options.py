@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from hybridrec.training.partition import propose_towers_from_run
 
 
@@ -43,6 +44,7 @@ def _train_losses(run_dir):
     return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
 
 
+@pytest.mark.devices(8)
 def test_dmt_tower_layout_trains_like_flat_and_checkpoints_resumes_evaluates_exports(
     cli, dataset, tmp_path, training, small_model
 ):

@@ -80,19 +80,30 @@ def test_kill_9_then_resume_trains_every_row_once_and_sigterm_publishes(
     for index in range(4, 6):  # the stream goes on while the trainer is down
         _drop(inputs, f"{index:03d}.tsv", 608 + 8 * index, seed=index)
     follow(config, max_idle=0.2, quiet=True)
-    shards = read_shards(stream)
-    total = sum(entry.rows for entry in shards)
 
     # the resumed run publishes often: the first export full, the next ones deltas
     second = training.start(*flags, "--resume", "--publish-every", "0.5", "--keep-exports", "1")
-    deadline = time.monotonic() + 120
-    while True:  # until a checkpoint holds every row of the stream
-        step = training.last_step(run_dir)
-        if step and _position(run_dir, step)["rows"] >= total:
-            break
-        assert second.poll() is None, second.stderr.read()[-3000:]
-        assert time.monotonic() < deadline, "the resumed run did not catch up"
-        time.sleep(0.1)
+    published_file = run_dir / "published.jsonl"
+
+    def caught_up(total: int, publishes: int) -> None:
+        """Waits until a checkpoint holds `total` rows and `publishes` exports are out."""
+        deadline = time.monotonic() + 120
+        while True:
+            step = training.last_step(run_dir)
+            out = published_file.read_text().count("\n") if published_file.exists() else 0
+            if step and _position(run_dir, step)["rows"] >= total and out >= publishes:
+                return
+            assert second.poll() is None, second.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the resumed run did not catch up"
+            time.sleep(0.1)
+
+    caught_up(sum(entry.rows for entry in read_shards(stream)), 1)
+    # more rows after the first export (however fast the trainer caught up): a delta
+    _drop(inputs, "006.tsv", 608 + 8 * 6, seed=6)
+    follow(config, max_idle=0.2, quiet=True)
+    shards = read_shards(stream)
+    total = sum(entry.rows for entry in shards)
+    caught_up(total, 1)
     second.send_signal(signal.SIGTERM)
     assert second.wait(timeout=120) == 0, second.stderr.read()[-3000:]
 

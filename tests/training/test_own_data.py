@@ -18,11 +18,11 @@ from hybridrec.pipeline.metadata import SUCCESS_FILE
 from .conftest import REPO_ROOT
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "hybridrec", *args],
         cwd=REPO_ROOT,
-        env=dict(os.environ),
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,
@@ -149,6 +149,27 @@ def test_launch_relays_output_without_library_chatter_unless_verbose():
     quiet = io.StringIO()
     _relay(io.StringIO(mixed), "", quiet)
     assert quiet.getvalue() == "step 5\ndone\n"
+
+
+def test_launch_gives_each_process_its_own_gpus_and_refuses_too_few(monkeypatch):
+    from hybridrec.cli.launch import host_gpus, process_environment
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    gpus = host_gpus(dict(os.environ), "cuda")
+    assert gpus == ["3", "5", "6", "7"]
+    seen = [process_environment(i, 2, "127.0.0.1:1", 2, gpus) for i in range(2)]
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in seen] == ["3,5", "6,7"]
+    assert all(env["JAX_PLATFORMS"] == "cuda" for env in seen)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # CPU devices: the GPUs are not split
+    assert process_environment(1, 2, "127.0.0.1:1", 2, gpus)["CUDA_VISIBLE_DEVICES"] == "3,5,6,7"
+    # more GPUs asked for than the host shows: one line, nothing started
+    env = {"JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": "0,1,2"}
+    result = _run("launch", "-n", "2", "--devices-per-process", "2", "--", "train", env=env)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "2 processes x 2 devices need 4 GPUs, and JAX_PLATFORMS=cuda on this host sees 3" in (
+        result.stderr
+    )
 
 
 def test_train_on_a_raw_log_file_says_to_preprocess_it_first(tmp_path):

@@ -69,6 +69,7 @@ CACHES = [
 ]
 
 
+@pytest.mark.devices(8, launched=True)
 @pytest.mark.parametrize(
     "placement", [[], DEVICE_TABLES, CACHES], ids=["host_store", "device_tables", "caches"]
 )
@@ -117,6 +118,7 @@ def test_two_processes_agree_on_the_final_metrics(dataset, tmp_path, cli, small_
         assert abs(single["eval"][key] - summaries[0]["eval"][key]) < 2e-3, key
 
 
+@pytest.mark.devices(8, launched=True)
 def test_resume_on_another_process_count_continues_the_step_and_epoch(
     dataset, tmp_path, cli, small_model
 ):
