@@ -33,6 +33,11 @@ def initial_rows(
     ids = np.ascontiguousarray(ids, np.uint64)
     if out is not None:
         at = np.ascontiguousarray(at, np.int64)
+        if out.ndim != 2 or out.shape[1] != dim or len(at) != len(ids):
+            raise ValueError(
+                f"initial_rows: out {out.shape} must be [rows, {dim}] and at {at.shape} "
+                f"one position per id ({len(ids)})"
+            )
         if config.kind == "zeros" or not len(ids):
             out[at] = 0.0
         elif native is not None and out.flags.c_contiguous and out.dtype == np.float32:

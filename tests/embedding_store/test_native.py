@@ -113,6 +113,8 @@ def test_initial_rows_match_numpy_whole_and_into_rows_of_an_array(monkeypatch, c
     np.testing.assert_array_equal(out_numpy[at], numpy)
     with pytest.raises(IndexError, match="out of range"):
         _initializers.initial_rows(config, ids[:2], 24, out=out, at=np.array([0, 5000]))
+    with pytest.raises(ValueError, match=r"must be \[rows, 12\]"):
+        _initializers.initial_rows(config, ids[:2], 12, out=out, at=np.array([0, 1]))
 
 
 def test_sparse_step_rejects_rows_outside_the_table():
