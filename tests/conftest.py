@@ -17,6 +17,9 @@ os.environ["XLA_FLAGS"] = " ".join(
     if flag
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On a GPU the test process and the commands it starts (trainers, servers) share the
+# device: each allocates what it uses instead of most of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The commands' compilation cache lives in one fresh directory per test session: nothing
 # written to the home directory, and no entry from an earlier session is reused.
 os.environ.setdefault(
