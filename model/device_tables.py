@@ -6,10 +6,13 @@ rows over all of them. Its last row is scratch: padding entries of a batch point
 The host maps ids to rows (`training.device_rows`); what the step receives per table:
 
     slots    [U] i32     the batch's distinct rows (padded with the scratch row), replicated
-    fresh    [U] bool    rows the batch creates: their values come with the batch
-    values   [U, dim]    initial values of the fresh rows (zeros elsewhere)
+    new      [U] i32     for the rows the batch creates, where their values are among the
+                         batch's new rows; -1 for the rows the table holds
     inverse  [B, F, L]   per example and feature of the table, up to L indices into `slots`
     weights  [B, F, L]   the pooling weight of each (0 for padding)
+
+and once per batch, `NEW_ROWS` [N, dim]: the initial values of every table's new rows (N
+rounded up to one of four sizes per power of two), so a batch carries only those values.
 
 The step gathers the U rows once, pools them into the features' embeddings, and after
 the backward pass applies the sparse optimizer to the same U rows (their gradients
@@ -23,8 +26,8 @@ holds the table's most used rows, and its features are also looked up by the hos
 store, for the ids the cache does not hold. A cached feature's embedding is the sum of
 both parts: the cache's rows pooled with the whole bag's weights (0 for the ids it
 does not hold), and the host's pooling of the other ids, rescaled to the whole bag
-(`host_scale`, 1 for sum pooling). Rows the cache admits come with the batch ("fresh",
-their values and optimizer state read from the host store); the rows they replace
+(`host_scale`, 1 for sum pooling). Rows the cache admits come with the batch (as new
+rows, their values and optimizer state read from the host store); the rows they replace
 (`evict`) leave the step as outputs, read before the update, for the host store:
 
     state       [U, width]  the admitted rows' optimizer state (zeros elsewhere)
@@ -48,7 +51,8 @@ from hybridrec.model.sharding import batch_sharding, replicated
 
 P = jax.sharding.PartitionSpec
 
-ARRAYS = ("slots", "fresh", "values", "inverse", "weights")  # per table, in the batch
+ARRAYS = ("slots", "new", "inverse", "weights")  # per table, in the batch
+NEW_ROWS = "table/new_rows"  # and the new rows of them all
 CACHE_ARRAYS = ("state", "evict", "host_scale")  # and per cache
 PER_EXAMPLE = ("inverse", "weights", "host_scale")  # split over the batch axis
 
@@ -220,6 +224,8 @@ def batch_shardings(layout: DeviceTableLayout, mesh: jax.sharding.Mesh) -> dict[
             per_example = key in PER_EXAMPLE
             sharding = batch_sharding(mesh, 2 + (key != "host_scale")) if per_example else None
             out[array_key(table.name, key)] = sharding or replicated(mesh)
+    if layout.tables:
+        out[NEW_ROWS] = replicated(mesh)
     return out
 
 
@@ -236,10 +242,10 @@ def gather_rows(
     out = {}
     for table in layout.tables:
         slots = batch[array_key(table.name, "slots")]
-        fresh = batch[array_key(table.name, "fresh")][:, None]
-        values = jnp.where(
-            fresh, batch[array_key(table.name, "values")], tables[table.name]["values"][slots]
-        )
+        new = batch[array_key(table.name, "new")]
+        fresh = (new >= 0)[:, None]
+        arriving = batch[NEW_ROWS][jnp.maximum(new, 0)]
+        values = jnp.where(fresh, arriving, tables[table.name]["values"][slots])
         initial = (
             batch[array_key(table.name, "state")]
             if table.cache
@@ -301,7 +307,8 @@ def update_tables(
 
 def split_names(layout: DeviceTableLayout) -> tuple[str, ...]:
     """The batch keys a step with `layout`'s device tables reads."""
-    return tuple(array_key(table.name, key) for table in layout.tables for key in table.arrays)
+    names = tuple(array_key(table.name, key) for table in layout.tables for key in table.arrays)
+    return (*names, NEW_ROWS) if layout.tables else names
 
 
 def train_step(

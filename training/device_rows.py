@@ -42,7 +42,7 @@ from hybridrec.embedding_store import (
     unique_inverse,
 )
 from hybridrec.model import make_global_batch
-from hybridrec.model.device_tables import PER_EXAMPLE, DeviceTableLayout, array_key
+from hybridrec.model.device_tables import NEW_ROWS, PER_EXAMPLE, DeviceTableLayout, array_key
 from hybridrec.model.sharding import replicated
 from hybridrec.training.hot_rows import HotRows
 from hybridrec.training.input import Batch
@@ -178,6 +178,7 @@ class DeviceRows:
         """The device-table arrays of a global batch; new ids get rows here, and caches
         admit and evict theirs."""
         prepared = Prepared({}, {}, {})
+        arriving = []  # (table, positions among its distinct rows, ids or read values)
         for table in self.tables:
             columns = [_as_bags(batch.ids[name]) for name in self.plan.features[table.name]]
             values = np.concatenate([c[0] for c in columns]) if columns else np.zeros(0, np.uint64)
@@ -189,42 +190,29 @@ class DeviceRows:
             # most distinct rows there can be): with single-valued features every batch has
             # the same shapes, whatever its admissions and evictions
             size = _bucket(max(len(values) if table.cache else len(unique), MIN_ROWS))
-            new_values = np.zeros((size, table.dim), np.float32)
             if table.cache:
                 fresh, slots = self._admit(table, unique, inverse, slots, columns, prepared, size)
+                at = np.flatnonzero(fresh)
                 new_state = np.zeros((size, table.rule.state_width(table.dim)), np.float32)
-                if fresh.any():
-                    read = self.store.take_rows(self.plan.store_tables[table.name], unique[fresh])
-                    new_values[: len(unique)][fresh], new_state[: len(unique)][fresh] = (
-                        read.result()
-                    )
+                read = (np.zeros((0, table.dim), np.float32), None)
+                if len(at):
+                    store_table = self.plan.store_tables[table.name]
+                    read = self.store.take_rows(store_table, unique[at]).result()
+                    new_state[at] = read[1]
                 prepared.arrays[array_key(table.name, "state")] = new_state
+                arriving.append((table, at, size, read[0]))
             else:
                 fresh = slots < 0
                 slots = self._assign(table, unique, slots)
-                if fresh.any():
-                    config = self._configs[table.name]
-                    at = np.flatnonzero(fresh)
-                    initial_rows(
-                        config.initializer,
-                        unique[at],
-                        table.dim,
-                        config.first_column,
-                        out=new_values,
-                        at=at,
-                    )  # their optimizer state is set in the step (the rule's initial state)
+                arriving.append((table, np.flatnonzero(fresh), size, unique[fresh]))
             held = slots >= 0
             padded = np.full(size, table.scratch, np.int32)
             padded[: len(unique)][held] = slots[held]
-            is_fresh = np.zeros(size, bool)
-            is_fresh[: len(unique)] = fresh
             index, weights = self._bags(columns, inverse, batch.size, held[inverse])
             key = table.name
             prepared.arrays.update(
                 {
                     array_key(key, "slots"): padded,
-                    array_key(key, "fresh"): is_fresh,
-                    array_key(key, "values"): new_values,
                     array_key(key, "inverse"): index,
                     array_key(key, "weights"): weights,
                 }
@@ -232,7 +220,32 @@ class DeviceRows:
             prepared.touched[key] = slots[held]
             prepared.placed[key] = (slots[fresh], unique[fresh])
             self.lookups += int(np.count_nonzero(held[inverse]))  # a cache: those it holds
+        if arriving:
+            self._new_rows(arriving, prepared)
         return prepared
+
+    def _new_rows(self, arriving, prepared: Prepared) -> None:
+        """The batch's new rows, every table's in one [N, dim] array (N one of four sizes
+        per power of two: few compiles, little padding), and per table where its distinct
+        rows find theirs (-1: held)."""
+        total = sum(len(at) for _, at, _, _ in arriving)
+        dim = arriving[0][0].dim  # the tower concatenates the features: one dim for all
+        rows = np.zeros((_quarter_bucket(max(total, MIN_ROWS)), dim), np.float32)
+        offset = 0
+        for table, at, size, incoming in arriving:
+            places = np.arange(offset, offset + len(at), dtype=np.int64)
+            if table.cache:  # the admitted rows' values, read from the store
+                rows[offset : offset + len(at)] = incoming
+            elif len(at):  # their optimizer state is set in the step (the rule's initial)
+                config = self._configs[table.name]
+                initial_rows(
+                    config.initializer, incoming, dim, config.first_column, out=rows, at=places
+                )
+            new = np.full(size, -1, np.int32)
+            new[at] = places
+            prepared.arrays[array_key(table.name, "new")] = new
+            offset += len(at)
+        prepared.arrays[NEW_ROWS] = rows
 
     def _admit(self, table, unique, inverse, slots, columns, prepared: Prepared, size: int):
         """A cache's admissions and evictions for one batch: (admitted [U] bool, rows [U]
@@ -433,6 +446,13 @@ def _pool_scale(counts: np.ndarray, pooling: str) -> np.ndarray:
 
 def _bucket(size: int) -> int:
     return 1 << max(0, int(size - 1).bit_length())
+
+
+def _quarter_bucket(size: int) -> int:
+    """`size` rounded up to a multiple of an eighth of its power of two: four shapes per
+    doubling (5/8, 6/8, 7/8, 8/8), at most a quarter more than `size`."""
+    step = max(1, _bucket(size) >> 3)
+    return -(-size // step) * step
 
 
 def _replicated_array(array: np.ndarray, mesh: Any) -> jax.Array:

@@ -111,6 +111,14 @@ def test_initial_rows_match_numpy_whole_and_into_rows_of_an_array(monkeypatch, c
         out_numpy = np.full((5000, 24), 7.0, np.float32)
         _initializers.initial_rows(config, ids, 24, 40, out=out_numpy, at=at)
     np.testing.assert_array_equal(out_numpy[at], numpy)
+    # split over threads (a large initialization), the same rows
+    with monkeypatch.context() as patch:
+        patch.setattr(_initializers, "PART_VALUES", 24 * 500)
+        split = np.full((5000, 24), 7.0, np.float32)
+        _initializers.initial_rows(config, ids, 24, 40, out=split, at=at)
+        np.testing.assert_array_equal(split, out)
+        with pytest.raises(IndexError, match="out of range"):
+            _initializers.initial_rows(config, ids, 24, out=split, at=np.r_[at[:-1], 5000])
     with pytest.raises(IndexError, match="out of range"):
         _initializers.initial_rows(config, ids[:2], 24, out=out, at=np.array([0, 5000]))
     with pytest.raises(ValueError, match=r"must be \[rows, 12\]"):
