@@ -26,6 +26,7 @@ staleness 0; the others in the store, at staleness k.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
@@ -48,6 +49,7 @@ from hybridrec.training.hot_rows import HotRows
 from hybridrec.training.input import Batch
 
 MIN_ROWS = 256  # a batch's distinct rows per table are padded to a power of two, at least this
+NEW_ROWS_WINDOW = 32  # the new rows' array fits the most new rows of this many last batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +127,10 @@ class DeviceRows:
         self.store = store
         self._staleness = staleness
         self._configs = {t.name: tables[plan.store_tables[t.name]] for t in plan.layout.tables}
+        # the shapes batches have been padded to: they only grow (a table's distinct rows,
+        # its bags' width), or follow the last batches' new rows, so a run compiles few
+        self._padded: dict[str, int] = {}
+        self._new_counts: collections.deque[int] = collections.deque(maxlen=NEW_ROWS_WINDOW)
         self._reset()
         self.lookups = 0  # ids looked up on the devices (each occurrence)
         self._cache_counts = {
@@ -186,10 +192,11 @@ class DeviceRows:
             # first occurrence, the same on every process
             unique, inverse = unique_inverse(values)
             slots = self.rows_of(table.name, unique)
-            # padded to a power of two: few compiles. A cache pads to the ids' count (the
-            # most distinct rows there can be): with single-valued features every batch has
-            # the same shapes, whatever its admissions and evictions
-            size = _bucket(max(len(values) if table.cache else len(unique), MIN_ROWS))
+            # padded to a power of two, never less than before: few compiles. A cache pads
+            # to the ids' count (the most distinct rows there can be): with single-valued
+            # features every batch has the same shapes, whatever its admissions and evictions
+            need = len(values) if table.cache else len(unique)
+            size = self._pad(table.name, _bucket(max(need, MIN_ROWS)))
             if table.cache:
                 fresh, slots = self._admit(table, unique, inverse, slots, columns, prepared, size)
                 at = np.flatnonzero(fresh)
@@ -208,7 +215,7 @@ class DeviceRows:
             held = slots >= 0
             padded = np.full(size, table.scratch, np.int32)
             padded[: len(unique)][held] = slots[held]
-            index, weights = self._bags(columns, inverse, batch.size, held[inverse])
+            index, weights = self._bags(table.name, columns, inverse, batch.size, held[inverse])
             key = table.name
             prepared.arrays.update(
                 {
@@ -225,12 +232,14 @@ class DeviceRows:
         return prepared
 
     def _new_rows(self, arriving, prepared: Prepared) -> None:
-        """The batch's new rows, every table's in one [N, dim] array (N one of four sizes
-        per power of two: few compiles, little padding), and per table where its distinct
-        rows find theirs (-1: held)."""
+        """The batch's new rows, every table's in one [N, dim] array, and per table where
+        its distinct rows find theirs (-1: held). N fits the most new rows of the last
+        NEW_ROWS_WINDOW batches, rounded up to one of four sizes per power of two: as the
+        tables fill it shrinks a few times (a compile each), with little padding."""
         total = sum(len(at) for _, at, _, _ in arriving)
+        self._new_counts.append(total)
         dim = arriving[0][0].dim  # the tower concatenates the features: one dim for all
-        rows = np.zeros((_quarter_bucket(max(total, MIN_ROWS)), dim), np.float32)
+        rows = np.zeros((_quarter_bucket(max(*self._new_counts, MIN_ROWS)), dim), np.float32)
         offset = 0
         for table, at, size, incoming in arriving:
             places = np.arange(offset, offset + len(at), dtype=np.int64)
@@ -316,11 +325,17 @@ class DeviceRows:
         slots[new] = fresh
         return slots
 
-    def _bags(self, columns, inverse, rows: int, held) -> tuple[np.ndarray, np.ndarray]:
+    def _pad(self, key: str, size: int) -> int:
+        """`size`, or the larger size `key` was padded to before."""
+        self._padded[key] = max(self._padded.get(key, 0), size)
+        return self._padded[key]
+
+    def _bags(self, name, columns, inverse, rows: int, held) -> tuple[np.ndarray, np.ndarray]:
         """[rows, F_t, L] indices into the batch's distinct rows and their pooling weights
-        (0 for the occurrences not `held` [nnz] on the devices)."""
+        (0 for the occurrences not `held` [nnz] on the devices); L a power of two, never
+        less than before."""
         longest = [1 if counts is None else int(counts.max(initial=1)) for _, counts in columns]
-        width = _bucket(max(longest, default=1))
+        width = self._pad(f"{name}/width", _bucket(max(longest, default=1)))
         index = np.zeros((rows, len(columns), width), np.int32)
         weights = np.zeros((rows, len(columns), width), np.float32)
         start = 0

@@ -19,7 +19,7 @@ from hybridrec.model.device_tables import (
     init_tables,
     update_tables,
 )
-from hybridrec.training.device_rows import DevicePlan, DeviceRows
+from hybridrec.training.device_rows import NEW_ROWS_WINDOW, DevicePlan, DeviceRows
 from hybridrec.training.input import Batch, DataPosition
 
 DIM, ROWS = 4, 16
@@ -83,3 +83,40 @@ def test_a_device_table_pools_and_steps_rows_as_the_store_does(pooling, optimize
         np.testing.assert_allclose(
             np.asarray(tables["t"]["state"])[slots], state, rtol=1e-5, atol=1e-6
         )
+
+
+def _bags_batch(ids: np.ndarray, counts: np.ndarray) -> Batch:
+    """One multi-valued feature: row i's bag is counts[i] of `ids`, in order."""
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    position = DataPosition(**{name: 0 for name in DataPosition.__dataclass_fields__})
+    return Batch(
+        dense=np.zeros((len(counts), 1), np.float32),
+        labels=np.zeros(len(counts), np.float32),
+        ids={"multi": RaggedIds(values=ids.astype(np.uint64) + np.uint64(1), offsets=offsets)},
+        valid=np.ones(len(counts), bool),
+        position=position,
+    )
+
+
+def test_batch_shapes_only_grow_and_new_rows_follow_the_last_batches():
+    """A batch with fewer distinct rows or shorter bags keeps the larger shapes seen before
+    (no compile); the new rows' array fits the most new rows of the last batches, and
+    shrinks once those have passed."""
+    rule = SparseRule("sgd", 0.1, 1e-8, 0.9, 0.999, 0.0)
+    layout = DeviceTableLayout((DeviceTable("t", (0,), rows=8192, dim=DIM, rule=rule),), 1)
+    plan = DevicePlan(layout, {"t": ("multi",)}, {"t": "t"}, {"t": (1,)}, 8)
+    config = TableConfig(name="t", dim=DIM, capacity=8192)
+    rows = DeviceRows(
+        plan, {"t": config}, make_mesh(MeshConfig(shape=(1,)), jax.devices()[:1]), "sum"
+    )
+    wide = rows.prepare(_bags_batch(np.arange(3000), np.full(1000, 3)))  # 3000 new rows
+    shapes = {key: array.shape for key, array in wide.arrays.items()}
+    assert shapes["table/new_rows"] == (3072, DIM)  # 3000 rounded up to 6/8 of 4096
+    assert shapes["table/t/slots"] == (4096,) and shapes["table/t/inverse"] == (1000, 1, 4)
+    narrow = rows.prepare(_bags_batch(np.arange(1000) % 100, np.ones(1000, int)))  # none new
+    assert {key: array.shape for key, array in narrow.arrays.items()} == shapes
+    assert (narrow.arrays["table/t/new"] == -1).all()
+    for _ in range(NEW_ROWS_WINDOW):
+        last = rows.prepare(_bags_batch(np.arange(1000) % 100, np.ones(1000, int)))
+    assert last.arrays["table/new_rows"].shape == (256, DIM)  # the window has passed
+    assert last.arrays["table/t/slots"].shape == (4096,)
