@@ -14,8 +14,10 @@ In one run:
   with every table in the host store (embedding.device_budget = 0);
 - **per run**: steady samples/s (after the first 20 steps), where the trainer thread's time
   goes per step (waiting for the batch's lookups, dispatching the step, waiting for the
-  devices, handing the gradients over), the host CPU it kept busy (cores, on average),
-  device memory at its peak (where the backend reports it), eval AUC.
+  devices, handing the gradients over), XLA compile seconds inside the steady window (a
+  new batch shape compiles the step: device tables' padded sizes while they fill), the
+  host CPU it kept busy (cores, on average), device memory at its peak (where the backend
+  reports it), eval AUC.
 
 Measurements accumulate per device kind in --cache (results.jsonl): a matrix too long for
 one invocation runs in parts (--shapes, --batches, --staleness), and each invocation prints
@@ -29,7 +31,8 @@ The last line is one JSON object: platform, device_kind, devices, rows,
 distinct_ids_long_tail; per shape and batch B (criteo_dlrm; the MLPerf shape's keys start
 with "mlperf_"): dense_only_samples_per_s_bB, hybrid_samples_per_s_bB (staleness 4),
 hybrid_sync_samples_per_s_bB (staleness 0), hybrid_host_samples_per_s_bB (--host-only),
-hybrid_over_dense_bB, auc_bB, host_cores_bB, device_peak_gb_bB, wait_ms_bB, device_ms_bB;
+hybrid_over_dense_bB, auc_bB, host_cores_bB, device_peak_gb_bB, wait_ms_bB, device_ms_bB,
+steady_compile_s_bB;
 and mlperf_shape_samples_per_s, the MLPerf shape's best hybrid rate over the batches
 measured (mlperf_shape_batch says which).
 """
@@ -153,6 +156,7 @@ def _hybrid(data, shape, batch, staleness, args, work, env, extra=(), tag=""):
         "device_peak_gb": None if peak is None else round(peak / 2**30, 2),
         "peak_rss_gb": round(result["peak_rss_gb"], 2),
         "device_lookup_fraction": result["device_lookup_fraction"],
+        "steady_compile_s": result["steady_compile_s"],
         **{name: result[name] for name in ("wait_ms", "step_ms", "device_ms", "update_ms")},
     }
 
@@ -181,9 +185,9 @@ def _report(results: Results, info: dict, distinct: tuple[int, int]) -> dict:
     summary = {**info, "distinct_ids": distinct[0], "distinct_ids_long_tail": distinct[1]}
     print(
         "\n| shape | batch | dense-only | hybrid k=4 | k=0 | host store only | hybrid/dense "
-        "| AUC | wait/step/device/update ms | host cores | device peak GB |"
+        "| AUC | wait/step/device/update ms | compile s | host cores | device peak GB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     best = None
     shapes = sorted({s for s, _, _ in results.rows}, key=list(SHAPES).index)
     for shape in shapes:
@@ -205,6 +209,7 @@ def _report(results: Results, info: dict, distinct: tuple[int, int]) -> dict:
             if main:
                 for name in ("auc", "host_cores", "device_peak_gb", "wait_ms", "device_ms"):
                     keyed[name] = main[name]
+                keyed["steady_compile_s"] = main.get("steady_compile_s")
             summary.update({f"{prefix}{k}_b{batch}": v for k, v in keyed.items() if v is not None})
             if shape == "mlperf" and hybrid and (best is None or hybrid["samples_per_s"] > best[0]):
                 best = (hybrid["samples_per_s"], batch)
@@ -217,6 +222,7 @@ def _report(results: Results, info: dict, distinct: tuple[int, int]) -> dict:
                 f"| {shape} | {batch} | {_rate(dense)} | {_rate(hybrid)} | {_rate(sync)} | "
                 f"{_rate(host)} | {keyed.get('hybrid_over_dense', '-')} | "
                 f"{main['auc'] if main else '-'} | {phases} | "
+                f"{(main or {}).get('steady_compile_s', '-')} | "
                 f"{main['host_cores'] if main else '-'} | "
                 f"{(main and main['device_peak_gb']) or '-'} |"
             )

@@ -31,6 +31,31 @@ def device_memory() -> dict[str, Any] | None:
     return {"peak_bytes_per_device": peak, "bytes_limit_per_device": limit}
 
 
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # JAX's, per XLA compile
+
+
+class CompileMeter:
+    """XLA compiles in this process while it is open, and their seconds (JAX's monitoring
+    events; a persistent-cache hit counts, taking little time): a step compiled again for
+    a new shape shows in a log interval's `compiles` and `compile_s`."""
+
+    def __init__(self):
+        self.count = 0
+        self.seconds = 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._heard)
+
+    def _heard(self, event: str, duration: float, **_: Any) -> None:
+        if event == COMPILE_EVENT:
+            self.count += 1
+            self.seconds += duration
+
+    def read(self) -> dict[str, Any]:
+        return {"compiles": self.count, "compile_s": round(self.seconds, 3)}
+
+    def close(self) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._heard)
+
+
 class StoreMeter:
     """The store's counters for the log without waiting for the shards: each read asks
     for fresh counters and returns the latest answer at hand (the previous request's,

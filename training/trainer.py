@@ -37,7 +37,7 @@ from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.defaults import choose_decay
 from hybridrec.training.evaluate import evaluate
 from hybridrec.training.job import Job, prepare
-from hybridrec.training.meters import IntervalMeter, StoreMeter, device_memory
+from hybridrec.training.meters import CompileMeter, IntervalMeter, StoreMeter, device_memory
 from hybridrec.training.run_log import RunLog
 from hybridrec.training.sources import EpochSource, Segment, StreamSource
 
@@ -179,6 +179,7 @@ class Trainer:
         self.meter = IntervalMeter(samples_done=source.trained())
         self._progress_fields: dict[str, float] = {}
         self.store_meter = StoreMeter(self.store)
+        self.compiles = CompileMeter()  # from here on: the steps' compiles, new shapes' too
         self.train_step = job.train_step()
         self.eval_step = job.eval_step() if source.evaluates else None
         try:
@@ -192,6 +193,7 @@ class Trainer:
                 self._publish()
             summary = self._summary()
         finally:
+            self.compiles.close()
             self.log.close()
             if self._given_store is None:
                 self.store.close()
@@ -251,6 +253,7 @@ class Trainer:
             store_bytes_at_capacity=held.get("bytes_at_capacity"),
             **self.source.fields(),
             **record,
+            **self.compiles.read(),  # since training started: cumulative
             learning_rate=float(self.state.schedule(step - 1)),  # the dense rate of `step`
         )
 
@@ -347,6 +350,8 @@ class Trainer:
             "staleness_bound": self.config.hybrid.staleness,
             "staleness_max": int(gate.max_staleness) if gate else 0,
             "staleness_histogram": gate.histogram.tolist() if gate else [],
+            # XLA compiles while training, and their seconds (a new batch shape compiles)
+            **self.compiles.read(),
             # totals over all tables (rows, bytes, admissions, evictions, cold-tier traffic)
             "embedding_store": {
                 key: value for key, value in self.store.stats().items() if key != "tables"

@@ -102,6 +102,10 @@ def test_cli_train_evaluate_plot_beats_logistic_regression(
     done = [r["samples_done"] for r in train]
     assert done == sorted(done) and all(d <= r["samples"] for d, r in zip(done, train, strict=True))
     assert done[-1] == train[-1]["samples"] == summary["samples"]
+    # XLA compiles while training, counted as they happen: the step's at least, none undone
+    compiled = [r["compiles"] for r in train]
+    assert compiled == sorted(compiled) and 1 <= compiled[0] <= compiled[-1] <= summary["compiles"]
+    assert 0 < train[0]["compile_s"] <= summary["compile_s"]
     assert any(p.name.startswith("events.out") for p in (run_dir / "tensorboard").iterdir())
 
     evaluated = json.loads(hybridrec("evaluate", "--run", str(run_dir), "--json").stdout)
