@@ -11,7 +11,8 @@ each timed over --batches-timed batches after --warm batches have filled the tab
     python scripts/bench_device_rows.py --batches 16384 --dim 128
 
 The last line is one JSON object: per batch B, prepare_ms_bB, device_arrays_ms_bB and
-host_side_samples_per_s_bB (B over the two together: the lookup thread's ceiling).
+host_side_samples_per_s_bB (B over the two together: the lookup thread's ceiling) and
+shapes_bB (the distinct sets of array shapes over all the batches: the step's compiles).
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def _batches(count: int, size: int, cards, names, seed: int) -> list[Batch]:
     return out
 
 
+def _shapes(prepared) -> tuple:
+    return tuple(sorted((key, array.shape) for key, array in prepared.arrays.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[4096, 16384, 65536])
@@ -101,14 +106,16 @@ def main() -> None:
     for size in args.batches:
         rows, cards, names = _rows(len(CATEGORICAL_PROFILE), args.dim, args.cardinality_scale)
         batches = _batches(args.warm + args.batches_timed, size, cards, names, seed=size)
+        shapes = set()  # each distinct set of the step's input shapes is one compile
         for batch in batches[: args.warm]:
-            rows.prepare(batch)
+            shapes.add(_shapes(rows.prepare(batch)))
         timed = batches[args.warm :]
         prepare = transfer = 0.0
         for batch in timed:
             start = time.perf_counter()
             prepared = rows.prepare(batch)
             middle = time.perf_counter()
+            shapes.add(_shapes(prepared))
             jax.block_until_ready(rows.device_arrays(prepared, slice(None)))
             prepare += middle - start
             transfer += time.perf_counter() - middle
@@ -116,7 +123,8 @@ def main() -> None:
         rate = size / (prepare + transfer)
         print(
             f"batch {size}: prepare {prepare * 1e3:.1f} ms, device_arrays {transfer * 1e3:.1f} "
-            f"ms: {rate:,.0f} samples/s on the lookup thread",
+            f"ms: {rate:,.0f} samples/s on the lookup thread; {len(shapes)} batch shapes in "
+            f"{len(batches)} batches",
             flush=True,
         )
         summary.update(
@@ -124,6 +132,7 @@ def main() -> None:
                 f"prepare_ms_b{size}": round(prepare * 1e3, 2),
                 f"device_arrays_ms_b{size}": round(transfer * 1e3, 2),
                 f"host_side_samples_per_s_b{size}": round(rate),
+                f"shapes_b{size}": len(shapes),
             }
         )
     print(json.dumps(summary))

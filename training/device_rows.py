@@ -26,7 +26,6 @@ staleness 0; the others in the store, at staleness k.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
@@ -49,7 +48,6 @@ from hybridrec.training.hot_rows import HotRows
 from hybridrec.training.input import Batch
 
 MIN_ROWS = 256  # a batch's distinct rows per table are padded to a power of two, at least this
-NEW_ROWS_WINDOW = 32  # the new rows' array fits the most new rows of this many last batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +125,9 @@ class DeviceRows:
         self.store = store
         self._staleness = staleness
         self._configs = {t.name: tables[plan.store_tables[t.name]] for t in plan.layout.tables}
-        # the shapes batches have been padded to: they only grow (a table's distinct rows,
-        # its bags' width), or follow the last batches' new rows, so a run compiles few
+        # the shapes batches have been padded to (a table's distinct rows, its bags' width):
+        # they only grow, so tables hovering about a power of two do not compile every mix
         self._padded: dict[str, int] = {}
-        self._new_counts: collections.deque[int] = collections.deque(maxlen=NEW_ROWS_WINDOW)
         self._reset()
         self.lookups = 0  # ids looked up on the devices (each occurrence)
         self._cache_counts = {
@@ -233,13 +230,12 @@ class DeviceRows:
 
     def _new_rows(self, arriving, prepared: Prepared) -> None:
         """The batch's new rows, every table's in one [N, dim] array, and per table where
-        its distinct rows find theirs (-1: held). N fits the most new rows of the last
-        NEW_ROWS_WINDOW batches, rounded up to one of four sizes per power of two: as the
-        tables fill it shrinks a few times (a compile each), with little padding."""
+        its distinct rows find theirs (-1: held). N is rounded up to one of four sizes per
+        power of two: as the tables fill it shrinks a few times (a compile each), with
+        little padding."""
         total = sum(len(at) for _, at, _, _ in arriving)
-        self._new_counts.append(total)
         dim = arriving[0][0].dim  # the tower concatenates the features: one dim for all
-        rows = np.zeros((_quarter_bucket(max(*self._new_counts, MIN_ROWS)), dim), np.float32)
+        rows = np.zeros((_quarter_bucket(max(total, MIN_ROWS)), dim), np.float32)
         offset = 0
         for table, at, size, incoming in arriving:
             places = np.arange(offset, offset + len(at), dtype=np.int64)
