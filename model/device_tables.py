@@ -12,7 +12,7 @@ The host maps ids to rows (`training.device_rows`); what the step receives per t
     weights  [B, F, L]   the pooling weight of each (0 for padding)
 
 and once per batch, `NEW_ROWS` [N, dim]: the initial values of every table's new rows (N
-rounded up to one of four sizes per power of two), so a batch carries only those values.
+a power of two), so a batch carries only those values.
 
 The step gathers the U rows once, pools them into the features' embeddings, and after
 the backward pass applies the sparse optimizer to the same U rows (their gradients

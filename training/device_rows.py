@@ -230,12 +230,12 @@ class DeviceRows:
 
     def _new_rows(self, arriving, prepared: Prepared) -> None:
         """The batch's new rows, every table's in one [N, dim] array, and per table where
-        its distinct rows find theirs (-1: held). N is rounded up to one of four sizes per
-        power of two: as the tables fill it shrinks a few times (a compile each), with
-        little padding."""
+        its distinct rows find theirs (-1: held). N is a power of two: as the tables fill
+        it halves a few times, a compile each (four sizes per power of two padded less, but
+        the quickstart's run compiled for 10.8 s instead of 4.7 s and went 0.7x as fast)."""
         total = sum(len(at) for _, at, _, _ in arriving)
         dim = arriving[0][0].dim  # the tower concatenates the features: one dim for all
-        rows = np.zeros((_quarter_bucket(max(total, MIN_ROWS)), dim), np.float32)
+        rows = np.zeros((_bucket(max(total, MIN_ROWS)), dim), np.float32)
         offset = 0
         for table, at, size, incoming in arriving:
             places = np.arange(offset, offset + len(at), dtype=np.int64)
@@ -457,13 +457,6 @@ def _pool_scale(counts: np.ndarray, pooling: str) -> np.ndarray:
 
 def _bucket(size: int) -> int:
     return 1 << max(0, int(size - 1).bit_length())
-
-
-def _quarter_bucket(size: int) -> int:
-    """`size` rounded up to a multiple of an eighth of its power of two: four shapes per
-    doubling (5/8, 6/8, 7/8, 8/8), at most a quarter more than `size`."""
-    step = max(1, _bucket(size) >> 3)
-    return -(-size // step) * step
 
 
 def _replicated_array(array: np.ndarray, mesh: Any) -> jax.Array:

@@ -110,7 +110,7 @@ def test_batch_shapes_only_grow_and_new_rows_fit_the_batch():
     )
     wide = rows.prepare(_bags_batch(np.arange(3000), np.full(1000, 3)))  # 3000 new rows
     shapes = {key: array.shape for key, array in wide.arrays.items()}
-    assert shapes["table/new_rows"] == (3072, DIM)  # 3000 rounded up to 6/8 of 4096
+    assert shapes["table/new_rows"] == (4096, DIM)  # 3000 rounded up to a power of two
     assert shapes["table/t/slots"] == (4096,) and shapes["table/t/inverse"] == (1000, 1, 4)
     narrow = rows.prepare(_bags_batch(np.arange(1000) % 100 + 2990, np.ones(1000, int)))
     assert (narrow.arrays["table/t/new"] >= 0).sum() == 90  # ids 3000.. are new
