@@ -13,26 +13,14 @@ waits for it (it is already under way) or allocates one itself.
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from hybridrec.embedding_store._pools import ForkSafePool
 
 PREPARE_AT = 0.75  # fraction of an array in use when its next size is prepared
 
-_pool: ThreadPoolExecutor | None = None
-_pool_pid = 0
-_pool_lock = threading.Lock()
-
-
-def _background() -> ThreadPoolExecutor:
-    """The one thread that prepares growth steps (slot arrays, slot maps) ahead of need."""
-    global _pool, _pool_pid
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():  # a forked child has no such thread
-            _pool = ThreadPoolExecutor(1, thread_name_prefix="embedding-growth")
-            _pool_pid = os.getpid()
-        return _pool
+# the one thread that prepares growth steps (slot arrays, slot maps) ahead of need
+_background = ForkSafePool(1, "embedding-growth")
 
 
 class Ahead:
@@ -40,7 +28,7 @@ class Ahead:
 
     def __init__(self, function, *args):
         self._pid = os.getpid()
-        self._future = _background().submit(function, *args)
+        self._future = _background.submit(function, *args)
 
     def done(self) -> bool:
         return self._pid != os.getpid() or self._future.done()

@@ -8,32 +8,19 @@ a rare last float32 bit where libm's log or cos and numpy's round differently.
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from hybridrec.embedding_store._arrays import native
 from hybridrec.embedding_store._hashing import SALT_INIT, mix64, salt_offset, unit_float
+from hybridrec.embedding_store._pools import ForkSafePool
 from hybridrec.embedding_store.config import InitializerConfig
 
 _COLUMN = np.uint64(0xD1B54A32D192ED03)  # a column's step between counters
 PART_VALUES = 1 << 19  # a native initialization this large or more is split over threads
-MAX_THREADS = 8
+THREADS = max(1, min(8, os.cpu_count() or 1))
 
-_pool: ThreadPoolExecutor | None = None
-_pool_pid = 0
-_pool_lock = threading.Lock()
-
-
-def _threads() -> ThreadPoolExecutor:
-    """The threads that share a large native initialization (the kernel holds no GIL)."""
-    global _pool, _pool_pid
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():  # a forked child has no such threads
-            workers = max(1, min(MAX_THREADS, os.cpu_count() or 1))
-            _pool = ThreadPoolExecutor(workers, thread_name_prefix="embedding-init")
-            _pool_pid = os.getpid()
-        return _pool
+# the threads that share a large native initialization (the kernel holds no GIL)
+_threads = ForkSafePool(THREADS, "embedding-init")
 
 
 def initial_rows(
@@ -98,13 +85,13 @@ def _native_rows(config, ids, dim, first_column, out, at) -> np.ndarray:
         float(config.low if uniform else config.mean),
         float(config.high if uniform else config.stddev),
     )
-    parts = min(MAX_THREADS, os.cpu_count() or 1, len(ids) * dim // PART_VALUES)
+    parts = min(THREADS, len(ids) * dim // PART_VALUES)
     if parts <= 1:
         native.init_rows(out, at, ids, *rest)
         return out
     bounds = np.linspace(0, len(ids), parts + 1).astype(np.int64)
     futures = [
-        _threads().submit(native.init_rows, out, at[lo:hi], ids[lo:hi], *rest)
+        _threads.submit(native.init_rows, out, at[lo:hi], ids[lo:hi], *rest)
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
     ]
     for future in futures:
