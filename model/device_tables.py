@@ -18,8 +18,9 @@ The step gathers the U rows once, pools them into the features' embeddings, and 
 the backward pass applies the sparse optimizer to the same U rows (their gradients
 summed over the global batch, a reduction XLA inserts like the dense one) and writes
 them back. A fresh row's optimizer state starts from the rule's initial state, the
-same for every row (`SparseRule.initial_state`), set in the step. A row without a gradient in a step is left as it is: the same lazy,
-per-row math as the host store's optimizers (`embedding_store._optimizers`), in float32.
+same for every row (`SparseRule.initial_state`), set in the step. A row without a
+gradient in a step is left as it is: the same lazy, per-row math as the host store's
+optimizers (`embedding_store._optimizers`), in float32.
 
 A hot-row cache (`DeviceTable.cache`) is a device table in front of a host table: it
 holds the table's most used rows, and its features are also looked up by the host
