@@ -14,13 +14,6 @@ The host maps ids to rows (`training.device_rows`); what the step receives per t
 and once per batch, `NEW_ROWS` [N, dim]: the initial values of every table's new rows (N
 a power of two), so a batch carries only those values.
 
-These arrays travel packed (`pack`): every table's in four arrays, by dtype and by whether
-they are split over the batch axis, and a `Packing` that says where each lies (static: it
-is part of the step's signature, like the shapes). A copy to the devices costs per array
-(about 20 us on a CPU, a transfer each on a GPU), and 26 tables make 100 of them. The
-per-example ones pack as [columns, B] (the batch axis last: whole columns are copied, ten
-times faster than interleaving them into rows).
-
 The step gathers the U rows once, pools them into the features' embeddings, and after
 the backward pass applies the sparse optimizer to the same U rows (their gradients
 summed over the global batch, a reduction XLA inserts like the dense one) and writes
@@ -55,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from hybridrec.model import sharding as sharding_lib
 from hybridrec.model import step as step_lib
-from hybridrec.model.sharding import replicated
+from hybridrec.model.sharding import batch_sharding, replicated
 
 P = jax.sharding.PartitionSpec
 
@@ -63,14 +56,6 @@ ARRAYS = ("slots", "new", "inverse", "weights")  # per table, in the batch
 NEW_ROWS = "table/new_rows"  # and the new rows of them all
 CACHE_ARRAYS = ("state", "evict", "host_scale")  # and per cache
 PER_EXAMPLE = ("inverse", "weights", "host_scale")  # split over the batch axis
-# the packed arrays: (dtype, split over the batch axis), and where a batch's Packing is
-PACKED = {
-    "table/rows": (np.int32, False),  # slots, new, evict
-    "table/values": (np.float32, False),  # the new rows, a cache's admitted rows' state
-    "table/bags": (np.int32, True),  # inverse
-    "table/weights": (np.float32, True),  # weights, host_scale
-}
-PACKING = "table/packing"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,64 +216,18 @@ def init_tables(
     return tables
 
 
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class Packing:
-    """Where a batch's device-table arrays lie in the packed ones: per array, (its key,
-    the packed key, its shape; without the batch axis for those split over it)."""
-
-    parts: tuple[tuple[str, str, tuple[int, ...]], ...]
-
-
-def pack(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], Packing]:
-    """A batch's device-table arrays (`array_key`s and `NEW_ROWS`, per-example ones of
-    this process's rows) -> the `PACKED` arrays and their `Packing`."""
-    pieces: dict[str, list[np.ndarray]] = {key: [] for key in PACKED}
-    parts = []
-    rows = next((len(a) for k, a in arrays.items() if _per_example(k)), 0)
-    for key, array in arrays.items():
-        per_example = _per_example(key)
-        target = next(
-            t for t, (d, split) in PACKED.items() if (d, split) == (array.dtype, per_example)
-        )
-        pieces[target].append(array.reshape(rows, -1).T if per_example else array.reshape(-1))
-        parts.append((key, target, array.shape[1:] if per_example else array.shape))
-    packed = {}
-    for target, (dtype, split) in PACKED.items():
-        empty = np.zeros((0, rows) if split else 0, dtype)
-        if len(pieces[target]) == 1:  # the new rows alone: as they are, no copy
-            packed[target] = np.ascontiguousarray(pieces[target][0])
-        else:
-            packed[target] = np.concatenate(pieces[target]) if pieces[target] else empty
-    return packed, Packing(tuple(parts))
-
-
-def unpack(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """The batch with its packed arrays back as the `array_key`s and `NEW_ROWS` (in the
-    step: static slices)."""
-    out = {key: value for key, value in batch.items() if key not in PACKED and key != PACKING}
-    offsets = dict.fromkeys(PACKED, 0)
-    for key, target, shape in batch[PACKING].parts:
-        size = int(np.prod(shape))
-        start, offsets[target] = offsets[target], offsets[target] + size
-        packed = batch[target]
-        if PACKED[target][1]:
-            out[key] = packed[start : start + size].T.reshape(packed.shape[1], *shape)
-        else:
-            out[key] = packed[start : start + size].reshape(shape)
+def batch_shardings(layout: DeviceTableLayout, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """Shardings of a batch's device-table arrays: per-row ones split over the data axis,
+    the distinct rows and their initial values replicated."""
+    out = {}
+    for table in layout.tables:
+        for key in table.arrays:
+            per_example = key in PER_EXAMPLE
+            sharding = batch_sharding(mesh, 2 + (key != "host_scale")) if per_example else None
+            out[array_key(table.name, key)] = sharding or replicated(mesh)
+    if layout.tables:
+        out[NEW_ROWS] = replicated(mesh)
     return out
-
-
-def packed_shardings(mesh: jax.sharding.Mesh) -> dict[str, Any]:
-    """Shardings of the packed arrays: per-example ones [columns, B] split over the data
-    axis."""
-    columns = jax.sharding.NamedSharding(mesh, P(None, *sharding_lib.batch_spec(1)))
-    out = {key: columns if split else replicated(mesh) for key, (_, split) in PACKED.items()}
-    return {**out, PACKING: replicated(mesh)}  # no arrays: the sharding covers none
-
-
-def _per_example(key: str) -> bool:
-    return key.rsplit("/", 1)[-1] in PER_EXAMPLE
 
 
 def array_key(table: str, key: str) -> str:
@@ -367,6 +306,12 @@ def update_tables(
     return out, evicted
 
 
+def split_names(layout: DeviceTableLayout) -> tuple[str, ...]:
+    """The batch keys a step with `layout`'s device tables reads."""
+    names = tuple(array_key(table.name, key) for table in layout.tables for key in table.arrays)
+    return (*names, NEW_ROWS) if layout.tables else names
+
+
 def train_step(
     layout: DeviceTableLayout, state: Any, batch: Mapping[str, jax.Array]
 ) -> tuple[Any, dict[str, jax.Array], jax.Array]:
@@ -376,11 +321,8 @@ def train_step(
     the device tables' arrays come under `array_key(table, ...)`. Returns the new state
     (dense parameters and device tables updated), the metrics, and the embedding
     gradients of the host's features only; with caches, the last is (those gradients,
-    {cache: (values, state) of its evicted rows}). The device tables' arrays may come
-    packed (`pack`).
+    {cache: (values, state) of its evicted rows}).
     """
-    if PACKING in batch:
-        batch = unpack(batch)
     gathered = gather_rows(layout, state.tables, batch)
 
     def objective(params, host, rows):
@@ -402,8 +344,7 @@ def make_train_step(
 ) -> step_lib.ShardedStep:
     """Jits `train_step` with `layout`'s device tables once for `mesh` (see
     `model.step.make_train_step`; the state, device tables included, is donated)."""
-    packed = packed_shardings(mesh) if layout.tables else {}
-    in_batch = {**sharding_lib.train_batch_sharding(mesh), **packed}
+    in_batch = {**sharding_lib.train_batch_sharding(mesh), **batch_shardings(layout, mesh)}
     function = functools.partial(train_step, layout)
 
     grads = sharding_lib.batch_sharding(mesh, 3)
@@ -418,5 +359,5 @@ def make_train_step(
             donate_argnums=(0,),
         )
 
-    keys = ("embeddings", "dense", "labels", *packed)
+    keys = ("embeddings", "dense", "labels", *split_names(layout))
     return step_lib.ShardedStep(function, mesh, keys, make_jitted, state_shardings)

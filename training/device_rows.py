@@ -41,16 +41,8 @@ from hybridrec.embedding_store import (
     initial_rows,
     unique_inverse,
 )
-from hybridrec.model.device_tables import (
-    NEW_ROWS,
-    PACKED,
-    PACKING,
-    PER_EXAMPLE,
-    DeviceTableLayout,
-    array_key,
-    pack,
-    packed_shardings,
-)
+from hybridrec.model import make_global_batch
+from hybridrec.model.device_tables import NEW_ROWS, PER_EXAMPLE, DeviceTableLayout, array_key
 from hybridrec.model.sharding import replicated
 from hybridrec.training.batch_shapes import PaddedSizes
 from hybridrec.training.hot_rows import HotRows
@@ -356,25 +348,20 @@ class DeviceRows:
             weights[row_of, position, slot] = scale[row_of] * on
         return index, weights
 
-    def device_arrays(self, prepared: Prepared, rows: slice) -> dict[str, Any]:
-        """The batch's arrays on the devices, packed (`model.device_tables.pack`): the
-        per-example ones of this process's `rows`."""
-        local = {
-            key: array[rows] if key.rsplit("/", 1)[-1] in PER_EXAMPLE else array
-            for key, array in prepared.arrays.items()
-        }
-        packed, packing = pack(local)
-        shardings = packed_shardings(self.mesh)
+    def device_arrays(self, prepared: Prepared, rows: slice) -> dict[str, jax.Array]:
+        """The batch's arrays on the devices: per-example ones from this process's `rows`."""
+        whole, per_example = {}, {}
+        for key, array in prepared.arrays.items():
+            if key.rsplit("/", 1)[-1] in PER_EXAMPLE:
+                per_example[key] = array[rows]
+            else:
+                whole[key] = array
         if jax.process_count() == 1:  # one call for them all: one dispatch, not one each
-            out = jax.device_put(packed, {key: shardings[key] for key in packed})
-        else:  # per-example ones [columns, b]: this process's block of the batch axis
-            out = {
-                key: jax.make_array_from_process_local_data(shardings[key], array)
-                if PACKED[key][1]
-                else _replicated_array(array, self.mesh)
-                for key, array in packed.items()
-            }
-        return {**out, PACKING: packing}
+            out = jax.device_put(whole, replicated(self.mesh))
+        else:
+            out = {key: _replicated_array(array, self.mesh) for key, array in whole.items()}
+        out.update(make_global_batch(per_example, self.mesh))
+        return out
 
     def trained(self, prepared: Prepared) -> None:
         """Marks the rows a dispatched step changed (written back at the next quiesce)."""

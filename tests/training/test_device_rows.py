@@ -11,17 +11,12 @@ from hybridrec.embedding_store import EmbeddingStore, RaggedIds, SparseOptimizer
 from hybridrec.model import make_mesh
 from hybridrec.model.config import MeshConfig
 from hybridrec.model.device_tables import (
-    NEW_ROWS,
-    PACKED,
-    PACKING,
     DeviceTable,
     DeviceTableLayout,
     SparseRule,
     assemble,
     gather_rows,
     init_tables,
-    pack,
-    unpack,
     update_tables,
 )
 from hybridrec.training.device_rows import DevicePlan, DeviceRows
@@ -62,8 +57,7 @@ def test_a_device_table_pools_and_steps_rows_as_the_store_does(pooling, optimize
     with EmbeddingStore([config]) as store:
         for _ in range(3):  # later batches meet rows the earlier ones created and stepped
             batch = _batch(rng)
-            # packed for the copy (a few arrays, not four a table), unpacked by the step
-            arrays = unpack(rows.device_arrays(rows.prepare(batch), slice(None)))
+            arrays = rows.device_arrays(rows.prepare(batch), slice(None))
             lookup = store.lookup_features(batch.ids, feature_tables=features, pooling=pooling)
             host = lookup.result()
             gathered = gather_rows(layout, tables, arrays)
@@ -121,30 +115,3 @@ def test_batch_shapes_keep_the_larger_sizes_seen_before():
     narrow = rows.prepare(_bags_batch(np.arange(1000) % 100 + 2990, np.ones(1000, int)))
     assert (narrow.arrays["table/t/new"] >= 0).sum() == 90  # ids 3000.. are new
     assert {key: array.shape for key, array in narrow.arrays.items()} == shapes
-
-
-def test_packed_arrays_unpack_to_the_same_arrays():
-    """A batch's device-table arrays travel as four (by dtype, split over the batch axis
-    or not) and come back whole; a group with no arrays travels empty."""
-    rng = np.random.default_rng(3)
-    arrays = {
-        "table/a/slots": rng.integers(0, 9, 8, dtype=np.int32),
-        "table/a/inverse": rng.integers(0, 8, (4, 2, 3), dtype=np.int32),
-        "table/a/weights": rng.random((4, 2, 3), dtype=np.float32),
-        "table/c/state": rng.random((8, 5), dtype=np.float32),
-        "table/c/evict": rng.integers(0, 9, 2, dtype=np.int32),
-        "table/c/host_scale": rng.random((4, 1), dtype=np.float32),
-        NEW_ROWS: rng.random((16, 4), dtype=np.float32),
-    }
-    packed, packing = pack(arrays)
-    assert sorted(packed) == sorted(PACKED)
-    assert packed["table/rows"].shape == (10,) and packed["table/values"].shape == (104,)
-    assert packed["table/bags"].shape == (6, 4) and packed["table/weights"].shape == (7, 4)
-    dense = np.ones((4, 13), np.float32)
-    out = jax.jit(unpack)({**packed, PACKING: packing, "dense": dense})
-    assert sorted(out) == sorted([*arrays, "dense"])
-    for key, array in arrays.items():
-        np.testing.assert_array_equal(np.asarray(out[key]), array)
-    bags_only = {key: arrays[key] for key in ("table/a/inverse", "table/a/weights")}
-    packed, _ = pack(bags_only)
-    assert packed["table/rows"].shape == (0,) and packed["table/values"].dtype == np.float32
