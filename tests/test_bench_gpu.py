@@ -53,7 +53,8 @@ def test_two_parts_add_up_to_one_report(tmp_path):
     assert first["distinct_ids"] > first["distinct_ids_long_tail"] > 5_000
     dense, sync = first["dense_only_samples_per_s_b256"], first["hybrid_sync_samples_per_s_b256"]
     assert dense > 0 and sync > 0
-    assert first["hybrid_over_dense_b256"] == round(sync / dense, 3)
+    # the ratio of the unrounded rates, to 3 digits; the rates are printed as integers
+    assert abs(first["hybrid_over_dense_b256"] - sync / dense) <= 1.5e-3
     assert 0.6 < first["auc_b256"] < 1 and first["host_cores_b256"] > 0
     # the CPU backend reports no device memory, a GPU its peak
     assert ("device_peak_gb_b256" in first) == (platform != "cpu")

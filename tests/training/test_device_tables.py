@@ -219,15 +219,16 @@ def test_device_tables_of_two_trainer_processes_sharing_a_shard_server(
         assert first["eval"]["auc"] == pytest.approx(host["eval"]["auc"], abs=2e-3)
         # every row in the server's checkpoints, near the host run's. A host row that both
         # processes saw in a step gets two Adagrad pushes where the in-process run sums the
-        # gradients into one: those few rows (about 20 of 33k, in what order the pushes land
-        # varies) drift by up to a few 1e-4; a tenth of the learning rate (0.05) bounds them
+        # gradients into one, in an order that varies with the machine's load: most rows
+        # agree to 1e-6, 0.02-2% drift past 1e-5 and a few up to a few 1e-4; a tenth of
+        # the learning rate (0.05) bounds them all
         for step in (12, 24):
             ids, values = _rows(run_dir, step)
             host_ids, host_values = _rows(tmp_path / "host", step)
             np.testing.assert_array_equal(ids, host_ids)
             drift = np.abs(values - host_values).max(axis=1)
             assert drift.max() < 5e-3, drift.max()
-            assert np.mean(drift > 1e-5) < 0.005, np.sort(drift)[-20:]
+            assert np.median(drift) < 1e-6 and np.mean(drift > 1e-4) < 0.01, np.sort(drift)[-20:]
         more = small_model(*SYNC, "data.max_steps=30", "checkpoint.every_steps=12", *MIXED,
                            "data.global_order=true")  # fmt: skip
         cli(*launch, "--", *training.args(dataset, run_dir, *more, "--resume"),
