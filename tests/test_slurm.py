@@ -230,7 +230,9 @@ def test_the_sbatch_job_trains_with_servers_and_survives_losing_a_process(cluste
     steps = _metrics_steps(trainer.run_dir)
     assert steps == sorted(set(steps)) and steps[-1] == STEPS
     print(f"resumed on 1 server + 2 trainers: AUC {summary['eval']['auc']:.4f} against {auc:.4f}")
-    assert abs(summary["eval"]["auc"] - auc) < 0.002, (summary["eval"]["auc"], auc)
+    # the two trainers' pushes to the servers land in an order that varies with the load:
+    # 0.0005-0.0030 apart measured at 90 steps of a barely trained model
+    assert abs(summary["eval"]["auc"] - auc) < 0.004, (summary["eval"]["auc"], auc)
 
     # 3. kill -9 of a shard server: the trainers are stopped, the job ends with one line
     server = Job(env, directory, "server_lost", tasks=4, servers=2)
