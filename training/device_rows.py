@@ -199,13 +199,12 @@ class DeviceRows:
                 fresh, slots = self._admit(table, unique, inverse, slots, columns, prepared, size)
                 at = np.flatnonzero(fresh)
                 new_state = np.zeros((size, table.rule.state_width(table.dim)), np.float32)
-                read = (np.zeros((0, table.dim), np.float32), None)
+                admitted = np.zeros((0, table.dim), np.float32)  # their values, from the store
                 if len(at):
                     store_table = self.plan.store_tables[table.name]
-                    read = self.store.take_rows(store_table, unique[at]).result()
-                    new_state[at] = read[1]
+                    admitted, new_state[at] = self.store.take_rows(store_table, unique[at]).result()
                 prepared.arrays[array_key(table.name, "state")] = new_state
-                arriving.append((table, at, size, read[0]))
+                arriving.append((table, at, size, admitted))
             else:
                 fresh = slots < 0
                 slots = self._assign(table, unique, slots)
