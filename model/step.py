@@ -58,6 +58,11 @@ class TrainState:
     def schedule(self) -> optax.Schedule:
         return make_optimizer(self.optimizer_config)[1]
 
+    def learning_rate(self, step: int) -> float:
+        """The dense learning rate after `step` updates, read on the host (the schedule
+        jitted: its ops one by one cost ~0.2 ms a call, ~1 ms on a busy host)."""
+        return float(_jitted_schedule(self.optimizer_config)(step))
+
 
 def make_schedule(config: DenseOptimizerConfig) -> optax.Schedule:
     """Linear warmup to `learning_rate` over `warmup_steps`, then constant/cosine/linear decay
@@ -84,6 +89,11 @@ def make_schedule(config: DenseOptimizerConfig) -> optax.Schedule:
         return jnp.where(count < warmup, warm, decay(jnp.maximum(count - warmup, 0)))
 
     return schedule
+
+
+@functools.cache
+def _jitted_schedule(config: DenseOptimizerConfig) -> Callable[[int], jax.Array]:
+    return jax.jit(make_optimizer(config)[1])
 
 
 @functools.cache

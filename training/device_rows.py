@@ -347,20 +347,21 @@ class DeviceRows:
             weights[row_of, position, slot] = scale[row_of] * on
         return index, weights
 
-    def device_arrays(self, prepared: Prepared, rows: slice) -> dict[str, jax.Array]:
-        """The batch's arrays on the devices: per-example ones from this process's `rows`."""
+    def host_arrays(self, prepared: Prepared, rows: slice) -> tuple[dict, dict]:
+        """(per-example arrays of this process's `rows`, arrays the same on every process)
+        of a prepared batch, on the host: `make_global_batch` copies them with the batch."""
         whole, per_example = {}, {}
         for key, array in prepared.arrays.items():
             if key.rsplit("/", 1)[-1] in PER_EXAMPLE:
                 per_example[key] = array[rows]
             else:
                 whole[key] = array
-        if jax.process_count() == 1:  # one call for them all: one dispatch, not one each
-            out = jax.device_put(whole, replicated(self.mesh))
-        else:
-            out = {key: _replicated_array(array, self.mesh) for key, array in whole.items()}
-        out.update(make_global_batch(per_example, self.mesh))
-        return out
+        return per_example, whole
+
+    def device_arrays(self, prepared: Prepared, rows: slice) -> dict[str, jax.Array]:
+        """The batch's arrays on the devices: per-example ones from this process's `rows`."""
+        per_example, whole = self.host_arrays(prepared, rows)
+        return make_global_batch(per_example, self.mesh, replicated=whole)
 
     def trained(self, prepared: Prepared) -> None:
         """Marks the rows a dispatched step changed (written back at the next quiesce)."""

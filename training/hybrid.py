@@ -415,9 +415,8 @@ class HybridLoop:
             embeddings = lookup.embeddings[rows]
         else:
             embeddings = lookup.embeddings
-        arrays = self._layout.device_batch(batch, embeddings)
-        if on_devices:
-            arrays.update(self.device_rows.device_arrays(on_devices, rows))
+        extra = self.device_rows.host_arrays(on_devices, rows) if on_devices else None
+        arrays = self._layout.device_batch(batch, embeddings, extra=extra)
         return _Ready(step, batch, lookup, arrays, staleness, on_devices or None)
 
     def _update(self) -> None:

@@ -66,12 +66,16 @@ class FlatLayout:
         start = jax.process_index() * per_process
         return cls(mesh, slice(start, start + per_process), features)
 
-    def device_batch(self, batch: Batch, embeddings: np.ndarray, *, train: bool = True) -> dict:
-        """embeddings: [rows, features, dim] of this process's rows -> the step's batch."""
+    def device_batch(
+        self, batch: Batch, embeddings: np.ndarray, *, train: bool = True, extra=None
+    ) -> dict:
+        """embeddings: [rows, features, dim] of this process's rows -> the step's batch;
+        `extra`: the device tables' (per-example, whole) host arrays, copied with it."""
         arrays = {"embeddings": embeddings, "dense": batch.dense[self.rows]}
         if train:
             arrays["labels"] = batch.labels[self.rows]
-        return make_global_batch(arrays, self.mesh)
+        per_example, whole = extra or ({}, {})
+        return make_global_batch({**arrays, **per_example}, self.mesh, replicated=whole)
 
     def gradients(self, embedding_grads: jax.Array) -> np.ndarray:
         """[rows, features, dim] host copy of this process's embedding gradients."""
@@ -110,9 +114,15 @@ class TowerLayout:
             self._columns[tower] = slice(start, start + len(towers[tower]))
             start += len(towers[tower])
 
-    def device_batch(self, batch: Batch, embeddings: np.ndarray, *, train: bool = True) -> dict:
-        """embeddings: [rows, features of the held towers, dim] -> the step's batch."""
-        return tower_parallel.make_tower_batch(
+    def device_batch(
+        self, batch: Batch, embeddings: np.ndarray, *, train: bool = True, extra=None
+    ) -> dict:
+        """embeddings: [rows, features of the held towers, dim] -> the step's batch;
+        `extra`: the device tables' (per-example, whole) host arrays."""
+        arrays = {}
+        if extra is not None:
+            arrays = make_global_batch(extra[0], self.mesh, replicated=extra[1])
+        return arrays | tower_parallel.make_tower_batch(
             self.mesh,
             self.towers,
             {tower: embeddings[:, columns] for tower, columns in self._columns.items()},

@@ -254,7 +254,7 @@ class Trainer:
             **self.source.fields(),
             **record,
             **self.compiles.read(),  # since training started: cumulative
-            learning_rate=float(self.state.schedule(step - 1)),  # the dense rate of `step`
+            learning_rate=self.state.learning_rate(step - 1),  # the dense rate of `step`
         )
 
     def _evaluate(self, step: int, *, final: bool) -> None:
