@@ -79,6 +79,26 @@ def test_global_batch_round_trips_and_checks_divisibility(batch_factory):
         make_global_batch(batch_factory(0, 6), mesh)
 
 
+@pytest.mark.parametrize("devices", [1, 8])
+def test_global_batch_copies_replicated_arrays_with_the_rows(devices, batch_factory):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
+    host = batch_factory(0, 16)
+    whole = {"slots": np.arange(10, dtype=np.int32), "rows": np.ones((4, 3), np.float32)}
+    batch = make_global_batch(host, mesh, replicated=whole)
+    assert set(batch) == set(host) | set(whole)
+    for key, value in host.items():
+        assert batch[key].sharding.spec[0] == "data"
+        np.testing.assert_array_equal(local_rows(batch[key]), value)
+    for key, value in whole.items():
+        assert batch[key].sharding.is_fully_replicated
+        assert batch[key].dtype == value.dtype
+        for shard in batch[key].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), value)
+    # a later batch with other shapes is copied as given, not as the first one was
+    bigger = make_global_batch(batch_factory(1, 32), mesh, replicated={"slots": whole["rows"]})
+    assert bigger["slots"].shape == (4, 3) and bigger["dense"].shape[0] == 32
+
+
 def test_non_finite_loss_fails_loudly(data_model_mesh, tiny_config, dims, batch_factory, optimizer):
     mesh = data_model_mesh
     config = tiny_config("dlrm")
