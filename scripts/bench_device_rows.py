@@ -107,8 +107,10 @@ def main() -> None:
         rows, cards, names = _rows(len(CATEGORICAL_PROFILE), args.dim, args.cardinality_scale)
         batches = _batches(args.warm + args.batches_timed, size, cards, names, seed=size)
         shapes = set()  # each distinct set of the step's input shapes is one compile
-        for batch in batches[: args.warm]:
-            shapes.add(_shapes(rows.prepare(batch)))
+        for batch in batches[: args.warm]:  # their copies compile as the step does
+            prepared = rows.prepare(batch)
+            shapes.add(_shapes(prepared))
+            jax.block_until_ready(rows.device_arrays(prepared, slice(None)))
         timed = batches[args.warm :]
         prepare = transfer = 0.0
         for batch in timed:
