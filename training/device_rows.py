@@ -328,6 +328,12 @@ class DeviceRows:
         less than before."""
         longest = [1 if counts is None else int(counts.max(initial=1)) for _, counts in columns]
         width = self._sizes.grow(f"{name}/width", max(longest, default=1))
+        if width == 1 and all(counts is None for _, counts in columns):
+            # single-valued features only: [F * rows] in feature order, as one transpose
+            shape = (len(columns), rows)
+            index = np.ascontiguousarray(inverse.astype(np.int32).reshape(shape).T)[..., None]
+            weights = np.ascontiguousarray(held.astype(np.float32).reshape(shape).T)[..., None]
+            return index, weights
         index = np.zeros((rows, len(columns), width), np.int32)
         weights = np.zeros((rows, len(columns), width), np.float32)
         start = 0
