@@ -113,19 +113,25 @@ def make_global_batch(
                 f"({data_size} devices); pick a batch size that is a multiple of it"
             )
         arrays[key], shardings[key] = array, sharding_lib.batch_sharding(mesh, array.ndim)
-    whole = sharding_lib.replicated(mesh)
     if jax.process_count() == 1:  # the local rows are the global batch: one batched copy
         for key, array in (replicated or {}).items():
-            arrays[key], shardings[key] = np.asarray(array), whole
+            arrays[key], shardings[key] = np.asarray(array), sharding_lib.replicated(mesh)
         return copy_to_devices(arrays, shardings)
     out = {
         key: jax.make_array_from_process_local_data(shardings[key], array)
         for key, array in arrays.items()
     }
     for key, array in (replicated or {}).items():
-        array = np.asarray(array)
-        out[key] = jax.make_array_from_process_local_data(whole, array, array.shape)
+        out[key] = replicated_array(np.asarray(array), mesh)
     return out
+
+
+def replicated_array(array: np.ndarray, mesh: Mesh) -> jax.Array:
+    """A host array that is the same on every process, whole on every device of `mesh`."""
+    sharding = sharding_lib.replicated(mesh)
+    if jax.process_count() == 1:
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_process_local_data(sharding, array, array.shape)
 
 
 # Per array, `jax.device_put`'s Python path costs about what copying this many bytes does

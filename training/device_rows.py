@@ -43,6 +43,7 @@ from hybridrec.embedding_store import (
 )
 from hybridrec.model import make_global_batch
 from hybridrec.model.device_tables import NEW_ROWS, PER_EXAMPLE, DeviceTableLayout, array_key
+from hybridrec.model.distributed import replicated_array
 from hybridrec.model.sharding import replicated
 from hybridrec.training.batch_shapes import PaddedSizes
 from hybridrec.training.hot_rows import HotRows
@@ -458,16 +459,9 @@ def _pool_scale(counts: np.ndarray, pooling: str) -> np.ndarray:
     return np.sqrt(scale) if pooling == "sqrtn" else scale
 
 
-def _replicated_array(array: np.ndarray, mesh: Any) -> jax.Array:
-    sharding = replicated(mesh)
-    if jax.process_count() == 1:
-        return jax.device_put(array, sharding)
-    return jax.make_array_from_process_local_data(sharding, array, array.shape)
-
-
 def _take_rows(table: Mapping[str, jax.Array], slots: np.ndarray, mesh: Any):
     """(values, state) host copies of a device table's `slots` (on every process)."""
-    index = _replicated_array(slots.astype(np.int32), mesh)
+    index = replicated_array(slots.astype(np.int32), mesh)
     values, state = _taker(mesh)(dict(table), index)
     return np.asarray(values.addressable_data(0)), np.asarray(state.addressable_data(0))
 
