@@ -100,7 +100,9 @@ def make_global_batch(
     Returns:
         The same keys as global `jax.Array`s with leading dim b * process_count, rows of
         process p at [p*b, (p+1)*b) when each process holds a contiguous block of the data
-        axis (always true for meshes from `make_mesh`); and the `replicated` keys.
+        axis (always true for meshes from `make_mesh`); and the `replicated` keys. They
+        are copies: the host arrays may be changed or reused at once (on CPU, JAX would
+        otherwise alias some of them).
     """
     data_size = sharding_lib.data_parallel_size(mesh)
     arrays, shardings = {}, {}
@@ -117,8 +119,8 @@ def make_global_batch(
         for key, array in (replicated or {}).items():
             arrays[key], shardings[key] = np.asarray(array), sharding_lib.replicated(mesh)
         return copy_to_devices(arrays, shardings)
-    out = {
-        key: jax.make_array_from_process_local_data(shardings[key], array)
+    out = {  # copied first: JAX's per-device copies may alias host memory on CPU
+        key: jax.make_array_from_process_local_data(shardings[key], np.array(array))
         for key, array in arrays.items()
     }
     for key, array in (replicated or {}).items():
@@ -127,44 +129,49 @@ def make_global_batch(
 
 
 def replicated_array(array: np.ndarray, mesh: Mesh) -> jax.Array:
-    """A host array that is the same on every process, whole on every device of `mesh`."""
+    """A host array that is the same on every process, whole on every device of `mesh`
+    (a copy: `array` may be changed at once)."""
     sharding = sharding_lib.replicated(mesh)
     if jax.process_count() == 1:
-        return jax.device_put(array, sharding)
-    return jax.make_array_from_process_local_data(sharding, array, array.shape)
-
-
-# Per array, `jax.device_put`'s Python path costs about what copying this many bytes does
-# (one CPU device, the fastest of 7 rounds, a batch of 8 arrays: the jitted identity took
-# 0.07 against 0.24 ms at 0.2 MiB, 0.18 against 0.26 at 1.1 MiB, 0.73 against 0.27 at
-# 2.2 MiB, 6.2 against 1.3 at 25 MiB)
-COPY_BYTES_PER_ARRAY = 128 << 10
+        return copy_to_devices({"array": array}, {"array": sharding})["array"]
+    return jax.make_array_from_process_local_data(sharding, np.array(array), array.shape)
 
 
 def copy_to_devices(
     arrays: Mapping[str, np.ndarray], shardings: Mapping[str, jax.sharding.Sharding]
 ) -> dict[str, jax.Array]:
-    """Host arrays onto this process's devices, each laid out by its sharding.
+    """Copies of host arrays on this process's devices, each laid out by its sharding: the
+    host arrays may be changed or reused as soon as this returns.
 
-    A small batch for a single device goes through a jitted identity, whose C++ dispatch
-    takes host arrays several times cheaper than `jax.device_put`'s Python path: on a
-    busy host the copies of every batch add up. Larger ones (`COPY_BYTES_PER_ARRAY`),
-    where the copy itself dominates (the CPU backend's `device_put` aliases host memory
-    where the dispatch copies), and several devices (the arrays split) go through
-    `jax.device_put`.
+    For a single device, one call of a jitted identity whose inputs are donated: its C++
+    dispatch takes the host arrays and copies each once. For 8 arrays (one CPU device, the
+    fastest of 7 rounds) it takes 0.035 ms at 0.2 MiB, 0.40 at 8.6 MiB and 1.7 at 25 MiB,
+    where `jax.device_put` with a host copy first takes 0.25, 1.1 and 3.3 ms.
+
+    For several devices, `jax.device_put`. On CPU devices the arrays are copied on the
+    host first: there `device_put` shares a suitably aligned host array's memory instead
+    of copying it, whatever its `may_alias` (JAX 0.10), so a later change to the host
+    array would reach the devices.
     """
-    first = next(iter(shardings.values()), None)
-    small = sum(array.nbytes for array in arrays.values()) <= COPY_BYTES_PER_ARRAY * len(arrays)
-    if first is None or len(first.device_set) > 1 or not small:
-        return jax.device_put(dict(arrays), dict(shardings))
-    keys = tuple(arrays)
-    copies = _identity(tuple(shardings[key] for key in keys))(*arrays.values())
-    return dict(zip(keys, copies, strict=True))
+    if not arrays:
+        return {}
+    if all(len(sharding.device_set) == 1 for sharding in shardings.values()):
+        keys = tuple(arrays)
+        copies = _identity(tuple(shardings[key] for key in keys))(*arrays.values())
+        return dict(zip(keys, copies, strict=True))
+    if any(device.platform == "cpu" for s in shardings.values() for device in s.device_set):
+        arrays = {key: np.array(array) for key, array in arrays.items()}
+    return jax.device_put(dict(arrays), dict(shardings))
 
 
 @functools.lru_cache(maxsize=64)
 def _identity(shardings: tuple[jax.sharding.Sharding, ...]):
-    return jax.jit(lambda *arrays: arrays, in_shardings=shardings, out_shardings=shardings)
+    return jax.jit(
+        lambda *arrays: arrays,
+        in_shardings=shardings,
+        out_shardings=shardings,
+        donate_argnums=tuple(range(len(shardings))),
+    )
 
 
 def local_rows(global_array: jax.Array) -> np.ndarray:

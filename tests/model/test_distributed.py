@@ -99,6 +99,25 @@ def test_global_batch_copies_replicated_arrays_with_the_rows(devices, batch_fact
     assert bigger["slots"].shape == (4, 3) and bigger["dense"].shape[0] == 32
 
 
+@pytest.mark.parametrize("devices", [1, 8])
+def test_global_batch_owns_its_copies(devices, batch_factory):
+    """The copy donates the buffers it fills, never the caller's arrays: host arrays
+    changed or reused after the copy leave the batch on the devices as it was."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
+    host = batch_factory(0, 16)
+    whole = {"slots": np.arange(10, dtype=np.int32)}
+    expected = {key: value.copy() for key, value in {**host, **whole}.items()}
+    batch = make_global_batch(host, mesh, replicated=whole)
+    again = make_global_batch(host, mesh, replicated=whole)  # the same host arrays, twice
+    for value in (*host.values(), *whole.values()):
+        value[...] = 7
+    for copied in (batch, again):
+        for key, value in expected.items():
+            assert not copied[key].is_deleted()
+            for shard in copied[key].addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
+
+
 def test_non_finite_loss_fails_loudly(data_model_mesh, tiny_config, dims, batch_factory, optimizer):
     mesh = data_model_mesh
     config = tiny_config("dlrm")
