@@ -164,10 +164,14 @@ def copy_to_devices(
     return jax.device_put(dict(arrays), dict(shardings))
 
 
+def _batch_copy(*arrays):
+    return arrays
+
+
 @functools.lru_cache(maxsize=64)
 def _identity(shardings: tuple[jax.sharding.Sharding, ...]):
     return jax.jit(
-        lambda *arrays: arrays,
+        _batch_copy,  # its name shows in profiles: PjitFunction(_batch_copy)
         in_shardings=shardings,
         out_shardings=shardings,
         donate_argnums=tuple(range(len(shardings))),

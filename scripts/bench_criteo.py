@@ -201,6 +201,7 @@ def _train(
         # XLA compile seconds inside the steady window (a new batch shape compiles the step)
         "steady_compile_s": round(last.get("compile_s", 0.0) - first.get("compile_s", 0.0), 2),
         "compiles": summary.get("compiles"),
+        "profile": summary.get("profile"),  # log.profile_from: where the traced steps went
         **phases,
     }
     print(

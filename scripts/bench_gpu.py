@@ -17,7 +17,9 @@ In one run:
   devices, handing the gradients over), XLA compile seconds inside the steady window (a
   new batch shape compiles the step: device tables' padded sizes while they fill), the
   host CPU it kept busy (cores, on average), device memory at its peak (where the backend
-  reports it), eval AUC.
+  reports it), eval AUC; with --profile, a `jax.profiler` trace of the staleness-4 run's
+  last 10 steps (after the steady window, which it leaves alone: `log.profile_from`),
+  summed up as each thread's and the device's busy time per step and the top operations.
 
 Measurements accumulate per device kind in --cache (results.jsonl): a matrix too long for
 one invocation runs in parts (--shapes, --batches, --staleness), and each invocation prints
@@ -32,7 +34,8 @@ distinct_ids_long_tail; per shape and batch B (criteo_dlrm; the MLPerf shape's k
 with "mlperf_"): dense_only_samples_per_s_bB, hybrid_samples_per_s_bB (staleness 4),
 hybrid_sync_samples_per_s_bB (staleness 0), hybrid_host_samples_per_s_bB (--host-only),
 hybrid_over_dense_bB, auc_bB, host_cores_bB, device_peak_gb_bB, wait_ms_bB, device_ms_bB,
-steady_compile_s_bB;
+steady_compile_s_bB; with --profile, device_busy_ms_bB (the device's streams, where the
+trace shows them);
 and mlperf_shape_samples_per_s, the MLPerf shape's best hybrid rate over the batches
 measured (mlperf_shape_batch says which).
 """
@@ -49,6 +52,7 @@ from pathlib import Path
 
 from bench_criteo import REPO, _dataset, _dense_only, _fail, _train
 from hybridrec.pipeline.synthetic import CATEGORICAL_PROFILE, LONG_TAIL
+from hybridrec.training.profiling import format_summary
 
 # shape -> its overrides of the criteo_dlrm preset
 SHAPES = {
@@ -63,6 +67,7 @@ SHAPES = {
 }
 PREFIX = {"criteo_dlrm": "", "mlperf": "mlperf_"}
 MIN_STEPS = 50  # a run's steps at the least: 20 of warm-up, the rest steady
+PROFILED_STEPS = 10  # --profile: the run's last steps (its last log interval) are traced
 PROBE = (
     "import json, jax; d = jax.devices(); "
     "print(json.dumps({'platform': d[0].platform, 'device_kind': d[0].device_kind, "
@@ -145,9 +150,19 @@ class Results:
 
 def _hybrid(data, shape, batch, staleness, args, work, env, extra=(), tag=""):
     steps = max(MIN_STEPS, args.samples // batch)
+    extra = list(extra)
+    if args.profile and staleness == 4 and not tag:
+        # the steady rate is read up to the last log record but one (bench_criteo._train,
+        # a record every 10 steps): the trace of the last 10 steps stays out of it
+        steps = -(-steps // PROFILED_STEPS) * PROFILED_STEPS
+        first = steps - PROFILED_STEPS + 1
+        extra += [f"log.profile_from={first}", f"log.profile_steps={PROFILED_STEPS}"]
     settings = [*SHAPES[shape], f"data.max_steps={steps}", *extra, *args.extra]
     result = _train(data, batch, staleness, work, env, settings, tag=f"_{shape}{tag}")
     peak = result["device_peak_bytes"]
+    profile = result.get("profile")
+    if profile:
+        profile = {**profile, "top": profile["top"][:12]}
     return {
         "samples_per_s": round(result["steady_samples_per_s"]),
         "e2e_samples_per_s": round(result["e2e_samples_per_s"]),
@@ -158,6 +173,7 @@ def _hybrid(data, shape, batch, staleness, args, work, env, extra=(), tag=""):
         "device_lookup_fraction": result["device_lookup_fraction"],
         "steady_compile_s": result["steady_compile_s"],
         **{name: result[name] for name in ("wait_ms", "step_ms", "device_ms", "update_ms")},
+        "profile": profile,
     }
 
 
@@ -228,7 +244,20 @@ def _report(results: Results, info: dict, distinct: tuple[int, int]) -> dict:
             )
     if best:
         summary["mlperf_shape_samples_per_s"], summary["mlperf_shape_batch"] = best
+    for (shape, batch, run), record in sorted(results.rows.items(), key=_order):
+        if record.get("profile"):
+            busy = record["profile"]["busy_ms_per_step"]
+            device = sum(ms for thread, ms in busy.items() if thread.startswith("/device"))
+            if device:
+                summary[f"{PREFIX[shape]}device_busy_ms_b{batch}"] = round(device, 3)
+            print(f"\nwhere the time went: {shape}, batch {batch}, {run}")
+            print("\n".join(format_summary(record["profile"], limit=12)))
     return summary
+
+
+def _order(item) -> tuple:
+    (shape, batch, run), _ = item
+    return list(SHAPES).index(shape), batch, run
 
 
 def main() -> None:
@@ -246,6 +275,9 @@ def main() -> None:
     parser.add_argument("--platform", help="JAX_PLATFORMS of the runs (default: JAX's choice)")
     parser.add_argument("--cache", type=Path, default=REPO / "runs" / "bench_gpu")
     parser.add_argument("--fresh", action="store_true", help="forget earlier measurements")
+    parser.add_argument(
+        "--profile", action="store_true", help="trace the last steps of the staleness-4 runs"
+    )
     parser.add_argument("--set", dest="extra", action="append", default=[], help="train override")
     args = parser.parse_args()
     if args.rows < 1000:

@@ -223,10 +223,17 @@ class LogConfig:
     every_steps: int = 50  # fetch metrics from the devices and write a record every this many steps
     tensorboard: bool = True  # also write TensorBoard event files
     progress_interval: float = 2.0  # seconds between progress lines
+    # trace steps profile_from .. profile_from + profile_steps - 1 with jax.profiler into
+    # <run dir>/profile and sum up where their time went (0 = no trace); the traced steps
+    # run slower
+    profile_from: int = 0
+    profile_steps: int = 20
 
     def __post_init__(self):
         if self.every_steps < 1 or self.progress_interval < 0:
             raise ValueError("log.every_steps must be >= 1 and progress_interval >= 0")
+        if self.profile_from < 0 or self.profile_steps < 1:
+            raise ValueError("log.profile_from must be >= 0 and log.profile_steps >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -38,6 +38,7 @@ from hybridrec.training.defaults import choose_decay
 from hybridrec.training.evaluate import evaluate
 from hybridrec.training.job import Job, prepare
 from hybridrec.training.meters import CompileMeter, IntervalMeter, StoreMeter, device_memory
+from hybridrec.training.profiling import StepProfiler
 from hybridrec.training.run_log import RunLog
 from hybridrec.training.sources import EpochSource, Segment, StreamSource
 
@@ -180,6 +181,9 @@ class Trainer:
         self._progress_fields: dict[str, float] = {}
         self.store_meter = StoreMeter(self.store)
         self.compiles = CompileMeter()  # from here on: the steps' compiles, new shapes' too
+        self.profiler = StepProfiler(
+            self.run_dir, config.log.profile_from if self.is_chief else 0, config.log.profile_steps
+        )
         self.train_step = job.train_step()
         self.eval_step = job.eval_step() if source.evaluates else None
         try:
@@ -193,6 +197,7 @@ class Trainer:
                 self._publish()
             summary = self._summary()
         finally:
+            self.profiler.close()  # a run that ended inside the traced steps
             self.compiles.close()
             self.log.close()
             if self._given_store is None:
@@ -222,10 +227,12 @@ class Trainer:
                 save_now, publish_now = self._due_by_clock()
                 save_now = save_now or is_due(step, config.checkpoint.every_steps, last)
                 eval_now = self.source.evaluates and is_due(step, config.eval.every_steps, last)
+                self.profiler.before(step)
                 result = loop.progress(quiesce=save_now or eval_now or publish_now or end)
                 if result is None:
                     raise UserError(f"the input ended before step {step} of {last or 'the stream'}")
                 self.step, self.state = result.step, loop.state
+                self.profiler.after(step, self.state)
                 rows = self.source.advance(result)
                 self.meter.add(result, rows)
                 if self.progress:
@@ -363,6 +370,8 @@ class Trainer:
             "device_kind": self.job.mesh.devices.flat[0].device_kind,
             # peak and limit per device (None where the backend reports none, as on CPU)
             "device_memory": device_memory(),
+            # log.profile_from: the traced steps' busy threads and top operations
+            "profile": self.profiler.close() or self.profiler.summary,
             "run_dir": str(self.run_dir),
             "checkpoint_step": self.checkpoints.latest_step(),
             "metrics_file": str(self.run_dir / "metrics.jsonl"),

@@ -18,6 +18,7 @@ from hybridrec.cli._compilation_cache import use_compilation_cache
 from hybridrec.cli._embedding_servers import embedding_servers
 from hybridrec.common.errors import UserError
 from hybridrec.training.job import load_config
+from hybridrec.training.profiling import format_summary
 from hybridrec.training.run_log import run_name
 from hybridrec.training.trainer import Trainer
 
@@ -57,6 +58,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"calibration {evaluation.get('calibration', math.nan):.3f}  "
             f"({int(evaluation.get('count', 0)):,} rows)"
         )
+    if summary.get("profile"):
+        lines += format_summary(summary["profile"])
     lines += [
         f"  run directory   {summary['run_dir']}",
         f"  metrics         {summary['metrics_file']}",
