@@ -119,8 +119,8 @@ def make_global_batch(
         for key, array in (replicated or {}).items():
             arrays[key], shardings[key] = np.asarray(array), sharding_lib.replicated(mesh)
         return copy_to_devices(arrays, shardings)
-    out = {  # copied first: JAX's per-device copies may alias host memory on CPU
-        key: jax.make_array_from_process_local_data(shardings[key], np.array(array))
+    out = {
+        key: jax.make_array_from_process_local_data(shardings[key], _owned(array, shardings[key]))
         for key, array in arrays.items()
     }
     for key, array in (replicated or {}).items():
@@ -134,7 +134,7 @@ def replicated_array(array: np.ndarray, mesh: Mesh) -> jax.Array:
     sharding = sharding_lib.replicated(mesh)
     if jax.process_count() == 1:
         return copy_to_devices({"array": array}, {"array": sharding})["array"]
-    return jax.make_array_from_process_local_data(sharding, np.array(array), array.shape)
+    return jax.make_array_from_process_local_data(sharding, _owned(array, sharding), array.shape)
 
 
 def copy_to_devices(
@@ -157,11 +157,19 @@ def copy_to_devices(
         return {}
     if all(len(sharding.device_set) == 1 for sharding in shardings.values()):
         keys = tuple(arrays)
-        copies = _identity(tuple(shardings[key] for key in keys))(*arrays.values())
+        host = (np.asarray(arrays[key]) for key in keys)  # never donate a caller's jax.Array
+        copies = _identity(tuple(shardings[key] for key in keys))(*host)
         return dict(zip(keys, copies, strict=True))
-    if any(device.platform == "cpu" for s in shardings.values() for device in s.device_set):
-        arrays = {key: np.array(array) for key, array in arrays.items()}
-    return jax.device_put(dict(arrays), dict(shardings))
+    owned = {key: _owned(array, shardings[key]) for key, array in arrays.items()}
+    return jax.device_put(owned, dict(shardings))
+
+
+def _owned(array: np.ndarray, sharding: jax.sharding.Sharding) -> np.ndarray:
+    """`array`, copied on the host where the devices are CPUs: JAX's copies to CPU devices
+    may share a host array's memory, and the caller may change it afterwards."""
+    if any(device.platform == "cpu" for device in sharding.device_set):
+        return np.array(array)
+    return np.asarray(array)
 
 
 def _batch_copy(*arrays):

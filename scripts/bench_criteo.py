@@ -167,7 +167,8 @@ def _train(
     first = next((r for r in train if r["step"] >= STEADY_AFTER), train[0])
     # the last record holds the end's drain and write-back, which are not steady training
     last = train[-2] if len(train) > 2 and train[-2]["step"] > first["step"] else train[-1]
-    steady_steps = [r for r in train if r["step"] > first["step"]]
+    # the same window as the steady rate's (a trace of the last steps stays out of it)
+    steady_steps = [r for r in train if first["step"] < r["step"] <= last["step"]]
     done = "samples_done" if "samples_done" in last else "samples"  # trained, not dispatched
     if last["step"] > first["step"]:
         steady = (last[done] - first[done]) / (last["time"] - first["time"])

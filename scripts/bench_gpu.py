@@ -18,8 +18,9 @@ In one run:
   new batch shape compiles the step: device tables' padded sizes while they fill), the
   host CPU it kept busy (cores, on average), device memory at its peak (where the backend
   reports it), eval AUC; with --profile, a `jax.profiler` trace of the staleness-4 run's
-  last 10 steps (after the steady window, which it leaves alone: `log.profile_from`),
-  summed up as each thread's and the device's busy time per step and the top operations.
+  last 10 steps (`log.profile_from`; after the steady window and the per-stage times,
+  inside the end-to-end rate), summed up as each thread's busy time per step, the time
+  something ran on the device and the top operations.
 
 Measurements accumulate per device kind in --cache (results.jsonl): a matrix too long for
 one invocation runs in parts (--shapes, --batches, --staleness), and each invocation prints
@@ -34,8 +35,8 @@ distinct_ids_long_tail; per shape and batch B (criteo_dlrm; the MLPerf shape's k
 with "mlperf_"): dense_only_samples_per_s_bB, hybrid_samples_per_s_bB (staleness 4),
 hybrid_sync_samples_per_s_bB (staleness 0), hybrid_host_samples_per_s_bB (--host-only),
 hybrid_over_dense_bB, auc_bB, host_cores_bB, device_peak_gb_bB, wait_ms_bB, device_ms_bB,
-steady_compile_s_bB; with --profile, device_busy_ms_bB (the device's streams, where the
-trace shows them);
+steady_compile_s_bB; with --profile, device_busy_ms_bB (the time something ran on the
+busiest device, where the trace shows the device);
 and mlperf_shape_samples_per_s, the MLPerf shape's best hybrid rate over the batches
 measured (mlperf_shape_batch says which).
 """
@@ -246,8 +247,7 @@ def _report(results: Results, info: dict, distinct: tuple[int, int]) -> dict:
         summary["mlperf_shape_samples_per_s"], summary["mlperf_shape_batch"] = best
     for (shape, batch, run), record in sorted(results.rows.items(), key=_order):
         if record.get("profile"):
-            busy = record["profile"]["busy_ms_per_step"]
-            device = sum(ms for thread, ms in busy.items() if thread.startswith("/device"))
+            device = max(record["profile"].get("device_busy_ms_per_step", {}).values(), default=0)
             if device:
                 summary[f"{PREFIX[shape]}device_busy_ms_b{batch}"] = round(device, 3)
             print(f"\nwhere the time went: {shape}, batch {batch}, {run}")
@@ -285,6 +285,8 @@ def main() -> None:
     env = dict(os.environ)
     if args.platform:
         env["JAX_PLATFORMS"] = args.platform
+    if args.profile and 4 not in args.staleness:
+        _fail("--profile traces the staleness-4 runs: keep 4 in --staleness")
     info = _probe(env)
     for batch in args.batches:
         if batch % info["devices"]:

@@ -4,15 +4,20 @@
 into `<run dir>/profile` (TensorBoard's profile plugin and Perfetto read it) and sums the
 trace up in `<run dir>/profile/summary.json`, also returned into the run's summary:
 
-- per thread (threads of one pool counted together: XLA's compute threads, a GPU's
-  streams), the milliseconds per step it was busy with traced work (spans that wait for
-  other threads do not count);
+- per thread, the milliseconds per step it was busy with traced work; the threads of one
+  pool (XLA's compute threads, a GPU's streams) are added up, so a pool can be busy for
+  longer than a step takes; spans that wait for other threads do not count;
+- per device (a GPU, where the trace shows its activity), the milliseconds per step in
+  which anything ran on it;
 - the operations and host calls that took the most time per step, each by self time (its
   own time, less the traced calls inside it): XLA's fused ops and kernels, the step's
   dispatch (`PjitFunction(...)`), host-to-device copies (`DevicePut`).
 
-The Python tracer stays off: tracing every Python call would slow the host threads the
-trace is meant to measure. Host Python work shows as the gaps the summary leaves.
+The window holds training steps only: it ends early at a step that checkpoints,
+evaluates, publishes or ends the run. A run resumed past step S traces nothing (and says
+so). The Python tracer stays off: tracing every Python call would slow the host threads
+the trace is meant to measure; the loop's per-stage timers cover the Python side.
+A profiler that fails to start or stop costs the run its profile, never the run.
 """
 
 from __future__ import annotations
@@ -38,62 +43,68 @@ _WAITING = re.compile(r"wait", re.IGNORECASE)
 
 
 class StepProfiler:
-    """Traces steps `first` .. `first + steps - 1` (none when `first` is 0).
+    """Traces steps `first` .. `first + steps - 1` (none when `first` is 0) of a run whose
+    next step is `next_step`.
 
-    `before(step)` starts the trace ahead of the window's first step; `after(step, outputs)`
-    waits for the last step's `outputs`, stops the trace and returns its summary (None
-    before then). `close()` stops a trace the run ended inside, summing up what it holds.
+    `before(step)` starts the trace ahead of the window's first step; `after(step,
+    outputs, last=...)` waits for `outputs` of the window's last step (or of a step `last`
+    ends it at), stops the trace and sums it up into `summary`. `close()` stops a trace
+    the run ended inside.
     """
 
-    def __init__(self, run_dir: str | Path, first: int, steps: int):
+    def __init__(self, run_dir: str | Path, first: int, steps: int, next_step: int = 1):
         self.directory = Path(run_dir) / PROFILE_DIR
         self.first, self.last = first, first + steps - 1
         self.summary: dict[str, Any] | None = None
-        self._tracing = False
+        self.tracing = False
         self._traced = 0
+        if first and next_step > first:
+            _warn(f"log.profile_from = {first}: the run starts at step {next_step}; no trace")
 
     def before(self, step: int) -> None:
-        if self.first and step == self.first and not self._tracing:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            options = jax.profiler.ProfileOptions()
-            options.python_tracer_level = 0
-            try:
-                jax.profiler.start_trace(
-                    str(self.directory), create_perfetto_trace=True, profiler_options=options
-                )
-            except Exception as error:  # a profile is not worth the run
-                print(
-                    f"log.profile_from: jax.profiler did not start ({error}); training goes "
-                    "on without a trace",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return
-            self._tracing = True
+        if not self.first or step != self.first or self.tracing or self.summary is not None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0
+        try:
+            jax.profiler.start_trace(
+                str(self.directory), create_perfetto_trace=True, profiler_options=options
+            )
+        except Exception as error:  # a profile is not worth the run
+            _warn(f"log.profile_from: jax.profiler did not start ({error}); no trace")
+            return
+        self.tracing = True
 
-    def after(self, step: int, outputs: Any) -> dict[str, Any] | None:
-        if not self._tracing:
-            return None
+    def after(self, step: int, outputs: Any, *, last: bool = False) -> None:
+        """Counts a traced step; at the window's last step, or one that is `last` (a
+        checkpoint, an evaluation or the end comes next), waits for `outputs` and stops."""
+        if not self.tracing:
+            return
         self._traced += 1
-        if step < self.last:
-            return None
-        jax.block_until_ready(outputs)
-        return self._stop()
+        if step >= self.last or last:
+            jax.block_until_ready(outputs)
+            self.close()
 
-    def close(self) -> dict[str, Any] | None:
-        return self._stop() if self._tracing else None
+    def close(self) -> None:
+        """Stops the trace (if one runs) and sums it up; a failure only costs the profile."""
+        if not self.tracing:
+            return
+        self.tracing = False
+        try:
+            jax.profiler.stop_trace()
+            if not self._traced:
+                return
+            trace = newest_trace(self.directory)
+            summary = {"first_step": self.first, **summarize_trace(trace, self._traced)}
+            self.summary = {**summary, "trace": str(trace)}
+            (self.directory / SUMMARY_FILE).write_text(json.dumps(self.summary, indent=2) + "\n")
+        except Exception as error:
+            _warn(f"log.profile_from: the trace could not be stopped or read ({error})")
 
-    def _stop(self) -> dict[str, Any]:
-        jax.profiler.stop_trace()
-        self._tracing = False
-        trace = newest_trace(self.directory)
-        self.summary = {
-            "first_step": self.first,
-            **summarize_trace(trace, self._traced),
-            "trace": str(trace),
-        }
-        (self.directory / SUMMARY_FILE).write_text(json.dumps(self.summary, indent=2) + "\n")
-        return self.summary
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def newest_trace(directory: Path) -> Path:
@@ -105,8 +116,9 @@ def newest_trace(directory: Path) -> Path:
 
 
 def summarize_trace(path: str | Path, steps: int) -> dict[str, Any]:
-    """Busy time per thread and the top operations by self time, per step, of a trace in
-    Chrome's JSON trace format (what `jax.profiler` writes as perfetto_trace.json.gz)."""
+    """Busy time per thread and per device, and the top operations by self time, per
+    step, of a trace in Chrome's JSON trace format (what `jax.profiler` writes as
+    perfetto_trace.json.gz)."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as file:
         events = json.load(file)
@@ -119,17 +131,25 @@ def summarize_trace(path: str | Path, steps: int) -> dict[str, Any]:
             threads[(event["pid"], event["tid"])] = event["args"]["name"]
     spans: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
     for event in events:
-        if event.get("ph") == "X" and "dur" in event and not _WAITING.search(event["name"]):
+        if event.get("ph") == "X" and "dur" in event:
             key = (event["pid"], event.get("tid"))
             spans[key].append((float(event["ts"]), float(event["dur"]), event["name"]))
     busy: dict[str, float] = defaultdict(float)
     own: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    on_device: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for key, thread_spans in spans.items():
-        group = _thread_group(processes.get(key[0], ""), threads.get(key, str(key[1])))
-        busy[group] += _busy(thread_spans)
-        for name, seconds in _self_times(thread_spans):
-            own[(group, name)][0] += seconds
+        process = processes.get(key[0], "")
+        group = _thread_group(process, threads.get(key, str(key[1])))
+        for name, micros in _self_times(thread_spans):
+            if _WAITING.search(name):
+                continue  # idle, though nested spans inside it were not
+            busy[group] += micros
+            own[(group, name)][0] += micros
             own[(group, name)][1] += 1
+        if process.startswith("/device"):
+            on_device[process] += [
+                (t, d) for t, d, name in thread_spans if not _WAITING.search(name)
+            ]
     per_step = 1e-3 / max(steps, 1)  # trace microseconds -> milliseconds per step
     top = sorted(own.items(), key=lambda item: -item[1][0])[:TOP]
     return {
@@ -137,6 +157,9 @@ def summarize_trace(path: str | Path, steps: int) -> dict[str, Any]:
         "busy_ms_per_step": {
             group: round(us * per_step, 3)
             for group, us in sorted(busy.items(), key=lambda g: -g[1])
+        },
+        "device_busy_ms_per_step": {
+            device: round(_covered(parts) * per_step, 3) for device, parts in on_device.items()
         },
         "top": [
             {
@@ -155,6 +178,8 @@ def format_summary(summary: dict[str, Any], limit: int = 8) -> list[str]:
     steps = summary["steps"]
     busy = ", ".join(f"{g} {ms:.2f}" for g, ms in list(summary["busy_ms_per_step"].items())[:4])
     lines = [f"  profile         steps {summary['first_step']}+{steps}: busy ms/step {busy}"]
+    for device, ms in summary.get("device_busy_ms_per_step", {}).items():
+        lines.append(f"                  {device} busy {ms:.3f} ms/step (any of its streams)")
     for row in summary["top"][:limit]:
         lines.append(
             f"                  {row['self_ms_per_step']:8.3f} ms/step  {row['name'][:60]}"
@@ -169,11 +194,11 @@ def _thread_group(process: str, thread: str) -> str:
     return f"{process} {thread}" if process.startswith("/device") else thread
 
 
-def _busy(spans: list[tuple[float, float, str]]) -> float:
-    """Microseconds covered by at least one span (nested and overlapping ones once)."""
+def _covered(parts: list[tuple[float, float]]) -> float:
+    """Microseconds covered by at least one of (start, length) intervals, overlaps once."""
     total, end = 0.0, float("-inf")
-    for start, duration, _ in sorted(spans):
-        stop = start + duration
+    for start, length in sorted(parts):
+        stop = start + length
         if stop > end:
             total += stop - max(start, end)
             end = stop
@@ -181,14 +206,18 @@ def _busy(spans: list[tuple[float, float, str]]) -> float:
 
 
 def _self_times(spans: list[tuple[float, float, str]]):
-    """(name, self microseconds) of each span: its duration less its children's."""
+    """(name, self microseconds) of each span on one thread: its duration less its
+    children's. A span reaching past its parent's end is cut there, so that the self times
+    add up to the time the thread's spans cover."""
     stack: list[list] = []  # [end, name, self time] of the open spans, outermost first
     for start, duration, name in sorted(spans, key=lambda s: (s[0], -s[1])):
         while stack and stack[-1][0] <= start:
-            _, closed, own = stack.pop()
-            yield closed, own
+            _, closed, micros = stack.pop()
+            yield closed, micros
+        end = start + duration
         if stack:
-            stack[-1][2] -= min(duration, stack[-1][0] - start)
-        stack.append([start + duration, name, duration])
-    for _, closed, own in reversed(stack):
-        yield closed, own
+            end = min(end, stack[-1][0])
+            stack[-1][2] -= end - start
+        stack.append([end, name, end - start])
+    for _, closed, micros in reversed(stack):
+        yield closed, micros

@@ -181,8 +181,9 @@ class Trainer:
         self._progress_fields: dict[str, float] = {}
         self.store_meter = StoreMeter(self.store)
         self.compiles = CompileMeter()  # from here on: the steps' compiles, new shapes' too
+        profile_from = config.log.profile_from if self.is_chief else 0
         self.profiler = StepProfiler(
-            self.run_dir, config.log.profile_from if self.is_chief else 0, config.log.profile_steps
+            self.run_dir, profile_from, config.log.profile_steps, next_step=self.step + 1
         )
         self.train_step = job.train_step()
         self.eval_step = job.eval_step() if source.evaluates else None
@@ -195,9 +196,10 @@ class Trainer:
             self._save()
             if self.publish:
                 self._publish()
+            self.profiler.close()  # a run that ended inside the window (follow mode)
             summary = self._summary()
         finally:
-            self.profiler.close()  # a run that ended inside the traced steps
+            self.profiler.close()  # a failed run's trace (never raises)
             self.compiles.close()
             self.log.close()
             if self._given_store is None:
@@ -227,12 +229,15 @@ class Trainer:
                 save_now, publish_now = self._due_by_clock()
                 save_now = save_now or is_due(step, config.checkpoint.every_steps, last)
                 eval_now = self.source.evaluates and is_due(step, config.eval.every_steps, last)
+                loop_pauses = save_now or eval_now or publish_now
                 self.profiler.before(step)
-                result = loop.progress(quiesce=save_now or eval_now or publish_now or end)
+                result = loop.progress(quiesce=loop_pauses or end)
                 if result is None:
                     raise UserError(f"the input ended before step {step} of {last or 'the stream'}")
                 self.step, self.state = result.step, loop.state
-                self.profiler.after(step, self.state)
+                if self.profiler.tracing:  # the window holds training steps only
+                    with self.meter.paused():
+                        self.profiler.after(step, self.state, last=end or loop_pauses)
                 rows = self.source.advance(result)
                 self.meter.add(result, rows)
                 if self.progress:
@@ -245,7 +250,7 @@ class Trainer:
                         self._evaluate(step, final=step == last)
                 if end:  # quiesced above: every update up to this step is applied
                     break  # stopping: what the loop read ahead is not trained
-                if save_now or eval_now or publish_now:
+                if loop_pauses:
                     loop.resume()
 
     def _log(self, step: int, *, wait: bool) -> None:
@@ -371,7 +376,7 @@ class Trainer:
             # peak and limit per device (None where the backend reports none, as on CPU)
             "device_memory": device_memory(),
             # log.profile_from: the traced steps' busy threads and top operations
-            "profile": self.profiler.close() or self.profiler.summary,
+            "profile": self.profiler.summary,
             "run_dir": str(self.run_dir),
             "checkpoint_step": self.checkpoints.latest_step(),
             "metrics_file": str(self.run_dir / "metrics.jsonl"),
