@@ -171,13 +171,14 @@ def make_tower_batch(
         "tower_embeddings": jax.make_array_from_callback(
             (len(towers), batch_size, width, dim), shardings["tower_embeddings"], embeddings_at
         ),
+        # copies of the caller's rows: on CPU, JAX would share their memory
         "dense": jax.make_array_from_callback(
-            dense.shape, shardings["dense"], lambda index: dense[index]
+            dense.shape, shardings["dense"], lambda index: np.array(dense[index])
         ),
     }
     if labels is not None:
         batch["labels"] = jax.make_array_from_callback(
-            labels.shape, shardings["labels"], lambda index: labels[index]
+            labels.shape, shardings["labels"], lambda index: np.array(labels[index])
         )
     return batch
 

@@ -75,6 +75,21 @@ def batch_factory():
     return make_batch
 
 
+def _aligned(value: np.ndarray) -> np.ndarray:
+    raw = np.empty(value.nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start : start + value.nbytes].view(value.dtype).reshape(value.shape)
+    out[...] = value
+    return out
+
+
+@pytest.fixture
+def aligned():
+    """`aligned(array)`: a copy at a 64-byte boundary, memory that JAX's CPU client would
+    share instead of copying (to test that host arrays are copied, not shared)."""
+    return _aligned
+
+
 @pytest.fixture
 def optimizer() -> DenseOptimizerConfig:
     return OPTIMIZER

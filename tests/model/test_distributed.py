@@ -99,23 +99,14 @@ def test_global_batch_copies_replicated_arrays_with_the_rows(devices, batch_fact
     assert bigger["slots"].shape == (4, 3) and bigger["dense"].shape[0] == 32
 
 
-def _aligned(value: np.ndarray) -> np.ndarray:
-    """A copy of `value` at a 64-byte boundary: memory JAX's CPU client could share."""
-    raw = np.empty(value.nbytes + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    out = raw[start : start + value.nbytes].view(value.dtype).reshape(value.shape)
-    out[...] = value
-    return out
-
-
 @pytest.mark.parametrize("devices", [1, 8])
-def test_global_batch_owns_its_copies(devices, batch_factory):
+def test_global_batch_owns_its_copies(devices, batch_factory, aligned):
     """The copy donates the buffers it fills, never the caller's arrays: host arrays
     changed or reused after the copy leave the batch on the devices as it was (on 8 CPU
     devices `jax.device_put` alone shares aligned host memory)."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
-    host = {key: _aligned(value) for key, value in batch_factory(0, 16).items()}
-    whole = {"slots": _aligned(np.arange(10, dtype=np.int32))}
+    host = {key: aligned(value) for key, value in batch_factory(0, 16).items()}
+    whole = {"slots": aligned(np.arange(10, dtype=np.int32))}
     expected = {key: value.copy() for key, value in {**host, **whole}.items()}
     batch = make_global_batch(host, mesh, replicated=whole)
     again = make_global_batch(host, mesh, replicated=whole)  # the same host arrays, twice

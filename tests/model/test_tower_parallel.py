@@ -101,6 +101,22 @@ def test_only_compressed_outputs_cross_the_tower_axis(tiny_config, dims, batch_f
 
 
 @pytest.mark.devices(8)
+def test_tower_batch_owns_its_copies(batch_factory, aligned):
+    """Host arrays changed after the copy leave the tower batch as it was."""
+    towers = LAYOUTS["2 towers x 4"]
+    mesh = tp.make_tower_mesh(len(towers))
+    batch = batch_factory(0, ROWS, num_features=NUM_FEATURES)
+    batch = {key: aligned(value) for key, value in batch.items()}
+    expected = {key: batch[key].copy() for key in ("dense", "labels")}
+    copied = _tower_batch(mesh, towers, batch)
+    for key in expected:
+        batch[key][...] = 7
+    for key, value in expected.items():
+        for shard in copied[key].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
+
+
+@pytest.mark.devices(8)
 def test_layout_errors_name_the_problem(tiny_config, dims, optimizer):
     towers = LAYOUTS["2 towers x 4"]
     with pytest.raises(ConfigError, match="3 towers cannot split 8 devices"):
