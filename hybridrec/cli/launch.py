@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 from hybridrec.cli import _flags
 from hybridrec.cli._chatter import QUIET_ENVIRONMENT, VERBOSE_ENV, is_chatter
@@ -121,6 +122,9 @@ def _relay(stream, prefix: str, target, verbose: bool = False) -> None:
     stream.close()
 
 
+_ASK_THE_HOST = object()
+
+
 def launch(
     command: list[str],
     *,
@@ -128,19 +132,23 @@ def launch(
     devices_per_process: int,
     timeout: float | None = None,
     verbose: bool = False,
+    gpus: Any = _ASK_THE_HOST,
 ) -> int:
     """Runs `hybridrec <command>` as `num_processes` processes; returns the first failure's code.
 
     Output of process 0 is passed through; other processes' lines are prefixed with
     `[pN]`. Library chatter (Gloo's connection lines, XLA's C++ logging) is left out
-    unless `verbose`. When one process fails, the others are stopped.
+    unless `verbose`. When one process fails, the others are stopped. `gpus`: what
+    `host_gpus` says for JAX_PLATFORMS' GPU platform (None: CPU devices), when the caller
+    has already asked.
     """
     if num_processes < 1 or devices_per_process < 1:
         raise UserError("--num-processes and --devices-per-process must be >= 1")
     if not command:
         raise UserError("nothing to launch: give a hybridrec command after --, e.g. -- train ...")
     platform = gpu_platform(dict(os.environ))
-    gpus = host_gpus(dict(os.environ), platform) if platform else None
+    if gpus is _ASK_THE_HOST:
+        gpus = host_gpus(dict(os.environ), platform) if platform else None
     if gpus is not None and num_processes * devices_per_process > len(gpus):
         raise UserError(
             f"{num_processes} processes x {devices_per_process} devices need "
@@ -322,6 +330,7 @@ def main(argv: list[str]) -> int:
         devices_per_process=devices,
         timeout=args.timeout,
         verbose=args.verbose,
+        gpus=gpus,  # nvidia-smi is asked once
     )
     tls = TLSFiles.from_flags(args)
     if args.embedding_servers:

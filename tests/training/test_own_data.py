@@ -172,6 +172,40 @@ def test_launch_gives_each_process_its_own_gpus_and_refuses_too_few(monkeypatch)
     )
 
 
+FAKE_NVIDIA_SMI = """#!/bin/sh
+echo called >> "$NVIDIA_SMI_CALLS"
+echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"
+"""
+
+
+def test_launch_asks_nvidia_smi_once(tmp_path):
+    """Without CUDA_VISIBLE_DEVICES, `launch` lists the host's GPUs with `nvidia-smi -L`
+    (here a script standing in for it, on a host without GPUs), once per launch."""
+    tool = tmp_path / "bin" / "nvidia-smi"
+    tool.parent.mkdir()
+    tool.write_text(FAKE_NVIDIA_SMI)
+    tool.chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(
+        JAX_PLATFORMS="cuda",
+        NVIDIA_SMI_CALLS=str(calls),
+        PATH=f"{tool.parent}{os.pathsep}{env.get('PATH', '')}",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "hybridrec", "launch", "-n", "2", "--", "train"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "2 processes x 1 devices need 2 GPUs" in result.stderr
+    assert "on this host sees 1" in result.stderr
+    assert calls.read_text().splitlines() == ["called"]
+
+
 def test_train_on_a_raw_log_file_says_to_preprocess_it_first(tmp_path):
     raw = tmp_path / "day_0.tsv"
     raw.write_text("1\t5\ta1\n")
