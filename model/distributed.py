@@ -120,7 +120,7 @@ def make_global_batch(
             arrays[key], shardings[key] = np.asarray(array), sharding_lib.replicated(mesh)
         return copy_to_devices(arrays, shardings)
     out = {
-        key: jax.make_array_from_process_local_data(shardings[key], _owned(array, shardings[key]))
+        key: jax.make_array_from_process_local_data(shardings[key], owned(array, shardings[key]))
         for key, array in arrays.items()
     }
     for key, array in (replicated or {}).items():
@@ -134,7 +134,7 @@ def replicated_array(array: np.ndarray, mesh: Mesh) -> jax.Array:
     sharding = sharding_lib.replicated(mesh)
     if jax.process_count() == 1:
         return copy_to_devices({"array": array}, {"array": sharding})["array"]
-    return jax.make_array_from_process_local_data(sharding, _owned(array, sharding), array.shape)
+    return jax.make_array_from_process_local_data(sharding, owned(array, sharding), array.shape)
 
 
 def copy_to_devices(
@@ -160,13 +160,13 @@ def copy_to_devices(
         host = (np.asarray(arrays[key]) for key in keys)  # never donate a caller's jax.Array
         copies = _identity(tuple(shardings[key] for key in keys))(*host)
         return dict(zip(keys, copies, strict=True))
-    owned = {key: _owned(array, shardings[key]) for key, array in arrays.items()}
-    return jax.device_put(owned, dict(shardings))
+    host = {key: owned(array, shardings[key]) for key, array in arrays.items()}
+    return jax.device_put(host, dict(shardings))
 
 
-def _owned(array: np.ndarray, sharding: jax.sharding.Sharding) -> np.ndarray:
-    """`array`, copied on the host where the devices are CPUs: JAX's copies to CPU devices
-    may share a host array's memory, and the caller may change it afterwards."""
+def owned(array: np.ndarray, sharding: jax.sharding.Sharding) -> np.ndarray:
+    """`array`, copied on the host where `sharding`'s devices are CPUs: JAX's copies to
+    CPU devices may share a host array's memory, and the caller may change it afterwards."""
     if any(device.platform == "cpu" for device in sharding.device_set):
         return np.array(array)
     return np.asarray(array)

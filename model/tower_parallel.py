@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.model.config import DATA_AXIS
+from hybridrec.model.distributed import owned
 from hybridrec.model.step import ShardedStep, TrainState, apply_dense_gradients, mean_cross_entropy
 from jax.sharding import AxisType, Mesh, NamedSharding
 
@@ -167,18 +168,19 @@ def make_tower_batch(
         return out
 
     shardings = batch_shardings(mesh)
+    dense = owned(dense, shardings["dense"])  # the caller may change its arrays afterwards
     batch = {
         "tower_embeddings": jax.make_array_from_callback(
             (len(towers), batch_size, width, dim), shardings["tower_embeddings"], embeddings_at
         ),
-        # copies of the caller's rows: on CPU, JAX would share their memory
         "dense": jax.make_array_from_callback(
-            dense.shape, shardings["dense"], lambda index: np.array(dense[index])
+            dense.shape, shardings["dense"], lambda index: dense[index]
         ),
     }
     if labels is not None:
+        labels = owned(labels, shardings["labels"])
         batch["labels"] = jax.make_array_from_callback(
-            labels.shape, shardings["labels"], lambda index: np.array(labels[index])
+            labels.shape, shardings["labels"], lambda index: labels[index]
         )
     return batch
 

@@ -62,7 +62,7 @@ class StepProfiler:
             _warn(f"log.profile_from = {first}: the run starts at step {next_step}; no trace")
 
     def before(self, step: int) -> None:
-        if not self.first or step != self.first or self.tracing or self.summary is not None:
+        if step != self.first:  # steps count from 1: never when `first` is 0
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         options = jax.profiler.ProfileOptions()
@@ -124,16 +124,15 @@ def summarize_trace(path: str | Path, steps: int) -> dict[str, Any]:
         events = json.load(file)
     events = events["traceEvents"] if isinstance(events, dict) else events
     processes, threads = {}, {}
-    for event in events:
-        if event.get("ph") == "M" and event.get("name") == "process_name":
-            processes[event["pid"]] = event["args"]["name"]
-        elif event.get("ph") == "M" and event.get("name") == "thread_name":
-            threads[(event["pid"], event["tid"])] = event["args"]["name"]
     spans: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
     for event in events:
         if event.get("ph") == "X" and "dur" in event:
             key = (event["pid"], event.get("tid"))
             spans[key].append((float(event["ts"]), float(event["dur"]), event["name"]))
+        elif event.get("ph") == "M" and event.get("name") == "process_name":
+            processes[event["pid"]] = event["args"]["name"]
+        elif event.get("ph") == "M" and event.get("name") == "thread_name":
+            threads[(event["pid"], event["tid"])] = event["args"]["name"]
     busy: dict[str, float] = defaultdict(float)
     own: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     on_device: dict[str, list[tuple[float, float]]] = defaultdict(list)

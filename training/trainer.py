@@ -196,7 +196,6 @@ class Trainer:
             self._save()
             if self.publish:
                 self._publish()
-            self.profiler.close()  # a run that ended inside the window (follow mode)
             summary = self._summary()
         finally:
             self.profiler.close()  # a failed run's trace (never raises)
