@@ -139,12 +139,12 @@ def summarize_trace(path: str | Path, steps: int) -> dict[str, Any]:
     for key, thread_spans in spans.items():
         process = processes.get(key[0], "")
         group = _thread_group(process, threads.get(key, str(key[1])))
-        for name, micros in _self_times(thread_spans):
+        for name, micros, call in _self_times(thread_spans):
             if _WAITING.search(name):
                 continue  # idle, though nested spans inside it were not
             busy[group] += micros
             own[(group, name)][0] += micros
-            own[(group, name)][1] += 1
+            own[(group, name)][1] += call
         if process.startswith("/device"):
             on_device[process] += [
                 (t, d) for t, d, name in thread_spans if not _WAITING.search(name)
@@ -205,18 +205,22 @@ def _covered(parts: list[tuple[float, float]]) -> float:
 
 
 def _self_times(spans: list[tuple[float, float, str]]):
-    """(name, self microseconds) of each span on one thread: its duration less its
+    """(name, self microseconds, calls) of each span on one thread: its duration less its
     children's. A span reaching past its parent's end is cut there, so that the self times
-    add up to the time the thread's spans cover."""
-    stack: list[list] = []  # [end, name, self time] of the open spans, outermost first
+    add up to the time the thread's spans cover. A span directly inside one of the same
+    name is the same call (JAX traces each `PjitFunction(...)` twice, one in the other):
+    0 calls."""
+    stack: list[list] = []  # [end, name, self time, calls] of the open spans, outermost first
     for start, duration, name in sorted(spans, key=lambda s: (s[0], -s[1])):
         while stack and stack[-1][0] <= start:
-            _, closed, micros = stack.pop()
-            yield closed, micros
+            _, closed, micros, calls = stack.pop()
+            yield closed, micros, calls
         end = start + duration
+        calls = 1
         if stack:
             end = min(end, stack[-1][0])
             stack[-1][2] -= end - start
-        stack.append([end, name, end - start])
-    for _, closed, micros in reversed(stack):
-        yield closed, micros
+            calls = int(stack[-1][1] != name)
+        stack.append([end, name, end - start, calls])
+    for _, closed, micros, calls in reversed(stack):
+        yield closed, micros, calls

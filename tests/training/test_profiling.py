@@ -34,11 +34,14 @@ def test_summary_counts_self_time_busy_time_and_pools(tmp_path):
         tmp_path / "perfetto_trace.json.gz",
         [
             # the host thread: a dispatch of 100 us holding a copy of 30 us, 50 us idle in a
-            # waiting span, then a dispatch of 60 us that waits 20 us inside
+            # waiting span, then a dispatch of 60 us that waits 20 us inside; each dispatch
+            # traced twice, one span inside the other (as JAX does): one call each
             (1, 10, 0, 100, "PjitFunction(train_step)"),
+            (1, 10, 1, 98, "PjitFunction(train_step)"),
             (1, 10, 20, 30, "DevicePut"),
             (1, 10, 100, 50, "ThunkExecutor::Execute (wait for completion)"),
             (1, 10, 150, 60, "PjitFunction(train_step)"),
+            (1, 10, 150, 59, "PjitFunction(train_step)"),
             (1, 10, 160, 20, "SlinkyThreadPool::Await"),
             # two threads of one pool; on the first, fusion.2 starts inside fusion.1 and
             # reaches past it: it is cut at fusion.1's end
