@@ -156,10 +156,12 @@ def test_step_compiles_once(data_model_mesh, tiny_config, dims, batch_factory):
     assert compiles == [], f"{len(compiles)} recompilations after the first call"
     assert step.num_compilations() == executables
     assert evaluate.num_compilations() == eval_executables
-    # the guard does see a recompile: a new batch shape compiles a second executable
+    # the guard does see a recompile: a new batch shape compiles a second executable (the
+    # batch made first: on one device its copy is a jitted identity, compiled per shape)
+    bigger = make_global_batch(batch_factory(0, 2 * BATCH), mesh)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        step(state, make_global_batch(batch_factory(0, 2 * BATCH), mesh))
+        step(state, bigger)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert len(compiles) == 1 and step.num_compilations() == executables + 1
