@@ -1,14 +1,12 @@
-"""Sparse per-row optimizers; the same float32 math as optax's dense versions.
-
-State is one float32 array [rows, state_width] per table:
-  sgd: none; adagrad: accumulator [dim]; rowwise_adagrad: accumulator [1];
-  adam: mu [dim], nu [dim], count [1] (per row: lazy Adam, a row's moments and bias
-  correction advance only on steps where it receives a gradient).
+"""Sparse per-row optimizers on a table's rows in host memory: the math of
+`common.sparse_rules` (the same float32 math as optax's dense versions, shared with the
+device tables), stepped in place by the native kernel where it has the optimizer.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from hybridrec.common.sparse_rules import sparse_step
 from hybridrec.embedding_store._arrays import native, put_rows, take_rows
 from hybridrec.embedding_store.config import SparseOptimizerConfig
 
@@ -27,7 +25,7 @@ def initial_state(config: SparseOptimizerConfig, rows: int, dim: int) -> np.ndar
 def apply(
     config: SparseOptimizerConfig, weights: np.ndarray, state: np.ndarray, grads: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One optimizer step on gathered rows.
+    """One optimizer step on gathered rows (`common.sparse_rules.sparse_step` in numpy).
 
     Args:
         weights: [m, dim] float32 current values.
@@ -37,29 +35,7 @@ def apply(
     Returns:
         (new weights [m, dim] float32, new state [m, state_width] float32).
     """
-    lr = np.float32(config.learning_rate)
-    eps = np.float32(config.eps)
-    if config.name == "sgd":
-        return weights - lr * grads, state
-    if config.name == "adagrad":
-        accumulator = state + grads * grads
-        scale = np.where(accumulator > 0, 1.0 / np.sqrt(accumulator + eps), np.float32(0.0))
-        return weights - lr * (scale * grads), accumulator
-    if config.name == "rowwise_adagrad":
-        accumulator = state + np.mean(grads * grads, axis=1, keepdims=True, dtype=np.float32)
-        scale = np.where(accumulator > 0, 1.0 / np.sqrt(accumulator + eps), np.float32(0.0))
-        return weights - lr * (scale * grads), accumulator
-    # adam, as optax.scale_by_adam with eps_root = 0
-    dim = weights.shape[1]
-    b1, b2 = np.float32(config.beta1), np.float32(config.beta2)
-    # 1 - beta in float64 first, as optax does with Python-float betas (1 - f32(0.999) is off by 1e-5).
-    mu = np.float32(1 - config.beta1) * grads + b1 * state[:, :dim]
-    nu = np.float32(1 - config.beta2) * (grads * grads) + b2 * state[:, dim : 2 * dim]
-    count = state[:, 2 * dim :] + np.float32(1)
-    mu_hat = mu / (1 - b1**count)
-    nu_hat = nu / (1 - b2**count)
-    updates = mu_hat / (np.sqrt(nu_hat) + eps)
-    return weights - lr * updates, np.concatenate([mu, nu, count], axis=1)
+    return sparse_step(np, config, weights, state, grads)
 
 
 def apply_in_place(

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from hybridrec.common import config as common_config
+from hybridrec.common import sparse_rules
 from hybridrec.common.errors import UserError
 
 StorageDtype = Literal["float32", "bfloat16", "float16"]
@@ -81,7 +82,7 @@ class SparseOptimizerConfig:
 
     def state_width(self, dim: int) -> int:
         """Float32 optimizer-state columns per row."""
-        return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim + 1}[self.name]
+        return sparse_rules.state_width(self.name, dim)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,7 @@ summed over the global batch, a reduction XLA inserts like the dense one) and wr
 them back. A fresh row's optimizer state starts from the rule's initial state, the
 same for every row (`SparseRule.initial_state`), set in the step. A row without a
 gradient in a step is left as it is: the same lazy, per-row math as the host store's
-optimizers (`embedding_store._optimizers`), in float32.
+optimizers (`common.sparse_rules`, one function for both), in float32.
 
 A hot-row cache (`DeviceTable.cache`) is a device table in front of a host table: it
 holds the table's most used rows, and its features are also looked up by the host
@@ -46,6 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hybridrec.common import sparse_rules
 from hybridrec.model import sharding as sharding_lib
 from hybridrec.model import step as step_lib
 from hybridrec.model.sharding import batch_sharding, replicated
@@ -70,7 +71,7 @@ class SparseRule:
     initial_accumulator: float = 0.0
 
     def state_width(self, dim: int) -> int:
-        return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim + 1}[self.name]
+        return sparse_rules.state_width(self.name, dim)
 
     def initial_state(self, dim: int) -> np.ndarray:
         """[state_width] float32: a new row's optimizer state (the store's, every row alike)."""
@@ -155,29 +156,10 @@ class DeviceTableLayout:
 def sparse_update(
     rule: SparseRule, weights: jax.Array, state: jax.Array, grads: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """One optimizer step on gathered rows [m, dim] (duplicates summed); rows whose gradient
-    is not finite keep their values and state."""
-    lr = jnp.float32(rule.learning_rate)
-    eps = jnp.float32(rule.eps)
-    if rule.name == "sgd":
-        new_weights, new_state = weights - lr * grads, state
-    elif rule.name in ("adagrad", "rowwise_adagrad"):
-        squares = grads * grads
-        if rule.name == "rowwise_adagrad":
-            squares = jnp.mean(squares, axis=1, keepdims=True, dtype=jnp.float32)
-        accumulator = state + squares
-        scale = jnp.where(accumulator > 0, 1.0 / jnp.sqrt(accumulator + eps), jnp.float32(0.0))
-        new_weights, new_state = weights - lr * (scale * grads), accumulator
-    else:  # adam, lazy per row, as the host store's
-        dim = weights.shape[1]
-        b1, b2 = jnp.float32(rule.beta1), jnp.float32(rule.beta2)
-        mu = jnp.float32(1 - rule.beta1) * grads + b1 * state[:, :dim]
-        nu = jnp.float32(1 - rule.beta2) * (grads * grads) + b2 * state[:, dim : 2 * dim]
-        count = state[:, 2 * dim :] + jnp.float32(1)
-        mu_hat = mu / (1 - b1**count)
-        nu_hat = nu / (1 - b2**count)
-        new_weights = weights - lr * (mu_hat / (jnp.sqrt(nu_hat) + eps))
-        new_state = jnp.concatenate([mu, nu, count], axis=1)
+    """One optimizer step on gathered rows [m, dim] (duplicates summed), the host store's
+    math (`common.sparse_rules`); rows whose gradient is not finite keep their values and
+    state."""
+    new_weights, new_state = sparse_rules.sparse_step(jnp, rule, weights, state, grads)
     finite = jnp.all(jnp.isfinite(grads), axis=1, keepdims=True)
     return jnp.where(finite, new_weights, weights), jnp.where(finite, new_state, state)
 
