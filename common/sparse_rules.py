@@ -13,10 +13,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 
 def state_width(name: str, dim: int) -> int:
     """Float32 optimizer-state columns per row."""
     return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim + 1}[name]
+
+
+def initial_state(rule: Any, rows: int, dim: int) -> np.ndarray:
+    """[rows, state_width] float32: new rows' optimizer state, every row alike (Adagrad's
+    accumulators start at `rule.initial_accumulator`, the rest at 0)."""
+    adagrad = rule.name in ("adagrad", "rowwise_adagrad")
+    fill = rule.initial_accumulator if adagrad else 0.0
+    return np.full((rows, state_width(rule.name, dim)), fill, np.float32)
 
 
 def sparse_step(

@@ -24,9 +24,9 @@ snapshots (fp32, fp16, int8 or int4 rows: `EmbeddingStore.checkpoint(precision=.
 `columns` holds column-wise sharding (`TableConfig.column_shards`) and its planner.
 """
 
+from hybridrec.common.sparse_rules import initial_state as initial_optimizer_state
 from hybridrec.embedding_store._arrays import unique_inverse
 from hybridrec.embedding_store._initializers import initial_rows
-from hybridrec.embedding_store._optimizers import initial_state as initial_optimizer_state
 from hybridrec.embedding_store._pooling import FeatureIds, PooledLookup, RaggedIds
 from hybridrec.embedding_store._slot_map import SlotMap
 from hybridrec.embedding_store.checkpoint import latest_checkpoint_step

@@ -14,14 +14,6 @@ from hybridrec.embedding_store.config import SparseOptimizerConfig
 _NATIVE_KINDS = {"sgd": 0, "adagrad": 1}
 
 
-def initial_state(config: SparseOptimizerConfig, rows: int, dim: int) -> np.ndarray:
-    """[rows, state_width] float32 state of new rows."""
-    state = np.zeros((rows, config.state_width(dim)), np.float32)
-    if config.name in ("adagrad", "rowwise_adagrad"):
-        state[:] = config.initial_accumulator
-    return state
-
-
 def apply(
     config: SparseOptimizerConfig, weights: np.ndarray, state: np.ndarray, grads: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:

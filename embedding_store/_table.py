@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorstore as ts
+from hybridrec.common import sparse_rules
 from hybridrec.embedding_store import _optimizers
 from hybridrec.embedding_store._arrays import sum_duplicates, unique_counts
 from hybridrec.embedding_store._growth import PREPARE_AT, Spare
@@ -301,7 +302,7 @@ class ShardTable:
         self._rows.write_rows(
             slots,
             initial_rows(config.initializer, ids, config.dim, config.first_column),
-            _optimizers.initial_state(config.optimizer, len(ids), config.dim),
+            sparse_rules.initial_state(config.optimizer, len(ids), config.dim),
         )
 
     def _allocate(self, count: int, protect: np.ndarray) -> np.ndarray:

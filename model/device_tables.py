@@ -75,8 +75,7 @@ class SparseRule:
 
     def initial_state(self, dim: int) -> np.ndarray:
         """[state_width] float32: a new row's optimizer state (the store's, every row alike)."""
-        fill = self.initial_accumulator if self.name in ("adagrad", "rowwise_adagrad") else 0.0
-        return np.full(self.state_width(dim), fill, np.float32)
+        return sparse_rules.initial_state(self, 1, dim)[0]
 
 
 @dataclasses.dataclass(frozen=True)
