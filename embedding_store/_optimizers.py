@@ -10,24 +10,8 @@ from hybridrec.common.sparse_rules import sparse_step
 from hybridrec.embedding_store._arrays import native, put_rows, take_rows
 from hybridrec.embedding_store.config import SparseOptimizerConfig
 
-# Optimizers the native kernel steps (the same float32 bits as `apply`); others use numpy.
+# Optimizers the native kernel steps (the same float32 bits as `sparse_step`); others use numpy.
 _NATIVE_KINDS = {"sgd": 0, "adagrad": 1}
-
-
-def apply(
-    config: SparseOptimizerConfig, weights: np.ndarray, state: np.ndarray, grads: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """One optimizer step on gathered rows (`common.sparse_rules.sparse_step` in numpy).
-
-    Args:
-        weights: [m, dim] float32 current values.
-        state: [m, state_width] float32 optimizer state.
-        grads: [m, dim] float32 gradients, duplicates already summed, all finite.
-
-    Returns:
-        (new weights [m, dim] float32, new state [m, state_width] float32).
-    """
-    return sparse_step(np, config, weights, state, grads)
 
 
 def apply_in_place(
@@ -64,7 +48,8 @@ def apply_in_place(
     skipped = len(grads) - int(np.count_nonzero(finite))
     if skipped:
         lines, grads = lines[finite], grads[finite]
-    weights, new_state = apply(
+    weights, new_state = sparse_step(
+        np,
         config,
         take_rows(values, lines).astype(np.float32, copy=False),
         take_rows(state, lines),
