@@ -5,7 +5,8 @@
 # HYBRIDREC_TEST_WORKERS=1 runs them in this process, one after the other.
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 echo "[test] $(python --version), jax $(python -c 'from importlib.metadata import version; print(version("jax"))') in ${VIRTUAL_ENV#"$PWD/"}/" >&2
-ruff check .   # every package, the scripts and the tests
+ruff check .           # every package, the scripts and the tests
+ruff format --check .  # and their layout (the docs' code blocks keep theirs)
 # test files spread over worker processes (pytest-xdist; a file's tests stay together):
 # many tests wait on processes they start, so 2 workers on 2 cores take ~0.7x the time
 workers="${HYBRIDREC_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}"
