@@ -46,6 +46,7 @@ from hybridrec.pipeline import _chunks, manifest, metadata
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._parse import BlockParser
 from hybridrec.pipeline.rows import spec_from_json
+from hybridrec.pipeline.runners import make_pipeline
 from hybridrec.pipeline.spec import FeatureSpec
 
 TEMP_DIR = "_temporary"
@@ -262,7 +263,7 @@ def _run_beam(
         list(beam_args)
         or ["--runner=DirectRunner", "--direct_running_mode=in_memory", "--direct_num_workers=1"]
     )
-    with beam.Pipeline(options=options) as pipeline:
+    with make_pipeline(options) as pipeline:
         _ = (
             pipeline
             | "ListNewFiles" >> beam.Create(work)

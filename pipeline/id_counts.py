@@ -65,6 +65,7 @@ def count_ids(metadata: DatasetMetadata, split: str = "train") -> dict[str, Coun
     """
     from apache_beam.options.pipeline_options import PipelineOptions
     from hybridrec.pipeline.job import beam  # Beam, imported with its import-time noise filtered
+    from hybridrec.pipeline.runners import make_pipeline
 
     files = [str(path) for path in metadata.split_files(split)]
     if not files:
@@ -84,9 +85,11 @@ def count_ids(metadata: DatasetMetadata, split: str = "train") -> dict[str, Coun
         def extract_output(self, accumulator):
             return accumulator
 
-    options = PipelineOptions(["--direct_running_mode=in_memory", "--direct_num_workers=1"])
+    options = PipelineOptions(
+        ["--runner=DirectRunner", "--direct_running_mode=in_memory", "--direct_num_workers=1"]
+    )
     with tempfile.TemporaryDirectory(prefix="id-counts-") as directory:
-        with beam.Pipeline(runner="DirectRunner", options=options) as pipeline:
+        with make_pipeline(options) as pipeline:
             _ = (
                 pipeline
                 | "Files" >> beam.Create(files)

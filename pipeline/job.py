@@ -357,7 +357,7 @@ def run_preprocess(
             dask_address=cluster.address if cluster else None,
             dask_timeout=config.dask_timeout,
         )
-        pipeline = beam.Pipeline(options=options)
+        pipeline = runners.make_pipeline(options)
         _ = (
             pipeline
             | "ListChunks" >> beam.Create(chunks)

@@ -131,6 +131,27 @@ def pipeline_options(
     return options
 
 
+def make_pipeline(options: PipelineOptions):
+    """A Beam pipeline on the runner `options` name. The DirectRunner's batch engine (the
+    FnApiRunner, in `direct_running_mode` with `direct_num_workers`) is built here: Beam's
+    DirectRunner first tries to start the Prism runner, which downloads a binary where the
+    network allows (another engine then runs the job, ignoring those options) and leaves
+    a temporary directory behind where it does not."""
+    import apache_beam as beam
+
+    if runner_kind(options.view_as(StandardOptions).runner or "DirectRunner") != "direct":
+        return beam.Pipeline(options=options)
+    from apache_beam.portability.api import beam_provision_api_pb2
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+    from apache_beam.runners.portability.portable_runner import JobServiceHandle
+
+    # what the DirectRunner gives its FnApiRunner: the options, for the SDK workers too
+    encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
+    provision = beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)
+    runner = fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(provision))
+    return beam.Pipeline(runner=runner, options=options)
+
+
 def describe_runner(options: PipelineOptions, cluster: DaskCluster | None = None) -> str:
     """One line for the summary and metadata.json: runner, mode, workers."""
     runner = options.view_as(StandardOptions).runner

@@ -22,9 +22,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The commands' compilation cache lives in one fresh directory per test session: nothing
 # written to the home directory, and no entry from an earlier session is reused.
-os.environ.setdefault(
-    "HYBRIDREC_COMPILATION_CACHE", __import__("tempfile").mkdtemp(prefix="hybridrec-jax-cache-")
-)
+# The process that made it (pytest's, whose workers inherit the variable) removes it.
+if "HYBRIDREC_COMPILATION_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["HYBRIDREC_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="hybridrec-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["HYBRIDREC_COMPILATION_CACHE"], True)
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402

@@ -1,6 +1,7 @@
 """Runner names, per-runner option defaults, and the Dask scheduler check."""
 
 import os
+import tempfile
 
 import pytest
 from apache_beam.options.pipeline_options import DirectOptions, StandardOptions
@@ -89,3 +90,28 @@ def test_malformed_dask_address_is_named(address):
 def test_runner_given_as_a_beam_option_is_refused():
     with pytest.raises(UserError, match="give the runner as --runner"):
         runners.pipeline_options(["--runner=DataflowRunner"])
+
+
+def test_direct_jobs_run_on_the_direct_engine_and_leave_no_temporary_directory(
+    tmp_path, monkeypatch
+):
+    """The preprocess job and the id counts run on the DirectRunner's own batch engine.
+    Beam's DirectRunner would first try to start Prism: a download where the network
+    allows (another engine then runs the job), a `beam-temp*` directory left in the
+    temporary directory where it does not, one a job."""
+    from hybridrec.pipeline import PreprocessConfig, read_metadata, synthetic
+    from hybridrec.pipeline.id_counts import count_ids
+    from hybridrec.pipeline.job import run_preprocess
+
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    text, _ = synthetic.generate_block(seed=1, block_index=0, rows=2000)
+    raw = tmp_path / "raw.tsv"
+    raw.write_bytes(text)
+    config = PreprocessConfig(inputs=(str(raw),), output=str(tmp_path / "out"))
+    result = run_preprocess(config, quiet=True)
+    assert result.metadata["counts"]["rows_read"] == 2000
+    counts = count_ids(read_metadata(tmp_path / "out"))
+    assert sum(int(c.sum()) for _, c in counts.values()) > 0
+    assert not [path.name for path in temporary.iterdir() if path.name.startswith("beam-temp")]
