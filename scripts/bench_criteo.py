@@ -38,6 +38,7 @@ e2e_warm_over_dense_b512 and e2e_warm_samples_per_s_b512).
 from __future__ import annotations
 
 import argparse
+import atexit
 import gzip
 import hashlib
 import json
@@ -381,6 +382,7 @@ def main() -> None:
     # a compilation cache of this run alone: each shape's first run compiles (cold), as a
     # user's first run does; the batch-512 runs of later seeds find the programs (warm)
     env["HYBRIDREC_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="bench-criteo-jax-cache-")
+    atexit.register(shutil.rmtree, env["HYBRIDREC_COMPILATION_CACHE"], True)
     data = _dataset(inputs, args.cache)
     work = args.cache / "runs"
     results, dense = {}, {}

@@ -44,8 +44,10 @@ measured (mlperf_shape_batch says which).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -289,6 +291,7 @@ def main() -> None:
     print(f"devices: {info['devices']} x {info['device_kind']} ({info['platform']})", flush=True)
     # a compilation cache of this invocation: each shape's first run compiles
     env["HYBRIDREC_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="bench-gpu-jax-cache-")
+    atexit.register(shutil.rmtree, env["HYBRIDREC_COMPILATION_CACHE"], True)
     raw = _raw_data(args.cache, args.rows, args.seed, args.cardinality_scale)
     data = _dataset([raw], args.cache, ("--eval-fraction", str(args.eval_fraction)))
     distinct = _distinct_ids(data)
