@@ -83,14 +83,31 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class Columns:
+    """A split's columns. A batch's ids follow `categorical`: the order of the tower's
+    features, the spec's, whatever the placement and whichever features are bags."""
+
     label: str
     dense: tuple[str, ...]
-    single: tuple[str, ...]
-    multi: tuple[str, ...]
+    categorical: tuple[str, ...]
+    multi: tuple[str, ...] = ()  # those of `categorical` that are multi-valued
+
+    def __post_init__(self):
+        unknown = sorted(set(self.multi) - set(self.categorical))
+        if unknown:
+            raise ValueError(f"multi-valued columns {unknown} are not categorical columns")
+
+    @classmethod
+    def of_dataset(cls, metadata: DatasetMetadata) -> Columns:
+        return cls(
+            metadata.label_column,
+            tuple(metadata.dense_columns),
+            tuple(f.name for f in metadata.categorical),
+            tuple(f.name for f in metadata.categorical if f.multi_valued),
+        )
 
     @property
     def all(self) -> list[str]:
-        return [self.label, *self.dense, *self.single, *self.multi]
+        return [self.label, *self.dense, *self.categorical]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +182,14 @@ def concat_rows(parts: Sequence[_Rows]) -> _Rows:
 
 
 def _padding(columns: Columns, rows: int) -> _Rows:
-    ids: dict[str, FeatureIds] = {name: np.zeros(rows, np.uint64) for name in columns.single}
-    for name in columns.multi:
-        ids[name] = RaggedIds(values=np.zeros(0, np.uint64), offsets=np.zeros(rows + 1, np.int64))
+    ids: dict[str, FeatureIds] = {
+        name: (
+            RaggedIds(values=np.zeros(0, np.uint64), offsets=np.zeros(rows + 1, np.int64))
+            if name in columns.multi
+            else np.zeros(rows, np.uint64)
+        )
+        for name in columns.categorical
+    }
     return {
         "label": np.zeros(rows, np.float32),
         "dense": np.zeros((rows, len(columns.dense)), np.float32),
@@ -189,9 +211,10 @@ def rows_from_arrow(table: pa.Table, columns: Columns, where: str) -> _Rows:
             else np.zeros((table.num_rows, 0), np.float32)
         )
         ids: dict[str, FeatureIds] = {}
-        for name in columns.single:
-            ids[name] = table.column(name).to_numpy().astype(np.uint64, copy=False)
-        for name in columns.multi:
+        for name in columns.categorical:
+            if name not in columns.multi:
+                ids[name] = table.column(name).to_numpy().astype(np.uint64, copy=False)
+                continue
             array = table.column(name).combine_chunks()
             lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
             offsets = np.zeros(len(lengths) + 1, np.int64)
@@ -208,7 +231,7 @@ class ParquetReader:
     """Yields static-shape batches from a share of a split's Parquet files.
 
     Example:
-        reader = ParquetReader(files, label="label", dense=["I1"], single=["C1"],
+        reader = ParquetReader(files, label="label", dense=["I1"], categorical=["C1"],
                                batch_size=512, seed=0, shard_index=jax.process_index(),
                                shard_count=jax.process_count())
         for batch in reader.batches(num_batches=reader.batches_per_epoch * 2):
@@ -216,7 +239,9 @@ class ParquetReader:
 
     Args:
         files: every file of the split (all readers get the same list).
-        label, dense, single, multi: column names (multi = list<uint64> columns).
+        label, dense, categorical: column names; a batch's ids are in `categorical`
+            order (the tower's feature order).
+        multi: those of `categorical` that are list<uint64> columns (bags).
         batch_size: rows per batch of this reader.
         seed: shuffling seed; equal seeds give equal streams.
         shuffle_buffer: minimum rows per shuffle window; 0 disables shuffling.
@@ -231,7 +256,7 @@ class ParquetReader:
         *,
         label: str,
         dense: Sequence[str],
-        single: Sequence[str],
+        categorical: Sequence[str],
         multi: Sequence[str] = (),
         batch_size: int,
         seed: int = 0,
@@ -249,7 +274,7 @@ class ParquetReader:
                 f"{len(all_files)} data files cannot be shared by {shard_count} readers; "
                 "write at least one file per process (preprocess --num-shards)"
             )
-        self.columns = Columns(label, tuple(dense), tuple(single), tuple(multi))
+        self.columns = Columns(label, tuple(dense), tuple(categorical), tuple(multi))
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
@@ -292,12 +317,13 @@ class ParquetReader:
     ) -> ParquetReader:
         """A reader of `files` of the dataset `metadata` describes (its label, dense and
         categorical columns); `options` are the other arguments (batch_size, seed, ...)."""
+        columns = Columns.of_dataset(metadata)
         return cls(
             files,
-            label=metadata.label_column,
-            dense=list(metadata.dense_columns),
-            single=[f.name for f in metadata.categorical if not f.multi_valued],
-            multi=[f.name for f in metadata.categorical if f.multi_valued],
+            label=columns.label,
+            dense=columns.dense,
+            categorical=columns.categorical,
+            multi=columns.multi,
             **options,
         )
 

@@ -134,12 +134,7 @@ class StreamSource:
         self.flush_after, self.poll_interval, self.max_idle = flush_after, poll_interval, max_idle
         self.reader = StreamReader(
             metadata.root,
-            Columns(
-                metadata.label_column,
-                tuple(metadata.dense_columns),
-                tuple(f.name for f in metadata.categorical if not f.multi_valued),
-                tuple(f.name for f in metadata.categorical if f.multi_valued),
-            ),
+            Columns.of_dataset(metadata),
         )
         self.position = StreamPosition()
         self.rows = 0

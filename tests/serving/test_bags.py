@@ -87,12 +87,20 @@ def bags(tmp_path_factory, cli, start_server, headers):
     sets = [item for key in RUN for item in ("--set", key)]
     cli("train", "--data", str(data), "--run-dir", str(run), "--config", "quickstart", *sets)
     cli("export", "--run", str(run), "--out", str(out), "--precision", "fp32")
-    ids, dense, labels, probabilities = evaluate_rows(run, data)
+    ids, dense, labels, probabilities = evaluate_rows(run, data)  # spec order: tags 2nd
     token_file = root / "token"
     token_file.write_text(headers["Authorization"].split()[1])
     server = start_server(str(out), "--token-file", str(token_file))
     yield types.SimpleNamespace(
-        lines=lines, out=out, ids=ids, dense=dense, probabilities=probabilities, server=server
+        lines=lines,
+        data=data,
+        run=run,
+        out=out,
+        ids=ids,
+        dense=dense,
+        labels=labels,
+        probabilities=probabilities,
+        server=server,
     )
     server.stop()
 
@@ -145,6 +153,39 @@ def test_export_records_kinds_and_pooling(bags):
     }
     assert features["pooling"] == "mean"
     assert set(features["feature_tables"]) == {"user", "tags", "item", "genres"}
+
+
+def _evaluate_matches_the_reference(cli, run, data) -> None:
+    """`hybridrec evaluate`'s metrics of `run` equal those of `evaluate_rows`, which
+    feeds the tower the features in spec order, as serving does."""
+    import json
+
+    from hybridrec.model import StreamingMetrics
+    from hybridrec.serving.reference import evaluate_rows
+
+    _, _, labels, probabilities = evaluate_rows(run, data)
+    result = json.loads(cli("evaluate", "--run", str(run), "--json").stdout)
+    metrics = StreamingMetrics()
+    metrics.update(probabilities, labels)
+    assert int(result["count"]) == len(probabilities)
+    assert abs(float(metrics.result()["auc"]) - result["auc"]) < 1e-9
+    assert abs(float(metrics.result()["logloss"]) - result["logloss"]) < 1e-6
+
+
+@pytest.mark.parametrize("placement", ["devices", "host"])
+def test_evaluate_feeds_the_features_in_spec_order_whatever_the_placement(
+    bags, cli, tmp_path, placement
+):
+    """A bag in the middle of the spec (`tags`, 2nd of 4) reaches the tower in the spec's
+    order with the tables on the devices (the module's run) and on the host store alone:
+    training and `evaluate` once put the single-valued features first on the host."""
+    run = bags.run
+    if placement == "host":
+        run = tmp_path / "host"
+        sets = [item for key in RUN for item in ("--set", key)]
+        sets += ["--set", "embedding.device_budget=0", "--set", "data.max_steps=12"]
+        cli("train", "--data", str(bags.data), "--run-dir", str(run), "--config", "quickstart", *sets)  # fmt: skip
+    _evaluate_matches_the_reference(cli, run, bags.data)
 
 
 def test_served_model_equals_evaluate(bags):

@@ -31,7 +31,9 @@ def files(tmp_path_factory):
 
 
 def _reader(files, **kwargs):
-    defaults = dict(label="label", dense=["I1"], single=["C1"], multi=["M"], batch_size=64)
+    defaults = dict(
+        label="label", dense=["I1"], categorical=["C1", "M"], multi=["M"], batch_size=64
+    )
     return ParquetReader(files, **{**defaults, **kwargs})
 
 
