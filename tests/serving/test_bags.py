@@ -8,6 +8,7 @@ through hashed bags equals `evaluate`'s within 1e-6.
 
 from __future__ import annotations
 
+import json
 import types
 
 import httpx
@@ -142,8 +143,6 @@ def _json_inputs(arrays: dict[str, np.ndarray]) -> list[dict]:
 
 
 def test_export_records_kinds_and_pooling(bags):
-    import json
-
     features = json.loads((bags.out / "1" / "features.json").read_text())
     assert features["feature_kinds"] == {
         "user": "single",
@@ -158,7 +157,6 @@ def test_export_records_kinds_and_pooling(bags):
 def _evaluate_matches_the_reference(cli, run, data) -> None:
     """`hybridrec evaluate`'s metrics of `run` equal those of `evaluate_rows`, which
     feeds the tower the features in spec order, as serving does."""
-    import json
 
     from hybridrec.model import StreamingMetrics
     from hybridrec.serving.reference import evaluate_rows
@@ -180,6 +178,9 @@ def test_evaluate_feeds_the_features_in_spec_order_whatever_the_placement(
     order with the tables on the devices (the module's run) and on the host store alone:
     training and `evaluate` once put the single-valued features first on the host."""
     run = bags.run
+    if placement == "devices":
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["device_tables"]["rows"], summary["device_tables"]
     if placement == "host":
         run = tmp_path / "host"
         sets = [item for key in RUN for item in ("--set", key)]
