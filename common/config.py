@@ -7,7 +7,12 @@ dataclass does not declare: a misspelled key is an error naming its full dotted
 path, never silently ignored.
 
 Example:
-    config = load(TrainConfig, preset="criteo_dlrm", overrides=["model.tower=dcnv2"])
+    from hybridrec.training.config import PRESET_DIR, TrainConfig
+    config = load(TrainConfig, preset="criteo_dlrm", overrides=["model.tower=dcnv2"],
+                  preset_dir=PRESET_DIR)
+
+A preset given by name is looked up in `preset_dir` (here the built-in presets,
+training/configs/); without `preset_dir`, `preset` must be the path of a TOML file.
 """
 
 from __future__ import annotations

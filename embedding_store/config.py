@@ -216,10 +216,10 @@ class TableConfig:
 
 
 def load_tables(source: str | Path) -> list[TableConfig]:
-    """Reads TableConfigs from a TOML/JSON file or preset name.
+    """Reads TableConfigs from a TOML file (JSON where the name ends in `.json`).
 
-    The file holds a list of tables either at the top level (`[[tables]]`) or in a
-    section (`[[embedding.tables]]`, e.g. a whole training preset).
+    The file holds one list of tables, either at the top level (`[[tables]]`) or in one
+    section (`[[embedding.tables]]`).
     """
     path = Path(source)
     if path.suffix == ".json":

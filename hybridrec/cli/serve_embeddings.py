@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tables",
-        help="table configs: a TOML or JSON file (or preset name) with a list of tables",
+        help="table configs: a TOML or JSON file with a list of tables",
     )
     parser.add_argument(
         "--config",
