@@ -40,10 +40,11 @@ class EpochSource:
     """Epochs of a dataset's train split (or `data.max_steps` batches of it)."""
 
     kind = "epochs"
-    evaluates = True  # the dataset has an eval split
 
     def __init__(self, job: Job):
         config = job.config
+        # a dataset preprocessed with --eval-fraction 0 trains without evaluation
+        self.evaluates = bool(job.metadata.split_files(config.data.eval_split))
         self.batch_size = config.data.batch_size
         self.reader, self.rows = job.reader(
             config.data.train_split, batch_size=self.batch_size, train=True

@@ -36,7 +36,7 @@ from hybridrec.embedding_store.remote import ServerSet
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.defaults import choose_decay
 from hybridrec.training.evaluate import evaluate
-from hybridrec.training.job import Job, prepare
+from hybridrec.training.job import Job, clear_run_dir, prepare
 from hybridrec.training.meters import CompileMeter, IntervalMeter, StoreMeter, device_memory
 from hybridrec.training.profiling import StepProfiler
 from hybridrec.training.run_log import RunLog
@@ -74,6 +74,8 @@ class Trainer:
             (the command passes `serving.export_run`); called every
             `follow.publish_every` seconds and at the end.
         resume: continue from the newest complete checkpoint in run_dir.
+        overwrite: start again in run_dir, deleting the run it holds once the config and
+            the data are checked (`training.job.clear_run_dir` refuses anything else).
         distributed: coordinator / num_processes / process_id for multi-process jobs.
         quiet: no progress lines (tests, benchmarks).
         store: an embedding store to train instead of the one the config describes (its
@@ -89,12 +91,19 @@ class Trainer:
         follow: FollowOptions | None = None,
         publish: Callable[[int], dict[str, Any]] | None = None,
         resume: bool = False,
+        overwrite: bool = False,
         distributed: dict[str, Any] | None = None,
         quiet: bool = False,
         store: Any = None,
         servers: ServerSet | None = None,
     ):
         self.run_dir = Path(run_dir)
+        path = config.data.path
+        if path and "://" not in path and not Path(path).is_absolute():
+            # saved in config.json as an absolute path: `evaluate`, `export` and `--resume`
+            # find the data from any working directory
+            data = dataclasses.replace(config.data, path=str(Path(path).resolve()))
+            config = dataclasses.replace(config, data=data)
         self.follow = follow
         self.publish = publish
         self.resume = resume
@@ -102,6 +111,12 @@ class Trainer:
         self.job: Job = prepare(
             config, distributed=distributed, servers=servers, follow=follow is not None
         )
+        if overwrite:  # once the config and the data have been checked
+            if resume:
+                raise UserError("--overwrite and --resume contradict each other")
+            if self.job.is_chief:
+                clear_run_dir(self.run_dir, self.job.config.data.path)
+            self.job.barrier("run-dir-cleared")
         self.checkpoints = RunCheckpoints(self.run_dir, keep=config.checkpoint.keep)
         if follow is None:
             self.source: EpochSource | StreamSource = EpochSource(self.job)
@@ -116,6 +131,16 @@ class Trainer:
         # run's config.json keeps "auto", so that a run resumed with more steps decays to
         # its new end instead of training on at the rate's floor
         self._saved_config = self.job.config
+        if follow is None and not self.source.evaluates:
+            data = self.job.config.data
+            self.job = dataclasses.replace(
+                self.job,
+                choices=(
+                    *self.job.choices,
+                    f"evaluation: none: split {data.eval_split!r} of {data.path} has no files "
+                    "(preprocess --eval-fraction > 0 makes one)",
+                ),
+            )
         optimizer, reason = choose_decay(self.job.config.optimizer, self.source.last_step)
         if reason:
             self.job = dataclasses.replace(
@@ -137,6 +162,13 @@ class Trainer:
         (also written to summary.json)."""
         config, job, source = self.config, self.job, self.source
         stop = stop or threading.Event()
+        finished = self.checkpoints.latest_step() if self.resume else None
+        if finished is not None and source.last_step and finished >= source.last_step:
+            raise UserError(
+                f"{self.run_dir} already finished: its checkpoint is step {finished} and the "
+                f"run ends at step {source.last_step} (data.max_steps, data.epochs); raise "
+                "one of them (--set data.epochs=N) to train it further"
+            )
         resume_step = self.checkpoints.begin(
             self._saved_config, resume=self.resume, chief=self.is_chief
         )

@@ -76,6 +76,7 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
         ),
         publish=publish,
         resume=args.resume,
+        overwrite=args.overwrite,
         quiet=args.quiet,
         servers=embedding_servers(config.embedding.servers),
     )

@@ -6,7 +6,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +78,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run-dir", required=True, help="output directory of this run")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     parser.add_argument(
-        "--overwrite", action="store_true", help="delete run-dir's old contents first"
+        "--overwrite",
+        action="store_true",
+        help="start again: delete the run in run-dir once the config and data are checked",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument(
@@ -97,8 +98,8 @@ def main(argv: list[str]) -> int:
         overrides.append(f"data.path={json.dumps(str(args.data))}")
     if args.overwrite and args.resume:
         raise UserError("--overwrite and --resume contradict each other")
-    if args.overwrite and run_dir.exists() and (args.process_id or 0) == 0:
-        shutil.rmtree(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {run_dir}: a file, not a directory")
     use_compilation_cache()
     if args.follow:
         return _train_follow.train_follow(args, run_dir, overrides)
@@ -127,6 +128,7 @@ def _train(
         config,
         run_dir,
         resume=args.resume,
+        overwrite=args.overwrite,
         distributed=distributed,
         quiet=args.quiet,
         servers=servers,
