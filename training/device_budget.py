@@ -67,22 +67,25 @@ def plan_by_lookups(
     (their bands of ids, densest first over all tables, until the budget is spent);
     appends the whole tables and caches to `chosen`; returns the budget used.
 
-    A table that gets all its planned rows goes onto the devices whole; one that gets
-    fewer gets a hot-row cache of them when that is at least MIN_CACHE_ROWS (a forced
+    A table that gets all its planned rows goes onto the devices whole (unless it may not:
+    `whole_ok` False, its ids outgrow its rows); one that gets fewer gets a hot-row cache
+    of them when that is at least MIN_CACHE_ROWS (a forced
     cache that gets fewer is a ConfigError); the rest stay on the host only. A table's
     first rows (`_segments`) are granted whole or not at all, so no grant falls below the
     smallest cache. Without `caches`, each table is one piece: whole or host only.
     """
     segments = []  # (value per byte, table index, rows, bytes per row, whole or nothing)
     per_row = []  # bytes per device of one row, and its layout
-    for index, (_, layout, _, row_bytes, forced, most, bands) in enumerate(weighed):
+    for index, (_, layout, _, row_bytes, forced, most, bands, whole_ok) in enumerate(weighed):
         sharded, _ = split_layout(layout, (most + 1) * row_bytes, devices)
         cost = row_bytes / devices if sharded else row_bytes
         per_row.append((cost, "sharded" if sharded else "replicated"))
         if caches:
-            pieces = _values(_segments(bands, most), forced)
-        else:  # one piece: the table's lookups over all its rows
+            pieces = _values(_segments(bands, most), forced or not whole_ok)
+        elif whole_ok:  # one piece: the table's lookups over all its rows
             pieces = [(float(most), sum(count for _, count in bands), True)]
+        else:
+            pieces = []
         for rows, value, atomic in pieces:
             segments.append((value / rows / cost, index, rows, cost, atomic))
     rows = [0.0] * len(weighed)
@@ -98,9 +101,11 @@ def plan_by_lookups(
         take = min(ids, max(spare, 0.0) / cost)
         rows[index] += take
         spare -= take * cost
-    for index, (spec_table, _, store_name, row_bytes, forced, most, _) in enumerate(weighed):
+    for index, (spec_table, _, store_name, row_bytes, forced, most, _, whole_ok) in enumerate(
+        weighed
+    ):
         planned, layout = min(round(rows[index]), most), per_row[index][1]
-        whole = planned >= most and not forced
+        whole = planned >= most and not forced and whole_ok
         if not whole and planned < min(MIN_CACHE_ROWS, most):
             if forced:
                 raise _cache_too_small(budget, budget_note, budget - used, spec_table)

@@ -181,7 +181,7 @@ def plan_devices(
     # (spec table, rows (0: planned), layout, store table, row bytes, forced, most rows)
     cached = []
     # sized by their lookups: (spec table, layout, store table, row bytes, forced cache,
-    # most rows, [(rows, lookups)] hottest first)
+    # most rows, [(rows, lookups)] hottest first, may go whole)
     weighed = []
     for spec_table in spec_tables:
         members = [f for f in features if f.table == spec_table]
@@ -211,11 +211,29 @@ def plan_devices(
         most = min(
             math.ceil(seen * HEADROOM) + 64 if seen else embedding.capacity, embedding.capacity
         )
+        # more ids than embedding.capacity rows: the host store evicts the least recently
+        # used, a table on the devices cannot; such a table goes there as a cache only
+        outgrows = bool(seen) and math.ceil(seen * HEADROOM) + 64 > embedding.capacity
+        if outgrows and place == "device" and not forced_rows:
+            raise ConfigError(
+                f"embedding.placement.{spec_table} = {where!r}: its features have {seen:,} "
+                f"distinct ids, more than embedding.capacity ({embedding.capacity:,} rows), "
+                "and a table on the devices cannot evict rows as the host store does; raise "
+                'embedding.capacity or place it as a cache ("cache")'
+            )
+        if outgrows and place == "auto" and no_caches:
+            continue
         curve = merge_bands([lookups[f.name] for f in members if lookups.get(f.name)])
         if curve and not forced_rows and place in ("cache", "auto"):
             weighed.append(
-                (spec_table, forced_layout, store_name, row_bytes, place == "cache", most, curve)
+                (
+                    *(spec_table, forced_layout, store_name, row_bytes, place == "cache"),
+                    *(most, curve, not outgrows),
+                )
             )
+            continue
+        if outgrows and place == "auto":  # no lookup counts: a cache shares what is left
+            cached.append((spec_table, 0, "", store_name, row_bytes, False, most))
             continue
         if place == "cache":
             cached.append(

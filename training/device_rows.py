@@ -309,10 +309,14 @@ class DeviceRows:
             return slots
         start = self._used[table.name]
         if start + count > table.rows:
+            features = self.plan.features[table.name]
+            shown = ", ".join(features[:4]) + (", ..." if len(features) > 4 else "")
             raise UserError(
-                f"embedding table {table.name!r} on the devices is full: {table.rows:,} rows "
-                f"hold {start:,} ids and this batch brings {count:,} new ones; give it more "
-                f'rows (embedding.placement.{table.name} = "device:ROWS") or keep it on the '
+                f"embedding table {table.name!r} on the devices (features {shown}) is full: "
+                f"{table.rows:,} rows hold {start:,} ids and this batch brings {count:,} new "
+                "ones; its rows are at most embedding.capacity and the ids the dataset's "
+                "statistics count: give its tables more rows (embedding.placement.TABLE = "
+                '"device:ROWS", or a larger embedding.capacity), a cache ("cache") or the '
                 'host ("host")'
             )
         fresh = np.arange(start, start + count, dtype=np.int64)

@@ -16,7 +16,7 @@ from hybridrec.cli._chatter import VERBOSE_ENV, native_output_filtered, quiet_na
 from hybridrec.cli._compilation_cache import use_compilation_cache
 from hybridrec.cli._embedding_servers import embedding_servers
 from hybridrec.common.errors import UserError
-from hybridrec.training.job import load_config
+from hybridrec.training.job import load_config, require_run_dir
 from hybridrec.training.profiling import format_summary
 from hybridrec.training.run_log import run_name
 from hybridrec.training.trainer import Trainer
@@ -115,6 +115,8 @@ def main(argv: list[str]) -> int:
 def _train(
     args: argparse.Namespace, run_dir: Path, overrides: list[str], distributed: dict[str, Any]
 ) -> int:
+    if args.resume and args.config is None:
+        require_run_dir(run_dir)  # its config.json is the run's config
     config = load_config(args.config, overrides, run_dir if args.resume else None)
     servers = embedding_servers(config.embedding.servers)
     if servers.source.startswith("$") and not args.quiet and (args.process_id or 0) == 0:

@@ -36,8 +36,8 @@ def test_lookups_of_the_hottest_ids_follow_the_counts():
     assert device_budget.lookup_bands({"distinct_estimate": 5}, _metadata(10)) == []
 
 
-def _entry(name: str, bands, most: int, forced: bool = False):
-    return (name, "replicated", "embeddings", ROW_BYTES, forced, most, bands)
+def _entry(name: str, bands, most: int, forced: bool = False, whole_ok: bool = True):
+    return (name, "replicated", "embeddings", ROW_BYTES, forced, most, bands, whole_ok)
 
 
 def test_a_budget_goes_to_the_densest_rows_of_every_table():
@@ -91,3 +91,16 @@ def test_without_caches_tables_go_whole_by_their_lookups_per_byte():
     with_caches: list = []
     device_budget.plan_by_lookups([small, skewed, dense], with_caches, budget, "", 0, 1)
     assert ("skewed", True) in {(c[0], c[4]) for c in with_caches}
+
+
+def test_a_table_whose_ids_outgrow_its_rows_goes_as_a_cache_or_stays_on_the_host():
+    # embedding.capacity below the ids seen: the budget would hold the table whole, but
+    # a device table cannot evict, so it gets a cache of its rows (the host store behind
+    # it evicts as it does without the devices)
+    small = _entry("small", [(50, 100_000.0)], 120, whole_ok=False)
+    chosen: list = []
+    device_budget.plan_by_lookups([small], chosen, 20_000 * ROW_BYTES, "", 0, 1)
+    assert [(name, cache) for name, _, _, _, cache in chosen] == [("small", True)]
+    chosen = []
+    device_budget.plan_by_lookups([small], chosen, 20_000 * ROW_BYTES, "", 0, 1, caches=False)
+    assert chosen == []

@@ -287,7 +287,11 @@ def _refused(dataset: Path, run_dir: Path, *keys: str) -> str:
         ),
         (
             ["embedding.fuse_tables=false", "embedding.placement.C3=device:10"],
-            "embedding table 'C3' on the devices is full: 10 rows",
+            "embedding table 'C3' on the devices (features C3) is full: 10 rows",
+        ),
+        (
+            ["embedding.capacity=50", "embedding.placement.C3=device"],
+            "embedding.placement.C3 = 'device': its features have",
         ),
         (
             ["embedding.device_budget=100000", "embedding.placement.C4=cache:5000"],
@@ -306,6 +310,7 @@ def _refused(dataset: Path, run_dir: Path, *keys: str) -> str:
         "budget_too_small",
         "admission",
         "table_full",
+        "ids_past_capacity",
         "cache_budget_too_small",
         "cache_of_unplaceable_table",
     ],
@@ -313,3 +318,19 @@ def _refused(dataset: Path, run_dir: Path, *keys: str) -> str:
 def test_placements_that_cannot_be_are_one_line_errors(dataset, tmp_path, keys, expected):
     line = _refused(dataset, tmp_path / "run", "data.max_steps=4", *keys)
     assert expected in line, line
+
+
+def test_tables_whose_ids_outgrow_the_capacity_are_planned_as_caches(dataset, tmp_path, cli):
+    """embedding.capacity below the ids a table sees: the host store evicts the least
+    recently used rows past it, a table on the devices cannot, so the plan gives such a
+    table a cache (it once placed it whole and training stopped when it filled)."""
+    run_dir = tmp_path / "run"
+    settings = ["data.max_steps=6", "embedding.capacity=2000", "checkpoint.every_steps=0"]
+    result = cli(
+        "train", "--config", "quickstart", "--data", str(dataset), "--run-dir", str(run_dir),
+        *[item for key in settings for item in ("--set", key)],
+    )  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6
+    caches = summary["device_tables"]["caches"]
+    assert caches, result.stdout
