@@ -98,6 +98,19 @@ class RunCheckpoints:
         except (ValueError, KeyError) as error:
             raise UserError(f"{path}: unreadable checkpoint pointer: {error}") from None
 
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete checkpoints still in the run directory, ascending: those
+        up to `latest_step()` whose dense state, positions and embeddings all exist."""
+        latest = self.latest_step()
+        if latest is None:
+            return []
+        positions = {
+            int(path.name) for path in (self.root / "positions").glob("*") if path.name.isdigit()
+        }
+        embeddings = set(store_checkpoint.committed_steps(self.embeddings_url))
+        complete = set(self.manager.all_steps()) & positions & embeddings
+        return sorted(step for step in complete if step <= latest)
+
     def save_dense(self, step: int, state: Any) -> None:
         """Saves the dense state (call on every process; returns when written). Device
         tables are not part of it: their rows are saved with the store's."""

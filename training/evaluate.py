@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 from hybridrec.common.errors import UserError
 from hybridrec.common.progress import Progress
 from hybridrec.model import StreamingMetrics, local_rows
+from hybridrec.pipeline import read_metadata
+from hybridrec.pipeline.hashing import hash_scheme
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.job import Job, load_config, prepare, require_run_dir
 from hybridrec.training.layouts import feature_ids
@@ -71,42 +74,158 @@ def evaluate_checkpoint(
     *,
     step: int | None = None,
     split: str | None = None,
+    data: str | Path | None = None,
     overrides: list[str] = (),
     distributed: dict[str, Any] | None = None,
     quiet: bool = True,
 ) -> dict[str, Any]:
     """Evaluates the checkpoint of `run_dir` at `step` (default: the newest complete one).
 
-    The result is also written to `run_dir/eval/step_<step>_<split>.json` (key `output`).
+    Args:
+        data: a preprocessed directory to evaluate on instead of the run's own data; its
+            features must be those the run was trained on (names, order, kinds, tables,
+            dense columns and id hashing), else a UserError names the difference.
+
+    The result is also written to `run_dir/eval/step_<step>_<split>.json` (key `output`),
+    or for another dataset to `step_<step>_<split>_on_<dataset name>-<path digest>.json`,
+    so that it does not replace the run's own; `data` records the dataset evaluated.
     """
     run_dir = Path(run_dir)
     require_run_dir(run_dir)
-    job = prepare(load_config(None, list(overrides), run_dir), distributed=distributed)
+    trained = load_config(None, [], run_dir)
+    if data is not None:
+        overrides = [*overrides, f"data.path={json.dumps(str(data))}"]
+    config = load_config(None, list(overrides), run_dir)
+    dataset = Path(config.data.path).resolve() if config.data.path else None
+    own_data = dataset == Path(trained.data.path).resolve()
+    if dataset is not None and not own_data:
+        check_same_features(trained.data.path, config.data.path, run_dir)
+    job = prepare(config, distributed=distributed)
     checkpoints = RunCheckpoints(run_dir, keep=job.config.checkpoint.keep)
-    step = step if step is not None else checkpoints.latest_step()
-    if step is None:
-        raise UserError(
-            f"{run_dir}: no complete checkpoint to evaluate (training stopped before its first); "
-            f"continue it with `hybridrec train --resume --run-dir {run_dir}`"
-        )
-    state = checkpoints.restore_dense(step, job.new_state())
-    store = job.open_store(checkpoints, step, remote=False)
     try:
-        results = evaluate(
-            job,
-            state,
-            store,
-            job.eval_step(),
-            split=split,
-            progress_name=None if quiet or not job.is_chief else "evaluate",
-        )
+        step = _checkpoint_step(checkpoints, step, run_dir)
+        state = checkpoints.restore_dense(step, job.new_state())
+        store = job.open_store(checkpoints, step, remote=False)
+        try:
+            results = evaluate(
+                job,
+                state,
+                store,
+                job.eval_step(),
+                split=split,
+                progress_name=None if quiet or not job.is_chief else "evaluate",
+            )
+        finally:
+            store.close()
     finally:
-        store.close()
         checkpoints.close()
-    results = {"step": step, "split": split or job.config.data.eval_split, **results}
+    split = split or job.config.data.eval_split
+    results = {"step": step, "split": split, "data": str(dataset), **results}
     if job.is_chief:
-        out = run_dir / "eval" / f"step_{step:08d}_{results['split']}.json"
+        name = f"step_{step:08d}_{split}"
+        if not own_data:
+            digest = hashlib.sha256(str(dataset).encode()).hexdigest()[:8]
+            name += f"_on_{dataset.name or 'data'}-{digest}"
+        out = run_dir / "eval" / f"{name}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(results, indent=2) + "\n")
         results["output"] = str(out)
     return results
+
+
+def _checkpoint_step(checkpoints: RunCheckpoints, step: int | None, run_dir: Path) -> int:
+    """`step` if the run holds a complete checkpoint of it (None: the newest complete one)."""
+    if step is None:
+        step = checkpoints.latest_step()
+        if step is None:
+            raise UserError(
+                f"{run_dir}: no complete checkpoint to evaluate (training stopped before its "
+                f"first); continue it with `hybridrec train --resume --run-dir {run_dir}`"
+            )
+        return step
+    complete = checkpoints.complete_steps()
+    if step not in complete:
+        have = ", ".join(map(str, complete)) or "none"
+        raise UserError(
+            f"{run_dir}: no complete checkpoint at step {step} (complete steps: {have})"
+        )
+    return step
+
+
+def check_same_features(trained_on: str | Path, data: str | Path, run_dir: str | Path) -> None:
+    """Raises a one-line UserError unless the dataset `data` has the features of `trained_on`.
+
+    A model reads a row through its features: their order (an id's high bits hold its
+    feature's position), kind (one id or a bag), table, separator, the dense columns with
+    their parsing and transform, and the id hashing. The rest of a spec (the raw layout,
+    the label's spelling) and the statistics may differ.
+    """
+    other = read_metadata(data)
+    try:
+        trained = read_metadata(trained_on)
+    except UserError as error:
+        raise UserError(
+            f"--data {data}: cannot compare its features with those {run_dir} was trained "
+            f"on: {error}"
+        ) from None
+    difference = _feature_difference(trained.raw, other.raw)
+    if difference:
+        raise UserError(
+            f"--data {data}: not the features {run_dir} was trained on ({trained_on}): {difference}"
+        )
+
+
+def _feature_difference(trained: dict, other: dict) -> str | None:
+    """What differs between two metadata.json's features, in a phrase naming the other
+    dataset's value first, or None."""
+    spec, other_spec = trained["spec"], other["spec"]
+    features = {c["name"]: c for c in spec["categorical"]}
+    theirs = {c["name"]: c for c in other_spec["categorical"]}
+    if missing := [name for name in features if name not in theirs]:
+        return f"it lacks categorical feature(s) {', '.join(missing)}"
+    if extra := [name for name in theirs if name not in features]:
+        return f"it has categorical feature(s) {', '.join(extra)} the run's data has not"
+    if list(theirs) != list(features):
+        return (
+            f"its categorical features are in the order {', '.join(theirs)}, the run's in "
+            f"{', '.join(features)} (an id carries its feature's position)"
+        )
+    for name, feature in features.items():
+        kinds = [
+            "multi-valued" if f["multi_valued"] else "single-valued"
+            for f in (theirs[name], feature)
+        ]
+        if kinds[0] != kinds[1]:
+            return f"feature {name} is {kinds[0]}, in the run's data {kinds[1]}"
+        for key in ("separator", "table"):
+            if theirs[name].get(key, "") != feature.get(key, ""):
+                return (
+                    f"feature {name} has {key} {theirs[name].get(key, '')!r}, in the run's "
+                    f"data {feature.get(key, '')!r}"
+                )
+    for key in ("dense", "dense_type", "dense_transform"):
+        if other_spec.get(key) != spec.get(key):
+            return (
+                f"{key} is {_shown(other_spec.get(key))}, in the run's data {_shown(spec.get(key))}"
+            )
+    schemes = [
+        raw.get("hash_scheme") or hash_scheme(int(raw["spec"].get("prefix_bits", 8)))
+        for raw in (other, trained)
+    ]
+    if schemes[0] != schemes[1]:
+        return (
+            f"its ids are hashed with {_scheme(schemes[0])}, the run's with {_scheme(schemes[1])}"
+        )
+    return None
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return ", ".join(value) or "none"
+    return repr(value)
+
+
+def _scheme(scheme: dict) -> str:
+    return (
+        f"{scheme.get('name')} v{scheme.get('version')} ({scheme.get('prefix_bits')} prefix bits)"
+    )

@@ -21,17 +21,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run", required=True, help="run directory written by `hybridrec train`")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest complete)")
     parser.add_argument("--split", help="data split (default: the run's eval split)")
-    parser.add_argument("--data", help="evaluate on another preprocessed directory")
+    parser.add_argument(
+        "--data",
+        help="evaluate on another preprocessed directory with the run's features (the "
+        "result goes to its own file, named after it)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     _flags.add_distributed_flags(parser)
     args = parser.parse_args(argv)
     use_compilation_cache()
-    overrides = [f"data.path={json.dumps(str(args.data))}"] if args.data else []
     results = evaluate_checkpoint(
         args.run,
         step=args.step,
         split=args.split,
-        overrides=overrides,
+        data=args.data,
         distributed=_flags.distributed_options(args),
         quiet=args.json,
     )
@@ -39,8 +42,9 @@ def main(argv: list[str]) -> int:
         if args.json:
             print(json.dumps(results))
         else:
+            on = results["split"] + (f" of {args.data}" if args.data else "")
             print(
-                f"{run_name(args.run)} step {results['step']} on {results['split']}: AUC {results['auc']:.4f}  "
+                f"{run_name(args.run)} step {results['step']} on {on}: AUC {results['auc']:.4f}  "
                 f"logloss {results['logloss']:.4f}  NE {results['ne']:.4f}  "
                 f"calibration {results['calibration']:.3f}  ({int(results['count']):,} rows)\n"
                 f"written to {results['output']}"

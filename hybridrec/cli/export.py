@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline.metadata import METADATA_FILE, SUCCESS_FILE
+from hybridrec.serving._format import MANIFEST_FILE
 from hybridrec.serving.export import export_run
+from hybridrec.training.job import RUN_MARKERS
+from hybridrec.training.run_log import run_name
 
 
 def main(argv: list[str]) -> int:
@@ -15,7 +22,11 @@ def main(argv: list[str]) -> int:
         "spec) as the next version of an export directory, for `hybridrec serve`.",
     )
     parser.add_argument("--run", required=True, help="run directory written by `hybridrec train`")
-    parser.add_argument("--out", required=True, help="export directory (versions go in OUT/<n>)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="export directory of its own, e.g. exports/RUN_NAME (versions go in OUT/<n>)",
+    )
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest complete)")
     parser.add_argument(
         "--precision",
@@ -25,6 +36,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--name", help="model name in the serving URLs (default: OUT's name)")
     args = parser.parse_args(argv)
+    check_out(Path(args.out), args.run)
     summary = export_run(
         args.run, args.out, step=args.step, precision=args.precision, name=args.name
     )
@@ -38,3 +50,36 @@ def main(argv: list[str]) -> int:
         f"  next: hybridrec serve {args.out}"
     )
     return 0
+
+
+def not_an_export(path: Path) -> tuple[str, str] | None:
+    """("run" | "dataset", its description) if `path` is a directory of that kind, else None."""
+    for kind, markers in (
+        ("run", RUN_MARKERS),
+        ("dataset", (METADATA_FILE, SUCCESS_FILE)),
+    ):
+        if found := [name for name in markers if (path / name).exists()]:
+            return kind, f"a {kind} directory (it holds {', '.join(found)})"
+    return None
+
+
+def check_out(out: Path, run_dir: str) -> None:
+    """A one-line UserError unless `out` can take export versions: a directory of its own
+    (new, or an export's base directory) under a writable directory."""
+    instead = f"pass a directory of its own, e.g. --out exports/{run_name(run_dir)}"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; {instead}")
+    if other := not_an_export(out):
+        raise UserError(
+            f"--out {out} is {other[1]}: the export would be written into it; {instead}"
+        )
+    if (out / MANIFEST_FILE).is_file():
+        raise UserError(
+            f"--out {out} is one version of an export (it holds {MANIFEST_FILE}); pass its "
+            f"base directory, --out {out.parent}"
+        )
+    existing = next(parent for parent in (out, *out.absolute().parents) if parent.exists())
+    if not existing.is_dir():
+        raise UserError(f"--out {out}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: cannot write in {existing} (permission denied)")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from hybridrec.cli._flags import add_tls_flags, read_token_file
+from hybridrec.common.errors import UserError
 from hybridrec.common.tls import TLSFiles
+from hybridrec.serving._format import MANIFEST_FILE, versions
 from hybridrec.serving.server import ServeOptions, serve
 
 
@@ -18,7 +21,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("export", help="export directory (its newest version) or one version")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free port)")
     parser.add_argument("--token-file", help="file holding the bearer token clients must send")
     add_tls_flags(
         parser,
@@ -42,6 +45,7 @@ def main(argv: list[str]) -> int:
         help="check file sizes but not sha256 at load (exports larger than RAM load faster)",
     )
     args = parser.parse_args(argv)
+    _check_export(Path(args.export))
     options = ServeOptions(
         max_batch=args.max_batch,
         max_delay_ms=args.max_delay_ms,
@@ -54,3 +58,37 @@ def main(argv: list[str]) -> int:
     )
     serve(args.export, host=args.host, port=args.port, options=options)
     return 0
+
+
+def _port(text: str) -> int:
+    """--port's value: a TCP port number, 0 to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise UserError(f"--port {text!r} is not a number (0-65535; 0: any free port)") from None
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is outside 0-65535 (0: any free port)")
+    return port
+
+
+def _check_export(path: Path) -> None:
+    """A one-line UserError for a run or dataset directory given in place of an export,
+    with the command that exports it into a directory of its own."""
+    if not path.is_dir() or (path / MANIFEST_FILE).exists() or versions(path):
+        return  # an export, or nothing: serving says which
+    from hybridrec.cli.export import not_an_export  # imports the training code: only here
+    from hybridrec.training.run_log import run_name
+
+    if (other := not_an_export(path)) is None:
+        return
+    kind, description = other
+    if kind == "run":
+        out = Path("exports") / run_name(path)
+        raise UserError(
+            f"{path} is {description}, not an export; export it first with `hybridrec export "
+            f"--run {path} --out {out}`, then `hybridrec serve {out}`"
+        )
+    raise UserError(
+        f"{path} is {description}, not an export; serve the export of a run trained on it "
+        "(`hybridrec export --run RUN_DIR --out exports/RUN_NAME`)"
+    )
