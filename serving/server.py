@@ -22,10 +22,12 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
+import signal
 import socket
 import ssl
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,8 @@ class _Service:
         self.failed_versions: set[int] = set()
         self.reloads = 0
         self.in_flight: dict[int, int] = {}  # id(model) -> requests holding it
+        self.requests = 0  # answered by the guarded routes (every route but health)
+        self.refused = 0  # of them, answered with an error status
 
     @contextlib.contextmanager
     def holding(self, model: ServedModel):
@@ -189,6 +193,12 @@ def create_app(model: ServedModel, base: str | Path, options: ServeOptions) -> S
 
     def guarded(handler):
         async def route(request: Request) -> Response:
+            service.requests += 1
+            response = await answer(request)
+            service.refused += response.status_code >= 400
+            return response
+
+        async def answer(request: Request) -> Response:
             if not service.authorized(request):
                 return _error("missing or wrong bearer token", 401)
             try:
@@ -375,8 +385,29 @@ def serve(
     )
     for warning in _security_warnings(host, options):
         print(f"hybridrec serve: warning: {warning}", file=sys.stderr, flush=True)
-    server.run(sockets=[sock])
-    print(f"hybridrec serve: stopped ({json.dumps(model.stats())})", flush=True)
+    started = time.monotonic()
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again under the handler it
+    # found: this one ends the process with a summary (the default would kill it silently)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stopped) if main else None
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+        service = server.config.app.state.service
+        current = service.model
+        print(
+            f"hybridrec serve: stopped after {time.monotonic() - started:,.0f} s: "
+            f"{service.requests:,} requests ({service.refused:,} refused), "
+            f"{current.rows_scored:,} rows scored by version {current.version}"
+            + (f", {service.reloads} reload(s)" if service.reloads else ""),
+            flush=True,
+        )
+
+
+def _stopped(signum, frame) -> None:
+    raise SystemExit(0)  # stopped as asked, after a graceful shutdown
 
 
 def _security_warnings(host: str, options: ServeOptions) -> list[str]:

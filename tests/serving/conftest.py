@@ -50,13 +50,14 @@ class Server:
         self.url = scheme + line.split(scheme, 1)[1].split()[0]
 
     def stop(self) -> str:
-        """Stops the server (SIGTERM, as a process manager would); returns its stderr."""
+        """Stops the server (SIGTERM, as a process manager would); returns its stderr (its
+        stdout after the start-up line is then `self.output`)."""
         self.process.terminate()
         try:
-            _, stderr = self.process.communicate(timeout=30)
+            self.output, stderr = self.process.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            _, stderr = self.process.communicate()
+            self.output, stderr = self.process.communicate()
         return stderr
 
 

@@ -295,3 +295,20 @@ def test_failed_export_leaves_nothing_visible(trained, tmp_path):
     assert second.returncode == 2 and "values" in second.stderr
     assert sorted(path.name for path in out.iterdir()) == ["1"]  # no version 2, no leftovers
     ServedModel(out)  # version 1 is untouched
+
+
+def test_a_stopped_server_says_what_it_served(exported, start_server, headers, tmp_path):
+    """SIGTERM, as a process manager stops it: the last line counts the requests, the
+    refused ones and the rows scored (uvicorn re-raises the signal after its shutdown)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(headers["Authorization"].split()[1])
+    server = start_server(str(exported), "--token-file", str(token_file))
+    name = exported.name
+    with httpx.Client(timeout=30) as client:
+        good = client.get(f"{server.url}/v2/models/{name}", headers=headers)
+        refused = client.get(f"{server.url}/v2/models/{name}")  # no token
+    assert (good.status_code, refused.status_code) == (200, 401)
+    server.stop()
+    last = server.output.strip().splitlines()[-1]
+    assert last.startswith("hybridrec serve: stopped after"), server.output
+    assert "2 requests (1 refused), 0 rows scored by version 1" in last, last
