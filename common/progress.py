@@ -32,7 +32,8 @@ class Progress:
 
     Args:
         name: label printed at the start of every line.
-        total: expected number of units, or None when unknown (no ETA then).
+        total: expected number of units (may be fractional, e.g. MB), or None when unknown
+            (no ETA then).
         unit: what is being counted ("rows", "samples", "steps").
         interval: minimum seconds between two lines.
         stream: where to write; stderr by default.
@@ -42,7 +43,7 @@ class Progress:
         self,
         name: str,
         *,
-        total: int | None = None,
+        total: float | None = None,
         unit: str = "rows",
         interval: float = 2.0,
         stream: TextIO | None = None,
@@ -65,7 +66,7 @@ class Progress:
     def rate(self) -> float:
         return self.count / max(self.elapsed, 1e-9)
 
-    def update(self, n: int = 1, **fields: float | str) -> None:
+    def update(self, n: float = 1, **fields: float | str) -> None:
         """Adds `n` units; prints a line if `interval` seconds have passed.
 
         Extra keyword fields (loss=0.45, staleness=3) are shown after the rate.

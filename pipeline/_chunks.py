@@ -26,13 +26,14 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from hybridrec.common.errors import UserError
-from hybridrec.pipeline import _parquet, hashing
+from hybridrec.pipeline import _header, _parquet, hashing
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._parse import BlockParser, ParsedBlock
 from hybridrec.pipeline.spec import FeatureSpec
 from hybridrec.pipeline.stats import PartialStats
 
 ROW_GROUP_ROWS = 65_536
+_HEADER_READ_BYTES = 1 << 16  # read at a time while looking for the end of a header line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +122,33 @@ def list_chunks(
                     chunks.append(Chunk(file_index, path, index, start, end, size))
             file_index += 1
     return chunks
+
+
+def check_headers(chunks: Sequence[Chunk], spec: FeatureSpec, spec_source: str) -> None:
+    """Compares the first line of every text input with the spec's columns (`header = true`).
+
+    Args:
+        spec_source: the spec as the user named it (file or built-in name), for messages.
+
+    Raises:
+        UserError: a header that differs, naming the file and the first differing field;
+            or a file whose first block cannot be read (a truncated small .gz).
+    """
+    if not spec.header:
+        return
+    for chunk in chunks:
+        if chunk.format != "text" or chunk.chunk_index != 0:
+            continue
+        try:
+            first = next(read_blocks(chunk, _HEADER_READ_BYTES), b"")
+        except InputError as error:
+            raise UserError(error.plain) from None
+        line = _header.strip_bom(first).split(b"\n", 1)[0]
+        problem = _header.mismatch(_header.decode_line(line), spec) if first else None
+        if problem:
+            raise UserError(
+                f"{chunk.path}: line 1: header does not match spec {spec_source}: {problem}"
+            )
 
 
 def _line_aligned(reads: Iterator[bytes]) -> Iterator[bytes]:
@@ -368,12 +396,14 @@ def _text_blocks(
     """(line index in the file of the block's first line, parsed block, input bytes consumed)."""
     position = [0]
     line = first_line
-    header_pending = spec.header and chunk.chunk_index == 0
+    first_block = chunk.chunk_index == 0
     for block in read_blocks(chunk, block_bytes, position):
-        if header_pending:
-            header_pending = False
-            block = _strip_header(block, spec, chunk.path)
-            line += 1
+        if first_block:
+            first_block = False
+            block = _header.strip_bom(block)
+            if spec.header:
+                block = _header.strip_header(block, spec, chunk.path)
+                line += 1
         parsed = parser.parse(block, row_hashes=row_hashes)
         yield line, parsed, position[0] - (0 if chunk.compressed else chunk.start)
         line += parsed.lines
@@ -414,19 +444,6 @@ def _parquet_blocks(
         done = row + parsed.lines - first_row
         yield row, parsed, chunk.data_bytes * done // max(chunk.rows, 1)
         row += parsed.lines
-
-
-def _strip_header(block: bytes, spec: FeatureSpec, path: str) -> bytes:
-    end = block.find(b"\n")
-    end = len(block) if end < 0 else end
-    header = block[:end].rstrip(b"\r").decode("utf-8", errors="backslashreplace")
-    expected = spec.delimiter.join(spec.columns)
-    if header != expected:
-        raise InputError(
-            f"{path}: line 1: header {header[:200]!r} does not match spec {spec.name!r} "
-            f"columns {expected[:200]!r}"
-        )
-    return block[end + 1 :]
 
 
 def _write_progress(path: str, consumed: int, lines: int, rejected: int) -> None:

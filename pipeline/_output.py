@@ -3,8 +3,10 @@
 Workers write everything under `OUT/_temporary/` with names that depend only on the
 input chunk (`train/chunk-KEY.parquet`, `rejected/chunk-KEY.jsonl`, `stats.pickle`), so
 a retried chunk overwrites its own files and nothing else. After a successful run the
-launcher renames them into their final names in input order, writes metadata.json and
-then `_SUCCESS`, last. A failed run leaves no `_SUCCESS` and no final files.
+launcher removes the dataset a previous run completed there (under `--overwrite`),
+renames the new files into their final names in input order, writes metadata.json and
+then `_SUCCESS`, last. A failed run leaves no `_SUCCESS` and no final files, and a
+complete dataset already in OUT stays as it was.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from hybridrec.pipeline.stats import PartialStats
 TEMP_DIR = "_temporary"
 STATS_FILE = "stats.pickle"
 LOG_FILE = "beam-workers.log"
-# What a previous run may have left: all of it goes before a new run starts.
-_OUTPUTS = ("metadata.json", "train", "eval", "rejected", TEMP_DIR)
+# The files of a dataset, besides _SUCCESS; a new dataset replaces them when it is published.
+_OUTPUTS = ("metadata.json", "train", "eval", "rejected")
 
 
 def _is_local(path: str) -> bool:
@@ -31,15 +33,13 @@ def _is_local(path: str) -> bool:
 
 
 def prepare(out: str, overwrite: bool) -> None:
-    """Empties `out` of a previous run's files; refuses a complete one without `overwrite`."""
-    success = FileSystems.join(out, metadata.SUCCESS_FILE)
-    if FileSystems.exists(success):
-        if not overwrite:
-            raise UserError(
-                f"{out} already holds a complete dataset; pass --overwrite to replace it"
-            )
-        FileSystems.delete([success])  # from here on the directory is clearly incomplete
-    stale = [FileSystems.join(out, name) for name in _OUTPUTS]
+    """Readies `out` for a run: removes what a failed run left; refuses a complete dataset
+    without `overwrite`, and with it keeps that dataset until `publish` replaces it."""
+    complete = FileSystems.exists(FileSystems.join(out, metadata.SUCCESS_FILE))
+    if complete and not overwrite:
+        raise UserError(f"{out} already holds a complete dataset; pass --overwrite to replace it")
+    stale = [TEMP_DIR] if complete else [*_OUTPUTS, TEMP_DIR]
+    stale = [FileSystems.join(out, name) for name in stale]
     stale = [path for path in stale if FileSystems.exists(path)]
     if stale:
         FileSystems.delete(stale)
@@ -49,9 +49,11 @@ def prepare(out: str, overwrite: bool) -> None:
         os.makedirs(out, exist_ok=True)
 
 
-def discard_partial(temp_dir: str) -> None:
-    """After a failed run: removes the workers' partial files, keeps the worker log."""
-    names = ("train", "eval", "rejected", "stats", "progress", STATS_FILE)
+def discard_partial(temp_dir: str, *, keep_rejected: bool = False) -> None:
+    """After a failed run: removes the workers' partial files, keeps the worker log (and
+    the rejected rows with `keep_rejected`)."""
+    names = ("train", "eval", "stats", "progress", STATS_FILE)
+    names += () if keep_rejected else ("rejected",)
     paths = [FileSystems.join(temp_dir, name) for name in names]
     paths = [path for path in paths if FileSystems.exists(path)]
     if paths:
@@ -95,12 +97,7 @@ def _rename_in_order(out: str, temp_dir: str, stats: PartialStats, kind: str) ->
     return relative
 
 
-def publish_rejected(out: str, temp_dir: str, stats: PartialStats) -> list[str]:
-    """Moves the rejected-row files to `OUT/rejected/` (also when the job then fails)."""
-    return _rename_in_order(out, temp_dir, stats, "rejected")
-
-
-def finalize(
+def publish(
     out: str,
     temp_dir: str,
     spec,
@@ -109,9 +106,20 @@ def finalize(
     *,
     runner: str,
     input_files: list[str],
-    rejected_files: list[str],
 ) -> dict:
-    """Renames the Parquet files into their final names, writes metadata.json, then _SUCCESS."""
+    """Replaces the dataset in `out` with the new one: metadata.json, then _SUCCESS, last.
+
+    Raises:
+        UserError: no input rows, or every row rejected; the rejected rows are then kept
+            (in `out/rejected/`, or under the temporary directory when `out` holds a
+            complete dataset, which stays as it was).
+    """
+    if stats.rows_read == 0:
+        raise UserError(f"no input rows: every input file is empty ({', '.join(config.inputs)})")
+    if not sum(stats.rows_by_split.values()):
+        raise UserError(_all_rejected(out, temp_dir, stats))
+    _remove_previous(out)
+    rejected_files = _rename_in_order(out, temp_dir, stats, "rejected")
     splits = {}
     for split in ("train", "eval"):
         files = _rename_in_order(out, temp_dir, stats, split)
@@ -136,3 +144,33 @@ def finalize(
     with FileSystems.create(FileSystems.join(out, metadata.SUCCESS_FILE)) as handle:
         handle.write(b"")
     return meta
+
+
+def _remove_previous(out: str) -> None:
+    """Removes a previous dataset's files, `_SUCCESS` first (from then on `out` is clearly
+    incomplete)."""
+    for names in ((metadata.SUCCESS_FILE,), _OUTPUTS):
+        paths = [FileSystems.join(out, name) for name in names]
+        paths = [path for path in paths if FileSystems.exists(path)]
+        if paths:
+            FileSystems.delete(paths)
+
+
+def _all_rejected(out: str, temp_dir: str, stats: PartialStats) -> str:
+    """Keeps the rejected rows of a run that wrote none; the error message, with the
+    counts by reason and the first rejected row."""
+    complete = FileSystems.exists(FileSystems.join(out, metadata.SUCCESS_FILE))
+    where = temp_dir if complete else out  # a complete dataset's own rejected/ stays
+    files = _rename_in_order(where, temp_dir, stats, "rejected")
+    discard_partial(temp_dir, keep_rejected=complete)
+    reasons = ", ".join(f"{k}={v:,}" for k, v in sorted(stats.rejected_by_reason.items()))
+    message = f"every input row was rejected ({stats.rows_read:,} rows: {reasons})"
+    if files:
+        with FileSystems.open(FileSystems.join(where, files[0])) as handle:
+            first = json.loads(handle.readline())
+        row = f":{first['line']}" if "line" in first else f" row {first['row']}"
+        message += f"; first: {first['file']}{row}: {first['reason']} ({first['detail']})"
+    message += f"; see {FileSystems.join(where, 'rejected')}"
+    if complete:
+        message += f" (the dataset already in {out} is unchanged)"
+    return message

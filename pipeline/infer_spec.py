@@ -25,11 +25,15 @@ from pathlib import Path
 
 from hybridrec.common import config
 from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.pipeline._header import strip_bom
 from hybridrec.pipeline.spec import FeatureSpec
 
 SAMPLE_ROWS = 2000  # rows read from the start of the file
 SAMPLE_BYTES = 8 << 20  # at most this many (decompressed) bytes
 SEPARATORS = ("\t", ",", ";", "|")
+# a separator fits when it splits at least this share of the lines into the same number
+# of fields; the other lines are left out of the sample (and reported)
+MIN_FITTING_SHARE = 0.95
 MAX_CODE_VALUES = 10  # integer columns with at most this many distinct values are codes
 MIN_ROWS_FOR_ID = 20  # "every value distinct" means an id only in a sample this large
 # positive label values, lower case (else the rarer of the two values is the positive one)
@@ -60,26 +64,27 @@ class ProposedSpec:
     columns: tuple[ColumnGuess, ...]
     toml: str
     rows: int  # data rows of the sample the guesses rest on
+    # lines (1-based) left out: a field count other than most lines' (a few bad lines)
+    skipped_lines: tuple[int, ...] = ()
 
 
 def propose_spec(path: str | Path, *, max_rows: int = SAMPLE_ROWS) -> ProposedSpec:
     """Proposes a feature spec from the first `max_rows` rows of `path`.
 
+    Lines with another number of fields than most (at least MIN_FITTING_SHARE of the
+    lines have the same) are left out and listed in `skipped_lines`.
+
     Raises:
         UserError: the file is missing, empty, binary or not delimited text, or no
-            column can be the label; the message names the file (and line).
+            column can be the label or categorical; the message names the file (and line).
     """
     path = Path(path)
-    lines = _read_lines(path, max_rows)
-    delimiter = _guess_separator(path, lines)
-    rows = [line.split(delimiter) for line in lines]
-    width = len(rows[0])
-    for number, row in enumerate(rows, 1):
-        if len(row) != width:
-            raise UserError(
-                f"{path}: line {number}: {len(row)} fields, the first line has {width} "
-                f"(separator {_SEPARATOR_NAMES[delimiter]})"
-            )
+    numbered = _read_lines(path, max_rows)
+    delimiter, width = _guess_separator(path, [line for _, line in numbered])
+    rows = [line.split(delimiter) for _, line in numbered]
+    fits = [len(row) == width for row in rows]
+    skipped = tuple(number for (number, _), fit in zip(numbered, fits, strict=True) if not fit)
+    rows = [row for row, fit in zip(rows, fits, strict=True) if fit]
     header = _looks_like_header(rows)
     names = [name.strip() for name in rows[0]] if header else [f"c{i}" for i in range(width)]
     data = (rows[1:] if header else rows)[:max_rows]
@@ -93,10 +98,13 @@ def propose_spec(path: str | Path, *, max_rows: int = SAMPLE_ROWS) -> ProposedSp
         config.from_dict(FeatureSpec, tomllib.loads(toml))
     except ConfigError as error:  # names that TOML or the spec cannot hold
         raise UserError(f"{path}: the proposed spec does not load: {error}") from None
-    return ProposedSpec(spec=spec, columns=tuple(guesses), toml=toml, rows=len(data))
+    return ProposedSpec(
+        spec=spec, columns=tuple(guesses), toml=toml, rows=len(data), skipped_lines=skipped
+    )
 
 
-def _read_lines(path: Path, max_rows: int) -> list[str]:
+def _read_lines(path: Path, max_rows: int) -> list[tuple[int, str]]:
+    """The sample's non-empty lines with their 1-based line numbers, a BOM removed."""
     if not path.exists():
         raise UserError(f"{path}: no such file")
     if path.is_dir():
@@ -115,7 +123,7 @@ def _read_lines(path: Path, max_rows: int) -> list[str]:
     if b"\x00" in head:
         line = head.count(b"\n", 0, head.index(b"\x00")) + 1
         raise UserError(f"{path}: line {line}: binary data (a NUL byte), not a text log")
-    raw_lines = head.split(b"\n")
+    raw_lines = strip_bom(head).split(b"\n")
     if len(raw_lines) > 1 and len(head) >= SAMPLE_BYTES:
         raw_lines = raw_lines[:-1]  # the last line may be cut by the byte limit
     lines = []
@@ -129,7 +137,7 @@ def _read_lines(path: Path, max_rows: int) -> list[str]:
                 "is this a binary file?"
             ) from None
         if text:
-            lines.append(text)
+            lines.append((number, text))
     if len(lines) == 1:
         raise UserError(
             f"{path}: only one line; the sample needs a header and data rows, or several rows"
@@ -137,20 +145,21 @@ def _read_lines(path: Path, max_rows: int) -> list[str]:
     return lines
 
 
-def _guess_separator(path: Path, lines: list[str]) -> str:
-    """The separator that splits every line into the same number (> 1) of fields."""
+def _guess_separator(path: Path, lines: list[str]) -> tuple[str, int]:
+    """The separator that splits most lines (MIN_FITTING_SHARE) into the same number (> 1)
+    of fields, the widest such split if several do; returns (separator, fields)."""
     best, best_width = None, 1
     for separator in SEPARATORS:
         widths = Counter(line.count(separator) + 1 for line in lines)
         width, count = widths.most_common(1)[0]
-        if count == len(lines) and width > best_width:
+        if count >= MIN_FITTING_SHARE * len(lines) and width > best_width:
             best, best_width = separator, width
     if best is None:
         raise UserError(
-            f"{path}: no separator ({', '.join(_SEPARATOR_NAMES.values())}) splits every "
-            "line into the same number of fields"
+            f"{path}: no separator ({', '.join(_SEPARATOR_NAMES.values())}) splits "
+            f"{MIN_FITTING_SHARE:.0%} of the lines into the same number of fields"
         )
-    return best
+    return best, best_width
 
 
 def _number(value: str) -> float | None:
@@ -257,6 +266,12 @@ def _label_reason(values: list[str]) -> str:
 
 
 def _build_spec(path, delimiter, header, names, columns, guesses) -> FeatureSpec:
+    if not any(guess.kind == "categorical" for guess in guesses):
+        kinds = ", ".join(f"{guess.name} {guess.kind}" for guess in guesses)
+        raise UserError(
+            f"{path}: no column looks categorical ({kinds}); the models need at least one "
+            "categorical feature: write the spec by hand (docs/pipeline.md)"
+        )
     label = next(guess for guess in guesses if guess.kind == "label")
     label_values = _label_values(columns[names.index(label.name)])
     dense = [guess.name for guess in guesses if guess.kind == "numeric"]

@@ -315,7 +315,8 @@ def run_preprocess(
         UserError: unknown spec or runner, missing input, an unreachable Dask scheduler,
             input that stops the job (truncated .gz, header mismatch), an existing
             complete output without `overwrite`, or no valid rows at all. No `_SUCCESS`
-            is written then, and a failed run leaves no partial output files.
+            is written then, a failed run leaves no partial output files, and a complete
+            dataset already in the output stays as it was.
     """
     runner = runners.resolve_runner(config.runner)
     dask = runners.runner_kind(runner) == "dask"
@@ -323,7 +324,8 @@ def run_preprocess(
     chunks = _chunks.list_chunks(
         config.inputs, config.chunk_bytes, spec=spec, input_format=config.input_format
     )
-    if dask and config.dask_address:  # before the output is touched
+    _chunks.check_headers(chunks, spec, config.spec)  # before the output is touched
+    if dask and config.dask_address:
         runners.check_dask_scheduler(config.dask_address, config.dask_timeout)
     out = config.output
     _output.prepare(out, config.overwrite)
@@ -387,26 +389,19 @@ def run_preprocess(
 
 
 def _publish(config, spec, chunks, temp_dir, progress, runner_line) -> PreprocessResult:
-    out = config.output
-    stats = _output.read_stats(temp_dir)
-    rejected_files = _output.publish_rejected(out, temp_dir, stats)
-    if stats.rows_read == 0:
-        raise UserError(f"no input rows: every input file is empty ({', '.join(config.inputs)})")
-    if not sum(stats.rows_by_split.values()):
-        raise UserError(f"every input row was rejected; see {FileSystems.join(out, 'rejected')}")
-    meta = _output.finalize(
-        out,
+    meta = _output.publish(
+        config.output,
         temp_dir,
         spec,
-        stats,
+        _output.read_stats(temp_dir),
         config,
         runner=runner_line,
         input_files=list(dict.fromkeys(chunk.path for chunk in chunks)),
-        rejected_files=rejected_files,
     )
     counts = meta["counts"]
+    progress.count = progress.total  # the run read its whole input
     progress.close(rows=counts["rows_read"], rejected=counts["rows_rejected"])
-    return PreprocessResult(out, meta, progress.elapsed)
+    return PreprocessResult(config.output, meta, progress.elapsed)
 
 
 @contextlib.contextmanager
@@ -451,18 +446,17 @@ def _run_with_progress(pipeline, progress_dir: str | None, total_bytes: int, str
         finally:
             runners.close_runner_client(result)
 
-    progress = Progress("preprocess", total=max(total_bytes // 2**20, 1), unit="MB", stream=stream)
+    scale, unit = (2**20, "MB") if total_bytes >= 2**20 else (2**10, "kB")
+    progress = Progress("preprocess", total=total_bytes / scale, unit=unit, stream=stream)
     thread = threading.Thread(target=run, name="beam-pipeline", daemon=True)
     thread.start()
-    done_mb = 0
     while thread.is_alive():
         thread.join(timeout=1.0)
         if progress_dir and os.path.isdir(progress_dir):
             consumed, lines, rejected = _read_progress(progress_dir)
-            mb = consumed // 2**20
             rows_per_s = f"{lines / max(progress.elapsed, 1e-9):,.0f}"
-            progress.update(mb - done_mb, rows=lines, rows_per_s=rows_per_s, rejected=rejected)
-            done_mb = mb
+            done = consumed / scale - progress.count
+            progress.update(done, rows=lines, rows_per_s=rows_per_s, rejected=rejected)
     if failure:
         error = failure[0]
         match = re.search(

@@ -9,8 +9,10 @@ after it (see docs/pipeline.md, "Runners").
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
+import difflib
 import importlib
 import logging
 import os
@@ -78,6 +80,51 @@ def _has_flag(beam_args: Sequence[str], *names: str) -> bool:
     return any(arg.split("=", 1)[0] in names for arg in beam_args)
 
 
+def check_beam_args(
+    beam_args: Sequence[str], *, runner: str = "DirectRunner", own_flags: Sequence[str] = ()
+) -> None:
+    """Refuses an argument that no Beam pipeline option takes: Beam itself drops it with a
+    log warning, so a misspelled flag would silently change nothing.
+
+    Args:
+        beam_args: the arguments left after the command's own flags.
+        runner: a value of `resolve_runner` (which imports a runner given as a class
+            path, so the options it defines count as known).
+        own_flags: the command's own flags (`--eval-fraction`), suggested before Beam's.
+
+    Raises:
+        UserError: the first unknown argument or a bad option value, one line, with the
+            closest known flag.
+    """
+    if runner_kind(runner) == "dask":
+        with contextlib.suppress(ImportError):  # without Dask, --runner dask fails later
+            import apache_beam.runners.dask.dask_runner  # noqa: F401 - defines DaskOptions
+    parsers: list[argparse.ArgumentParser] = []
+    PipelineOptions([]).get_all_options(add_extra_args_fn=parsers.append)
+    parser = parsers[0]  # the parser Beam reads its options with, every option defined
+    parser.exit_on_error = False
+    try:
+        _, unknown = parser.parse_known_args(list(beam_args))
+    except argparse.ArgumentError as error:
+        raise UserError(f"Beam pipeline option {error}") from None
+    if not unknown:
+        return
+    name = unknown[0].split("=", 1)[0]
+    if not name.startswith("-"):
+        raise UserError(
+            f"unexpected argument {unknown[0]!r}: it follows no flag that takes a value"
+        )
+    beam_flags = [option for action in parser._actions for option in action.option_strings]
+    # compared with "_" read as "-": Beam's flags use one, the command's the other
+    flags = {flag.replace("_", "-"): flag for flag in [*beam_flags, *own_flags]}
+    # 0.7: difflib's 0.6 suggests any flag sharing a word ("--...-option")
+    close = difflib.get_close_matches(name.replace("_", "-"), list(flags), n=1, cutoff=0.7)
+    hint = f" (did you mean {flags[close[0]]}?)" if close else ""
+    raise UserError(
+        f"unknown flag {name}{hint}: not a flag of this command nor a Beam pipeline option"
+    )
+
+
 def pipeline_options(
     beam_args: Sequence[str],
     input_bytes: Sequence[int] = (),
@@ -95,7 +142,7 @@ def pipeline_options(
     one partition, which would run every chunk in one task).
 
     Args:
-        beam_args: Beam flags, untouched.
+        beam_args: Beam flags, untouched; one that no Beam option takes is an error.
         input_bytes: [chunks] input bytes of each chunk.
         runner: a value of `resolve_runner`.
         dask_address: the scheduler the DaskRunner connects to.
@@ -104,6 +151,7 @@ def pipeline_options(
         raise UserError(
             "give the runner as --runner (PreprocessConfig.runner), not as a Beam option"
         )
+    check_beam_args(beam_args, runner=runner)
     options = PipelineOptions(list(beam_args))
     standard = options.view_as(StandardOptions)
     standard.runner = runner

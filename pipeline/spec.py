@@ -55,14 +55,21 @@ class FeatureSpec:
     dense: tuple[str, ...] = ()  # numeric columns, output as float32 after `dense_transform`
     dense_type: Literal["int64", "float64"] = "int64"  # how dense fields are parsed
     dense_transform: Literal["log1p", "identity"] = "log1p"  # log1p: missing->0, clip<0->0, log1p
-    categorical: tuple[CategoricalSpec, ...] = ()  # categorical features, output as uint64 ids
+    # categorical features, output as uint64 ids; at least one (the models embed them)
+    categorical: tuple[CategoricalSpec, ...] = ()
     prefix_bits: int = 8  # high bits of every id holding the feature prefix (1 + feature index)
 
     def __post_init__(self):
         if len(self.delimiter.encode()) != 1 or self.delimiter in "\r\n":
             raise ValueError(f"delimiter must be one byte (not a newline), got {self.delimiter!r}")
-        if len(set(self.columns)) != len(self.columns):
-            raise ValueError("columns contains a name twice")
+        repeated = _repeated(self.columns)
+        if repeated:
+            raise ValueError(f"columns: {repeated!r} is listed twice")
+        if not self.categorical:
+            raise ValueError(
+                "no [[categorical]] feature: the models embed categorical ids and need at "
+                "least one (a dense-only dataset cannot train)"
+            )
         known = set(self.columns)
         used = [self.label, *self.dense, *(c.name for c in self.categorical)]
         for name in used:
@@ -77,8 +84,9 @@ class FeatureSpec:
                 f"label_values must be two different non-empty values [negative, positive] "
                 f"without the delimiter, got {list(self.label_values)}"
             )
-        if len(set(used)) != len(used):
-            raise ValueError("a column is used twice (label, dense and categorical must differ)")
+        repeated = _repeated(used)
+        if repeated:
+            raise ValueError(self._used_twice(repeated))
         if not 1 <= self.prefix_bits <= 16:
             raise ValueError(f"prefix_bits must be in [1, 16], got {self.prefix_bits}")
         if len(self.categorical) >= 2**self.prefix_bits:
@@ -88,6 +96,21 @@ class FeatureSpec:
         for feature in self.categorical:
             if feature.multi_valued and feature.separator == self.delimiter:
                 raise ValueError(f"categorical {feature.name}: separator equals the delimiter")
+
+    def _used_twice(self, name: str) -> str:
+        """The message for a column that is two features: which two."""
+        features = {
+            "label": [self.label],
+            "dense": self.dense,
+            "categorical": [c.name for c in self.categorical],
+        }
+        roles = [role for role, names in features.items() for other in names if other == name]
+        if roles[0] == roles[1]:
+            return f"{roles[0]}: {name!r} is listed twice"
+        return (
+            f"column {name!r} is both {roles[0]} and {roles[1]} "
+            "(label, dense and categorical features must be different columns)"
+        )
 
     def column_index(self, name: str) -> int:
         return self.columns.index(name)
@@ -105,6 +128,46 @@ class FeatureSpec:
             for c in self.categorical
         ]
         return data
+
+
+def _repeated(names) -> str | None:
+    """The first name that occurs twice in `names`, or None."""
+    seen = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
+def _missing_keys(cls, data: dict, where: str) -> list[str]:
+    """Keys `cls` requires that `data` lacks, as dotted paths; none while `data` has an
+    unknown key (`config.from_dict` names that one, with the closest valid key)."""
+    fields = {field.name for field in dataclasses.fields(cls)}
+    if any(key not in fields for key in data):
+        return []
+    required = [
+        field.name
+        for field in dataclasses.fields(cls)
+        if field.init
+        and field.default is dataclasses.MISSING
+        and field.default_factory is dataclasses.MISSING
+    ]
+    return [f"{where}{name}" for name in required if name not in data]
+
+
+def _check_required(path: Path, data: dict) -> None:
+    """Names a required key that a spec file lacks (the dataclass would only say which
+    argument of its constructor is missing)."""
+    missing = _missing_keys(FeatureSpec, data, "")
+    features = data.get("categorical", [])
+    if isinstance(features, list):
+        for index, feature in enumerate(features):
+            if isinstance(feature, dict):
+                missing += _missing_keys(CategoricalSpec, feature, f"categorical[{index}].")
+    if missing:
+        names = ", ".join(missing)
+        raise ConfigError(f"spec {path}: missing required key{'s' * (len(missing) > 1)} {names}")
 
 
 def builtin_specs() -> list[str]:
@@ -131,7 +194,9 @@ def load_spec(name_or_path: str | Path) -> FeatureSpec:
     if not path.exists():
         raise UserError(f"spec file {path} does not exist")
     data = config.read_toml(path)
+    _check_required(path, data)
     try:
         return config.from_dict(FeatureSpec, data)
     except ConfigError as error:
-        raise ConfigError(f"spec {path}: {error}") from None
+        message = str(error).removeprefix(f"{FeatureSpec.__name__}: ")
+        raise ConfigError(f"spec {path}: {message}") from None

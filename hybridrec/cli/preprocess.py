@@ -1,7 +1,8 @@
 """`hybridrec preprocess`: raw click logs -> sharded Parquet + metadata.json (the work is in pipeline).
 
 The flags below belong to the job; every other flag is a Beam pipeline option and goes
-to `PipelineOptions` untouched, so any runner's own flags work unchanged.
+to `PipelineOptions` untouched, so any runner's own flags work unchanged. A flag that is
+neither is an error, with the closest flag of either kind suggested.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import sys
 import threading
 
 from hybridrec.common.errors import UserError
-from hybridrec.pipeline import PreprocessConfig, PreprocessResult, run_preprocess
+from hybridrec.pipeline import PreprocessConfig, PreprocessResult, run_preprocess, runners
 from hybridrec.pipeline.config import COMPRESSIONS, INPUT_FORMATS, SPLIT_MODES
-from hybridrec.pipeline.runners import RUNNER_NAMES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="--follow: stop after this many seconds without a new file (0: run until SIGTERM)")  # fmt: skip
     runner = parser.add_argument_group("runner")
     runner.add_argument("--runner", default="direct",
-                        help=f"Beam runner: {', '.join(RUNNER_NAMES)} (any case, 'Runner' suffix optional) or a fully qualified class name")  # fmt: skip
+                        help=f"Beam runner: {', '.join(runners.RUNNER_NAMES)} (any case, 'Runner' suffix optional) or a fully qualified class name")  # fmt: skip
     runner.add_argument("--dask-address", metavar="tcp://HOST:PORT",
                         help="--runner dask: scheduler of a running Dask cluster (default: start a local one)")  # fmt: skip
     runner.add_argument("--dask-workers", type=int, default=0,
@@ -94,15 +94,20 @@ def _print_summary(result: PreprocessResult) -> None:
     if counts["empty_files"]:
         lines.append(f"  note: empty input files: {', '.join(counts['empty_files'])}")
     lines.append(f"  runner:   {meta['runner']}")
+    rejected_dir = "rejected/, " if meta["rejected_files"] else ""
     lines.append(
-        f"  output:   {result.output}/ (metadata.json, train/, eval/, rejected/, _SUCCESS)"
+        f"  output:   {result.output}/ (metadata.json, train/, eval/, {rejected_dir}_SUCCESS)"
     )
     print("\n".join(lines))
 
 
 def main(argv: list[str]) -> int:
     """`hybridrec preprocess`."""
-    args, beam_args = _parser().parse_known_args(argv)
+    parser = _parser()
+    args, beam_args = parser.parse_known_args(argv)
+    own_flags = [option for action in parser._actions for option in action.option_strings]
+    runner = runners.resolve_runner(args.runner)
+    runners.check_beam_args(beam_args, runner=runner, own_flags=own_flags)
     if args.follow:
         return _follow(args, beam_args)
     if args.stats:

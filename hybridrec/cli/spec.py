@@ -9,6 +9,8 @@ from pathlib import Path
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline.infer_spec import SAMPLE_ROWS, propose_spec
 
+SHOWN_LINES = 5  # line numbers listed of the sample lines left out
+
 
 def main(argv: list[str]) -> int:
     """`hybridrec spec`."""
@@ -30,6 +32,16 @@ def main(argv: list[str]) -> int:
     if out and out.exists() and not args.overwrite:
         raise UserError(f"{out} already exists; pass --overwrite to replace it")
     proposed = propose_spec(args.sample, max_rows=args.rows)
+    skipped = proposed.skipped_lines
+    if skipped:
+        shown = ", ".join(str(number) for number in skipped[:SHOWN_LINES])
+        more = f" and {len(skipped) - SHOWN_LINES} more" if len(skipped) > SHOWN_LINES else ""
+        print(
+            f"hybridrec spec: note: {args.sample}: left out {len(skipped)} line(s) without the "
+            f"{len(proposed.spec.columns)} fields of the others: line {shown}{more} "
+            "(preprocess rejects such lines as wrong_field_count)",
+            file=sys.stderr,
+        )
     if out is None:
         sys.stdout.write(proposed.toml)
         return 0

@@ -17,6 +17,8 @@ from hybridrec import cli
 from .reference import GOOD_ROW, row
 
 IN_MEMORY = ["--direct_running_mode=in_memory", "--direct_num_workers=1", "--quiet"]
+AVAZU_COLUMNS = "id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,app_category,device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,C16,C17,C18,C19,C20,C21"
+AVAZU_ROW = "1000009418151094273,{},14102100,1005,0,1fbe01fe,f3845767,28905ebd,ecad2386,7801e8d9,07d7df22,a99f214a,ddd2926e,44956a24,1,2,15706,320,50,1722,0,35,-1,{}"
 
 
 def preprocess(*args):
@@ -198,21 +200,23 @@ def test_crlf_file_is_accepted_and_counted(tmp_path):
     assert read_all(meta, "train").column("C1").to_pylist() == [0x01AFD2EA734B8E1A] * 10
 
 
-def test_every_row_rejected_is_an_error(tmp_path, capsys):
+def test_every_row_rejected_is_an_error_with_the_reasons_and_the_first_row(tmp_path, capsys):
     path = tmp_path / "bad.tsv"
-    path.write_text("a\tb\n" * 5)
+    path.write_text("a\tb\n" * 4 + row(label="x") + "\n")
     out = tmp_path / "out"
     assert preprocess("-i", path, "-o", out, *IN_MEMORY) == 2
-    assert "every input row was rejected" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "every input row was rejected (5 rows: bad_label=1, wrong_field_count=4)" in err
+    assert f"first: {path}:1: wrong_field_count (" in err and f"see {out}/rejected" in err
+    assert len(err.strip().splitlines()) == 1
     assert not (out / "_SUCCESS").exists()
     assert len((out / "rejected" / "rejected-00000-of-00001.jsonl").read_text().splitlines()) == 5
 
 
 def test_header_spec_checks_the_header(tmp_path, capsys):
-    columns = "id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,app_category,device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,C16,C17,C18,C19,C20,C21"
-    values = "1000009418151094273,0,14102100,1005,0,1fbe01fe,f3845767,28905ebd,ecad2386,7801e8d9,07d7df22,a99f214a,ddd2926e,44956a24,1,2,15706,320,50,1722,0,35,-1,79"
+    values = AVAZU_ROW.format(0, 79)
     path = tmp_path / "avazu.csv"
-    path.write_text(f"{columns}\n{values}\n{values}\n")
+    path.write_text(f"{AVAZU_COLUMNS}\n{values}\n{values}\n")
     out = tmp_path / "out"
     assert (
         preprocess("-i", path, "-o", out, "--spec", "avazu", "--eval-fraction", "0", *IN_MEMORY)
@@ -222,19 +226,125 @@ def test_header_spec_checks_the_header(tmp_path, capsys):
     assert table.num_rows == 2 and table.column("click").to_pylist() == [0.0, 0.0]
     assert "id" not in table.column_names and len(table.column_names) == 23
     wrong = tmp_path / "wrong.csv"
-    wrong.write_text(f"{columns.replace('click', 'clicked')}\n{values}\n")
+    wrong.write_text(f"{AVAZU_COLUMNS.replace('click', 'clicked')}\n{values}\n")
     assert preprocess("-i", wrong, "-o", tmp_path / "w", "--spec", "avazu", *IN_MEMORY) == 2
-    assert f"{wrong}: line 1: header" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{wrong}: line 1: header does not match spec avazu: " in err
+    assert "field 2: 'clicked' in the file, 'click' in the spec" in err
+    short = tmp_path / "short.csv"
+    short.write_text(f"{AVAZU_COLUMNS.rsplit(',', 1)[0]}\n{values}\n")
+    assert preprocess("-i", short, "-o", tmp_path / "w", "--spec", "avazu", *IN_MEMORY) == 2
+    assert "field 24: missing in the file, 'C21' in the spec (23 fields" in capsys.readouterr().err
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_field(tmp_path):
+    """Header or not, the UTF-8 BOM some editors write before the first line is dropped."""
+    bom = "\ufeff"
+    with_header = tmp_path / "avazu.csv"
+    with_header.write_text(f"{bom}{AVAZU_COLUMNS}\n{AVAZU_ROW.format(1, 2)}\n", encoding="utf-8")
+    headerless = tmp_path / "criteo.tsv"
+    headerless.write_text(f"{bom}{GOOD_ROW}\n{GOOD_ROW}\n", encoding="utf-8")
+    for path, spec in ((with_header, "avazu"), (headerless, "criteo")):
+        out = tmp_path / spec
+        flags = ["--spec", spec, "--eval-fraction", "0", *IN_MEMORY]
+        assert preprocess("-i", path, "-o", out, *flags) == 0
+        meta = read_metadata(out)
+        assert meta.raw["counts"]["rows_rejected"] == 0 and meta.split_rows("train") >= 1
+
+
+def _complete_dataset(tmp_path):
+    """A complete header-spec dataset and its files' contents, to compare after a failed run."""
+    data = tmp_path / "good.csv"
+    data.write_text(AVAZU_COLUMNS + "\n" + "\n".join(AVAZU_ROW.format(1, i) for i in range(9)))
+    out = tmp_path / "out"
+    assert preprocess("-i", data, "-o", out, "--spec", "avazu", *IN_MEMORY) == 0
+    files = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    return out, files
+
+
+def test_a_failed_overwrite_keeps_the_complete_dataset(tmp_path, capsys):
+    """--overwrite replaces a complete dataset only once the new one is ready: a header
+    error is found before the output is touched, and a job that fails while running
+    (truncated .gz) or writes no row leaves the old dataset as it was."""
+    out, files = _complete_dataset(tmp_path)
+    wrong = tmp_path / "wrong.csv"
+    wrong.write_text(AVAZU_COLUMNS.replace("C1,", "C1x,") + "\n" + AVAZU_ROW.format(0, 1) + "\n")
+    truncated = tmp_path / "cut.csv.gz"
+    rows = "\n".join(AVAZU_ROW.format(0, i) for i in range(5000))
+    compressed = gzip.compress(f"{AVAZU_COLUMNS}\n{rows}\n".encode())
+    truncated.write_bytes(compressed[: len(compressed) // 2])  # its header line is intact
+    rejected = tmp_path / "rejected.csv"
+    rejected.write_text(AVAZU_COLUMNS + "\n" + AVAZU_ROW.format("yes", 1) + "\n")
+    cases = [
+        (wrong, "field 4: 'C1x' in the file, 'C1' in the spec"),
+        (truncated, "compressed data is truncated"),
+        (rejected, f"see {out}/_temporary/rejected (the dataset already in {out} is unchanged)"),
+    ]
+    for path, message in cases:
+        assert preprocess("-i", path, "-o", out, "--spec", "avazu", "--overwrite", *IN_MEMORY) == 2
+        kept = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        assert {name: kept.get(name) for name in files} == files
+        assert read_metadata(out).split_rows("train") + read_metadata(out).split_rows("eval") == 9
+        assert message in capsys.readouterr().err
+    assert (out / "_temporary" / "rejected" / "rejected-00000-of-00001.jsonl").exists()
+    assert preprocess("-i", tmp_path / "good.csv", "-o", out, "--spec", "avazu", "--overwrite",
+                      "--eval-fraction", "0.5", *IN_MEMORY) == 0  # fmt: skip
+    assert read_metadata(out).split_rows("eval") == 5 and not (out / "_temporary").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--evall-fraction", "0.5"],
+            "unknown flag --evall-fraction (did you mean --eval-fraction?)",
+        ),  # fmt: skip
+        (["--overwirte"], "unknown flag --overwirte (did you mean --overwrite?)"),
+        (
+            ["--direct-num-workers=2"],
+            "unknown flag --direct-num-workers (did you mean --direct_num_workers?)",
+        ),  # fmt: skip
+        (
+            ["--no-such-option"],
+            "unknown flag --no-such-option: not a flag of this command nor a Beam",
+        ),  # fmt: skip
+        (
+            ["--direct_running_mode=fast"],
+            "Beam pipeline option argument --direct_running_mode: invalid choice",
+        ),  # fmt: skip
+    ],
+)
+def test_flags_neither_preprocess_nor_beam_knows_are_errors(tmp_path, capsys, flags, message):
+    data = tmp_path / "data.tsv"
+    data.write_text(GOOD_ROW + "\n")
+    out = tmp_path / "out"
+    assert preprocess("-i", data, "-o", out, *flags, "--quiet") == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_summary_and_last_progress_line_of_a_small_run(tmp_path, capsys):
+    """Beam options pass through; a run without rejected rows lists no rejected/; the last
+    progress line reads 100% however small the input."""
+    data = tmp_path / "data.tsv"
+    data.write_text("\n".join([GOOD_ROW] * 20) + "\n")
+    out = tmp_path / "out"
+    flags = ["--direct_running_mode=in_memory", "--direct_num_workers=2", "--project=p"]
+    assert preprocess("-i", data, "-o", out, *flags) == 0
+    captured = capsys.readouterr()
+    assert "DirectRunner (in_memory, 2 worker(s))" in captured.out
+    assert f"output:   {out}/ (metadata.json, train/, eval/, _SUCCESS)" in captured.out
+    assert "(100%)" in captured.err.strip().splitlines()[-1]
+    assert not (out / "rejected").exists()
 
 
 def test_position_split_inside_a_header_file_with_a_bad_row(tmp_path):
     """The eval boundary falls inside the first chunk, which holds the header and a bad row."""
-    columns = "id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,app_category,device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,C16,C17,C18,C19,C20,C21"
-    values = "1000009418151094273,{},14102100,1005,0,1fbe01fe,f3845767,28905ebd,ecad2386,7801e8d9,07d7df22,a99f214a,ddd2926e,44956a24,1,2,15706,320,50,1722,0,35,-1,{}"
-    rows = [values.format(0, 1), values.format(0, 2), "too,few", values.format(1, 3)]
-    rows += [values.format(1, 4), values.format(1, 5)]
+    rows = [AVAZU_ROW.format(0, 1), AVAZU_ROW.format(0, 2), "too,few", AVAZU_ROW.format(1, 3)]
+    rows += [AVAZU_ROW.format(1, 4), AVAZU_ROW.format(1, 5)]
     path = tmp_path / "avazu.csv"
-    path.write_text(columns + "\n" + "\n".join(rows) + "\n")
+    path.write_text(AVAZU_COLUMNS + "\n" + "\n".join(rows) + "\n")
     out = tmp_path / "out"
     flags = ["--spec", "avazu", "--eval-fraction", "0.4", *IN_MEMORY]
     assert preprocess("-i", path, "-o", out, *flags) == 0

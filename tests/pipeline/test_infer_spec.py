@@ -94,6 +94,12 @@ def _write(path, text):
         ("header.csv", b"label,x\n", "only one line"),
         ("header_blank.csv", b"label,x\n\n\n", "only one line"),
         ("ragged.csv", b"a,b,c\n1,2,3\n4,5\n", "no separator"),
+        ("mostly_ragged.csv", b"a,b,c\n" + b"1,2,3\n" * 18 + b"4,5\n1\n", "splits 95% of the"),
+        (
+            "dense_only.csv",
+            b"y,p\n" + b"".join(b"%d,%d.5\n" % (i % 2, i % 15) for i in range(30)),
+            "no column looks categorical (y label, p numeric)",
+        ),
         ("nolabel.csv", b"a,b\n1,x\n2,y\n3,z\n", "no column has exactly two distinct values"),
     ],
 )
@@ -116,3 +122,24 @@ def test_missing_sample_and_existing_out(tmp_path, capsys):
     assert spec_command("--sample", sample, "--out", out) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert out.read_text() == "# my edits\n"
+
+
+def test_a_few_lines_with_other_field_counts_are_left_out_and_named(tmp_path, capsys):
+    lines = own_log(rows=300).splitlines()
+    lines[41] += ",extra"  # line 42
+    lines[200] = lines[200].rsplit(",", 1)[0]  # line 201
+    sample, out = tmp_path / "events.csv", tmp_path / "events.toml"
+    sample.write_text("\n".join(lines) + "\n")
+    assert spec_command("--sample", sample, "--out", out) == 0
+    err = capsys.readouterr().err
+    assert f"{sample}: left out 2 line(s) without the 7 fields of the others: line 42, 201" in err
+    spec = load_spec(out)
+    assert spec.label == "outcome" and [c.name for c in spec.categorical] == ["country", "device", "slot"]  # fmt: skip
+    assert propose_spec(sample).skipped_lines == (42, 201)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_name(tmp_path):
+    sample = tmp_path / "events.csv"
+    sample.write_bytes(b"\xef\xbb\xbf" + own_log(rows=100).encode())
+    spec = propose_spec(sample).spec
+    assert spec.header and spec.columns[0] == "event_id"

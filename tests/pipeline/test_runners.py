@@ -92,6 +92,28 @@ def test_runner_given_as_a_beam_option_is_refused():
         runners.pipeline_options(["--runner=DataflowRunner"])
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--direct_num_worker=2"],
+            "unknown flag --direct_num_worker (did you mean --direct_num_workers?)",
+        ),  # fmt: skip
+        (
+            ["--temp-location=gs://b/t"],
+            "unknown flag --temp-location (did you mean --temp_location?)",
+        ),  # fmt: skip
+        (["--project"], "Beam pipeline option argument --project: expected one argument"),
+        (["job"], "unexpected argument 'job'"),
+    ],
+)
+def test_arguments_no_beam_option_takes_are_refused(flags, message):
+    """Beam drops them with a log warning: a misspelled option would change nothing."""
+    with pytest.raises(UserError) as error:
+        runners.pipeline_options(["--project=p", *flags], runner="DataflowRunner")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
 def test_direct_jobs_run_on_the_direct_engine_and_leave_no_temporary_directory(
     tmp_path, monkeypatch
 ):

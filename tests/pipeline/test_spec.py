@@ -1,5 +1,7 @@
 """Feature specs: built-ins, spec files, and every way a spec can be wrong."""
 
+import re
+
 import pytest
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.pipeline.spec import builtin_specs, load_spec
@@ -72,7 +74,18 @@ def test_missing_spec_file(tmp_path):
             r"unknown config key categorical\[0\]\.size",
         ),
         (('dense = ["price"]', 'dense = ["cost"]'), "'cost' is not one of the spec's columns"),
-        (('dense = ["price"]', 'dense = ["user"]'), "a column is used twice"),
+        (
+            ('dense = ["price"]', 'dense = ["user"]'),
+            "column 'user' is both dense and categorical",
+        ),
+        (('dense = ["price"]', 'dense = ["price", "price"]'), "dense: 'price' is listed twice"),
+        (('"user", "tags"]', '"user", "price"]'), "columns: 'price' is listed twice"),
+        (('label = "clicked"\n', ""), r"missing required key label$"),
+        (('name = "user"\n', 'table = "users"\n'), r"missing required key categorical\[0\]\.name$"),
+        (
+            ("header = true", "header = true\nheader_lines = 1"),
+            r"unknown config key header_lines \(did you mean header\?\)",
+        ),
         (('separator = "|"', 'separator = ""'), "multi_valued needs a one-byte separator"),
         (('delimiter = ","', 'delimiter = ",,"'), "delimiter must be one byte"),
         (('dense_transform = "identity"', 'dense_transform = "log"'), "'log' is not one of"),
@@ -84,7 +97,19 @@ def test_invalid_spec_files(tmp_path, edit, message):
     path.write_text(CUSTOM.replace(*edit, 1))
     with pytest.raises(ConfigError, match=message) as error:
         load_spec(path)
-    assert str(path) in str(error.value)
+    assert str(error.value).startswith(f"spec {path}: ") and "\n" not in str(error.value)
+    assert "FeatureSpec:" not in str(error.value) and "__init__" not in str(error.value)
+
+
+@pytest.mark.parametrize("dense", ['["price"]', "[]"])
+def test_a_spec_without_categorical_features_is_refused(tmp_path, dense):
+    """The models embed categorical ids (model.towers needs at least one feature)."""
+    path = tmp_path / "dense_only.toml"
+    path.write_text(
+        CUSTOM.split("[[categorical]]")[0].replace('dense = ["price"]', f"dense = {dense}")
+    )
+    with pytest.raises(ConfigError, match=re.escape(f"spec {path}: no [[categorical]] feature")):
+        load_spec(path)
 
 
 def test_toml_syntax_error_names_file_and_line(tmp_path):
