@@ -40,7 +40,8 @@ AUTO_ADAGRAD_RATE_FROM_ZERO = 0.05
 def choose_batch_size(batch_size: int, train_rows: int, divisor: int) -> tuple[int, str]:
     """The global batch a run uses and why: `batch_size` itself unless it is 0 (auto), which
     takes the power of two nearest below `train_rows / AUTO_STEPS_PER_EPOCH`, clamped to
-    AUTO_BATCH_RANGE and rounded up to a multiple of `divisor` (devices, processes).
+    AUTO_BATCH_RANGE (or below `train_rows` when it is smaller) and rounded up to a
+    multiple of `divisor` (devices, processes).
 
     Returns:
         (batch size, one-line reason).
@@ -50,6 +51,8 @@ def choose_batch_size(batch_size: int, train_rows: int, divisor: int) -> tuple[i
     low, high = AUTO_BATCH_RANGE
     target = max(train_rows // AUTO_STEPS_PER_EPOCH, 1)
     chosen = min(max(1 << (target.bit_length() - 1), low), high)
+    if 0 < train_rows < chosen:  # fewer rows than the smallest batch: as many as there are
+        chosen = 1 << (train_rows.bit_length() - 1)
     chosen = -(-chosen // divisor) * divisor
     return chosen, (
         f"data.batch_size = 0 (auto): {chosen}, about {max(train_rows // chosen, 1)} steps "

@@ -6,6 +6,9 @@ import argparse
 import json
 import math
 import os
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +96,9 @@ def main(argv: list[str]) -> int:
     _train_follow.add_flags(parser)
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
-    overrides = [*args.overrides, *args.positional_overrides]
-    if args.data:
-        overrides.append(f"data.path={json.dumps(str(args.data))}")
+    # --data first: a --set of the user's that contradicts it is then the one named
+    overrides = [f"data.path={json.dumps(str(args.data))}"] if args.data else []
+    overrides += [*args.overrides, *args.positional_overrides]
     if args.overwrite and args.resume:
         raise UserError("--overwrite and --resume contradict each other")
     if run_dir.exists() and not run_dir.is_dir():
@@ -150,7 +153,39 @@ def _train(
             ),
             flush=True,
         )
-    summary = trainer.fit()
+    summary = trainer.fit(_stop_on_signals(trainer.job.process_count))
     if trainer.is_chief:
         _print_summary(summary)
+        last = trainer.source.last_step
+        if last and summary["steps"] < last:
+            print(
+                f"stopped at step {summary['steps']} of {last}; continue with `hybridrec train "
+                f"--resume --run-dir {run_dir}`",
+                flush=True,
+            )
     return 0
+
+
+def _stop_on_signals(process_count: int) -> threading.Event:
+    """An event SIGTERM and Ctrl-C set: the run stops after its current step, with a
+    checkpoint (a second one stops it at once). A job of several processes keeps the
+    signals' defaults: a stop on one process alone would leave the others waiting."""
+    stop = threading.Event()
+    if process_count > 1 or threading.current_thread() is not threading.main_thread():
+        return stop
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        name = signal.Signals(signum).name
+        print(
+            f"hybridrec train: {name}: stopping after this step with a checkpoint "
+            "(again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
+    return stop

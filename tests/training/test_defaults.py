@@ -25,6 +25,8 @@ from hybridrec.training.tables import plan_tables
 def test_auto_batch_aims_at_about_200_steps_in_a_power_of_two_range():
     assert choose_batch_size(0, 117_000, 1)[0] == 512
     assert choose_batch_size(0, 1_000, 1)[0] == 256  # the floor
+    assert choose_batch_size(0, 90, 1)[0] == 64  # fewer rows than the floor: what fits
+    assert choose_batch_size(0, 90, 8)[0] == 64
     assert choose_batch_size(0, 45_000_000, 1)[0] == 4096  # the ceiling
     assert choose_batch_size(0, 117_000, 3)[0] == 513  # divides over 3 devices
     assert choose_batch_size(128, 117_000, 8) == (128, "data.batch_size = 128 as configured")

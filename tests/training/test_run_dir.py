@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,32 @@ def test_a_dataset_without_an_eval_split_trains_without_evaluation(
     assert "evaluation: none: split 'eval'" in result.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["eval"] == {}
+
+
+def test_sigterm_stops_after_a_step_with_a_checkpoint_to_resume_from(
+    dataset, tmp_path, training, small_model
+):
+    """SIGTERM (a scheduler's preemption, Ctrl-C alike): the run ends after its current
+    step with a checkpoint there and says how to continue; --resume finishes it."""
+    run_dir = tmp_path / "run"
+    args = training.args(dataset, run_dir, *small_model("data.max_steps=100000"))
+    args += ["--set", "data.epochs=100", "--set", "checkpoint.every_steps=5"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hybridrec", *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    training.wait_for_checkpoint(process, run_dir, 5)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]
+    assert "SIGTERM: stopping after this step" in err
+    stopped = training.last_step(run_dir)
+    assert stopped >= 5 and json.loads((run_dir / "summary.json").read_text())["steps"] == stopped
+    assert f"stopped at step {stopped} of 100000; continue with `hybridrec train --resume" in out
+    finish = ["--set", f"data.max_steps={stopped + 3}"]
+    result = run("train", "--run-dir", str(run_dir), "--resume", "--quiet", *finish)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == stopped + 3
