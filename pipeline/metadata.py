@@ -65,7 +65,8 @@ def read_metadata(out_dir: str | Path) -> DatasetMetadata:
     if not root.is_dir():
         raise UserError(
             f"dataset path {root} is a file, not a dataset directory; if it is a raw log, "
-            f"preprocess it first: `hybridrec preprocess --input {root} --output DATA_DIR`"
+            f"preprocess it first: `hybridrec preprocess --input {root} --spec SPEC --output "
+            f"DATA_DIR` (SPEC: criteo, avazu or the file `hybridrec spec --sample {root}` proposes)"
         )
     if not (root / SUCCESS_FILE).exists():
         raise UserError(

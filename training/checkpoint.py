@@ -76,16 +76,22 @@ class RunCheckpoints:
         """
         run_dir = self.root.parent
         run_dir.mkdir(parents=True, exist_ok=True)
-        step = self.latest_step()
-        if step is not None and not resume:
-            raise UserError(
-                f"{run_dir} already holds a checkpoint (step {step}); pass --resume to "
-                "continue it or --overwrite to start again"
-            )
+        step = self.check_start(resume=resume)
         if chief:
             text = json.dumps(config_lib.to_dict(config), indent=2) + "\n"
             atomic_write_text(run_dir / CONFIG_FILE, text)
         self.discard_after(step or 0, chief=chief)
+        return step
+
+    def check_start(self, *, resume: bool) -> int | None:
+        """The step a run starting here resumes from (None: a fresh start); a UserError
+        when the directory holds a checkpoint and `resume` is not asked for."""
+        step = self.latest_step()
+        if step is not None and not resume:
+            raise UserError(
+                f"{self.root.parent} already holds a checkpoint (step {step}); pass --resume "
+                "to continue it or --overwrite to start again"
+            )
         return step
 
     def latest_step(self) -> int | None:

@@ -42,19 +42,28 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     figure, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
     steps = [r["step"] for r in train]
     loss_axis, auc_axis, speed_axis, stale_axis = axes.flat
-    loss_axis.plot(steps, [r["loss"] for r in train], color="tab:blue")
+    # a short run logs a few points: markers keep a single one visible
+    marker = "o" if len(train) < 20 else None
+    loss_axis.plot(steps, [r["loss"] for r in train], color="tab:blue", marker=marker)
     loss_axis.set(title="training loss (mean per log interval)", xlabel="step", ylabel="logloss")
     if evals:
         auc_axis.plot(
             [r["step"] for r in evals], [r.get("auc") for r in evals], "o-", color="tab:green"
         )
     auc_axis.set(title="eval AUC", xlabel="step", ylabel="AUC")
-    speed_axis.plot(steps, [r["samples_per_s"] for r in train], color="tab:orange")
+    speed_axis.plot(steps, [r["samples_per_s"] for r in train], color="tab:orange", marker=marker)
     speed_axis.set(title="throughput", xlabel="step", ylabel="samples/s")
     speed_axis.set_ylim(bottom=0)
-    stale_axis.plot(steps, [r["staleness_mean"] for r in train], label="mean", color="tab:purple")
     stale_axis.plot(
-        steps, [r["staleness_max"] for r in train], label="max", color="tab:red", alpha=0.7
+        steps, [r["staleness_mean"] for r in train], label="mean", color="tab:purple", marker=marker
+    )
+    stale_axis.plot(
+        steps,
+        [r["staleness_max"] for r in train],
+        label="max",
+        color="tab:red",
+        alpha=0.7,
+        marker=marker,
     )
     if bound is not None:
         stale_axis.axhline(bound, color="gray", linestyle="--", label=f"bound k={bound}")

@@ -118,6 +118,7 @@ class Trainer:
                 clear_run_dir(self.run_dir, self.job.config.data.path)
             self.job.barrier("run-dir-cleared")
         self.checkpoints = RunCheckpoints(self.run_dir, keep=config.checkpoint.keep)
+        self.checkpoints.check_start(resume=resume)  # before the start-up lines, not after
         if follow is None:
             self.source: EpochSource | StreamSource = EpochSource(self.job)
         else:

@@ -211,7 +211,8 @@ def test_train_on_a_raw_log_file_says_to_preprocess_it_first(tmp_path):
     raw.write_text("1\t5\ta1\n")
     result = _run("train", "--data", str(raw), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
-    assert f"hybridrec preprocess --input {raw} --output DATA_DIR" in result.stderr
+    assert f"hybridrec preprocess --input {raw} --spec SPEC --output DATA_DIR" in result.stderr
+    assert f"hybridrec spec --sample {raw}" in result.stderr
     assert not (tmp_path / "run").exists()
 
 
