@@ -4,13 +4,23 @@ Public surface:
     export_run(run_dir, out, step=, precision=)   a run's checkpoint -> a versioned export
     ServedModel(path)                              a loaded export: encode_rows, predict
     ExportError                                    a bad or incomplete export (names the file)
+    MANIFEST_FILE, versions(base)                  a version's manifest; an export's versions
     create_app(path, ...) / serve(path, ...)       the Open Inference Protocol (KServe v2) server
     demo_score(export_dir, rows)                   start a server, score rows over HTTP, stop it
 """
 
-from hybridrec.serving._format import ExportError
+from hybridrec.serving._format import MANIFEST_FILE, ExportError, versions
 
-__all__ = ["ExportError", "ServedModel", "create_app", "demo_score", "export_run", "serve"]
+__all__ = [
+    "MANIFEST_FILE",
+    "ExportError",
+    "ServedModel",
+    "create_app",
+    "demo_score",
+    "export_run",
+    "serve",
+    "versions",
+]
 
 
 def __getattr__(name):

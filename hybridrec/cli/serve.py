@@ -8,7 +8,7 @@ from pathlib import Path
 from hybridrec.cli._flags import add_tls_flags, read_token_file
 from hybridrec.common.errors import UserError
 from hybridrec.common.tls import TLSFiles
-from hybridrec.serving._format import MANIFEST_FILE, versions
+from hybridrec.serving import MANIFEST_FILE, versions
 from hybridrec.serving.server import ServeOptions, serve
 
 
