@@ -7,4 +7,4 @@ work lives in the stage packages below it, in the order of the data flow:
 all standing on `common` (config loading, user-facing errors, progress lines).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

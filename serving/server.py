@@ -194,7 +194,11 @@ def create_app(model: ServedModel, base: str | Path, options: ServeOptions) -> S
     def guarded(handler):
         async def route(request: Request) -> Response:
             service.requests += 1
-            response = await answer(request)
+            try:
+                response = await answer(request)
+            except Exception:  # answered 500 by the framework
+                service.refused += 1
+                raise
             service.refused += response.status_code >= 400
             return response
 
@@ -395,15 +399,20 @@ def serve(
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-        service = server.config.app.state.service
-        current = service.model
-        print(
-            f"hybridrec serve: stopped after {time.monotonic() - started:,.0f} s: "
-            f"{service.requests:,} requests ({service.refused:,} refused), "
-            f"{current.rows_scored:,} rows scored by version {current.version}"
-            + (f", {service.reloads} reload(s)" if service.reloads else ""),
-            flush=True,
-        )
+        if server.started:  # not after a failed start, which says why itself
+            _print_stopped(server, started)
+
+
+def _print_stopped(server, started: float) -> None:
+    service = server.config.app.state.service
+    current = service.model
+    print(
+        f"hybridrec serve: stopped after {time.monotonic() - started:,.0f} s: "
+        f"{service.requests:,} requests ({service.refused:,} refused), "
+        f"{current.rows_scored:,} rows scored by version {current.version}"
+        + (f", {service.reloads} reload(s)" if service.reloads else ""),
+        flush=True,
+    )
 
 
 def _stopped(signum, frame) -> None:

@@ -18,7 +18,7 @@ import importlib
 _LAZY = {
     "TrainConfig": "hybridrec.training.config",
     "load_config": "hybridrec.training.job",
-    "require_run_dir": "hybridrec.training.job",
+    "require_run_dir": "hybridrec.training.run_dir",
     "Trainer": "hybridrec.training.trainer",
     "FollowOptions": "hybridrec.training.trainer",
     "HybridLoop": "hybridrec.training.hybrid",

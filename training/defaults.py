@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from hybridrec.common.errors import ConfigError
 from hybridrec.model.config import DenseOptimizerConfig, choose_tower
 from hybridrec.pipeline import DatasetMetadata
 from hybridrec.training.config import TrainConfig
@@ -54,6 +55,12 @@ def choose_batch_size(batch_size: int, train_rows: int, divisor: int) -> tuple[i
     if 0 < train_rows < chosen:  # fewer rows than the smallest batch: as many as there are
         chosen = 1 << (train_rows.bit_length() - 1)
     chosen = -(-chosen // divisor) * divisor
+    if 0 < train_rows < chosen:
+        raise ConfigError(
+            f"data.batch_size = 0 (auto): the {train_rows:,} training rows are fewer than one "
+            f"batch divided over {divisor} devices or processes ({chosen}); train on more rows "
+            "or fewer devices"
+        )
     return chosen, (
         f"data.batch_size = 0 (auto): {chosen}, about {max(train_rows // chosen, 1)} steps "
         f"per epoch over {train_rows:,} training rows"

@@ -81,7 +81,7 @@ def plan_by_lookups(
         cost = row_bytes / devices if sharded else row_bytes
         per_row.append((cost, "sharded" if sharded else "replicated"))
         if caches:
-            pieces = _values(_segments(bands, most), forced or not whole_ok)
+            pieces = _values(_segments(bands, most), forced, whole_ok and not forced)
         elif whole_ok:  # one piece: the table's lookups over all its rows
             pieces = [(float(most), sum(count for _, count in bands), True)]
         else:
@@ -140,7 +140,7 @@ def _segments(bands: Sequence[tuple[float, float]], most: int) -> list[tuple[flo
 
 
 def _values(
-    segments: Sequence[tuple[float, float]], forced_cache: bool
+    segments: Sequence[tuple[float, float]], forced_cache: bool, whole_ok: bool = True
 ) -> list[tuple[float, float, bool]]:
     """(rows, value, whole or nothing) of a table's pieces, in the order they come onto the
     devices; a piece's value is the lookups it serves less what a cache costs the host.
@@ -149,15 +149,17 @@ def _values(
     bag) costs about CACHE_LOOKUP_COST of a host-store lookup and update for every lookup
     of the table, held or not; a whole table costs none. So the first piece of a table
     pays for the cache, and the last piece, which makes the table whole, earns that back
-    (it is ordered by that value, but may be taken in part: a larger cache). Pieces whose
+    (it is ordered by that value, but may be taken in part: a larger cache); a table that
+    may not go whole (`whole_ok` False) pays and never earns it back. Pieces whose
     value per row rises are merged, so a table's values per row only fall; the first
     piece comes whole or not at all.
     """
     total = sum(count for _, count in segments)
     pieces = [[rows, count, position == 0] for position, (rows, count) in enumerate(segments)]
-    if not forced_cache and pieces:
+    if not forced_cache and pieces:  # a forced cache is paid for by whoever forced it
         pieces[0][1] -= CACHE_LOOKUP_COST * total
-        pieces[-1][1] += CACHE_LOOKUP_COST * total
+        if whole_ok:  # the last piece makes the table whole: no cache to pay for
+            pieces[-1][1] += CACHE_LOOKUP_COST * total
     merged: list[list] = []
     for piece in pieces:
         merged.append(piece)

@@ -216,10 +216,11 @@ def plan_devices(
         outgrows = bool(seen) and math.ceil(seen * HEADROOM) + 64 > embedding.capacity
         if outgrows and place == "device" and not forced_rows:
             raise ConfigError(
-                f"embedding.placement.{spec_table} = {where!r}: its features have {seen:,} "
-                f"distinct ids, more than embedding.capacity ({embedding.capacity:,} rows), "
-                "and a table on the devices cannot evict rows as the host store does; raise "
-                'embedding.capacity or place it as a cache ("cache")'
+                f"embedding.placement.{spec_table} = {where!r}: its features' {seen:,} "
+                f"distinct ids need {math.ceil(seen * HEADROOM) + 64:,} rows with headroom, "
+                f"more than embedding.capacity ({embedding.capacity:,}), and a table on the "
+                "devices cannot evict rows as the host store does; raise embedding.capacity "
+                'or place it as a cache ("cache")'
             )
         if outgrows and place == "auto" and no_caches:
             continue

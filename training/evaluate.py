@@ -13,8 +13,9 @@ from hybridrec.model import StreamingMetrics, local_rows
 from hybridrec.pipeline import read_metadata
 from hybridrec.pipeline.hashing import hash_scheme
 from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.job import Job, load_config, prepare, require_run_dir
+from hybridrec.training.job import Job, load_config, prepare
 from hybridrec.training.layouts import feature_ids
+from hybridrec.training.run_dir import require_run_dir
 
 
 def evaluate(

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -441,45 +440,6 @@ def resolve_tables(
         split.append(f"  {len(per_table) - len(split)} of {len(per_table)} tables keep whole rows")
         per_table = split
     return planned, (header, *per_table, balance)
-
-
-# what a directory `hybridrec train` wrote holds (any one of them marks it)
-RUN_MARKERS = (CONFIG_FILE, "checkpoints", "metrics.jsonl", "summary.json")
-
-
-def clear_run_dir(run_dir: Path, data: str | None) -> None:
-    """`--overwrite`: removes `run_dir` when it holds a run (or nothing). Refuses, deleting
-    nothing, a directory that holds anything else or the dataset `data`, and a file."""
-    if not run_dir.exists():
-        return
-    if not run_dir.is_dir():
-        raise UserError(f"--run-dir {run_dir}: a file, not a directory")
-    if data and Path(data).resolve().is_relative_to(run_dir.resolve()):
-        raise UserError(
-            f"--overwrite would delete {run_dir} and the dataset {data} inside it; "
-            "give the run its own directory"
-        )
-    entries = sorted(entry.name for entry in run_dir.iterdir())
-    if entries and not any((run_dir / marker).exists() for marker in RUN_MARKERS):
-        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise UserError(
-            f"--overwrite: {run_dir} is not a run directory (no {', '.join(RUN_MARKERS)}; it "
-            f"holds {shown}); not deleting it"
-        )
-    shutil.rmtree(run_dir)
-
-
-def require_run_dir(run_dir: Path) -> None:
-    """Raises a UserError naming the command that makes one unless `run_dir` holds a run."""
-    if not (run_dir / CONFIG_FILE).exists():
-        what = (
-            "does not exist"
-            if not run_dir.exists()
-            else f"is not a run directory (no {CONFIG_FILE})"
-        )
-        raise UserError(
-            f"{run_dir} {what}; train one with `hybridrec train --data DATA_DIR --run-dir {run_dir}`"
-        )
 
 
 def load_config(

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,10 @@ from hybridrec.embedding_store.remote import ServerSet
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.defaults import choose_decay
 from hybridrec.training.evaluate import evaluate
-from hybridrec.training.job import Job, clear_run_dir, prepare
+from hybridrec.training.job import Job, prepare
 from hybridrec.training.meters import CompileMeter, IntervalMeter, StoreMeter, device_memory
 from hybridrec.training.profiling import StepProfiler
+from hybridrec.training.run_dir import clear_run_dir
 from hybridrec.training.run_log import RunLog
 from hybridrec.training.sources import EpochSource, Segment, StreamSource
 
@@ -150,6 +152,13 @@ class Trainer:
                 choices=(*self.job.choices, reason),
             )
         self.config = self.job.config
+        last, step = self.source.last_step, self.checkpoints.latest_step() if resume else None
+        if step is not None and last and step >= last and (self.run_dir / SUMMARY_FILE).exists():
+            raise UserError(
+                f"{self.run_dir} already finished: its checkpoint is step {step} and the run "
+                f"ends at step {last} (data.max_steps, data.epochs); raise one of them "
+                "(--set data.epochs=N) to train it further"
+            )
         self._given_store = store
         self.store = None
         self.loop = None
@@ -163,13 +172,6 @@ class Trainer:
         (also written to summary.json)."""
         config, job, source = self.config, self.job, self.source
         stop = stop or threading.Event()
-        finished = self.checkpoints.latest_step() if self.resume else None
-        if finished is not None and source.last_step and finished >= source.last_step:
-            raise UserError(
-                f"{self.run_dir} already finished: its checkpoint is step {finished} and the "
-                f"run ends at step {source.last_step} (data.max_steps, data.epochs); raise "
-                "one of them (--set data.epochs=N) to train it further"
-            )
         resume_step = self.checkpoints.begin(
             self._saved_config, resume=self.resume, chief=self.is_chief
         )
@@ -229,6 +231,10 @@ class Trainer:
             self._save()
             if self.publish:
                 self._publish()
+            if self.step == source.last_step and not self.eval_results and source.evaluates:
+                # resumed at its last step (stopped after the final checkpoint, before its
+                # summary): the final evaluation it did not get
+                self._evaluate(self.step, final=True)
             summary = self._summary()
         finally:
             self.profiler.close()  # a failed run's trace (never raises)
@@ -403,6 +409,7 @@ class Trainer:
             # tables trained on the devices: rows held each, and the share of lookups there
             "device_tables": self.device_rows.summary() if self.device_rows else {},
             "processes": self.job.process_count,
+            "hybridrec_version": metadata.version("hybridrec"),
             "devices": int(self.job.mesh.devices.size),
             "device_kind": self.job.mesh.devices.flat[0].device_kind,
             # peak and limit per device (None where the backend reports none, as on CPU)

@@ -10,7 +10,7 @@ from hybridrec.common.errors import UserError
 from hybridrec.pipeline.metadata import METADATA_FILE, SUCCESS_FILE
 from hybridrec.serving import MANIFEST_FILE
 from hybridrec.serving.export import export_run
-from hybridrec.training.job import RUN_MARKERS
+from hybridrec.training.run_dir import RUN_MARKERS
 from hybridrec.training.run_log import run_name
 
 

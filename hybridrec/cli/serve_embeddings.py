@@ -318,7 +318,9 @@ def training_tables(
     (see `training.job.resolve_tables`), over `num_shards` shards in all."""
     overrides = list(overrides)
     if data:
-        overrides.append(f"data.path={json.dumps(str(data))}")
+        if given := [o for o in overrides if o.split("=", 1)[0].strip() == "data.path"]:
+            raise UserError(f"--data and --set {given[0]}: give the dataset once")
+        overrides.insert(0, f"data.path={json.dumps(str(data))}")  # as `hybridrec train`
     train_config = config.load(TrainConfig, preset, overrides, preset_dir=PRESET_DIR)
     if not train_config.data.path:
         raise UserError("--config needs --data (or data.path in the preset): it names the tables")

@@ -19,8 +19,9 @@ from hybridrec.cli._chatter import VERBOSE_ENV, native_output_filtered, quiet_na
 from hybridrec.cli._compilation_cache import use_compilation_cache
 from hybridrec.cli._embedding_servers import embedding_servers
 from hybridrec.common.errors import UserError
-from hybridrec.training.job import load_config, require_run_dir
+from hybridrec.training.job import load_config
 from hybridrec.training.profiling import format_summary
+from hybridrec.training.run_dir import require_run_dir
 from hybridrec.training.run_log import run_name
 from hybridrec.training.trainer import Trainer
 
@@ -96,9 +97,12 @@ def main(argv: list[str]) -> int:
     _train_follow.add_flags(parser)
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
-    # --data first: a --set of the user's that contradicts it is then the one named
-    overrides = [f"data.path={json.dumps(str(args.data))}"] if args.data else []
-    overrides += [*args.overrides, *args.positional_overrides]
+    overrides = [*args.overrides, *args.positional_overrides]
+    if args.data:
+        if given := [o for o in overrides if o.split("=", 1)[0].strip() == "data.path"]:
+            raise UserError(f"--data and --set {given[0]}: give the dataset once")
+        # first: a --set that contradicts it (data=5) is then the one an error names
+        overrides.insert(0, f"data.path={json.dumps(str(args.data))}")
     if args.overwrite and args.resume:
         raise UserError("--overwrite and --resume contradict each other")
     if run_dir.exists() and not run_dir.is_dir():
@@ -153,35 +157,48 @@ def _train(
             ),
             flush=True,
         )
-    summary = trainer.fit(_stop_on_signals(trainer.job.process_count))
+    stop = _stop_on_signals(trainer.job.process_count)
+    summary = trainer.fit(stop)
     if trainer.is_chief:
         _print_summary(summary)
-        last = trainer.source.last_step
-        if last and summary["steps"] < last:
+    last = trainer.source.last_step
+    if stop.is_set() and last and summary["steps"] < last:
+        if trainer.is_chief:
             print(
                 f"stopped at step {summary['steps']} of {last}; continue with `hybridrec train "
                 f"--resume --run-dir {run_dir}`",
                 flush=True,
             )
+        # not finished: a scheduler restarts the job (a Kubernetes Job with restartPolicy
+        # OnFailure, Slurm --requeue), which then resumes from the checkpoint
+        return 128 + stop.signal
     return 0
 
 
-def _stop_on_signals(process_count: int) -> threading.Event:
+class _Stop(threading.Event):
+    signal = 0  # the first signal that asked for the stop
+
+
+def _stop_on_signals(process_count: int) -> _Stop:
     """An event SIGTERM and Ctrl-C set: the run stops after its current step, with a
-    checkpoint (a second one stops it at once). A job of several processes keeps the
+    checkpoint; Ctrl-C twice stops it at once (a SIGTERM after Ctrl-C, as `hybridrec
+    launch` sends its children, is the same stop). A job of several processes keeps the
     signals' defaults: a stop on one process alone would leave the others waiting."""
-    stop = threading.Event()
+    stop = _Stop()
     if process_count > 1 or threading.current_thread() is not threading.main_thread():
         return stop
 
     def handler(signum, frame):
         if stop.is_set():
-            raise KeyboardInterrupt
+            if signum == signal.SIGINT == stop.signal:
+                raise KeyboardInterrupt
+            return
+        stop.signal = signum
         stop.set()
         name = signal.Signals(signum).name
         print(
-            f"hybridrec train: {name}: stopping after this step with a checkpoint "
-            "(again to stop at once)",
+            f"hybridrec train: {name}: stopping after this step with a checkpoint"
+            + (" (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""),
             file=sys.stderr,
             flush=True,
         )

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 from hybridrec.common import config as config_lib
+from hybridrec.common.errors import ConfigError
 from hybridrec.model.config import DenseOptimizerConfig
 from hybridrec.model.step import make_schedule
 from hybridrec.pipeline import read_metadata
@@ -27,6 +28,8 @@ def test_auto_batch_aims_at_about_200_steps_in_a_power_of_two_range():
     assert choose_batch_size(0, 1_000, 1)[0] == 256  # the floor
     assert choose_batch_size(0, 90, 1)[0] == 64  # fewer rows than the floor: what fits
     assert choose_batch_size(0, 90, 8)[0] == 64
+    with pytest.raises(ConfigError, match="the 6 training rows are fewer than one batch"):
+        choose_batch_size(0, 6, 8)  # one row for each of 8 devices is 8
     assert choose_batch_size(0, 45_000_000, 1)[0] == 4096  # the ceiling
     assert choose_batch_size(0, 117_000, 3)[0] == 513  # divides over 3 devices
     assert choose_batch_size(128, 117_000, 8) == (128, "data.batch_size = 128 as configured")

@@ -291,7 +291,7 @@ def _refused(dataset: Path, run_dir: Path, *keys: str) -> str:
         ),
         (
             ["embedding.capacity=50", "embedding.placement.C3=device"],
-            "embedding.placement.C3 = 'device': its features have",
+            "embedding.placement.C3 = 'device': its features'",
         ),
         (
             ["embedding.device_budget=100000", "embedding.placement.C4=cache:5000"],

@@ -65,6 +65,8 @@ def test_dmt_tower_layout_trains_like_flat_and_checkpoints_resumes_evaluates_exp
     cli(*training.args(dataset, flat, *small_model(*keys), "--quiet"))
     cli(*training.args(dataset, placed, *small_model(*keys, 'model.layout="towers"'), "--quiet"))
     flat_losses, placed_losses = _train_losses(flat), _train_losses(placed)
+    for run_dir in (flat, placed):  # every lookup saw every update before it
+        assert json.loads((run_dir / "summary.json").read_text())["staleness_max"] == 0
     assert [step for step, _ in placed_losses] == [step for step, _ in flat_losses]
     np.testing.assert_allclose(
         [loss for _, loss in placed_losses], [loss for _, loss in flat_losses], rtol=2e-3

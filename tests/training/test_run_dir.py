@@ -72,8 +72,16 @@ def test_overwrite_deletes_nothing_before_the_config_and_data_are_checked(
     notes.mkdir()
     (notes / "notes.txt").write_text("mine")
     refused = one_line_error(run(*training.args(dataset, notes, *args)))
-    assert "not a run directory" in refused and "notes.txt" in refused
+    assert "which no run writes" in refused and "notes.txt" in refused
     assert (notes / "notes.txt").read_text() == "mine"
+    # a run's own files beside another's (a config.json of something else, a model file)
+    shutil.copy(finished / "config.json", notes / "config.json")
+    refused = one_line_error(run(*training.args(dataset, notes, *args)))
+    assert "notes.txt" in refused and "config.json" not in refused.split("holds")[1]
+    assert (notes / "notes.txt").read_text() == "mine"
+    # the working directory itself
+    refused = one_line_error(run(*training.args(dataset, Path("."), *args), cwd=copy))
+    assert "the working directory" in refused
     inside = one_line_error(run(*training.args(dataset, dataset, *args)))
     assert "the dataset" in inside
     assert _snapshot(dataset) == data_before
@@ -90,11 +98,19 @@ def test_overwrite_deletes_nothing_before_the_config_and_data_are_checked(
     assert json.loads((copy / "summary.json").read_text())["steps"] == 2
 
 
-def test_resume_of_a_finished_run_changes_nothing(finished):
+def test_resume_of_a_finished_run_changes_nothing(finished, tmp_path):
     before = _snapshot(finished)
     error = one_line_error(run("train", "--run-dir", str(finished), "--resume", "--quiet"))
     assert "already finished" in error and "step 4" in error and "data.epochs" in error
     assert _snapshot(finished) == before
+    # stopped after its last checkpoint, before its summary: --resume evaluates and writes it
+    copy = tmp_path / "copy"
+    shutil.copytree(finished, copy)
+    (copy / "summary.json").unlink()
+    result = run("train", "--run-dir", str(copy), "--resume", "--quiet")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((copy / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["eval"]["auc"] > 0
 
 
 def test_the_data_path_is_saved_absolute(finished, dataset, tmp_path):
@@ -139,7 +155,7 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_to_resume_from(
     training.wait_for_checkpoint(process, run_dir, 5)
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
-    assert process.returncode == 0, err[-3000:]
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]  # not finished: restart me
     assert "SIGTERM: stopping after this step" in err
     stopped = training.last_step(run_dir)
     assert stopped >= 5 and json.loads((run_dir / "summary.json").read_text())["steps"] == stopped
