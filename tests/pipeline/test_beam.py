@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 from hybridrec.pipeline import Preprocess, list_chunks, synthetic
@@ -38,7 +39,8 @@ def raw_file(tmp_path_factory):
 
 def run_transform(path, temp_dir, *, chunk_bytes, block_bytes, split_mode="position", check=None):
     chunks = list_chunks([str(path)], chunk_bytes)
-    pipeline = test_pipeline.TestPipeline()
+    # the DirectRunner's engine itself: the DirectRunner would try Prism first (see runners)
+    pipeline = test_pipeline.TestPipeline(runner=FnApiRunner())
     outputs = (
         pipeline
         | "Chunks" >> beam.Create(chunks)

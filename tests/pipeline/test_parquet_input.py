@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 from hybridrec.common.errors import UserError
@@ -214,7 +215,8 @@ def test_bad_rows_are_rejected_with_file_row_and_reason(bad_rows_file, tmp_path)
 def test_bad_rows_on_test_pipeline_with_counters(inputs, bad_rows_file, tmp_path):
     chunks = list_chunks([str(bad_rows_file)], 5_000, spec=CRITEO, input_format="parquet")
     assert len(chunks) > 2 and {c.format for c in chunks} == {"parquet"}
-    pipeline = test_pipeline.TestPipeline()
+    # the DirectRunner's engine itself: the DirectRunner would try Prism first (see runners)
+    pipeline = test_pipeline.TestPipeline(runner=FnApiRunner())
     stats = (
         pipeline
         | beam.Create(chunks)
