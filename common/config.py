@@ -123,8 +123,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
         where: dotted path of `data` inside the whole config, used in messages.
 
     Raises:
-        ConfigError: unknown key (with the closest valid names), wrong type, or a
-            value the dataclass' own validation rejects.
+        ConfigError: unknown key (with the closest valid names), a missing required key,
+            wrong type, or a value the dataclass' own validation rejects.
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -137,6 +137,16 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
         raise ConfigError(
             f"unknown config key {prefix}{key}{hint}; {cls.__name__} accepts: {', '.join(sorted(fields))}"
         )
+    missing = [
+        f"{prefix}{name}"
+        for name, field in fields.items()
+        if name not in data
+        and field.default is dataclasses.MISSING
+        and field.default_factory is dataclasses.MISSING
+    ]
+    if missing:  # the constructor would name only an argument of itself
+        plural = "s" * (len(missing) > 1)
+        raise ConfigError(f"missing required key{plural} {', '.join(missing)}")
     kwargs = {key: _coerce(value, hints[key], f"{prefix}{key}") for key, value in data.items()}
     try:
         return cls(**kwargs)

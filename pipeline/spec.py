@@ -140,36 +140,6 @@ def _repeated(names) -> str | None:
     return None
 
 
-def _missing_keys(cls, data: dict, where: str) -> list[str]:
-    """Keys `cls` requires that `data` lacks, as dotted paths; none while `data` has an
-    unknown key (`config.from_dict` names that one, with the closest valid key)."""
-    fields = {field.name for field in dataclasses.fields(cls)}
-    if any(key not in fields for key in data):
-        return []
-    required = [
-        field.name
-        for field in dataclasses.fields(cls)
-        if field.init
-        and field.default is dataclasses.MISSING
-        and field.default_factory is dataclasses.MISSING
-    ]
-    return [f"{where}{name}" for name in required if name not in data]
-
-
-def _check_required(path: Path, data: dict) -> None:
-    """Names a required key that a spec file lacks (the dataclass would only say which
-    argument of its constructor is missing)."""
-    missing = _missing_keys(FeatureSpec, data, "")
-    features = data.get("categorical", [])
-    if isinstance(features, list):
-        for index, feature in enumerate(features):
-            if isinstance(feature, dict):
-                missing += _missing_keys(CategoricalSpec, feature, f"categorical[{index}].")
-    if missing:
-        names = ", ".join(missing)
-        raise ConfigError(f"spec {path}: missing required key{'s' * (len(missing) > 1)} {names}")
-
-
 def builtin_specs() -> list[str]:
     return sorted(path.stem for path in SPEC_DIR.glob("*.toml"))
 
@@ -194,7 +164,6 @@ def load_spec(name_or_path: str | Path) -> FeatureSpec:
     if not path.exists():
         raise UserError(f"spec file {path} does not exist")
     data = config.read_toml(path)
-    _check_required(path, data)
     try:
         return config.from_dict(FeatureSpec, data)
     except ConfigError as error:

@@ -91,6 +91,13 @@ def checked_inputs(given: list[Path] | None) -> list[Path]:
     return inputs
 
 
+def _compilation_cache(name: str) -> str:
+    """A fresh JAX compilation cache for this invocation, removed at exit (also a failed one)."""
+    directory = tempfile.mkdtemp(prefix=f"{name}-jax-cache-")
+    atexit.register(shutil.rmtree, directory, True)
+    return directory
+
+
 def _dataset(inputs: list[Path], cache: Path, options: tuple[str, ...] = ()) -> Path:
     """The preprocessed dataset of `inputs` (with `preprocess` `options`), from the cache or
     written into it atomically."""
@@ -379,10 +386,9 @@ def main() -> None:
     inputs = checked_inputs(args.input)
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the trainer's own device layout (1 CPU device here)
-    # a compilation cache of this run alone: each shape's first run compiles (cold), as a
-    # user's first run does; the batch-512 runs of later seeds find the programs (warm)
-    env["HYBRIDREC_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="bench-criteo-jax-cache-")
-    atexit.register(shutil.rmtree, env["HYBRIDREC_COMPILATION_CACHE"], True)
+    # each shape's first run compiles (cold), as a user's first run does; the batch-512
+    # runs of later seeds find the programs (warm)
+    env["HYBRIDREC_COMPILATION_CACHE"] = _compilation_cache("bench-criteo")
     data = _dataset(inputs, args.cache)
     work = args.cache / "runs"
     results, dense = {}, {}
@@ -491,7 +497,6 @@ def main() -> None:
         )
     if args.server:
         summary.update(_against_a_server(data, work, env, args.extra, args.cache_budget))
-    shutil.rmtree(env["HYBRIDREC_COMPILATION_CACHE"], ignore_errors=True)
     print(json.dumps(summary))
 
 

@@ -44,16 +44,13 @@ measured (mlperf_shape_batch says which).
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from bench_criteo import REPO, _dataset, _dense_only, _fail, _train
+from bench_criteo import REPO, _compilation_cache, _dataset, _dense_only, _fail, _train
 from hybridrec.pipeline.synthetic import CATEGORICAL_PROFILE, LONG_TAIL
 from hybridrec.training.profiling import format_summary
 
@@ -290,8 +287,7 @@ def main() -> None:
             _fail(f"--batches {batch}: does not divide over the {info['devices']} devices")
     print(f"devices: {info['devices']} x {info['device_kind']} ({info['platform']})", flush=True)
     # a compilation cache of this invocation: each shape's first run compiles
-    env["HYBRIDREC_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="bench-gpu-jax-cache-")
-    atexit.register(shutil.rmtree, env["HYBRIDREC_COMPILATION_CACHE"], True)
+    env["HYBRIDREC_COMPILATION_CACHE"] = _compilation_cache("bench-gpu")
     raw = _raw_data(args.cache, args.rows, args.seed, args.cardinality_scale)
     data = _dataset([raw], args.cache, ("--eval-fraction", str(args.eval_fraction)))
     distinct = _distinct_ids(data)

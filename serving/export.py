@@ -128,11 +128,7 @@ def export_run(
     config = load_config(None, [], run_dir)
     metadata = read_metadata(config.data.path)
     checkpoints = RunCheckpoints(run_dir, keep=config.checkpoint.keep)
-    step = step if step is not None else checkpoints.latest_step()
-    if step is None:
-        raise UserError(f"{run_dir}: no complete checkpoint to export")
-    if step not in store_checkpoint.committed_steps(checkpoints.embeddings_url):
-        raise UserError(f"{run_dir}: no complete checkpoint at step {step}")
+    step = checkpoints.resolve_step(step, "export")
 
     plan = plan_tables(config.embedding, metadata.categorical)  # the tables the run trained
     tables = [table.name for table in plan.tables]

@@ -104,6 +104,26 @@ class RunCheckpoints:
         except (ValueError, KeyError) as error:
             raise UserError(f"{path}: unreadable checkpoint pointer: {error}") from None
 
+    def resolve_step(self, step: int | None, purpose: str) -> int:
+        """`step` when the run holds a complete checkpoint of it; None: the newest complete
+        one. A one-line UserError otherwise, naming what `purpose` (e.g. "export") needs."""
+        run_dir = self.root.parent
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise UserError(
+                    f"{run_dir}: no complete checkpoint to {purpose} (training stopped before "
+                    f"its first); continue it with `hybridrec train --resume --run-dir {run_dir}`"
+                )
+            return step
+        complete = self.complete_steps()
+        if step not in complete:
+            have = ", ".join(map(str, complete)) or "none"
+            raise UserError(
+                f"{run_dir}: no complete checkpoint at step {step} (complete steps: {have})"
+            )
+        return step
+
     def complete_steps(self) -> list[int]:
         """Steps of the complete checkpoints still in the run directory, ascending: those
         up to `latest_step()` whose dense state, positions and embeddings all exist."""

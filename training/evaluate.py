@@ -104,7 +104,7 @@ def evaluate_checkpoint(
     job = prepare(config, distributed=distributed)
     checkpoints = RunCheckpoints(run_dir, keep=job.config.checkpoint.keep)
     try:
-        step = _checkpoint_step(checkpoints, step, run_dir)
+        step = checkpoints.resolve_step(step, "evaluate")
         state = checkpoints.restore_dense(step, job.new_state())
         store = job.open_store(checkpoints, step, remote=False)
         try:
@@ -132,25 +132,6 @@ def evaluate_checkpoint(
         out.write_text(json.dumps(results, indent=2) + "\n")
         results["output"] = str(out)
     return results
-
-
-def _checkpoint_step(checkpoints: RunCheckpoints, step: int | None, run_dir: Path) -> int:
-    """`step` if the run holds a complete checkpoint of it (None: the newest complete one)."""
-    if step is None:
-        step = checkpoints.latest_step()
-        if step is None:
-            raise UserError(
-                f"{run_dir}: no complete checkpoint to evaluate (training stopped before its "
-                f"first); continue it with `hybridrec train --resume --run-dir {run_dir}`"
-            )
-        return step
-    complete = checkpoints.complete_steps()
-    if step not in complete:
-        have = ", ".join(map(str, complete)) or "none"
-        raise UserError(
-            f"{run_dir}: no complete checkpoint at step {step} (complete steps: {have})"
-        )
-    return step
 
 
 def check_same_features(trained_on: str | Path, data: str | Path, run_dir: str | Path) -> None:

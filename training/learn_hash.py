@@ -148,9 +148,7 @@ def learn_id_map(
         raise UserError(f"{run_dir}: learning from a run with column-split tables is not supported")
     metadata = read_metadata(config.data.path)
     checkpoints = RunCheckpoints(run_dir, keep=config.checkpoint.keep)
-    step = step if step is not None else checkpoints.latest_step()
-    if step is None:
-        raise UserError(f"{run_dir}: no complete checkpoint to learn embeddings from")
+    step = checkpoints.resolve_step(step, "learn embeddings from")
     counts = count_ids(metadata, config.data.train_split)
     plan = plan_tables(config.embedding, metadata.categorical)
     rows = {

@@ -22,11 +22,9 @@ RUN_ENTRIES = {
 def clear_run_dir(run_dir: Path, data: str | None) -> None:
     """`--overwrite`: removes `run_dir` when it holds a run and nothing else (or nothing).
     Refuses, deleting nothing, a directory that holds anything else, the dataset `data`
-    or the working directory, and a file."""
+    or the working directory (the trainer has refused a file already)."""
     if not run_dir.exists():
         return
-    if not run_dir.is_dir():
-        raise UserError(f"--run-dir {run_dir}: a file, not a directory")
     resolved = run_dir.resolve()
     if data and Path(data).resolve().is_relative_to(resolved):
         raise UserError(

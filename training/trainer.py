@@ -100,6 +100,10 @@ class Trainer:
         servers: ServerSet | None = None,
     ):
         self.run_dir = Path(run_dir)
+        if overwrite and resume:
+            raise UserError("--overwrite and --resume contradict each other")
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise UserError(f"--run-dir {self.run_dir}: a file, not a directory")
         path = config.data.path
         if path and "://" not in path and not Path(path).is_absolute():
             # saved in config.json as an absolute path: `evaluate`, `export` and `--resume`
@@ -114,8 +118,6 @@ class Trainer:
             config, distributed=distributed, servers=servers, follow=follow is not None
         )
         if overwrite:  # once the config and the data have been checked
-            if resume:
-                raise UserError("--overwrite and --resume contradict each other")
             if self.job.is_chief:
                 clear_run_dir(self.run_dir, self.job.config.data.path)
             self.job.barrier("run-dir-cleared")

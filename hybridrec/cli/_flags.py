@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,16 @@ def add_override_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text
     )
+
+
+def with_data(data: str | Path | None, overrides: list[str]) -> list[str]:
+    """`overrides` with `--data` as `data.path`, first: a `--set` that contradicts it
+    (`data=5`) is then the one an error names; `--set data.path` beside it is an error."""
+    if not data:
+        return list(overrides)
+    if given := [o for o in overrides if o.split("=", 1)[0].strip() == "data.path"]:
+        raise UserError(f"--data and --set {given[0]}: give the dataset once")
+    return [f"data.path={json.dumps(str(data))}", *overrides]
 
 
 def read_token_file(path: str | Path, flag: str = "--token-file") -> str:

@@ -316,11 +316,7 @@ def training_tables(
 ) -> list[TableConfig]:
     """The TableConfigs `hybridrec train --config preset --data data` builds, in its order
     (see `training.job.resolve_tables`), over `num_shards` shards in all."""
-    overrides = list(overrides)
-    if data:
-        if given := [o for o in overrides if o.split("=", 1)[0].strip() == "data.path"]:
-            raise UserError(f"--data and --set {given[0]}: give the dataset once")
-        overrides.insert(0, f"data.path={json.dumps(str(data))}")  # as `hybridrec train`
+    overrides = _flags.with_data(data, list(overrides))  # as `hybridrec train`
     train_config = config.load(TrainConfig, preset, overrides, preset_dir=PRESET_DIR)
     if not train_config.data.path:
         raise UserError("--config needs --data (or data.path in the preset): it names the tables")

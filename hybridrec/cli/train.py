@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
@@ -18,7 +17,6 @@ from hybridrec.cli import _flags, _train_follow
 from hybridrec.cli._chatter import VERBOSE_ENV, native_output_filtered, quiet_native_logging
 from hybridrec.cli._compilation_cache import use_compilation_cache
 from hybridrec.cli._embedding_servers import embedding_servers
-from hybridrec.common.errors import UserError
 from hybridrec.training.job import load_config
 from hybridrec.training.profiling import format_summary
 from hybridrec.training.run_dir import require_run_dir
@@ -97,16 +95,7 @@ def main(argv: list[str]) -> int:
     _train_follow.add_flags(parser)
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
-    overrides = [*args.overrides, *args.positional_overrides]
-    if args.data:
-        if given := [o for o in overrides if o.split("=", 1)[0].strip() == "data.path"]:
-            raise UserError(f"--data and --set {given[0]}: give the dataset once")
-        # first: a --set that contradicts it (data=5) is then the one an error names
-        overrides.insert(0, f"data.path={json.dumps(str(args.data))}")
-    if args.overwrite and args.resume:
-        raise UserError("--overwrite and --resume contradict each other")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--run-dir {run_dir}: a file, not a directory")
+    overrides = _flags.with_data(args.data, [*args.overrides, *args.positional_overrides])
     use_compilation_cache()
     if args.follow:
         return _train_follow.train_follow(args, run_dir, overrides)

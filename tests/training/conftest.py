@@ -54,13 +54,14 @@ def train_args(dataset: Path, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def start(*args: str, env: dict | None = None) -> subprocess.Popen:
-    """Starts `hybridrec *args` in the background; its stderr (text) explains a failure."""
+def start(*args: str, env: dict | None = None, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+    """Starts `hybridrec *args` in the background; its stderr (text) explains a failure
+    (`stdout=subprocess.PIPE` keeps its output too)."""
     return subprocess.Popen(
         [sys.executable, "-m", "hybridrec", *args],
         cwd=REPO_ROOT,
         env={**os.environ, **(env or {})},
-        stdout=subprocess.DEVNULL,
+        stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -145,13 +145,7 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_to_resume_from(
     run_dir = tmp_path / "run"
     args = training.args(dataset, run_dir, *small_model("data.max_steps=100000"))
     args += ["--set", "data.epochs=100", "--set", "checkpoint.every_steps=5"]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hybridrec", *args],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = training.start(*args, stdout=subprocess.PIPE)
     training.wait_for_checkpoint(process, run_dir, 5)
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
