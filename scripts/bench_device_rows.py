@@ -9,10 +9,18 @@ each timed over --batches-timed batches after --warm batches have filled the tab
 
     python scripts/bench_device_rows.py                         # batch 4096, 16384, 65536
     python scripts/bench_device_rows.py --batches 16384 --dim 128
+    python scripts/bench_device_rows.py --cache 1048576   # the long tail behind a cache
+
+With --cache ROWS the long-tail features' tables (those the data widens) stay in a host
+store with one hot-row cache of ROWS rows on the devices in front of them, as the planner
+fuses caches; `prepare` then also counts, admits and evicts, and reads the admitted rows
+from the store.
 
 The last line is one JSON object: per batch B, prepare_ms_bB, device_arrays_ms_bB and
 host_side_samples_per_s_bB (B over the two together: the lookup thread's ceiling) and
-shapes_bB (the distinct sets of array shapes over all the batches: the step's compiles).
+shapes_bB (the distinct sets of array shapes over all the batches: the step's compiles);
+with --cache, cache_hit_rate_bB (of the cached features' lookups in the timed batches,
+the share the cache held).
 """
 
 from __future__ import annotations
@@ -23,19 +31,25 @@ import time
 
 import jax
 import numpy as np
-from hybridrec.embedding_store import SparseOptimizerConfig, TableConfig
+from hybridrec.embedding_store import EmbeddingStore, SparseOptimizerConfig, TableConfig
 from hybridrec.model import make_mesh
 from hybridrec.model.config import MeshConfig
 from hybridrec.model.device_tables import DeviceTable, DeviceTableLayout, SparseRule
-from hybridrec.pipeline.synthetic import CATEGORICAL_PROFILE, scaled_cardinality, zipf_ranks
+from hybridrec.pipeline.synthetic import (
+    CATEGORICAL_PROFILE,
+    LONG_TAIL,
+    scaled_cardinality,
+    zipf_ranks,
+)
 from hybridrec.training.device_rows import DevicePlan, DeviceRows
 from hybridrec.training.input import Batch, DataPosition
 
 MAX_ROWS = 4_000_000  # rows per device table at the most
 
 
-def _rows(plan_tables: int, dim: int, scale: float):
-    """DeviceRows over one table per Criteo feature, Adagrad, every table on the devices."""
+def _rows(plan_tables: int, dim: int, scale: float, cache: int = 0):
+    """DeviceRows over one table per Criteo feature, Adagrad, every table on the devices;
+    with `cache`, the long-tail ones in a host store behind one cache of that many rows."""
     optimizer = SparseOptimizerConfig(name="adagrad", learning_rate=0.05)
     rule = SparseRule(
         optimizer.name,
@@ -47,24 +61,40 @@ def _rows(plan_tables: int, dim: int, scale: float):
     )
     cards = [scaled_cardinality(card, scale) for card, _, _ in CATEGORICAL_PROFILE[:plan_tables]]
     names = [f"C{j + 1}" for j in range(len(cards))]
-    tables = tuple(
-        DeviceTable(name, (j,), rows=min(MAX_ROWS, 2 * card + 1024), dim=dim, rule=rule)
-        for j, (name, card) in enumerate(zip(names, cards, strict=True))
-    )
-    plan = DevicePlan(
-        DeviceTableLayout(tables, len(tables)),
-        {name: (name,) for name in names},
-        {name: name for name in names},
-        {name: (j + 1,) for j, name in enumerate(names)},
-        8,
-        all_features=tuple(names),
-    )
+    tail = [
+        j for j, (card, _, _) in enumerate(CATEGORICAL_PROFILE[:plan_tables]) if card >= LONG_TAIL
+    ]
+    whole = [j for j in range(len(cards)) if not (cache and j in tail)]
+    tables = [
+        DeviceTable(names[j], (j,), rows=min(MAX_ROWS, 2 * cards[j] + 1024), dim=dim, rule=rule)
+        for j in whole
+    ]
+    features = {names[j]: (names[j],) for j in whole}
+    store_tables = {names[j]: names[j] for j in whole}
+    prefixes = {names[j]: (j + 1,) for j in whole}
     configs = {
         name: TableConfig(name=name, dim=dim, capacity=8_000_000, optimizer=optimizer)
         for name in names
     }
+    store = None
+    if cache:
+        tables.append(DeviceTable("cache", tuple(tail), rows=cache, dim=dim, rule=rule, cache=True))
+        features["cache"] = tuple(names[j] for j in tail)
+        store_tables["cache"] = "tail"
+        prefixes["cache"] = tuple(j + 1 for j in tail)
+        configs["tail"] = TableConfig(name="tail", dim=dim, capacity=1 << 30, optimizer=optimizer)
+        store = EmbeddingStore([configs["tail"]])
+    plan = DevicePlan(
+        DeviceTableLayout(tuple(tables), len(cards)),
+        features,
+        store_tables,
+        prefixes,
+        8,
+        all_features=tuple(names),
+    )
     mesh = make_mesh(MeshConfig(shape=(1,)), jax.devices()[:1])
-    return DeviceRows(plan, configs, mesh, "sum"), cards, names
+    rows = DeviceRows(plan, configs, mesh, "sum", store=store, staleness=4 if cache else 0)
+    return rows, cards, names
 
 
 def _batches(count: int, size: int, cards, names, seed: int) -> list[Batch]:
@@ -101,10 +131,15 @@ def main() -> None:
     parser.add_argument("--cardinality-scale", type=float, default=10.0)
     parser.add_argument("--warm", type=int, default=6, help="batches before the timing")
     parser.add_argument("--batches-timed", type=int, default=8)
+    parser.add_argument(
+        "--cache", type=int, default=0, help="rows of a hot-row cache for the long tail (0: none)"
+    )
     args = parser.parse_args()
     summary = {}
     for size in args.batches:
-        rows, cards, names = _rows(len(CATEGORICAL_PROFILE), args.dim, args.cardinality_scale)
+        rows, cards, names = _rows(
+            len(CATEGORICAL_PROFILE), args.dim, args.cardinality_scale, args.cache
+        )
         batches = _batches(args.warm + args.batches_timed, size, cards, names, seed=size)
         shapes = set()  # each distinct set of the step's input shapes is one compile
         for batch in batches[: args.warm]:  # their copies compile as the step does
@@ -112,6 +147,7 @@ def main() -> None:
             shapes.add(_shapes(prepared))
             jax.block_until_ready(rows.device_arrays(prepared, slice(None)))
         timed = batches[args.warm :]
+        before = dict(rows.summary().get("caches", {}).get("cache", {}))
         prepare = transfer = 0.0
         for batch in timed:
             start = time.perf_counter()
@@ -129,6 +165,15 @@ def main() -> None:
             f"{len(batches)} batches",
             flush=True,
         )
+        if args.cache:
+            after = rows.summary()["caches"]["cache"]
+            hits = (after["hits"] - before["hits"]) / max(after["lookups"] - before["lookups"], 1)
+            summary[f"cache_hit_rate_b{size}"] = round(hits, 4)
+            print(
+                f"  cache of {args.cache:,} rows: {rows.summary()['rows']['cache']:,} held, "
+                f"hit rate {hits:.4f} in the timed batches, {after['evicted']:,} evicted in all",
+                flush=True,
+            )
         summary.update(
             {
                 f"prepare_ms_b{size}": round(prepare * 1e3, 2),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 
 import numpy as np
+from hybridrec.embedding_store import SlotMap
 from hybridrec.pipeline.hashing import splitmix64
 
 DEPTH = 4
@@ -72,7 +73,8 @@ class HotRows:
         self._exact_below = EXACT_BELOW if exact_below is None else exact_below
         self._rng = np.random.default_rng(SAMPLE_SEED)  # the same draws on every process
         self._busy = np.zeros(capacity, bool)  # rows of the batch being chosen for
-        self._recent: collections.deque = collections.deque(maxlen=max(cooldown, 1))
+        self._recent: collections.deque = collections.deque()  # the last batches' evictions
+        self._cooling = SlotMap(1 << 10)  # ... and a map of their ids (any row: a set)
 
     def seen(self, ids: np.ndarray, occurrences: np.ndarray) -> np.ndarray:
         """Counts one batch's distinct `ids` (each `occurrences` times); their estimates."""
@@ -101,9 +103,8 @@ class HotRows:
         held = slots >= 0
         self.counts[slots[held]] = estimate[held]
         candidates = np.flatnonzero(~held)
-        if self.cooldown and len(self._recent) and len(candidates):
-            recent = np.concatenate(list(self._recent))
-            candidates = candidates[~np.isin(ids[candidates], recent)]
+        if len(self._cooling) and len(candidates):
+            candidates = candidates[self._cooling.find(ids[candidates]) < 0]
         free = min(self.capacity - self.used, len(candidates))
         if free:  # the most frequent take the free rows
             candidates = candidates[np.argsort(-estimate[candidates], kind="stable")]
@@ -165,5 +166,10 @@ class HotRows:
 
     def evicted(self, ids: np.ndarray) -> None:
         """Records the ids the last `choose` evicted (kept out for `cooldown` batches)."""
-        if self.cooldown:
-            self._recent.append(ids)
+        if not self.cooldown:
+            return
+        if len(self._recent) == self.cooldown:  # the oldest batch's wait is over
+            self._cooling.remove(self._recent.popleft())
+        ids = np.asarray(ids, np.uint64)
+        self._recent.append(ids)
+        self._cooling.insert(ids, np.zeros(len(ids), np.int64))
