@@ -138,6 +138,8 @@ class HotRows:
             if not every_row:
                 lowest = self.counts[look].min(initial=np.inf)
                 contenders = np.count_nonzero(estimate[candidates] > lowest)
+                if not contenders:  # none beats even the least used row sampled
+                    return np.zeros(0, np.int64), np.zeros(0, np.int64)
                 look, _ = self._rows_to_compare(SAMPLE * contenders)
             counts = self.counts[look]
             order = np.argsort(counts, kind="stable")
