@@ -157,9 +157,10 @@ class HotRows:
 
     def _rows_to_compare(self, size: int) -> tuple[np.ndarray, bool]:
         """(rows not busy, ascending, whether they are all of them): every row in a cache
-        of fewer than `exact_below` rows or where `size` draws would be as many, else
-        those of a sample of `size` draws."""
-        every_row = self.capacity < self._exact_below or size >= self.capacity
+        of fewer than `exact_below` rows or where `size` draws would be half as many
+        (sorting the draws would cost more than every row's counts), else those of a
+        sample of `size` draws."""
+        every_row = self.capacity < self._exact_below or 2 * size >= self.capacity
         if every_row:
             look = np.arange(self.capacity)
         else:

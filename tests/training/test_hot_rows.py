@@ -85,12 +85,12 @@ def test_a_large_cache_evicts_from_a_sample_only_rows_its_candidates_beat():
 def test_a_sample_is_drawn_for_the_candidates_that_could_come_in():
     hot = HotRows(400_000, width_bits=21, period=10**9, exact_below=0)
     _fill(hot, np.arange(1, 400_001, dtype=np.uint64), np.ones(400_000, np.int64))
-    # 30,000 candidates beat any row: far more than a first sample (8 x 512 draws) holds
-    batch = np.arange(10**6, 10**6 + 30_000, dtype=np.uint64)
+    # 20,000 candidates beat any row: far more than a first sample (8 x 512 draws) holds
+    batch = np.arange(10**6, 10**6 + 20_000, dtype=np.uint64)
     admitted, taken = hot.choose(
-        batch, hot.seen(batch, np.full(30_000, 3)), np.full(30_000, -1, np.int64)
+        batch, hot.seen(batch, np.full(20_000, 3)), np.full(20_000, -1, np.int64)
     )
-    assert len(admitted) == 30_000 and len(np.unique(taken)) == 30_000
+    assert len(admitted) == 20_000 and len(np.unique(taken)) == 20_000
 
 
 def test_sampled_choices_are_the_same_on_every_process_and_hold_the_hot_set():
