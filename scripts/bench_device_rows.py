@@ -97,6 +97,14 @@ def _rows(plan_tables: int, dim: int, scale: float, cache: int = 0):
     return rows, cards, names
 
 
+def feature_ids(rng, size: int, feature: int, card: int) -> np.ndarray:
+    """[size] Zipf ids of Criteo feature `feature` (its generator exponent) over `card`
+    values, prefixed per feature as the pipeline's hashed ids are."""
+    ranks = zipf_ranks(rng, size, card, CATEGORICAL_PROFILE[feature][1])
+    mixed = ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return (np.uint64(feature + 1) << np.uint64(56)) | (mixed >> np.uint64(8))
+
+
 def _batches(count: int, size: int, cards, names, seed: int) -> list[Batch]:
     """Batches of Zipf ids (the generator's exponents), prefixed per feature."""
     rng = np.random.default_rng(seed)
@@ -105,9 +113,7 @@ def _batches(count: int, size: int, cards, names, seed: int) -> list[Batch]:
     for _ in range(count):
         ids = {}
         for j, (card, name) in enumerate(zip(cards, names, strict=True)):
-            ranks = zipf_ranks(rng, size, card, CATEGORICAL_PROFILE[j][1])
-            mixed = ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-            ids[name] = (np.uint64(j + 1) << np.uint64(56)) | (mixed >> np.uint64(8))
+            ids[name] = feature_ids(rng, size, j, card)
         out.append(
             Batch(
                 dense=np.zeros((size, 13), np.float32),
@@ -166,11 +172,12 @@ def main() -> None:
             flush=True,
         )
         if args.cache:
-            after = rows.summary()["caches"]["cache"]
+            held = rows.summary()
+            after = held["caches"]["cache"]
             hits = (after["hits"] - before["hits"]) / max(after["lookups"] - before["lookups"], 1)
             summary[f"cache_hit_rate_b{size}"] = round(hits, 4)
             print(
-                f"  cache of {args.cache:,} rows: {rows.summary()['rows']['cache']:,} held, "
+                f"  cache of {args.cache:,} rows: {held['rows']['cache']:,} held, "
                 f"hit rate {hits:.4f} in the timed batches, {after['evicted']:,} evicted in all",
                 flush=True,
             )

@@ -23,13 +23,9 @@ import sys
 import time
 
 import numpy as np
+from bench_device_rows import feature_ids
 from hybridrec.embedding_store import SlotMap, unique_inverse
-from hybridrec.pipeline.synthetic import (
-    CATEGORICAL_PROFILE,
-    LONG_TAIL,
-    scaled_cardinality,
-    zipf_ranks,
-)
+from hybridrec.pipeline.synthetic import CATEGORICAL_PROFILE, LONG_TAIL, scaled_cardinality
 from hybridrec.training.hot_rows import HotRows
 
 LONG = [j for j, (card, _, _) in enumerate(CATEGORICAL_PROFILE) if card >= LONG_TAIL]
@@ -37,13 +33,12 @@ LONG = [j for j, (card, _, _) in enumerate(CATEGORICAL_PROFILE) if card >= LONG_
 
 def _ids(rng, batch: int, scale: float) -> np.ndarray:
     """One batch's ids of the long-tail features, prefixed per feature (one fused table)."""
-    parts = []
-    for j in LONG:
-        card, exponent, _ = CATEGORICAL_PROFILE[j]
-        ranks = zipf_ranks(rng, batch, scaled_cardinality(card, scale), exponent)
-        mixed = ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        parts.append((np.uint64(j + 1) << np.uint64(56)) | (mixed >> np.uint64(8)))
-    return np.concatenate(parts)
+    return np.concatenate(
+        [
+            feature_ids(rng, batch, j, scaled_cardinality(CATEGORICAL_PROFILE[j][0], scale))
+            for j in LONG
+        ]
+    )
 
 
 class _Cache:
