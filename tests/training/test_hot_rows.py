@@ -7,12 +7,15 @@ import numpy as np
 from hybridrec.training.hot_rows import HotRows
 
 
-def _batch(hot: HotRows, ids, held: dict[int, int], times: int = 1):
+def _batch(hot: HotRows, ids, held: dict[int, int], times=1):
+    """One batch of `ids` (each seen `times`: one count or one per id) through the cache
+    whose id -> row map is `held` (updated); the ids it evicted."""
     ids = np.asarray(ids, np.uint64)
     slots = np.asarray([held.get(int(i), -1) for i in ids], np.int64)
-    estimate = hot.seen(ids, np.full(len(ids), times))
+    estimate = hot.seen(ids, np.broadcast_to(times, len(ids)))
     admitted, rows = hot.choose(ids, estimate, slots)
-    leaving = {i: s for i, s in held.items() if s in set(rows.tolist())}
+    taken = set(rows.tolist())
+    leaving = {i: s for i, s in held.items() if s in taken}
     for i in leaving:
         del held[i]
     hot.evicted(np.asarray(list(leaving), np.uint64))
@@ -111,17 +114,10 @@ def test_sampled_choices_are_the_same_on_every_process_and_hold_the_hot_set():
     for ids, times in stream:
         lookups += int(times.sum())
         for index, (hot, held) in enumerate(zip(caches, helds, strict=True)):
-            slots = np.asarray([held.get(int(i), -1) for i in ids], np.int64)
-            hits[index] += int(times[slots >= 0].sum())
-            admitted, rows = hot.choose(ids, hot.seen(ids, times), slots)
-            by_row = {r: i for i, r in held.items()}
-            leaving = [by_row[int(r)] for r in rows if int(r) in by_row]
-            for i in leaving:
-                del held[i]
-            hot.evicted(np.asarray(leaving, np.uint64))
-            held.update({int(ids[a]): int(r) for a, r in zip(admitted, rows, strict=True)})
-            if index < 2:
-                history[index].append((admitted.tolist(), rows.tolist()))
+            hits[index] += int(sum(t for i, t in zip(ids, times, strict=True) if int(i) in held))
+            evicted = _batch(hot, ids, held, times)
+            if index < 2:  # what each batch evicted, and which id holds which row after it
+                history[index].append((evicted, dict(held)))
     assert history[0] == history[1]
     assert caches[0].used == 20_000  # full: the later batches evicted
     sampled, exact = hits[0] / lookups, hits[2] / lookups
