@@ -110,7 +110,6 @@ class HotRows:
             candidates = candidates[np.argsort(-estimate[candidates], kind="stable")]
         rows = np.arange(self.used, self.used + free, dtype=np.int64)
         self.used += free
-        self.counts[rows] = estimate[candidates[:free]]
         victims = rest = np.zeros(0, np.int64)
         if len(candidates) > free:  # full: the others compete for rows held before
             busy = np.concatenate([slots[held], rows])  # the batch's rows stay
