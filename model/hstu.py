@@ -1,0 +1,130 @@
+"""HSTU blocks (Zhai et al. 2024, "Actions Speak Louder than Words") over packed rows.
+
+One block, with x: [batch, length, dim] and a row packing several histories (segment ids):
+
+    u, v, q, k = split(silu(linear(layer_norm(x))))          # per head
+    attended   = hstu_attention(q, k, v, segments, relative bias)
+    x          = x + linear(layer_norm(attended) * u)          # the gated output
+
+The attention is pointwise (SiLU of each score over a fixed norm, no softmax) with a learned
+bias per head and distance bucket (`hstu_attention.py`), causal within each history.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from hybridrec.model.hstu_attention import hstu_attention
+from hybridrec.model.layers import linear
+
+
+class HSTUBlock(nnx.Module):
+    """One HSTU layer; the attention's implementation ('auto', 'pallas', 'reference') is
+    chosen per call of the block (`hstu_attention`)."""
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        heads: int,
+        attention_dim: int,
+        linear_dim: int,
+        buckets: int,
+        max_distance: int,
+        dtype,
+        rngs: nnx.Rngs,
+        implementation: str = "auto",
+    ):
+        self.heads, self.attention_dim, self.linear_dim = heads, attention_dim, linear_dim
+        self.max_distance, self.implementation = max_distance, implementation
+        width = heads * (2 * linear_dim + 2 * attention_dim)
+        self.norm_in = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.uvqk = linear(dim, width, (None, "mlp"), dtype=dtype, rngs=rngs)
+        self.norm_attended = nnx.LayerNorm(
+            heads * linear_dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs
+        )
+        self.out = linear(heads * linear_dim, dim, ("mlp", None), dtype=dtype, rngs=rngs)
+        self.relative_bias = nnx.Param(jnp.zeros((heads, buckets), jnp.float32))
+
+    def __call__(self, x: jax.Array, segments: jax.Array) -> jax.Array:
+        """x: [batch, length, dim]; segments: [batch, length] int32 (negative: padding)."""
+        batch, length, _ = x.shape
+        heads, attention_dim, linear_dim = self.heads, self.attention_dim, self.linear_dim
+        uvqk = jax.nn.silu(self.uvqk(self.norm_in(x)))
+        split = [
+            heads * linear_dim,
+            2 * heads * linear_dim,
+            2 * heads * linear_dim + heads * attention_dim,
+        ]
+        u, v, q, k = jnp.split(uvqk, split, axis=-1)
+        v = v.reshape(batch, length, heads, linear_dim)
+        q = q.reshape(batch, length, heads, attention_dim)
+        k = k.reshape(batch, length, heads, attention_dim)
+        if attention_dim != linear_dim:  # the kernel takes one width for q, k and v
+            raise ValueError(
+                f"HSTU attention_dim {attention_dim} != linear_dim {linear_dim}: "
+                "the attention takes one width per head"
+            )
+        attended = hstu_attention(
+            q,
+            k,
+            v,
+            segments,
+            self.relative_bias[...],
+            alpha=attention_dim**-0.5,
+            inv_norm=1.0 / self.max_distance,
+            max_distance=self.max_distance,
+            implementation=self.implementation,
+        )
+        attended = self.norm_attended(attended.reshape(batch, length, heads * linear_dim))
+        return x + self.out(attended * u)
+
+
+class HSTUEncoder(nnx.Module):
+    """A stack of HSTU blocks and a final layer norm: [batch, length, dim] -> same."""
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        blocks: int,
+        heads: int,
+        head_dim: int,
+        buckets: int = 32,
+        max_distance: int = 256,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+        implementation: str = "auto",
+    ):
+        self.num_blocks = blocks
+        for index in range(blocks):
+            block = HSTUBlock(
+                dim,
+                heads=heads,
+                attention_dim=head_dim,
+                linear_dim=head_dim,
+                buckets=buckets,
+                max_distance=max_distance,
+                dtype=dtype,
+                rngs=rngs,
+                implementation=implementation,
+            )
+            setattr(self, f"block_{index}", block)
+        self.norm_out = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x: jax.Array, segments: jax.Array) -> jax.Array:
+        for index in range(self.num_blocks):
+            x = getattr(self, f"block_{index}")(x, segments)
+        return self.norm_out(x)
+
+
+def hstu_flops_per_token(
+    dim: int, blocks: int, heads: int, head_dim: int, attended: float
+) -> float:
+    """Training FLOPs per token of an HSTUEncoder (forward and backward, 3x the forward's
+    matrix products; the attention's backward recomputes its scores: 3.5x): `attended`
+    is the mean number of positions a token attends to."""
+    linear = 2 * dim * heads * 4 * head_dim + 2 * heads * head_dim * dim
+    attention = 2 * 2 * attended * heads * head_dim
+    return blocks * (3 * linear + 3.5 * attention)

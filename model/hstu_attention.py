@@ -1,0 +1,343 @@
+"""HSTU's pointwise attention over packed rows: a jax.numpy reference that runs everywhere
+and a Pallas kernel for GPUs, with one entry point that picks between them.
+
+HSTU ("Actions Speak Louder than Words", Zhai et al. 2024) replaces softmax attention with
+a pointwise one: each live pair's weight is SiLU of its score, divided by a fixed norm,
+and the scores carry a learned bias per head and relative-distance bucket. Rows are packed:
+several users' histories one after another, each a contiguous run of one segment id, so a
+pair (i, j) is live when both positions share a segment and j <= i. Negative segment ids
+mark padding, which attends to nothing and outputs zeros.
+
+    out[b, i, h] = inv_norm * sum_{j live} silu(alpha * q[b,i,h] . k[b,j,h]
+                                             + bias[h, bucket(i - j)]) * v[b, j, h]
+
+`hstu_attention(..., implementation="auto")` uses the kernel on a GPU when it compiles for
+the shapes and dtype at hand (a small probe compiles it once per dtype and width), and the
+reference otherwise, with one line saying why. Tests run the kernel in Pallas interpret mode
+on the CPU against the reference (tests/model/test_hstu_attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hybridrec.model import _hstu_pallas
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATIONS = ("auto", "pallas", "reference")
+
+
+def relative_bucket(distance, buckets: int, max_distance: int):
+    """The bias bucket of each distance i - j >= 0: distances below buckets // 2 each have
+    their own, farther ones share logarithmically wider buckets up to max_distance, and the
+    last bucket holds everything beyond (T5's scheme, one-sided).
+
+    distance: int array; returns int32 of its shape, in [0, buckets).
+    """
+    exact = max(buckets // 2, 1)
+    distance = jnp.asarray(distance, jnp.int32)
+    if buckets <= exact or max_distance <= exact:
+        return jnp.minimum(distance, buckets - 1)
+    scaled = jnp.log(jnp.maximum(distance, exact).astype(jnp.float32) / exact)
+    scaled = scaled / math.log(max_distance / exact) * (buckets - exact)
+    far = exact + scaled.astype(jnp.int32)
+    return jnp.minimum(jnp.where(distance < exact, distance, far), buckets - 1)
+
+
+def live_pairs(segments):
+    """[batch, length, length] bool: pair (i, j) shares a segment, j <= i, not padding."""
+    length = segments.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    same = segments[:, :, None] == segments[:, None, :]
+    return same & causal[None] & (segments[:, :, None] >= 0)
+
+
+def hstu_attention_reference(
+    q, k, v, segments, bias, *, alpha: float, inv_norm: float, max_distance: int
+):
+    """The attention in plain jax.numpy (it holds the [batch, heads, length, length] scores).
+
+    Args:
+        q, k, v: [batch, length, heads, dim].
+        segments: [batch, length] int32, each segment one contiguous run, negative: padding.
+        bias: [heads, buckets] float32, the relative bias per head and distance bucket.
+        alpha: scale of q . k.
+        inv_norm: scale of the weighted sum (HSTU: 1 / the longest history).
+        max_distance: the distance the last bias bucket starts at (`relative_bucket`).
+    Returns:
+        [batch, length, heads, dim] in q's dtype.
+    """
+    length = q.shape[1]
+    positions = jnp.arange(length)
+    distance = jnp.maximum(positions[:, None] - positions[None, :], 0)
+    buckets = relative_bucket(distance, bias.shape[1], max_distance)
+    scores = jnp.einsum("bihd,bjhd->bhij", q, k, preferred_element_type=jnp.float32)
+    scores = scores * alpha + bias[:, buckets][None].astype(jnp.float32)
+    live = live_pairs(segments)[:, None]
+    weights = jnp.where(live, jax.nn.silu(scores), 0.0) * inv_norm
+    out = jnp.einsum(
+        "bhij,bjhd->bihd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    return out.astype(q.dtype)
+
+
+def block_bounds(segments, block_q: int, block_k: int):
+    """The blocks a tile loop visits, from the segments' runs.
+
+    Returns ((kv_lo, kv_hi), (q_lo, q_hi)), each [batch, blocks padded to a power of two]
+    int32: query block i visits key blocks [kv_lo, kv_hi) (from the one holding its first
+    row's segment start to its diagonal), key block j is visited by query blocks
+    [q_lo, q_hi) (from its diagonal to the one holding its last row's segment end); a block
+    of padding alone visits nothing.
+    """
+    batch, length = segments.shape
+    positions = jnp.arange(length, dtype=jnp.int32)
+    starts = jnp.concatenate(
+        [jnp.ones((batch, 1), bool), segments[:, 1:] != segments[:, :-1]], axis=1
+    )
+    ends = jnp.concatenate([segments[:, 1:] != segments[:, :-1], jnp.ones((batch, 1), bool)], 1)
+    segment_start = jax.lax.cummax(jnp.where(starts, positions, 0), axis=1)
+    segment_end = jax.lax.cummin(jnp.where(ends, positions, length - 1), axis=1, reverse=True)
+
+    def padded(bounds):
+        width = pl_next_power_of_2(bounds.shape[1])
+        return jnp.pad(bounds, ((0, 0), (0, width - bounds.shape[1]))).astype(jnp.int32)
+
+    q_first = jnp.arange(0, length, block_q)
+    q_last = q_first + block_q - 1
+    any_live_q = jnp.any((segments >= 0).reshape(batch, -1, block_q), axis=2)
+    kv_lo = segment_start[:, q_first] // block_k
+    kv_hi = jnp.where(any_live_q, q_last // block_k + 1, kv_lo)
+    k_first = jnp.arange(0, length, block_k)
+    k_last = k_first + block_k - 1
+    any_live_k = jnp.any((segments >= 0).reshape(batch, -1, block_k), axis=2)
+    q_lo = jnp.broadcast_to(k_first // block_q, (batch, k_first.size))
+    q_hi = jnp.where(any_live_k, segment_end[:, k_last] // block_q + 1, q_lo)
+    return (padded(kv_lo), padded(kv_hi)), (padded(q_lo), padded(q_hi))
+
+
+def pl_next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _check_blocks(length: int, *blocks: int) -> None:
+    for block in blocks:
+        if block < 16 or block & (block - 1):
+            raise ValueError(f"attention block size {block}: must be a power of two >= 16")
+        if length % block:
+            raise ValueError(
+                f"attention block size {block} does not divide the row length {length}: "
+                "rows must be a multiple of the block"
+            )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+def _kernel_attention(
+    q, k, v, segments, bias, alpha, inv_norm, max_distance, block_q, block_k, block, interpret
+):
+    out, _ = _kernel_forward(
+        q, k, v, segments, bias, alpha, inv_norm, max_distance, block_q, block_k, block, interpret
+    )
+    return out
+
+
+def _distance_tables(bias, length, max_distance):
+    buckets = relative_bucket(jnp.arange(length), bias.shape[1], max_distance)
+    return bias[:, buckets].astype(jnp.float32), buckets
+
+
+def _kernel_forward(
+    q, k, v, segments, bias, alpha, inv_norm, max_distance, block_q, block_k, block, interpret
+):
+    distance_bias, _ = _distance_tables(bias, q.shape[1], max_distance)
+    kv_bounds, _ = block_bounds(segments, block_q, block_k)
+    out = _hstu_pallas.forward(
+        q,
+        k,
+        v,
+        segments,
+        distance_bias,
+        kv_bounds,
+        block_q=block_q,
+        block_k=block_k,
+        alpha=alpha,
+        inv_norm=inv_norm,
+        interpret=interpret,
+    )
+    return out, (q, k, v, segments, bias)
+
+
+def _kernel_backward(alpha, inv_norm, max_distance, block_q, block_k, block, interpret, res, dout):
+    q, k, v, segments, bias = res
+    distance_bias, distance_bucket = _distance_tables(bias, q.shape[1], max_distance)
+    kv_bounds, q_bounds = block_bounds(segments, block, block)
+    dq, dk, dv, dbias = _hstu_pallas.backward(
+        q,
+        k,
+        v,
+        dout.astype(q.dtype),
+        segments,
+        distance_bias,
+        distance_bucket,
+        kv_bounds,
+        q_bounds,
+        block=block,
+        buckets=bias.shape[1],
+        alpha=alpha,
+        inv_norm=inv_norm,
+        interpret=interpret,
+    )
+    dbias = dbias.sum(axis=(0, 2))[:, : bias.shape[1]].astype(bias.dtype)
+    dsegments = np.zeros(segments.shape, jax.dtypes.float0)
+    return dq, dk, dv, dsegments, dbias
+
+
+_kernel_attention.defvjp(_kernel_forward, _kernel_backward)
+
+
+def hstu_attention_pallas(
+    q,
+    k,
+    v,
+    segments,
+    bias,
+    *,
+    alpha: float,
+    inv_norm: float,
+    max_distance: int,
+    block_q: int = 64,
+    block_k: int = 64,
+    block_backward: int = 64,
+    interpret: bool = False,
+):
+    """The Pallas kernel (forward and backward) of `hstu_attention_reference`, same
+    arguments; block_q / block_k tile the forward pass, block_backward (square) the
+    backward one. Each must be a power of two >= 16 dividing the row length. A width that
+    is no power of two >= 16 is zero-padded to one (the scores and outputs are unchanged)."""
+    length, dim = q.shape[1], q.shape[3]
+    _check_blocks(length, block_q, block_k, block_backward)
+    width = max(16, pl_next_power_of_2(dim))
+    if width != dim:
+        pad = ((0, 0), (0, 0), (0, 0), (0, width - dim))
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    segments = segments.astype(jnp.int32)
+    out = _kernel_attention(
+        q,
+        k,
+        v,
+        segments,
+        bias,
+        float(alpha),
+        float(inv_norm),
+        int(max_distance),
+        block_q,
+        block_k,
+        block_backward,
+        interpret,
+    )
+    return out[..., :dim]
+
+
+_probed: dict[tuple, str | None] = {}
+
+
+def kernel_problem(dtype, dim: int) -> str | None:
+    """Why the kernel cannot run here for this dtype and width (None: it compiles): a
+    small forward and backward pass compiled once per (backend, dtype, width)."""
+    key = (jax.default_backend(), jnp.dtype(dtype).name, dim)
+    if key not in _probed:
+        if jax.default_backend() != "gpu":
+            _probed[key] = f"the kernel is for GPUs, the backend is {jax.default_backend()}"
+        else:
+            _probed[key] = _probe(dtype, dim)
+    return _probed[key]
+
+
+def _probe(dtype, dim: int) -> str | None:
+    shape = (1, 128, 1, dim)
+    q = jnp.ones(shape, dtype)
+    segments = jnp.zeros((1, 128), jnp.int32)
+    bias = jnp.zeros((1, 8), jnp.float32)
+
+    def loss(q, bias):
+        out = hstu_attention_pallas(
+            q, q, q, segments, bias, alpha=1.0, inv_norm=1.0, max_distance=64
+        )
+        return out.astype(jnp.float32).sum()
+
+    try:
+        jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(q, bias))
+    except Exception as error:  # any compile or launch failure: fall back, saying why
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return None
+
+
+def resolve_implementation(implementation: str, dtype, dim: int) -> str:
+    """'pallas' or 'reference' for `implementation` ('auto' picks the kernel on a GPU when
+    it compiles, saying so in one line when it does not)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention implementation {implementation!r}: expected one of {IMPLEMENTATIONS}"
+        )
+    if implementation != "auto":
+        return implementation
+    if jax.default_backend() != "gpu":
+        return "reference"
+    problem = kernel_problem(dtype, dim)
+    if problem is None:
+        return "pallas"
+    if not getattr(resolve_implementation, "_said", False):
+        log.warning(
+            "HSTU attention: the Pallas kernel does not compile here (%s); using the jax.numpy reference",
+            problem,
+        )
+        print(
+            f"HSTU attention: using the jax.numpy reference, the Pallas kernel does not compile here ({problem})",
+            flush=True,
+        )
+        resolve_implementation._said = True
+    return "reference"
+
+
+def hstu_attention(
+    q,
+    k,
+    v,
+    segments,
+    bias,
+    *,
+    alpha: float,
+    inv_norm: float,
+    max_distance: int,
+    implementation: str = "auto",
+    block_q: int = 64,
+    block_k: int = 64,
+    block_backward: int = 64,
+):
+    """HSTU attention by `implementation` ('auto', 'pallas' or 'reference'); the
+    arguments are `hstu_attention_reference`'s."""
+    chosen = resolve_implementation(implementation, q.dtype, q.shape[-1])
+    if chosen == "reference":
+        return hstu_attention_reference(
+            q, k, v, segments, bias, alpha=alpha, inv_norm=inv_norm, max_distance=max_distance
+        )
+    return hstu_attention_pallas(
+        q,
+        k,
+        v,
+        segments,
+        bias,
+        alpha=alpha,
+        inv_norm=inv_norm,
+        max_distance=max_distance,
+        block_q=block_q,
+        block_k=block_k,
+        block_backward=block_backward,
+        interpret=jax.default_backend() != "gpu",
+    )

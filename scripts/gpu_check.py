@@ -1,0 +1,260 @@
+"""The steps of scripts/gpu_check.sh, in the environment it prepared: each a child process
+with its own time cap, the whole within --budget seconds, one JSON summary at the end.
+
+Steps, in order (a step that fails or runs out of time is recorded, the next one still runs):
+  hstu       scripts/bench_hstu.py: the HSTU attention kernel against the reference at 1k,
+             4k and 8k tokens a row, and an HSTU block stack's training step with each;
+  tests      the JAX-facing tests (pytest, several workers), on the platform JAX_PLATFORMS
+             names;
+  bench_gpu  scripts/bench_gpu.py at batch 16384: criteo_dlrm and the MLPerf DLRM shape,
+             the hybrid loop against the dense step alone, with a profile of the last steps;
+  roundtrip  `hybridrec quickstart`: generate -> preprocess -> train -> evaluate -> export ->
+             serve.
+--rehearse runs each at a tiny size (the kernel in Pallas interpret mode) on the CPU.
+
+    python scripts/gpu_check.py --out DIR [--rehearse] [--budget SECONDS] [--steps ...]
+
+DIR receives each step's log (STEP.log), the tests' JUnit XML and gpu_check.json, which is
+also the last line printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# module -> the package that provides it, for a missing one's message
+NEEDED = {
+    "jax": "jax",
+    "flax": "flax",
+    "optax": "optax",
+    "orbax.checkpoint": "orbax-checkpoint",
+    "apache_beam": "apache-beam",
+    "tensorstore": "tensorstore",
+    "pyarrow": "pyarrow",
+    "tensorboardX": "tensorboardX",
+    "starlette": "starlette",
+    "uvicorn": "uvicorn",
+    "scipy": "scipy",
+    "matplotlib": "matplotlib",
+    "pytest": "pytest",
+    "xdist": "pytest-xdist",
+    "pytest_timeout": "pytest-timeout",
+    "httpx": "httpx",
+    "tritonclient.http": "tritonclient[http]",
+    "cryptography": "cryptography",
+    "hybridrec.embedding_store._native": "hybridrec (its C extension)",
+}
+TESTS = [
+    "tests/model",
+    "tests/training/test_end_to_end.py",
+    "tests/training/test_device_rows.py",
+    "tests/serving",
+    "tests/test_config.py",
+    "tests/embedding_store",
+    "tests/training/test_compilation_cache.py",
+    "tests/training/test_resume_and_multiprocess.py",
+]
+REHEARSAL_TESTS = ["tests/model/test_hstu_attention.py", "-k", "lowers or buckets"]
+
+
+def _steps(rehearse: bool, work: Path, out: Path) -> list[tuple[str, list[str], int]]:
+    """(name, command, time cap in seconds) of each step."""
+    python = sys.executable
+    if rehearse:
+        hstu = ["--lengths", "64", "--tokens", "128", "--heads", "2", "--head-dim", "16"]
+        hstu += ["--block", "16", "--step-length", "64", "--step-dim", "32", "--step-blocks", "1"]
+        hstu += ["--step-history", "10", "--min-seconds", "0", "--interpret"]
+        tests, workers = REHEARSAL_TESTS, "1"
+        bench = ["--rows", "12000", "--eval-fraction", "0.25", "--batches", "256"]
+        bench += ["--samples", "12800", "--rounds", "1"]
+        rows = "20000"
+    else:
+        hstu, tests, workers = ["--min-seconds", "0.5", "--extra-blocks", "128"], TESTS, "8"
+        bench = ["--rows", "1000000", "--batches", "16384", "--samples", "1000000"]
+        bench += ["--rounds", "3", "--profile"]
+        rows = "200000"
+    bench += ["--shapes", "criteo_dlrm", "mlperf", "--staleness", "4"]
+    bench += ["--cache", str(work / "bench_gpu"), "--fresh"]
+    pytest = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout", "120"]
+    pytest += ["-n", workers, "--dist", "loadfile", "--junitxml", str(out / "tests.xml")]
+    return [
+        ("hstu", [python, "scripts/bench_hstu.py", *hstu], 90),
+        ("tests", [*pytest, *tests], 130),
+        ("bench_gpu", [python, "scripts/bench_gpu.py", *bench], 170),
+        ("roundtrip", [python, "-m", "hybridrec", "quickstart", "--rows", rows, "--out", str(work / "quickstart")], 75),
+    ]  # fmt: skip
+
+
+def _run(command: list[str], log: Path, cap: float) -> dict:
+    """Runs `command` in a process group of its own, its output to `log`; stops the group
+    at `cap` seconds."""
+    start = time.perf_counter()
+    with log.open("w") as handle:
+        handle.write(f"$ {' '.join(command)}\n")
+        handle.flush()
+        process = subprocess.Popen(
+            command, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        timed_out = False
+        try:
+            process.wait(timeout=max(cap, 1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(process.pid, sig)
+                    process.wait(timeout=grace)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+    seconds = time.perf_counter() - start
+    return {"rc": process.returncode, "seconds": round(seconds, 1), "timed_out": timed_out}
+
+
+def _last_json(log: Path) -> dict | None:
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def _test_results(log: Path, junit: Path) -> dict:
+    """Counts of the tests' outcomes: from the JUnit XML of a finished run, else from the
+    verbose lines of the log (a run stopped at its cap writes no XML)."""
+    failures: list[str] = []
+    if junit.exists():
+        root = ElementTree.parse(junit).getroot()
+        suite = root if root.tag == "testsuite" else root.find("testsuite")
+        counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        for case in suite.iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                failures.append(f"{case.get('classname')}::{case.get('name')}")
+        counts["passed"] = (
+            counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        )
+        return {**counts, "failed_tests": failures[:30], "complete": True}
+    outcomes = {"PASSED": 0, "FAILED": 0, "ERROR": 0, "SKIPPED": 0}
+    for line in log.read_text(errors="replace").splitlines():
+        match = re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED)\b\s+(\S+::\S+)", line)
+        if match:
+            outcomes[match.group(1)] += 1
+            if match.group(1) in ("FAILED", "ERROR"):
+                failures.append(match.group(2))
+    return {
+        "passed": outcomes["PASSED"],
+        "failures": outcomes["FAILED"],
+        "errors": outcomes["ERROR"],
+        "skipped": outcomes["SKIPPED"],
+        "failed_tests": failures[:30],
+        "complete": False,
+    }
+
+
+def _roundtrip(work: Path) -> dict:
+    summary = work / "quickstart" / "run" / "summary.json"
+    if not summary.exists():
+        return {"finished": False}
+    run = json.loads(summary.read_text())
+    exported = (work / "quickstart" / "export").exists()
+    return {"finished": exported, "steps": run.get("steps"), "auc": run.get("eval", {}).get("auc")}
+
+
+def _missing_modules() -> list[str]:
+    missing = []
+    logging.disable(logging.WARNING)  # Beam's import warns of cloud clients it does not need
+    for module, package in NEEDED.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            missing.append(f"{package} ({module}: {error})")
+    logging.disable(logging.NOTSET)
+    return missing
+
+
+def _device() -> dict:
+    """The platform and devices JAX finds, in a child (this process holds no device)."""
+    probe = (
+        "import json, jax; d = jax.devices(); print(json.dumps({'platform': d[0].platform, "
+        "'device_kind': d[0].device_kind, 'devices': len(d), 'jax': jax.__version__}))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if result.returncode:
+        last = (result.stderr.strip().splitlines() or [""])[-1]
+        detail = "" if last in ("", "AssertionError") else last  # JAX only asserts for none
+        platform = os.environ.get("JAX_PLATFORMS", "")
+        print(
+            f"gpu_check: JAX_PLATFORMS={platform}: JAX cannot start {platform or 'a backend'!r} "
+            f"here ({detail or 'no such device is visible, or JAX has no plugin for it'})",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rehearse", action="store_true", help="tiny sizes, on the CPU")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for every step")
+    parser.add_argument("--steps", nargs="+", choices=["hstu", "tests", "bench_gpu", "roundtrip"])
+    args = parser.parse_args(argv)
+    missing = _missing_modules()
+    if missing:
+        print(
+            f"gpu_check: this environment lacks {'; '.join(missing)}: add it to the "
+            "wheelhouse (scripts/gpu_check.sh --fill-wheels) or the image",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline = time.perf_counter() + args.budget
+    summary: dict = {"device": _device(), "rehearse": args.rehearse, "steps": {}}
+    print(f"gpu_check: {summary['device']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        work = Path(work)
+        steps = [
+            s for s in _steps(args.rehearse, work, args.out) if not args.steps or s[0] in args.steps
+        ]
+        for index, (name, command, cap) in enumerate(steps):
+            later = 30 * (len(steps) - index - 1)  # the least each later step is left
+            cap = min(cap, deadline - time.perf_counter() - later)
+            if args.rehearse:  # a rehearsal's sizes are tiny; its caps only guard a hang
+                cap = max(cap, 600)
+            if cap < 20:
+                summary["steps"][name] = {"skipped": "out of budget"}
+                continue
+            print(f"== {name} (at most {cap:.0f} s): {' '.join(command[1:])}", flush=True)
+            log = args.out / f"{name}.log"
+            result = _run(command, log, cap)
+            summary["steps"][name] = {**result, "cap_s": round(cap)}
+            if name in ("hstu", "bench_gpu"):
+                summary[name] = _last_json(log)
+            elif name == "tests":
+                summary[name] = _test_results(log, args.out / "tests.xml")
+            elif name == "roundtrip":
+                summary[name] = _roundtrip(work)
+            print(
+                f"   {name}: {json.dumps({**result, name: summary.get(name)})[:1500]}", flush=True
+            )
+    (args.out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""scripts/gpu_check.sh: its CPU rehearsal runs every step at a tiny size and ends with one
+JSON summary, so a broken check is found here rather than on a borrowed GPU; its bad input
+(no wheelhouse, a platform that cannot start, a package the environment lacks) is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(command: list[str], env: dict | None = None, timeout: float = 600):
+    return subprocess.run(
+        command,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_rehearsal_runs_every_step(tmp_path):
+    result = run(["bash", "scripts/gpu_check.sh", "--rehearse", "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary == json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["rehearse"] and summary["device"]["platform"] == "cpu"
+    steps = summary["steps"]
+    assert list(steps) == ["hstu", "tests", "bench_gpu", "roundtrip"]
+    assert all(step["rc"] == 0 and not step["timed_out"] for step in steps.values()), steps
+    hstu = summary["hstu"]  # the kernel, interpreted, against the reference
+    assert hstu["kernel_max_error"] < 0.05
+    assert hstu["attention_ms_pallas_l64"] > 0 and hstu["step_tokens_per_s_pallas"] > 0
+    assert summary["tests"]["passed"] >= 2 and summary["tests"]["complete"]
+    assert summary["tests"]["failures"] == summary["tests"]["errors"] == 0
+    bench = summary["bench_gpu"]
+    assert bench["hybrid_over_dense_b256"] > 0 and bench["mlperf_shape_samples_per_s"] > 0
+    assert summary["roundtrip"]["finished"] and 0.5 < summary["roundtrip"]["auc"] < 1
+    # at most 8 files come back from the GPU machine
+    files = sorted(path.name for path in tmp_path.iterdir())
+    assert len(files) <= 8 and "gpu_check.json" in files and "tests.xml" in files
+
+
+def test_bad_input_is_one_line(tmp_path):
+    missing = run(
+        ["bash", "scripts/gpu_check.sh", "--out", str(tmp_path), "--wheels", "/nonexistent"]
+    )
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [
+        "gpu_check: wheelhouse /nonexistent not found: fill it where an index is reachable "
+        "with scripts/gpu_check.sh --fill-wheels /nonexistent, and carry it"
+    ]
+    check = [sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path)]
+    no_cuda = run(check, env={"JAX_PLATFORMS": "cuda"})
+    assert no_cuda.returncode == 2
+    lines = no_cuda.stderr.strip().splitlines()
+    assert len(lines) == 1 and "JAX cannot start 'cuda' here" in lines[0], no_cuda.stderr
+    # a package the environment lacks is named
+    shadow = tmp_path / "shadow" / "tensorboardX"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('not installed')\n")
+    lacking = run(check, env={"PYTHONPATH": str(shadow.parent), "JAX_PLATFORMS": "cpu"})
+    assert lacking.returncode == 2
+    lines = lacking.stderr.strip().splitlines()
+    assert len(lines) == 1 and "this environment lacks tensorboardX" in lines[0], lacking.stderr
+    assert not (tmp_path / "gpu_check.json").exists()
