@@ -31,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,7 @@ def bench_attention(args, summary: dict) -> None:
                     outputs = forward(q, k, v, segments, bias)
                     results[implementation] = (outputs, grad(q, k, v, segments, bias, weights))
             except Exception as error:  # out of memory, a kernel that fails: report, go on
+                traceback.print_exc()
                 message = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
                 summary[f"error_attention_{label}_l{length}"] = message
                 print(f"attention {label} at {length} a row: {message}", flush=True)
@@ -201,6 +203,7 @@ def bench_step(args, summary: dict) -> None:
             if not np.isfinite(float(value)):
                 raise FloatingPointError(f"non-finite loss {float(value)}")
         except Exception as error:
+            traceback.print_exc()
             message = (
                 f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
             )

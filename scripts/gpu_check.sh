@@ -51,6 +51,7 @@ fi
   echo "== gpu_check: $(date -u +%FT%TZ) on $(hostname)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
 } | tee "$log"
+echo "== what the image has: $("${PYTHON:-python3}" -m pip list --format=freeze 2>/dev/null | tr '\n' ' ')" >>"$log"
 if [[ ! -d "$wheels" ]]; then
   echo "gpu_check: wheelhouse $wheels not found: fill it where an index is reachable with" \
     "scripts/gpu_check.sh --fill-wheels $wheels, and carry it" | tee -a "$log" >&2
