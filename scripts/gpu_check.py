@@ -211,7 +211,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rehearse", action="store_true", help="tiny sizes, on the CPU")
-    parser.add_argument("--budget", type=float, default=420.0, help="seconds for every step")
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds for every step")
     parser.add_argument("--steps", nargs="+", choices=["hstu", "tests", "bench_gpu", "roundtrip"])
     args = parser.parse_args(argv)
     missing = _missing_modules()
