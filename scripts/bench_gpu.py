@@ -35,6 +35,7 @@ distinct_ids_long_tail; per shape and batch B (criteo_dlrm; the MLPerf shape's k
 with "mlperf_"): dense_only_samples_per_s_bB, hybrid_samples_per_s_bB (staleness 4),
 hybrid_sync_samples_per_s_bB (staleness 0), hybrid_host_samples_per_s_bB (--host-only),
 hybrid_over_dense_bB, auc_bB, host_cores_bB, device_peak_gb_bB, wait_ms_bB, device_ms_bB,
+device_lookup_fraction_bB (the lookups the devices' tables served),
 steady_compile_s_bB; with --profile, device_busy_ms_bB (the time something ran on the
 busiest device, where the trace shows the device);
 and mlperf_shape_samples_per_s, the MLPerf shape's best hybrid rate over the batches
@@ -223,7 +224,10 @@ def _report(results: Results, info: dict, distinct: tuple[int, int]) -> dict:
                     main["samples_per_s"] / dense["samples_per_s"], 3
                 )
             if main:
-                for name in ("auc", "host_cores", "device_peak_gb", "wait_ms", "device_ms"):
+                for name in (
+                    "auc", "host_cores", "device_peak_gb", "wait_ms", "device_ms",
+                    "device_lookup_fraction",
+                ):  # fmt: skip
                     keyed[name] = main[name]
                 keyed["steady_compile_s"] = main.get("steady_compile_s")
             if hybrid and hybrid.get("profile"):  # printed below the table

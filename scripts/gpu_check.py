@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -70,7 +71,9 @@ TESTS = [
 REHEARSAL_TESTS = ["tests/model/test_hstu_attention.py", "-k", "lowers or buckets"]
 
 
-def _steps(rehearse: bool, work: Path, out: Path) -> list[tuple[str, list[str], int]]:
+def _steps(
+    rehearse: bool, work: Path, out: Path, selected: list[str] | None
+) -> list[tuple[str, list[str], int]]:
     """(name, command, time cap in seconds) of each step."""
     python = sys.executable
     if rehearse:
@@ -88,7 +91,9 @@ def _steps(rehearse: bool, work: Path, out: Path) -> list[tuple[str, list[str], 
         rows = "200000"
     bench += ["--shapes", "criteo_dlrm", "mlperf", "--staleness", "4"]
     bench += ["--cache", str(work / "bench_gpu"), "--fresh"]
+    tests = selected or tests
     pytest = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout", "120"]
+    pytest += ["-p", "gpu_check_failures"]  # each failure's report as it happens
     pytest += ["-n", workers, "--dist", "loadfile", "--junitxml", str(out / "tests.xml")]
     return [
         ("hstu", [python, "scripts/bench_hstu.py", *hstu], 90),
@@ -98,7 +103,7 @@ def _steps(rehearse: bool, work: Path, out: Path) -> list[tuple[str, list[str], 
     ]  # fmt: skip
 
 
-def _run(command: list[str], log: Path, cap: float) -> dict:
+def _run(command: list[str], log: Path, cap: float, env: dict) -> dict:
     """Runs `command` in a process group of its own, its output to `log`; stops the group
     at `cap` seconds."""
     start = time.perf_counter()
@@ -106,7 +111,12 @@ def _run(command: list[str], log: Path, cap: float) -> dict:
         handle.write(f"$ {' '.join(command)}\n")
         handle.flush()
         process = subprocess.Popen(
-            command, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         timed_out = False
         try:
@@ -213,6 +223,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rehearse", action="store_true", help="tiny sizes, on the CPU")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for every step")
     parser.add_argument("--steps", nargs="+", choices=["hstu", "tests", "bench_gpu", "roundtrip"])
+    parser.add_argument(
+        "--tests", help="pytest's arguments instead of the default set (one string)"
+    )
     args = parser.parse_args(argv)
     missing = _missing_modules()
     if missing:
@@ -228,9 +241,13 @@ def main(argv=None) -> None:
     print(f"gpu_check: {summary['device']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         work = Path(work)
-        steps = [
-            s for s in _steps(args.rehearse, work, args.out) if not args.steps or s[0] in args.steps
-        ]
+        steps = _steps(args.rehearse, work, args.out, args.tests and shlex.split(args.tests))
+        steps = [step for step in steps if not args.steps or step[0] in args.steps]
+        # the tests' plugin (scripts/gpu_check_failures.py) is imported from scripts/
+        path = os.pathsep.join(
+            p for p in (str(REPO / "scripts"), os.environ.get("PYTHONPATH")) if p
+        )
+        env = {**os.environ, "PYTHONPATH": path}
         for index, (name, command, cap) in enumerate(steps):
             later = 30 * (len(steps) - index - 1)  # the least each later step is left
             cap = min(cap, deadline - time.perf_counter() - later)
@@ -241,7 +258,7 @@ def main(argv=None) -> None:
                 continue
             print(f"== {name} (at most {cap:.0f} s): {' '.join(command[1:])}", flush=True)
             log = args.out / f"{name}.log"
-            result = _run(command, log, cap)
+            result = _run(command, log, cap, env)
             summary["steps"][name] = {**result, "cap_s": round(cap)}
             if name in ("hstu", "bench_gpu"):
                 summary[name] = _last_json(log)

@@ -12,6 +12,7 @@
 #       # each with its own time cap, the whole within --budget (default 450 s)
 #   scripts/gpu_check.sh --rehearse --out DIR  # the same steps at a tiny size on the CPU, in
 #       # the repository's .venv/ (tests/test_gpu_check.py runs it)
+#   ... -- --steps tests bench_gpu --tests FILE...   # some steps, other tests
 #
 # DIR receives gpu_check.json (printed last) and the steps' logs: 8 files at most.
 set -euo pipefail
@@ -24,7 +25,8 @@ while (($#)); do
     --budget) budget="${2:?--budget needs seconds}"; shift 2 ;;
     --rehearse) rehearse=1; shift ;;
     --fill-wheels) fill="${2:-.wheelhouse-gpu}"; shift $(($# > 1 ? 2 : 1)) ;;
-    -h | --help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --) shift; break ;; # the rest goes to scripts/gpu_check.py (--steps, --tests)
+    -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -44,7 +46,7 @@ log="$out/gpu_check.log"
 if ((rehearse)); then
   source scripts/_venv.sh
   export JAX_PLATFORMS=cpu
-  exec python scripts/gpu_check.py --out "$out" --rehearse ${budget:+--budget "$budget"}
+  exec python scripts/gpu_check.py --out "$out" --rehearse ${budget:+--budget "$budget"} "$@"
 fi
 
 {
@@ -66,4 +68,4 @@ if ! PYTHON="$PYTHON" bash scripts/wheelhouse.sh install "$wheels" >>"$log" 2>&1
 fi
 echo "== installed in $((SECONDS - start)) s: $(tail -n 1 "$log")" | tee -a "$log"
 export JAX_PLATFORMS=cuda
-exec "$PYTHON" scripts/gpu_check.py --out "$out" ${budget:+--budget "$budget"}
+exec "$PYTHON" scripts/gpu_check.py --out "$out" ${budget:+--budget "$budget"} "$@"
