@@ -3,7 +3,7 @@
 A small CSV with two multi-valued columns (`tags`, `genres`) and two single-valued
 ones, described by a spec file, goes through the real `preprocess`, `train` (mean
 pooling), `export` and `serve`; every eval row's probability through raw rows and
-through hashed bags equals `evaluate`'s within 1e-6.
+through hashed bags equals `evaluate`'s within float32 rounding (tolerance.PARITY).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import tritonclient.http as triton
 from hybridrec.embedding_store import EmbeddingStore, RaggedIds, TableConfig
 from hybridrec.serving.bags import pool_bags
 
-TOLERANCE = 1e-6
+from .tolerance import PARITY
+
+TOLERANCE = PARITY
 ROWS = 3000
 SPEC = """name = "bags"
 delimiter = ","

@@ -11,8 +11,9 @@ from hybridrec.model import StreamingMetrics
 from hybridrec.pipeline import RowEncoder, read_metadata, spec_from_json
 
 from .kserve import id_and_dense_inputs
+from .tolerance import PARITY
 
-TOLERANCE = 1e-6
+TOLERANCE = PARITY
 CHUNK = 256
 
 
