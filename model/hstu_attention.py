@@ -20,15 +20,13 @@ on the CPU against the reference (tests/model/test_hstu_attention.py).
 from __future__ import annotations
 
 import functools
-import logging
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from hybridrec.model import _hstu_pallas
-
-log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("auto", "pallas", "reference")
 
@@ -245,15 +243,18 @@ def hstu_attention_pallas(
 
 
 _probed: dict[tuple, str | None] = {}
+_said: set[str] = set()
 
 
-def kernel_problem(dtype, dim: int) -> str | None:
-    """Why the kernel cannot run here for this dtype and width (None: it compiles): a
-    small forward and backward pass compiled once per (backend, dtype, width)."""
-    key = (jax.default_backend(), jnp.dtype(dtype).name, dim)
+def kernel_problem(dtype, dim: int, backend: str | None = None) -> str | None:
+    """Why the kernel cannot run on `backend` (default: JAX's) for this dtype and width
+    (None: it compiles): a small forward and backward pass compiled once per (backend,
+    dtype, width)."""
+    backend = backend or jax.default_backend()
+    key = (backend, jnp.dtype(dtype).name, dim)
     if key not in _probed:
-        if jax.default_backend() != "gpu":
-            _probed[key] = f"the kernel is for GPUs, the backend is {jax.default_backend()}"
+        if backend != "gpu":
+            _probed[key] = f"the kernel is for GPUs, the backend is {backend}"
         else:
             _probed[key] = _probe(dtype, dim)
     return _probed[key]
@@ -278,30 +279,29 @@ def _probe(dtype, dim: int) -> str | None:
     return None
 
 
-def resolve_implementation(implementation: str, dtype, dim: int) -> str:
+def resolve_implementation(implementation: str, dtype, dim: int, backend: str | None = None) -> str:
     """'pallas' or 'reference' for `implementation` ('auto' picks the kernel on a GPU when
-    it compiles, saying so in one line when it does not)."""
+    it compiles, saying so in one line when it does not); backend: default JAX's."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"attention implementation {implementation!r}: expected one of {IMPLEMENTATIONS}"
         )
     if implementation != "auto":
         return implementation
-    if jax.default_backend() != "gpu":
+    backend = backend or jax.default_backend()
+    if backend != "gpu":
         return "reference"
-    problem = kernel_problem(dtype, dim)
+    problem = kernel_problem(dtype, dim, backend)
     if problem is None:
         return "pallas"
-    if not getattr(resolve_implementation, "_said", False):
-        log.warning(
-            "HSTU attention: the Pallas kernel does not compile here (%s); using the jax.numpy reference",
-            problem,
-        )
+    if problem not in _said:  # one line per reason, not one per call
+        _said.add(problem)
         print(
-            f"HSTU attention: using the jax.numpy reference, the Pallas kernel does not compile here ({problem})",
+            "HSTU attention: the Pallas kernel does not compile here "
+            f"({problem}); using the jax.numpy reference",
+            file=sys.stderr,
             flush=True,
         )
-        resolve_implementation._said = True
     return "reference"
 
 

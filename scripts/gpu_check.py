@@ -92,14 +92,14 @@ def _steps(
     bench += ["--shapes", "criteo_dlrm", "mlperf", "--staleness", "4"]
     bench += ["--cache", str(work / "bench_gpu"), "--fresh"]
     tests = selected or tests
-    pytest = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout", "120"]
+    pytest = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout", "180"]
     pytest += ["-p", "gpu_check_failures"]  # each failure's report as it happens
     pytest += ["-n", workers, "--dist", "loadfile", "--junitxml", str(out / "tests.xml")]
     return [
-        ("hstu", [python, "scripts/bench_hstu.py", *hstu], 90),
-        ("tests", [*pytest, *tests], 130),
-        ("bench_gpu", [python, "scripts/bench_gpu.py", *bench], 170),
-        ("roundtrip", [python, "-m", "hybridrec", "quickstart", "--rows", rows, "--out", str(work / "quickstart")], 75),
+        ("hstu", [python, "scripts/bench_hstu.py", *hstu], 80),
+        ("tests", [*pytest, *tests], 180),
+        ("bench_gpu", [python, "scripts/bench_gpu.py", *bench], 150),
+        ("roundtrip", [python, "-m", "hybridrec", "quickstart", "--rows", rows, "--out", str(work / "quickstart")], 60),
     ]  # fmt: skip
 
 

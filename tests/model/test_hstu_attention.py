@@ -191,6 +191,21 @@ def test_auto_picks_by_platform():
     )
 
 
+def test_a_kernel_that_does_not_compile_falls_back_in_one_line(monkeypatch, capsys):
+    from hybridrec.model import hstu_attention as module
+
+    monkeypatch.setattr(module, "_probed", {})
+    monkeypatch.setattr(module, "_said", set())
+    monkeypatch.setattr(module, "_probe", lambda dtype, dim: "CompileError: planted")
+    for _ in range(3):
+        assert resolve_implementation("auto", jnp.bfloat16, 48, backend="gpu") == "reference"
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "HSTU attention: the Pallas kernel does not compile here (CompileError: planted); "
+        "using the jax.numpy reference"
+    ]
+
+
 def test_kernel_lowers_to_triton_for_a_hopper_gpu():
     """The kernels (forward and backward, bfloat16) lower to Triton for an H100 on any
     host: a primitive the Triton lowering lacks fails here, not on the GPU."""
