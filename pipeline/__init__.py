@@ -12,10 +12,23 @@ Public surface:
     read_shards(data_dir)                        the committed shards of a stream dataset
 """
 
+import logging as _logging
+
 from hybridrec.pipeline.manifest import ManifestEntry, read_manifest, read_shards  # noqa: F401
 from hybridrec.pipeline.metadata import CategoricalFeature, DatasetMetadata, read_metadata
 from hybridrec.pipeline.rows import EncodedRows, RowEncoder, RowError, spec_from_json  # noqa: F401
 from hybridrec.pipeline.spec import CategoricalSpec, FeatureSpec, builtin_specs, load_spec
+
+
+class _DropBeamImportNoise(_logging.Filter):
+    """Beam's GCP module warns at import about optional cloud client libraries, which
+    preprocessing does not use; the warning would reach every command's terminal."""
+
+    def filter(self, record: _logging.LogRecord) -> bool:
+        return "apitools not found" not in record.getMessage()
+
+
+_logging.getLogger().addFilter(_DropBeamImportNoise())
 
 # Public name -> module that defines it. Beam, pyarrow and the generator are imported only
 # when one of these is used, so that reading metadata stays light.

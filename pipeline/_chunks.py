@@ -375,7 +375,7 @@ def process_chunk(
             if name == "train":
                 stats.add_table(part, spec)
         if progress_path is not None:
-            _write_progress(progress_path, consumed, line - first_line, len(rejected))
+            write_progress(progress_path, consumed, line - first_line, len(rejected))
     if line == 0 and chunk.chunk_index == 0:
         stats.empty_files.append(chunk.path)
     for name, writer in writers.items():
@@ -446,7 +446,9 @@ def _parquet_blocks(
         row += parsed.lines
 
 
-def _write_progress(path: str, consumed: int, lines: int, rejected: int) -> None:
+def write_progress(path: str, consumed: int, lines: int, rejected: int) -> None:
+    """A chunk's progress file (read by `_launch.run_with_progress`): input bytes consumed,
+    lines read and rows rejected so far."""
     temp = f"{path}.tmp"
     with open(temp, "w") as handle:
         json.dump({"bytes": consumed, "lines": lines, "rejected": rejected}, handle)

@@ -27,7 +27,8 @@ def mismatch(header: str, spec: FeatureSpec) -> str | None:
         The first differing field, e.g. "field 5: 'prize' in the file, 'price' in the
         spec", with the field counts when they differ too.
     """
-    fields = header.split(spec.delimiter)
+    # an event log's "whitespace" delimiter: runs of spaces and tabs
+    fields = header.split() if spec.delimiter == "whitespace" else header.split(spec.delimiter)
     columns = list(spec.columns)
     if fields == columns:
         return None

@@ -24,21 +24,23 @@ from hybridrec.pipeline.stats import PartialStats
 TEMP_DIR = "_temporary"
 STATS_FILE = "stats.pickle"
 LOG_FILE = "beam-workers.log"
-# The files of a dataset, besides _SUCCESS; a new dataset replaces them when it is published.
-_OUTPUTS = ("metadata.json", "train", "eval", "rejected")
+# The files of a click-log dataset, besides _SUCCESS; a new dataset replaces them when it
+# is published (an event-log dataset has others: `pipeline.event_job`).
+OUTPUTS = ("metadata.json", "train", "eval", "rejected")
 
 
 def _is_local(path: str) -> bool:
     return "://" not in path
 
 
-def prepare(out: str, overwrite: bool) -> None:
-    """Readies `out` for a run: removes what a failed run left; refuses a complete dataset
-    without `overwrite`, and with it keeps that dataset until `publish` replaces it."""
+def prepare(out: str, overwrite: bool, outputs=OUTPUTS) -> None:
+    """Readies `out` for a run: removes what a failed run left (of `outputs`); refuses a
+    complete dataset without `overwrite`, and with it keeps that dataset until `publish`
+    replaces it."""
     complete = FileSystems.exists(FileSystems.join(out, metadata.SUCCESS_FILE))
     if complete and not overwrite:
         raise UserError(f"{out} already holds a complete dataset; pass --overwrite to replace it")
-    stale = [TEMP_DIR] if complete else [*_OUTPUTS, TEMP_DIR]
+    stale = [TEMP_DIR] if complete else [*outputs, TEMP_DIR]
     stale = [FileSystems.join(out, name) for name in stale]
     stale = [path for path in stale if FileSystems.exists(path)]
     if stale:
@@ -52,7 +54,7 @@ def prepare(out: str, overwrite: bool) -> None:
 def discard_partial(temp_dir: str, *, keep_rejected: bool = False) -> None:
     """After a failed run: removes the workers' partial files, keeps the worker log (and
     the rejected rows with `keep_rejected`)."""
-    names = ("train", "eval", "stats", "progress", STATS_FILE)
+    names = ("train", "eval", "valid", "test", "events", "users", "stats", "progress", STATS_FILE)
     names += () if keep_rejected else ("rejected",)
     paths = [FileSystems.join(temp_dir, name) for name in names]
     paths = [path for path in paths if FileSystems.exists(path)]
@@ -118,7 +120,7 @@ def publish(
         raise UserError(f"no input rows: every input file is empty ({', '.join(config.inputs)})")
     if not sum(stats.rows_by_split.values()):
         raise UserError(_all_rejected(out, temp_dir, stats))
-    _remove_previous(out)
+    remove_previous(out)
     rejected_files = _rename_in_order(out, temp_dir, stats, "rejected")
     splits = {}
     for split in ("train", "eval"):
@@ -146,10 +148,10 @@ def publish(
     return meta
 
 
-def _remove_previous(out: str) -> None:
+def remove_previous(out: str, outputs=OUTPUTS) -> None:
     """Removes a previous dataset's files, `_SUCCESS` first (from then on `out` is clearly
     incomplete)."""
-    for names in ((metadata.SUCCESS_FILE,), _OUTPUTS):
+    for names in ((metadata.SUCCESS_FILE,), outputs):
         paths = [FileSystems.join(out, name) for name in names]
         paths = [path for path in paths if FileSystems.exists(path)]
         if paths:

@@ -63,13 +63,13 @@ class ParsedBlock:
     lines: int
 
 
-def _line_text(buffer: np.ndarray, start: int, end: int) -> str:
+def line_text(buffer: np.ndarray, start: int, end: int) -> str:
     raw = buffer[start : min(end, start + _MAX_REJECTED_TEXT)].tobytes()
     text = raw.decode("utf-8", errors="backslashreplace")
     return text + ("..." if end - start > _MAX_REJECTED_TEXT else "")
 
 
-def _gather_strings(buffer: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
+def gather_strings(buffer: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
     """Copies (start, length) slices of `buffer` into one Arrow large_binary array."""
     lengths = lengths.astype(np.int64)
     offsets = np.zeros(len(lengths) + 1, np.int64)
@@ -122,7 +122,7 @@ def parse_ints(buffer, starts, lengths):
 def parse_floats(buffer, starts, lengths):
     """Parses float cells through Arrow; exact per-cell check only if Arrow refuses the batch."""
     missing = lengths == 0
-    flat = _gather_strings(buffer, starts.ravel(), lengths.ravel())
+    flat = gather_strings(buffer, starts.ravel(), lengths.ravel())
     non_numeric = np.zeros(starts.shape, bool)
     try:
         text = flat.cast(pa.large_string())
@@ -296,7 +296,7 @@ class BlockParser:
                 int(line),
                 REASONS[reasons[line] - 1],
                 details.get(int(line), ""),
-                _line_text(buffer, line_starts[line], newlines[line]),
+                line_text(buffer, line_starts[line], newlines[line]),
             )
             for line in np.flatnonzero(reasons)
         ]
@@ -319,7 +319,7 @@ class BlockParser:
         result = {}
         for prefix, feature in self.multi:
             column = self.spec.column_index(feature.name)
-            fields = _gather_strings(buffer, starts[:, column], lengths[:, column])
+            fields = gather_strings(buffer, starts[:, column], lengths[:, column])
             result[feature.name] = split_multi_valued_ids(
                 fields, feature.separator, prefix, self.spec.prefix_bits
             )

@@ -24,6 +24,7 @@ class PreprocessConfig:
     chunk_mb: float = 32.0  # uncompressed text is cut into chunks of this many MB
     block_mb: float = 16.0  # MB of text parsed per batch
     compression: str = "zstd"  # Parquet codec
+    bucket_mb: float = 256.0  # event logs: MB of input a bucket of users holds, about
     overwrite: bool = False  # replace a complete output directory
     runner: str = "direct"  # Beam runner: a short name (see pipeline.RUNNER_NAMES) or a class path
     dask_address: str | None = None  # dask runner: tcp://HOST:PORT of a running scheduler
@@ -43,8 +44,8 @@ class PreprocessConfig:
             raise UserError(f"--compression must be one of {', '.join(COMPRESSIONS)}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise UserError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
-        if self.chunk_mb <= 0 or self.block_mb <= 0:
-            raise UserError("--chunk-mb and --block-mb must be positive")
+        if self.chunk_mb <= 0 or self.block_mb <= 0 or self.bucket_mb <= 0:
+            raise UserError("--chunk-mb, --block-mb and --bucket-mb must be positive")
         if self.dask_workers < 0:
             raise UserError(f"--dask-workers must be >= 0, got {self.dask_workers}")
         if self.dask_timeout <= 0:

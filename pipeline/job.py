@@ -20,39 +20,21 @@ other runner (Dataflow, Flink, Spark) through standard Beam pipeline options.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import logging
 import os
 import pickle
-import re
-import sys
-import threading
 from collections.abc import Iterable, Sequence
 
-
-class _DropImportNoise(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "apitools not found" not in record.getMessage()
-
-
-# Beam's GCP module warns about optional client libraries at import; irrelevant here.
-_import_filter = _DropImportNoise()
-logging.getLogger().addFilter(_import_filter)
-import apache_beam as beam  # noqa: E402
-
-logging.getLogger().removeFilter(_import_filter)
-import numpy as np  # noqa: E402
-from apache_beam.io.filesystems import FileSystems  # noqa: E402
-from apache_beam.metrics import Metrics  # noqa: E402
-from hybridrec.common.errors import UserError  # noqa: E402
-from hybridrec.common.progress import Progress  # noqa: E402
-from hybridrec.pipeline import _chunks, _errors, _output, _parquet, _placement, runners  # noqa: E402
-from hybridrec.pipeline._parse import BlockParser  # noqa: E402
-from hybridrec.pipeline.config import PreprocessConfig  # noqa: E402
-from hybridrec.pipeline.spec import FeatureSpec, load_spec  # noqa: E402
-from hybridrec.pipeline.stats import DatasetStatsFn, PartialStats  # noqa: E402
+import apache_beam as beam
+import numpy as np
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics import Metrics
+from hybridrec.pipeline import _chunks, _launch, _output, _parquet, _placement
+from hybridrec.pipeline._parse import BlockParser
+from hybridrec.pipeline.config import PreprocessConfig
+from hybridrec.pipeline.spec import FeatureSpec, load_spec
+from hybridrec.pipeline.stats import DatasetStatsFn, PartialStats
 
 # Every chunk's line count meets every other under this one key (a global gather).
 _ALL = 0
@@ -318,48 +300,13 @@ def run_preprocess(
             is written then, a failed run leaves no partial output files, and a complete
             dataset already in the output stays as it was.
     """
-    runner = runners.resolve_runner(config.runner)
-    dask = runners.runner_kind(runner) == "dask"
     spec = load_spec(config.spec)
     chunks = _chunks.list_chunks(
         config.inputs, config.chunk_bytes, spec=spec, input_format=config.input_format
     )
     _chunks.check_headers(chunks, spec, config.spec)  # before the output is touched
-    if dask and config.dask_address:
-        runners.check_dask_scheduler(config.dask_address, config.dask_timeout)
-    out = config.output
-    _output.prepare(out, config.overwrite)
-    temp_dir = FileSystems.join(out, _output.TEMP_DIR)
-    local = "://" not in out
-    progress_dir = os.path.join(temp_dir, "progress") if local else None
-    if progress_dir:
-        os.makedirs(progress_dir, exist_ok=True)
-    log_path = os.path.join(temp_dir, _output.LOG_FILE) if local else None
-    with contextlib.ExitStack() as stack:
-        terminal = stack.enter_context(_stderr_to_file(log_path))
-        stream = open(os.devnull, "w") if quiet else terminal  # noqa: SIM115
-        cluster = None
-        if dask:
-            cluster = stack.enter_context(
-                runners.dask_cluster(
-                    config.dask_address, workers=config.dask_workers, timeout=config.dask_timeout
-                )
-            )
-            if cluster.local:
-                print(
-                    f"[preprocess] Dask local cluster: {cluster.workers} worker process(es), "
-                    f"dashboard {cluster.dashboard or 'unavailable (pip install bokeh)'}",
-                    file=stream,
-                    flush=True,
-                )
-        options = runners.pipeline_options(
-            beam_args,
-            [chunk.input_bytes for chunk in chunks],
-            runner=runner,
-            dask_address=cluster.address if cluster else None,
-            dask_timeout=config.dask_timeout,
-        )
-        pipeline = runners.make_pipeline(options)
+
+    def build(pipeline, temp_dir: str, progress_dir: str | None) -> None:
         _ = (
             pipeline
             | "ListChunks" >> beam.Create(chunks)
@@ -375,17 +322,9 @@ def run_preprocess(
             )
             | "WriteStats" >> beam.ParDo(_WriteStatsFn(temp_dir))
         )
-        total_bytes = sum(chunk.input_bytes for chunk in chunks)
-        try:
-            progress = _run_with_progress(pipeline, progress_dir, total_bytes, stream)
-        except BaseException:
-            _output.discard_partial(temp_dir)
-            if log_path and os.path.exists(log_path):
-                print(f"hybridrec preprocess: Beam worker log: {log_path}", file=terminal)
-            raise
-        runner_line = runners.describe_runner(options, cluster)
-    progress.stream = stream if quiet else sys.stderr
-    return _publish(config, spec, chunks, temp_dir, progress, runner_line)
+
+    launched = _launch.run_job(config, chunks, build, beam_args=beam_args, quiet=quiet)
+    return _publish(config, spec, chunks, *launched)
 
 
 def _publish(config, spec, chunks, temp_dir, progress, runner_line) -> PreprocessResult:
@@ -402,90 +341,3 @@ def _publish(config, spec, chunks, temp_dir, progress, runner_line) -> Preproces
     progress.count = progress.total  # the run read its whole input
     progress.close(rows=counts["rows_read"], rejected=counts["rows_rejected"])
     return PreprocessResult(config.output, meta, progress.elapsed)
-
-
-@contextlib.contextmanager
-def _stderr_to_file(path: str | None):
-    """Sends file descriptor 2 (inherited by worker processes) to `path`.
-
-    Beam's and Dask's worker processes log start-up chatter to stderr; it goes to a log
-    file so the terminal shows only progress and the summary. Yields a stream to the
-    real stderr.
-    """
-    if path is None:
-        yield sys.stderr
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 2)
-    os.close(log)
-    terminal = os.fdopen(os.dup(saved), "w")
-    try:
-        yield terminal
-    finally:
-        terminal.flush()
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        terminal.close()
-
-
-def _run_with_progress(pipeline, progress_dir: str | None, total_bytes: int, stream) -> Progress:
-    """Runs the pipeline; on a local output, shows progress from the workers' progress files."""
-    failure: list[BaseException] = []
-
-    def run():
-        result = None
-        try:
-            result = pipeline.run()
-            result.wait_until_finish()
-        except BaseException as error:  # re-raised on the calling thread
-            failure.append(error)
-            runners.stop_runner(result)  # tasks still running would write after the cleanup
-        finally:
-            runners.close_runner_client(result)
-
-    scale, unit = (2**20, "MB") if total_bytes >= 2**20 else (2**10, "kB")
-    progress = Progress("preprocess", total=total_bytes / scale, unit=unit, stream=stream)
-    thread = threading.Thread(target=run, name="beam-pipeline", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(timeout=1.0)
-        if progress_dir and os.path.isdir(progress_dir):
-            consumed, lines, rejected = _read_progress(progress_dir)
-            rows_per_s = f"{lines / max(progress.elapsed, 1e-9):,.0f}"
-            done = consumed / scale - progress.count
-            progress.update(done, rows=lines, rows_per_s=rows_per_s, rejected=rejected)
-    if failure:
-        error = failure[0]
-        match = re.search(
-            rf"\[{_errors.INPUT_ERROR_MARK}\] (.*?) \[/{_errors.INPUT_ERROR_MARK}\]",
-            str(error),
-            re.S,
-        )
-        if match:
-            raise UserError(match.group(1)) from None
-        if type(error).__name__ == "KilledWorker":  # distributed.KilledWorker, as Dask names it
-            raise UserError(
-                "the Dask job failed: worker processes died running the same task until Dask "
-                f"stopped retrying it (distributed.scheduler.allowed-failures): {error.args[0]!r}; "
-                "nothing was published, rerun the same command"
-            ) from None
-        raise error
-    return progress
-
-
-def _read_progress(progress_dir: str) -> tuple[int, int, int]:
-    """(input bytes consumed, lines read, rows rejected) over all chunks so far."""
-    consumed, lines, rejected = 0, 0, 0
-    for name in os.listdir(progress_dir):
-        try:
-            with open(os.path.join(progress_dir, name)) as handle:
-                state = json.load(handle)
-        except (OSError, ValueError):
-            continue  # being replaced right now
-        consumed += state["bytes"]
-        lines += state["lines"]
-        rejected += state.get("rejected", 0)
-    return consumed, lines, rejected

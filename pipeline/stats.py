@@ -26,36 +26,36 @@ COUNT_THRESHOLDS = (1, 2, 5, 10, 100, 1000)
 
 
 @dataclasses.dataclass
-class _IdSample:
+class IdSample:
     level: int
     ids: np.ndarray  # uint64, sorted unique
     counts: np.ndarray  # int64
 
     @staticmethod
-    def of(ids: np.ndarray, level: int = 0) -> _IdSample:
+    def of(ids: np.ndarray, level: int = 0) -> IdSample:
         """Counts `ids` (already filtered to `level`)."""
         unique, counts = np.unique(ids, return_counts=True)
-        return _IdSample(level, unique, counts.astype(np.int64))._shrink()
+        return IdSample(level, unique, counts.astype(np.int64))._shrink()
 
-    def _shrink(self) -> _IdSample:
+    def _shrink(self) -> IdSample:
         sample = self
         while len(sample.ids) > SAMPLE_CAPACITY:
             sample = sample._filter(sample.level + 1)
         return sample
 
-    def _filter(self, level: int) -> _IdSample:
+    def _filter(self, level: int) -> IdSample:
         if level == self.level:
             return self
         mask = hashing.splitmix64(self.ids) & np.uint64((1 << level) - 1) == 0
-        return _IdSample(level, self.ids[mask], self.counts[mask])
+        return IdSample(level, self.ids[mask], self.counts[mask])
 
-    def merge(self, other: _IdSample) -> _IdSample:
+    def merge(self, other: IdSample) -> IdSample:
         level = max(self.level, other.level)
         a, b = self._filter(level), other._filter(level)
         ids = np.concatenate([a.ids, b.ids])
         unique, inverse = np.unique(ids, return_inverse=True)
         counts = np.bincount(inverse, weights=np.concatenate([a.counts, b.counts]))
-        return _IdSample(level, unique, counts.astype(np.int64))._shrink()
+        return IdSample(level, unique, counts.astype(np.int64))._shrink()
 
     def summary(self, rows: int) -> dict:
         scale = 2**self.level
@@ -153,7 +153,7 @@ class PartialStats:
             level = current.level if current is not None else 0
             if level:
                 ids = ids[hashing.splitmix64(ids) & np.uint64((1 << level) - 1) == 0]
-            sample = _IdSample.of(ids, level)
+            sample = IdSample.of(ids, level)
             self.id_samples[feature.name] = sample if current is None else current.merge(sample)
 
     def _merge_dense(self, other: PartialStats) -> None:

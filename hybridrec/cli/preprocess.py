@@ -15,6 +15,7 @@ import threading
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline import PreprocessConfig, PreprocessResult, run_preprocess, runners
 from hybridrec.pipeline.config import COMPRESSIONS, INPUT_FORMATS, SPLIT_MODES
+from hybridrec.pipeline.event_spec import spec_kind
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,14 +36,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--spec", default="criteo", help="built-in spec name or spec TOML file")
     parser.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
                         help="auto: .parquet/.pq files are Parquet, others text; or force text/parquet")  # fmt: skip
-    parser.add_argument("--split", choices=SPLIT_MODES, default="position",
-                        help="position: last --eval-fraction of input lines is eval; hash: by row hash")  # fmt: skip
+    parser.add_argument("--split", choices=SPLIT_MODES, default=None,
+                        help="click logs: position (default): last --eval-fraction of input lines is eval; hash: by row hash (an event log's spec has its [split])")  # fmt: skip
     parser.add_argument(
-        "--eval-fraction", type=float, default=0.1, help="fraction of rows for eval"
+        "--eval-fraction",
+        type=float,
+        default=None,
+        help="click logs: fraction of rows for eval (default 0.1)",
     )
     parser.add_argument("--chunk-mb", type=float, default=32.0,
                         help="uncompressed input is cut into chunks of this size (MB); .gz files are one chunk each")  # fmt: skip
     parser.add_argument("--block-mb", type=float, default=16.0, help="bytes parsed per batch (MB)")
+    parser.add_argument("--bucket-mb", type=float, default=256.0,
+                        help="event logs: input MB whose users one worker groups at a time")  # fmt: skip
     parser.add_argument("--compression", choices=COMPRESSIONS, default="zstd", help="Parquet codec")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace a complete output directory"
@@ -101,6 +107,40 @@ def _print_summary(result: PreprocessResult) -> None:
     print("\n".join(lines))
 
 
+def _print_event_summary(result: PreprocessResult) -> None:
+    meta = result.metadata
+    sequence, rejected = meta["sequence"], meta["rejected"]
+    rate = sequence["events_read"] / max(result.seconds, 1e-9)
+    reasons = ", ".join(f"{k}={v}" for k, v in rejected["by_reason"].items()) or "none"
+    lengths = sequence["history_length"]
+    written = ", ".join(
+        f"{name} {split['rows']:,} rows in {len(split['files'])} files"
+        for name, split in meta["splits"].items()
+    )
+    lines = [
+        f"preprocessed {sequence['events_read']:,} events of {sequence['users']:,} users in "
+        f"{result.seconds:.1f}s ({rate:,.0f} events/s)",
+        f"  written:  {written}",
+        f"  rejected: {rejected['rows']:,} rows ({reasons})",
+        f"  dropped:  {sequence['duplicates_dropped']:,} duplicate events, "
+        f"{sequence['users_below_min_events']:,} users below min_events",
+        f"  cut:      {sequence['truncated_histories']:,} histories to max_length, "
+        f"{sequence['capped_users']:,} users to max_events_per_user",
+    ]
+    if lengths.get("count"):
+        lines.append(
+            f"  history:  mean {lengths['mean']} events, p50 {lengths['p50']}, p99 "
+            f"{lengths['p99']}, max {lengths['max']} (training rows)"
+        )
+    for user, events in sequence["capped_users_named"][:3]:
+        lines.append(f"  capped:   user {user!r} had {events:,} events")
+    lines.append(f"  runner:   {meta['runner']}")
+    outputs = ", ".join(f"{name}/" for name in meta["splits"])
+    outputs += ", rejected/" if rejected["files"] else ""
+    lines.append(f"  output:   {result.output}/ (metadata.json, {outputs}, _SUCCESS)")
+    print("\n".join(lines))
+
+
 def main(argv: list[str]) -> int:
     """`hybridrec preprocess`."""
     parser = _parser()
@@ -112,13 +152,21 @@ def main(argv: list[str]) -> int:
         return _follow(args, beam_args)
     if args.stats:
         raise UserError("--stats applies to --follow only")
+    events = spec_kind(args.spec) == "events"
+    if events and (args.split is not None or args.eval_fraction is not None):
+        flag = "--split" if args.split is not None else "--eval-fraction"
+        raise UserError(
+            f"{flag} is for click logs: the event spec {args.spec} splits by its [split] table "
+            "(leave_one_out or time windows)"
+        )
     config = PreprocessConfig(
         inputs=args.input,
         output=args.output,
         spec=args.spec,
         input_format=args.input_format,
-        split=args.split,
-        eval_fraction=args.eval_fraction,
+        split=args.split or "position",
+        eval_fraction=0.1 if args.eval_fraction is None else args.eval_fraction,
+        bucket_mb=args.bucket_mb,
         chunk_mb=args.chunk_mb,
         block_mb=args.block_mb,
         compression=args.compression,
@@ -128,6 +176,12 @@ def main(argv: list[str]) -> int:
         dask_workers=args.dask_workers,
         dask_timeout=args.dask_timeout,
     )
+    if events:
+        from hybridrec.pipeline.event_job import run_event_preprocess
+
+        result = run_event_preprocess(config, beam_args=beam_args, quiet=args.quiet)
+        _print_event_summary(result)
+        return 0
     result = run_preprocess(config, beam_args=beam_args, quiet=args.quiet)
     _print_summary(result)
     return 0

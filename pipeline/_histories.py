@@ -1,0 +1,367 @@
+"""Events -> user histories: the numpy core of the event-log job (`pipeline.event_job`).
+
+Two steps, both on whole arrays:
+- per input chunk (`prune_chunk`): exact duplicates dropped, and each user's events cut to
+  the most recent the splits can use (a leave-one-out split needs the last max_length + 2,
+  any split at most max_events_per_user), so that a worker's memory is bounded by its
+  chunk's users, never by one user's millions of events; how many events each user had
+  is kept, for the statistics and to name capped users;
+- per bucket of users (`build_histories`): every chunk's events of those users, ordered
+  by (user, time, input position), duplicates across chunks dropped, then cut into the
+  splits' examples (`split_examples`).
+
+An example is a row: the user, list columns of its events (items, times, actions, side
+features) and `first_target`, the first position that is a prediction target (training
+rows: 1, every next event; evaluation rows: the events after the history).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+from hybridrec.pipeline.event_spec import EventSpec
+from hybridrec.pipeline.event_stats import EventStats
+
+
+@dataclasses.dataclass
+class Events:
+    """Columnar events. `order` columns (file, chunk, line, position) are the input order:
+    the tie-break of equal times, so a user's history is the same on every runner."""
+
+    users: np.ndarray  # uint64
+    items: np.ndarray  # uint64
+    times: np.ndarray  # int64 seconds
+    actions: np.ndarray  # int8
+    sides: dict[str, np.ndarray]  # uint64 each
+    files: np.ndarray  # int32 input file index
+    chunks: np.ndarray  # int32 chunk index in its file
+    lines: np.ndarray  # int64 line (row) in its chunk
+    positions: np.ndarray  # int32 place in its line (user_per_line), else 0
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+    def take(self, index: np.ndarray) -> Events:
+        return Events(
+            **{
+                name: ({k: v[index] for k, v in value.items()} if name == "sides" else value[index])
+                for name, value in self._columns().items()
+            }
+        )
+
+    def _columns(self) -> dict:
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    @staticmethod
+    def concat(parts: list[Events], side_names) -> Events:
+        def joined(name, dtype):
+            arrays = [getattr(part, name) for part in parts]
+            return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
+
+        return Events(
+            users=joined("users", np.uint64),
+            items=joined("items", np.uint64),
+            times=joined("times", np.int64),
+            actions=joined("actions", np.int8),
+            sides={
+                name: np.concatenate([p.sides[name] for p in parts])
+                if parts
+                else np.zeros(0, np.uint64)
+                for name in side_names
+            },
+            files=joined("files", np.int32),
+            chunks=joined("chunks", np.int32),
+            lines=joined("lines", np.int64),
+            positions=joined("positions", np.int32),
+        )
+
+    def to_table(self) -> pa.Table:
+        columns = {k: v for k, v in self._columns().items() if k != "sides"}
+        columns.update({f"side:{name}": ids for name, ids in self.sides.items()})
+        return pa.table(columns)
+
+    @staticmethod
+    def from_table(table: pa.Table) -> Events:
+        def column(name):
+            return table.column(name).to_numpy()
+
+        names = [n for n in table.column_names if not n.startswith("side:")]
+        sides = {n[5:]: column(n) for n in table.column_names if n.startswith("side:")}
+        return Events(**{name: column(name) for name in names}, sides=sides)
+
+    def time_order(self) -> np.ndarray:
+        """Indices ordering the events by (user, time, input position)."""
+        return np.lexsort(
+            (self.positions, self.lines, self.chunks, self.files, self.times, self.users)
+        )
+
+    def duplicate_mask(self) -> np.ndarray:
+        """True for each event equal in user, item, time, action and side ids to an earlier
+        one (in input order), exactly (no hashing)."""
+        keys = [*self.sides.values(), self.actions, self.times, self.items, self.users]
+        order = np.lexsort((self.positions, self.lines, self.chunks, self.files, *keys))
+        same = np.ones(max(len(order) - 1, 0), bool)
+        for key in keys:
+            sorted_key = key[order]
+            same &= sorted_key[1:] == sorted_key[:-1]
+        duplicate = np.zeros(len(self), bool)
+        duplicate[order[1:][same]] = True
+        return duplicate
+
+
+def user_runs(users_sorted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) of each run of equal users in a sorted array."""
+    if not len(users_sorted):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    change = np.flatnonzero(users_sorted[1:] != users_sorted[:-1]) + 1
+    starts = np.concatenate([[0], change]).astype(np.int64)
+    lengths = np.diff(np.concatenate([starts, [len(users_sorted)]]))
+    return starts, lengths
+
+
+def keep_last(starts: np.ndarray, lengths: np.ndarray, limit: int) -> np.ndarray:
+    """Indices (into the sorted events) of each run's last `limit` events, in order."""
+    kept = np.minimum(lengths, limit)
+    first = starts + lengths - kept
+    return _ranges(first, kept)
+
+
+def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The concatenation of range(first, first + count) for each pair."""
+    counts = counts.astype(np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(firsts - offsets, counts) + np.arange(total)
+
+
+def chunk_limit(spec: EventSpec) -> int:
+    """Events of one user one chunk keeps (the most recent)."""
+    if spec.split.kind == "leave_one_out" and spec.max_length:
+        return spec.max_length + 2
+    return spec.max_events_per_user
+
+
+@dataclasses.dataclass
+class ChunkPrune:
+    """What `prune_chunk` kept and counted."""
+
+    events: Events  # the kept events, ordered by (user, time, input position)
+    users: np.ndarray  # uint64 each user of the chunk
+    counts: np.ndarray  # int64 their events (duplicates dropped)
+    duplicates: int  # events dropped as duplicates
+    over_limit: np.ndarray  # int64 indices into `users` of users cut to the limit
+
+
+def prune_chunk(events: Events, spec: EventSpec) -> ChunkPrune:
+    """Drops duplicates (when the spec says so) and keeps each user's most recent events."""
+    duplicates = 0
+    if spec.drop_duplicates and len(events):
+        duplicate = events.duplicate_mask()
+        duplicates = int(duplicate.sum())
+        if duplicates:
+            events = events.take(np.flatnonzero(~duplicate))
+    ordered = events.take(events.time_order())
+    starts, lengths = user_runs(ordered.users)
+    limit = chunk_limit(spec)
+    kept = keep_last(starts, lengths, limit)
+    return ChunkPrune(
+        events=ordered.take(kept) if len(kept) != len(ordered) else ordered,
+        users=ordered.users[starts],
+        counts=lengths,
+        duplicates=duplicates,
+        over_limit=np.flatnonzero(lengths > limit),
+    )
+
+
+@dataclasses.dataclass
+class Examples:
+    """One split's rows: per row its events (indices into the ordered events, concatenated,
+    with offsets) and its first target position."""
+
+    users: np.ndarray  # uint64 [rows]
+    offsets: np.ndarray  # int32 [rows + 1]
+    events: np.ndarray  # int64 [total] indices
+    first_target: np.ndarray  # int32 [rows]
+
+    @staticmethod
+    def of(users, firsts, counts, first_target, events: np.ndarray | None = None) -> Examples:
+        """Rows of `counts` events each, from `firsts` on (or the given event indices)."""
+        offsets = np.zeros(len(counts) + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return Examples(
+            users=users,
+            offsets=offsets.astype(np.int32),
+            events=_ranges(firsts, counts) if events is None else events,
+            first_target=np.broadcast_to(np.asarray(first_target, np.int32), len(counts)).copy(),
+        )
+
+
+def leave_one_out(starts, lengths, users, max_length: int) -> dict[str, Examples]:
+    """Training rows (all but the last two events), validation rows (the history, then the
+    second-to-last event) and test rows (the history, then the last), each history cut to
+    its last `max_length` events (0: all)."""
+    limit = max_length if max_length else np.iinfo(np.int64).max // 4
+    ends = starts + lengths
+    train_count = np.minimum(lengths - 2, limit)
+    valid_history = np.minimum(lengths - 2, limit)
+    test_history = np.minimum(lengths - 1, limit)
+    trained = train_count >= 2  # one event is no next-event target
+    return {
+        "train": Examples.of(
+            users[trained], (ends - 2 - train_count)[trained], train_count[trained], 1
+        ),
+        "valid": Examples.of(users, ends - 2 - valid_history, valid_history + 1, valid_history),
+        "test": Examples.of(users, ends - 1 - test_history, test_history + 1, test_history),
+    }
+
+
+def time_windows(starts, lengths, users, times, boundaries, spec: EventSpec):
+    """Training rows (each user's last max_length events before boundaries[0]) and per
+    window w (boundaries[w - 1] <= time < boundaries[w]) rows of the user's last
+    max_length events before it, then the window's events (its most recent
+    max_events_per_user), the window's first event the first target."""
+    limit = spec.max_length if spec.max_length else np.iinfo(np.int64).max // 4
+    user_of = np.repeat(np.arange(len(starts)), lengths)
+    before = np.zeros(len(starts), np.int64)  # events of each user before the window
+    splits = {}
+    for window in range(len(boundaries)):
+        end = np.bincount(user_of, weights=times < boundaries[window], minlength=len(starts))
+        end = end.astype(np.int64)
+        if window == 0:
+            count = np.minimum(end, limit)
+            trained = count >= 2
+            splits["train"] = Examples.of(
+                users[trained], (starts + end - count)[trained], count[trained], 1
+            )
+        else:
+            history = np.minimum(before, limit)
+            targets = np.minimum(end - before, spec.max_events_per_user)
+            present = targets > 0
+            history_first, target_first = starts + before - history, starts + end - targets
+            pairs = np.stack([history, targets], axis=1)[present].reshape(-1)
+            firsts = np.stack([history_first, target_first], axis=1)[present].reshape(-1)
+            splits[f"window_{window}"] = Examples.of(
+                users[present],
+                None,
+                (history + targets)[present],
+                history[present],
+                events=_ranges(firsts, pairs),
+            )
+        before = end
+    return splits
+
+
+def example_table(examples: Examples, events: Events, spec: EventSpec) -> pa.Table:
+    """A split's rows as Arrow: user, items, times, [actions], side features, first_target."""
+    index = examples.events
+    offsets = pa.array(examples.offsets, pa.int32())
+
+    def lists(values: np.ndarray) -> pa.Array:
+        return pa.ListArray.from_arrays(offsets, pa.array(values[index]))
+
+    columns = {"user": pa.array(examples.users, pa.uint64()), "items": lists(events.items)}
+    if spec.time:
+        columns["times"] = lists(events.times)
+    if spec.action is not None:
+        columns["actions"] = lists(events.actions)
+    for name, _ in spec.side_features:
+        columns[name] = lists(events.sides[name])
+    columns["first_target"] = pa.array(examples.first_target, pa.int32())
+    return pa.table(columns)
+
+
+@dataclasses.dataclass
+class ItemFeatures:
+    """Per-item side ids, joined to events by item id."""
+
+    items: np.ndarray  # uint64 sorted item ids
+    ids: dict[str, np.ndarray]  # feature -> uint64 [items]
+    missing: dict[str, int]  # feature -> its table's missing id (an item not in the file)
+
+    def join(self, items: np.ndarray) -> dict[str, np.ndarray]:
+        where = np.minimum(np.searchsorted(self.items, items), max(len(self.items) - 1, 0))
+        found = self.items[where] == items if len(self.items) else np.zeros(len(items), bool)
+        return {
+            name: np.where(found, ids[where], np.uint64(self.missing[name]))
+            for name, ids in self.ids.items()
+        }
+
+
+def build_bucket(
+    events: Events,
+    users: np.ndarray,
+    counts: np.ndarray,
+    names: dict[int, str],
+    spec: EventSpec,
+    boundaries: np.ndarray | None,
+    item_features: ItemFeatures | None,
+):
+    """One bucket's examples and statistics from every chunk's events of its users.
+
+    Args:
+        events: the chunks' kept events of the bucket's users (any order).
+        users, counts: each chunk's users and their event counts (a user once per chunk).
+        names: raw ids of users some chunk cut to its limit (to name capped users).
+        boundaries: a time split's boundaries (training end, then each window's end).
+        item_features: the items' side ids, when the spec has them.
+
+    Returns:
+        ({split: Arrow table}, EventStats).
+    """
+    stats = EventStats()
+    known, inverse = np.unique(users, return_inverse=True)
+    totals = np.bincount(inverse, weights=counts, minlength=len(known)).astype(np.int64)
+    if spec.drop_duplicates and len(events):  # equal events in different chunks
+        duplicate = events.duplicate_mask()
+        if duplicate.any():
+            stats.duplicates = int(duplicate.sum())
+            dropped = np.searchsorted(known, events.users[duplicate])
+            totals -= np.bincount(dropped, minlength=len(known))
+            events = events.take(np.flatnonzero(~duplicate))
+    ordered = events.take(events.time_order())
+    starts, lengths = user_runs(ordered.users)
+    ordered = ordered.take(keep_last(starts, lengths, chunk_limit(spec)))
+    starts, lengths = user_runs(ordered.users)
+    run_users = ordered.users[starts]
+    total = totals[np.searchsorted(known, run_users)]
+    enough = total >= spec.min_events
+    stats.users_below_min_events = int((totals < spec.min_events).sum())
+    capped = np.flatnonzero(totals > spec.max_events_per_user)
+    stats.capped_users_count = len(capped)
+    stats.capped_users = sorted(
+        ((int(totals[i]), names.get(int(known[i]), f"id {int(known[i])}")) for i in capped),
+        reverse=True,
+    )[:20]
+    keep = _ranges(starts[enough], lengths[enough])
+    ordered = ordered.take(keep)
+    starts, lengths = user_runs(ordered.users)
+    run_users, total = run_users[enough], total[enough]
+    if item_features is not None:
+        ordered.sides.update(item_features.join(ordered.items))
+    if spec.split.kind == "leave_one_out":
+        splits = leave_one_out(starts, lengths, run_users, spec.max_length)
+        if spec.max_length:
+            stats.truncated_histories = int((total - 2 > spec.max_length).sum())
+    else:
+        splits = time_windows(starts, lengths, run_users, ordered.times, boundaries, spec)
+        if spec.max_length:
+            stats.truncated_histories = int((lengths > spec.max_length).sum())
+    tables = {name: example_table(rows, ordered, spec) for name, rows in splits.items()}
+    stats.users = len(run_users)
+    stats.events_per_user = _histogram(total)
+    stats.history_lengths = _histogram(np.diff(splits["train"].offsets))
+    stats.rows_by_split = {name: table.num_rows for name, table in tables.items()}
+    stats.count_ids("item", ordered.items)
+    stats.count_ids("user", run_users)
+    for name, table in spec.side_features:
+        stats.count_ids(table, ordered.sides[name])
+    return tables, stats
+
+
+def _histogram(values: np.ndarray) -> dict[int, int]:
+    unique, counts = np.unique(values, return_counts=True)
+    return {int(v): int(c) for v, c in zip(unique, counts, strict=True)}

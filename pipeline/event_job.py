@@ -1,0 +1,654 @@
+"""The event-log job: logs of user actions -> user histories as Parquet list columns.
+
+    ListChunks -> ParseEvents (per chunk: parse and hash in blocks, drop duplicates, keep
+      each user's most recent events, write them per bucket of users under _temporary/)
+      -> GatherChunks (GroupByKey, one key) -> PlanBuckets (merged chunk statistics; time
+      formats checked across files; a time split's boundaries) -> DistributeBuckets
+      (GroupByKey by bucket) -> BuildHistories (per bucket: every chunk's events of its
+      users, ordered by time with the input position breaking ties, duplicates across
+      chunks dropped, users below min_events left out, cut into the split's examples)
+      -> CombineStats -> WriteStats
+    then, on the launcher: rename the buckets' files to SPLIT/part-NNNNN-of-MMMMM.parquet,
+    the rejected rows' lines to file lines, write metadata.json and _SUCCESS last.
+
+Buckets are users hashed into `ceil(input bytes / bucket bytes)` groups, so a worker holds
+one bucket's events, never the whole input; a user's events all meet in one bucket. The
+graph is built from Create, ParDo and GroupByKey only, like the click-log job, and every
+step's output depends on the input alone: the DirectRunner and Dask write the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pickle
+from collections.abc import Iterable, Sequence
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+from apache_beam.io.filesystems import FileSystems
+from hybridrec.common.errors import UserError
+from hybridrec.pipeline import _chunks, _header, _launch, _output, _parquet, hashing, metadata
+from hybridrec.pipeline._errors import InputError
+from hybridrec.pipeline._event_parse import Cells, EventParser, ids_of
+from hybridrec.pipeline._histories import (
+    Events,
+    ItemFeatures,
+    build_bucket,
+    chunk_limit,
+    prune_chunk,
+)
+from hybridrec.pipeline.config import PreprocessConfig
+from hybridrec.pipeline.event_spec import EventSpec, load_event_spec, parse_width
+from hybridrec.pipeline.event_stats import EventStats
+from hybridrec.pipeline.job import PreprocessResult
+
+_ALL = 0
+OUTPUTS = ("metadata.json", "train", "valid", "test", "rejected") + tuple(
+    f"window_{w}" for w in range(1, 33)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkDone:
+    """A parsed chunk: its statistics and the buckets it wrote events to."""
+
+    chunk: _chunks.Chunk
+    stats: EventStats
+    buckets: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """What one bucket's builder needs: the chunks that wrote to it and the boundaries."""
+
+    bucket: int
+    chunk_keys: tuple[str, ...]
+    boundaries: tuple[int, ...] | None
+    chunk_stats: EventStats | None  # the merged chunk statistics (carried by one bucket)
+
+
+def _temp(temp_dir: str, kind: str, bucket: int, key: str) -> str:
+    return FileSystems.join(temp_dir, kind, f"b{bucket:05d}", f"chunk-{key}.arrow")
+
+
+def _write_arrow(path: str, table: pa.Table) -> None:
+    with FileSystems.create(path) as handle:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        handle.write(sink.getvalue().to_pybytes())
+
+
+def _read_arrow(path: str) -> pa.Table:
+    with FileSystems.open(path) as handle:
+        return pa.ipc.open_file(pa.py_buffer(handle.read())).read_all()
+
+
+def bucket_of(users: np.ndarray, buckets: int) -> np.ndarray:
+    """The bucket of each user id (the same on every machine)."""
+    return (hashing.splitmix64(users) % np.uint64(buckets)).astype(np.int64)
+
+
+class _ParseEventsFn(beam.DoFn):
+    """Parses one chunk, keeps each user's most recent events, writes them by bucket."""
+
+    def __init__(self, spec, *, temp_dir, block_bytes, buckets, progress_dir):
+        self.spec = spec
+        self.temp_dir = temp_dir
+        self.block_bytes = block_bytes
+        self.buckets = buckets
+        self.progress_dir = progress_dir
+        self.events_read = beam.metrics.Metrics.counter("preprocess", "events_read")
+        self.rows_rejected = beam.metrics.Metrics.counter("preprocess", "rows_rejected")
+
+    def setup(self):
+        self.parser = EventParser(self.spec)
+
+    def process(self, chunk: _chunks.Chunk):
+        stats = EventStats()
+        parts, rejected = [], []
+        for first_line, block in self._blocks(chunk, stats):
+            stats.lines += block.lines_read
+            stats.events += len(block)
+            for line, reason, detail, text in block.rejected:
+                stats.rejected_by_reason[reason] = stats.rejected_by_reason.get(reason, 0) + 1
+                where = "row" if chunk.format == "parquet" else "line"
+                record = {"file": chunk.path, where: first_line + line, "reason": reason}
+                rejected.append({**record, "detail": detail, "text": text})
+            if block.time_format:
+                stats.time_formats.setdefault(block.time_format, chunk.path)
+            for kind, count in zip(*np.unique(block.actions, return_counts=True), strict=True):
+                stats.actions[int(kind)] = stats.actions.get(int(kind), 0) + int(count)
+            parts.append((first_line, block))
+        stats.chunk_lines.append((chunk.file_index, chunk.chunk_index, stats.lines))
+        if not stats.lines and chunk.chunk_index == 0:
+            stats.empty_files.append(chunk.path)
+        events = self._events(chunk, parts)
+        if len(events):
+            stats.time_min, stats.time_max = int(events.times.min()), int(events.times.max())
+        pruned = prune_chunk(events, self.spec)
+        stats.duplicates = pruned.duplicates
+        names = self._names(parts, pruned)  # of the users cut to the limit: maybe capped
+        written = self._write(chunk, pruned, names)
+        if rejected:
+            path = FileSystems.join(self.temp_dir, "rejected", f"chunk-{chunk.key}.jsonl")
+            with FileSystems.create(path) as handle:
+                handle.write("".join(json.dumps(r) + "\n" for r in rejected).encode())
+            stats.files.append(("rejected", chunk.key, len(rejected)))
+        self.events_read.inc(stats.events)
+        self.rows_rejected.inc(len(rejected))
+        yield _ALL, ChunkDone(chunk, stats, written)
+
+    def _blocks(self, chunk: _chunks.Chunk, stats: EventStats):
+        """(chunk-local index of the block's first line, EventBlock) of each block."""
+        where = _Where(chunk)
+        progress = (
+            os.path.join(self.progress_dir, f"chunk-{chunk.key}.json")
+            if self.progress_dir
+            else None
+        )
+        line, seen, consumed = 0, "", 0
+        if chunk.format == "parquet":
+            batches = _event_batches(chunk, self.spec, max(1, self.block_bytes // 256))
+            for batch in batches:
+                block = self.parser.parse_batch(batch, lambda row, at=line: where(at + row), seen)
+                seen = seen or block.time_format
+                yield line, block
+                line += batch.num_rows
+                consumed = chunk.data_bytes * line // max(chunk.rows, 1)
+                if progress:
+                    _chunks.write_progress(progress, consumed, line, len(block.rejected))
+            return
+        position = [0]
+        for data in _chunks.read_blocks(chunk, self.block_bytes, position):
+            if line == 0 and chunk.chunk_index == 0:
+                data = _header.strip_bom(data)
+                if self.spec.header:
+                    data = _header.strip_header(data, self.spec, chunk.path)
+                    line = 1
+            block = self.parser.parse_text(data, lambda at, first=line: where(first + at))
+            block.time_format = block.time_format or ""
+            if block.time_format and seen and block.time_format != seen:
+                raise InputError(
+                    f"{where(line)}: the time column mixes formats: times before this line "
+                    f"are {seen}, from here {block.time_format}"
+                )
+            seen = seen or block.time_format
+            yield line, block
+            line += block.lines_read
+            if progress:
+                done = position[0] - (0 if chunk.compressed else chunk.start)
+                _chunks.write_progress(progress, done, line, 0)
+
+    def _events(self, chunk: _chunks.Chunk, parts) -> Events:
+        blocks = [
+            Events(
+                users=block.users,
+                items=block.items,
+                times=block.times,
+                actions=block.actions,
+                sides=block.sides,
+                files=np.full(len(block), chunk.file_index, np.int32),
+                chunks=np.full(len(block), chunk.chunk_index, np.int32),
+                lines=block.lines + first_line,
+                positions=block.positions,
+            )
+            for first_line, block in parts
+        ]
+        return Events.concat(blocks, [f.name for f in self.spec.event_features])
+
+    def _names(self, parts, pruned) -> dict[int, str]:
+        """Raw ids of the users the chunk cut to its limit."""
+        wanted = set(pruned.users[pruned.over_limit].tolist())
+        names: dict[int, str] = {}
+        for _, block in parts:
+            if not wanted:
+                break
+            hits = np.flatnonzero(np.isin(block.users, list(wanted)))
+            for row in hits:
+                user = int(block.users[row])
+                if user in wanted:
+                    names[user] = block.user_cells.text(int(row))
+                    wanted.discard(user)
+        return names
+
+    def _write(self, chunk, pruned, names) -> tuple[int, ...]:
+        """The chunk's kept events and its users' counts, one Arrow file each per bucket."""
+        events, users, counts = pruned.events, pruned.users, pruned.counts
+        event_bucket = bucket_of(events.users, self.buckets)
+        user_bucket = bucket_of(users, self.buckets)
+        written = []
+        for bucket in np.unique(user_bucket):
+            part = events.take(np.flatnonzero(event_bucket == bucket))
+            _write_arrow(_temp(self.temp_dir, "events", int(bucket), chunk.key), part.to_table())
+            mine = np.flatnonzero(user_bucket == bucket)
+            named = [names.get(int(user), "") for user in users[mine]]
+            table = pa.table({"user": users[mine], "count": counts[mine], "name": named})
+            _write_arrow(_temp(self.temp_dir, "users", int(bucket), chunk.key), table)
+            written.append(int(bucket))
+        return tuple(written)
+
+
+class _Where:
+    """Names a chunk-local line as "FILE: line N" (Parquet: "FILE: row N"), counting the
+    lines of the file before the chunk only when a message needs them."""
+
+    def __init__(self, chunk: _chunks.Chunk):
+        self.chunk = chunk
+        self.before: int | None = None
+
+    def __call__(self, local: int) -> str:
+        if self.before is None:
+            self.before = _lines_before(self.chunk)
+        if self.chunk.format == "parquet":
+            return f"{self.chunk.path}: row {self.before + local}"
+        return f"{self.chunk.path}: line {self.before + local + 1}"
+
+
+def _lines_before(chunk: _chunks.Chunk) -> int:
+    """Lines (Parquet: rows) of the chunk's file before the chunk."""
+    if chunk.chunk_index == 0:
+        return 0
+    if chunk.format == "parquet":
+        with _parquet.open_file(chunk.path) as parquet_file:
+            return sum(parquet_file.metadata.row_group(g).num_rows for g in range(chunk.start))
+    with FileSystems.open(chunk.path) as handle:
+        data = handle.read(chunk.start)
+    # a line crossing the chunk's start belongs to the chunk before
+    return data.count(b"\n") + (not data.endswith(b"\n"))
+
+
+def _event_batches(chunk: _chunks.Chunk, spec: EventSpec, batch_rows: int):
+    columns = event_columns(spec)
+    with _parquet.open_file(chunk.path) as parquet_file:
+        check_event_schema(parquet_file.schema_arrow, spec, chunk.path)
+        if chunk.end > chunk.start:
+            yield from parquet_file.iter_batches(
+                batch_size=batch_rows, row_groups=range(chunk.start, chunk.end), columns=columns
+            )
+
+
+def event_columns(spec: EventSpec) -> list[str]:
+    names = [spec.user, spec.item]
+    names += [spec.time] if spec.time else []
+    names += [spec.action.column] if spec.action else []
+    return names + [feature.name for feature in spec.event_features]
+
+
+def check_event_schema(schema: pa.Schema, spec: EventSpec, path: str) -> None:
+    """Every column the spec uses is in the file once, and not a list or a struct.
+
+    Raises:
+        InputError: naming the file and the column.
+    """
+    for name in event_columns(spec):
+        count = schema.names.count(name)
+        if count != 1:
+            problem = "is missing" if count == 0 else f"appears {count} times"
+            raise InputError(
+                f"{path}: column {name!r} of spec {spec.name!r} {problem}; a Parquet input's "
+                f"column names must be the spec's (file columns: {', '.join(schema.names[:40])})"
+            )
+        kind = schema.field(name).type
+        if pa.types.is_nested(kind):
+            raise InputError(f"{path}: column {name!r} has type {kind}; it must hold one value")
+
+
+def plan_buckets(spec: EventSpec, done: Iterable[ChunkDone]):
+    """Every parsed chunk -> (bucket, BucketPlan) for each bucket some chunk wrote to."""
+    done = sorted(done, key=lambda d: (d.chunk.file_index, d.chunk.chunk_index))
+    merged = EventStats()
+    for item in done:
+        merged.merge(dataclasses.replace(item.stats))
+    formats = {f: path for f, path in merged.time_formats.items() if f != "timestamp"}
+    if len(formats) > 1:
+        (first, a), (second, b) = list(formats.items())[:2]
+        raise InputError(
+            f"the time column mixes formats between files: {a} holds {first} times, {b} "
+            f"{second}; write one format, or set time_format in the spec"
+        )
+    boundaries = _boundaries(spec, merged)
+    chunks_of: dict[int, list[str]] = {}
+    for item in done:
+        for bucket in item.buckets:
+            chunks_of.setdefault(bucket, []).append(item.chunk.key)
+    if not chunks_of:
+        yield -1, BucketPlan(-1, (), boundaries, merged)
+        return
+    for index, bucket in enumerate(sorted(chunks_of)):
+        stats = merged if index == 0 else None
+        yield bucket, BucketPlan(bucket, tuple(chunks_of[bucket]), boundaries, stats)
+
+
+def _boundaries(spec: EventSpec, stats: EventStats) -> tuple[int, ...] | None:
+    if spec.split.kind != "time":
+        return None
+    if spec.split.boundaries:
+        return tuple(spec.split.boundaries)
+    if stats.time_max is None:
+        return None
+    width = parse_width(spec.split.width)
+    end = stats.time_max + 1  # the last window ends just after the last event
+    windows = spec.split.windows
+    return tuple(end - (windows - k) * width for k in range(windows + 1))
+
+
+class _BuildHistoriesFn(beam.DoFn):
+    """One bucket: its events from every chunk -> its examples, one Parquet file a split."""
+
+    def __init__(self, spec, *, temp_dir, compression):
+        self.spec = spec
+        self.temp_dir = temp_dir
+        self.compression = compression
+
+    def setup(self):
+        self.item_features = load_item_features(self.spec) if self.spec.items else None
+
+    def process(self, keyed):
+        for plan in keyed[1]:
+            yield _ALL, self._build(plan)
+
+    def _build(self, plan: BucketPlan) -> EventStats:
+        stats = EventStats()
+        if plan.chunk_stats is not None:
+            stats.merge(plan.chunk_stats)
+        if plan.bucket < 0:
+            return stats
+        event_tables, user_tables = [], []
+        for key in plan.chunk_keys:
+            event_tables.append(_read_arrow(_temp(self.temp_dir, "events", plan.bucket, key)))
+            user_tables.append(_read_arrow(_temp(self.temp_dir, "users", plan.bucket, key)))
+        events = Events.from_table(pa.concat_tables(event_tables))
+        users = pa.concat_tables(user_tables)
+        names = {
+            int(user): name
+            for user, name in zip(
+                users.column("user").to_pylist(), users.column("name").to_pylist(), strict=True
+            )
+            if name
+        }
+        boundaries = None if plan.boundaries is None else np.asarray(plan.boundaries, np.int64)
+        tables, built = build_bucket(
+            events,
+            users.column("user").to_numpy(),
+            users.column("count").to_numpy(),
+            names,
+            self.spec,
+            boundaries,
+            self.item_features,
+        )
+        for split, table in tables.items():
+            if not table.num_rows:
+                continue
+            path = FileSystems.join(self.temp_dir, split, f"part-{plan.bucket:05d}.parquet")
+            with FileSystems.create(path) as handle:
+                pq.write_table(table, handle, compression=self.compression)
+            built.files.append((split, f"{plan.bucket:05d}", table.num_rows))
+        return stats.merge(built)
+
+
+def load_item_features(spec: EventSpec) -> ItemFeatures:
+    """The item features file: its item ids and each feature's ids, sorted by item.
+
+    Raises:
+        InputError: the file cannot be read, lacks a column, or repeats an item.
+    """
+    items = spec.items
+    path = items.path
+    try:
+        if _parquet.is_parquet(path):
+            table = pq.read_table(path, columns=[items.id, *items.features])
+            table = table.cast(pa.schema([(name, pa.string()) for name in table.column_names]))
+        else:
+            names = [items.id, *items.features]
+            options = pa_csv.ConvertOptions(
+                column_types={name: pa.string() for name in names}, include_columns=names
+            )
+            parse = pa_csv.ParseOptions(delimiter=items.delimiter)
+            table = pa_csv.read_csv(path, parse_options=parse, convert_options=options)
+    except (OSError, pa.ArrowException, KeyError) as error:
+        raise InputError(
+            f"items file {path}: cannot read {items.id} and {list(items.features)}: {error}"
+        ) from None
+    bits = spec.prefix_bits
+
+    def ids(name: str, table_name: str) -> np.ndarray:
+        column = table.column(name).combine_chunks().cast(pa.large_binary())
+        return ids_of(Cells.of_binary(column), spec.prefix(table_name), bits)
+
+    item_ids = ids(items.id, "item")
+    order = np.argsort(item_ids, kind="stable")
+    sorted_items = item_ids[order]
+    repeated = np.flatnonzero(sorted_items[1:] == sorted_items[:-1])
+    if len(repeated):
+        row = int(order[repeated[0] + 1])
+        raise InputError(
+            f"items file {path}: row {row + 2}: item {table.column(items.id)[row]} is listed "
+            "twice; one row an item"
+        )
+    return ItemFeatures(
+        items=sorted_items,
+        ids={name: ids(name, name)[order] for name in items.features},
+        missing={name: hashing.missing_id(spec.prefix(name), bits) for name in items.features},
+    )
+
+
+def _merge_stats(group) -> EventStats:
+    merged = EventStats()
+    # in bucket order (the statistics of the chunks come with the first bucket), so that
+    # lists and first-seen names merge the same way on every runner
+    for stats in sorted(group[1], key=lambda s: min((k for _, k, _ in s.files), default="")):
+        merged.merge(stats)
+    return merged
+
+
+class _WriteStatsFn(beam.DoFn):
+    def __init__(self, temp_dir: str):
+        self.temp_dir = temp_dir
+
+    def process(self, stats: EventStats):
+        path = FileSystems.join(self.temp_dir, _output.STATS_FILE)
+        with FileSystems.create(f"{path}.tmp") as handle:
+            handle.write(pickle.dumps(stats))
+        FileSystems.rename([f"{path}.tmp"], [path])
+        yield stats.events
+
+
+class EventHistories(beam.PTransform):
+    """Chunks -> every bucket's split files under `temp_dir` + one merged EventStats."""
+
+    def __init__(self, spec: EventSpec, *, temp_dir, block_bytes, buckets, compression, progress_dir):  # fmt: skip
+        super().__init__()
+        self.spec = spec
+        self.parse_fn = _ParseEventsFn(
+            spec,
+            temp_dir=temp_dir,
+            block_bytes=block_bytes,
+            buckets=buckets,
+            progress_dir=progress_dir,
+        )
+        self.build_fn = _BuildHistoriesFn(spec, temp_dir=temp_dir, compression=compression)
+
+    def expand(self, chunks):
+        spec = self.spec
+        return (
+            chunks
+            | "ParseEvents" >> beam.ParDo(self.parse_fn)
+            | "GatherChunks" >> beam.GroupByKey()
+            | "PlanBuckets" >> beam.FlatMap(lambda group: plan_buckets(spec, group[1]))
+            | "DistributeBuckets" >> beam.GroupByKey()
+            | "BuildHistories" >> beam.ParDo(self.build_fn)
+            | "GatherStats" >> beam.GroupByKey()
+            | "CombineStats" >> beam.Map(_merge_stats)
+        )
+
+
+def run_event_preprocess(
+    config: PreprocessConfig, *, beam_args: Sequence[str] = (), quiet: bool = False
+):
+    """Runs the event-log job: Beam pipeline, then file names, metadata.json and `_SUCCESS`.
+
+    Raises:
+        UserError: as `pipeline.run_preprocess`, and for an event log: input whose columns
+            do not match the spec, a time column mixing formats, a non-integer token in the
+            user-per-line form, an empty input, or no user with enough events.
+    """
+    spec = load_event_spec(config.spec)
+    chunks = _chunks.list_chunks(
+        config.inputs, config.chunk_bytes, input_format=config.input_format
+    )
+    for chunk in chunks:
+        if chunk.format == "parquet" and chunk.chunk_index == 0:
+            with _parquet.open_file(chunk.path) as parquet_file:
+                try:
+                    check_event_schema(parquet_file.schema_arrow, spec, chunk.path)
+                except InputError as error:
+                    raise UserError(error.plain) from None
+    if spec.format == "delimited":
+        _chunks.check_headers(chunks, spec, config.spec)
+    if spec.items is not None:
+        try:
+            load_item_features(spec)  # a bad items file stops the job before it starts
+        except InputError as error:
+            raise UserError(error.plain) from None
+    total = sum(chunk.input_bytes for chunk in chunks)
+    buckets = max(1, math.ceil(total / (config.bucket_mb * 2**20)))
+
+    def build(pipeline, temp_dir: str, progress_dir: str | None) -> None:
+        _ = (
+            pipeline
+            | "ListChunks" >> beam.Create(chunks)
+            | "EventHistories"
+            >> EventHistories(
+                spec,
+                temp_dir=temp_dir,
+                block_bytes=config.block_bytes,
+                buckets=buckets,
+                compression=config.compression,
+                progress_dir=progress_dir,
+            )
+            | "WriteStats" >> beam.ParDo(_WriteStatsFn(temp_dir))
+        )
+
+    temp_dir, progress, runner_line = _launch.run_job(
+        config, chunks, build, beam_args=beam_args, quiet=quiet, outputs=OUTPUTS
+    )
+    stats = _output.read_stats(temp_dir)
+    meta = _publish(config, spec, chunks, temp_dir, stats, runner_line)
+    progress.count = progress.total
+    progress.close(
+        rows=stats.lines, rejected=sum(stats.rejected_by_reason.values()), users=stats.users
+    )
+    return PreprocessResult(config.output, meta, progress.elapsed)
+
+
+def _publish(config, spec: EventSpec, chunks, temp_dir: str, stats: EventStats, runner: str):
+    """Renames the buckets' files in bucket order, the rejected rows' lines to file lines;
+    writes metadata.json, then `_SUCCESS` last."""
+    out = config.output
+    if stats.lines == 0:
+        _output.discard_partial(temp_dir)
+        raise UserError(f"no input rows: every input file is empty ({', '.join(config.inputs)})")
+    if not stats.users:
+        rejected = sum(stats.rejected_by_reason.values())
+        reasons = ", ".join(f"{k}={v:,}" for k, v in sorted(stats.rejected_by_reason.items()))
+        message = (
+            f"no user has {spec.min_events} events or more (min_events): {stats.events:,} "
+            f"valid events of {stats.lines:,} rows, {stats.users_below_min_events:,} users "
+            f"below the minimum, {rejected:,} rows rejected" + (f" ({reasons})" if reasons else "")
+        )
+        if rejected:  # kept for a look, where they cannot touch a complete dataset
+            complete = FileSystems.exists(FileSystems.join(out, metadata.SUCCESS_FILE))
+            where = temp_dir if complete else out
+            files = _publish_rejected(where, temp_dir, stats)
+            message += f"; see {FileSystems.join(where, files[0])}"
+        _output.discard_partial(temp_dir, keep_rejected=True)
+        raise UserError(message)
+    _output.remove_previous(out, OUTPUTS)
+    splits = {}
+    written = {name for name, _, _ in stats.files if name != "rejected"}
+    for split in sorted(written, key=_split_order):
+        keys = sorted(key for name, key, _ in stats.files if name == split)
+        names = [f"{split}/part-{i:05d}-of-{len(keys):05d}.parquet" for i in range(len(keys))]
+        sources = [FileSystems.join(temp_dir, split, f"part-{key}.parquet") for key in keys]
+        if "://" not in out:
+            os.makedirs(os.path.join(out, split), exist_ok=True)
+        FileSystems.rename(sources, [FileSystems.join(out, name) for name in names])
+        rows = sum(count for name, _, count in stats.files if name == split)
+        splits[split] = {"rows": rows, "files": names}
+    rejected_files = _publish_rejected(out, temp_dir, stats)
+    meta = {
+        "format_version": metadata.FORMAT_VERSION,
+        "kind": "events",
+        "hash_scheme": hashing.hash_scheme(spec.prefix_bits),
+        "spec": _spec_json(spec),
+        "tables": list(spec.tables),
+        "splits": splits,
+        "boundaries": list(_boundaries(spec, stats) or []),
+        "inputs": list(config.inputs),
+        "input_files": list(dict.fromkeys(chunk.path for chunk in chunks)),
+        **stats.to_json(spec),
+        "rejected": {
+            "rows": sum(stats.rejected_by_reason.values()),
+            "by_reason": dict(sorted(stats.rejected_by_reason.items())),
+            "files": rejected_files,
+        },
+        "runner": runner,
+    }
+    with FileSystems.create(FileSystems.join(out, metadata.METADATA_FILE)) as handle:
+        handle.write(json.dumps(meta, indent=1).encode())
+    FileSystems.delete([temp_dir])
+    with FileSystems.create(FileSystems.join(out, metadata.SUCCESS_FILE)) as handle:
+        handle.write(b"")
+    return meta
+
+
+def _split_order(name: str) -> tuple[int, int]:
+    """train, valid, test, then window_1, window_2, ..."""
+    if name.startswith("window_"):
+        return 3, int(name.removeprefix("window_"))
+    return ("train", "valid", "test").index(name), 0
+
+
+def _publish_rejected(out: str, temp_dir: str, stats: EventStats) -> list[str]:
+    """The rejected rows, in input order, with their lines counted from their file's start."""
+    keys = sorted(key for name, key, _ in stats.files if name == "rejected")
+    if not keys:
+        return []
+    first_line: dict[tuple[int, int], int] = {}
+    running: dict[int, int] = {}
+    for file_index, chunk_index, lines in sorted(stats.chunk_lines):
+        first_line[(file_index, chunk_index)] = running.get(file_index, 0)
+        running[file_index] = running.get(file_index, 0) + lines
+    names = []
+    if "://" not in out:
+        os.makedirs(os.path.join(out, "rejected"), exist_ok=True)
+    for index, key in enumerate(keys):
+        file_index, chunk_index = (int(part) for part in key.split("-"))
+        offset = first_line.get((file_index, chunk_index), 0)
+        with FileSystems.open(FileSystems.join(temp_dir, "rejected", f"chunk-{key}.jsonl")) as f:
+            records = [json.loads(line) for line in f.read().decode().splitlines()]
+        for record in records:
+            if "line" in record:
+                record["line"] += offset + 1  # 1-based file lines
+            else:
+                record["row"] += offset
+        name = f"rejected/rejected-{index:05d}-of-{len(keys):05d}.jsonl"
+        with FileSystems.create(FileSystems.join(out, name)) as handle:
+            handle.write("".join(json.dumps(r) + "\n" for r in records).encode())
+        names.append(name)
+    return names
+
+
+def _spec_json(spec: EventSpec) -> dict:
+    data = dataclasses.asdict(spec)
+    data["action_types"] = list(spec.action.type_names) if spec.action else []
+    data["side_features"] = [list(pair) for pair in spec.side_features]
+    data["chunk_limit"] = chunk_limit(spec)
+    return data
