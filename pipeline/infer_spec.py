@@ -25,6 +25,7 @@ from pathlib import Path
 
 from hybridrec.common import config
 from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.pipeline import infer_events
 from hybridrec.pipeline._header import strip_bom
 from hybridrec.pipeline.spec import FeatureSpec
 
@@ -68,8 +69,9 @@ class ProposedSpec:
     skipped_lines: tuple[int, ...] = ()
 
 
-def propose_spec(path: str | Path, *, max_rows: int = SAMPLE_ROWS) -> ProposedSpec:
-    """Proposes a feature spec from the first `max_rows` rows of `path`.
+def propose_spec(path: str | Path, *, max_rows: int = SAMPLE_ROWS):
+    """Proposes a feature spec from the first `max_rows` rows of `path`: a click-log spec
+    (`ProposedSpec`), or for an event log an event spec (`infer_events.ProposedEventSpec`).
 
     Lines with another number of fields than most (at least MIN_FITTING_SHARE of the
     lines have the same) are left out and listed in `skipped_lines`.
@@ -80,6 +82,8 @@ def propose_spec(path: str | Path, *, max_rows: int = SAMPLE_ROWS) -> ProposedSp
     """
     path = Path(path)
     numbered = _read_lines(path, max_rows)
+    if infer_events.user_per_line([line for _, line in numbered]):
+        return infer_events.propose_user_per_line(path, [line for _, line in numbered])
     delimiter, width = _guess_separator(path, [line for _, line in numbered])
     rows = [line.split(delimiter) for _, line in numbered]
     fits = [len(row) == width for row in rows]
@@ -91,6 +95,12 @@ def propose_spec(path: str | Path, *, max_rows: int = SAMPLE_ROWS) -> ProposedSp
     if not data:
         raise UserError(f"{path}: only a header line; the sample needs data rows too")
     columns = [[row[index] for row in data] for index in range(width)]
+    events = infer_events.propose_events(
+        path, delimiter, header, names, columns,
+        label_present=_choose_label(names, columns) is not None,
+    )  # fmt: skip
+    if events is not None:
+        return dataclasses.replace(events, skipped_lines=skipped)
     guesses = _guess_kinds(path, names, columns)
     spec = _build_spec(path, delimiter, header, names, columns, guesses)
     toml = _to_toml(spec, guesses, len(data))

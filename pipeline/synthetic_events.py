@@ -231,3 +231,30 @@ def generate_events(
 
 def _open(path: str | Path):
     return gzip.open(path, "wb", compresslevel=3) if str(path).endswith(".gz") else open(path, "wb")
+
+
+def spec_text(items_path: str = "items.csv") -> str:
+    """The event spec of what `generate_events` writes (items file relative to the spec)."""
+    return f"""kind = "events"
+name = "synthetic_events"
+header = true
+columns = ["user_id", "item_id", "timestamp", "action", "device"]
+user = "user_id"
+item = "item_id"
+time = "timestamp"
+time_format = "unix"
+max_length = 200
+min_events = 3
+
+[action]
+column = "action"
+values = {list(ACTIONS)!r}
+
+[[event_features]]
+name = "device"
+
+[items]
+path = "{items_path}"
+id = "item_id"
+features = ["category", "brand"]
+""".replace("'", '"')

@@ -1,8 +1,10 @@
-"""`hybridrec generate`: synthetic click logs in the raw Criteo TSV layout (pipeline.generate)."""
+"""`hybridrec generate`: synthetic click logs in the raw Criteo TSV layout (pipeline.generate),
+or with `--events` an event log of users' actions (pipeline.synthetic_events)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from hybridrec.pipeline import generate
 
@@ -13,7 +15,9 @@ def main(argv: list[str]) -> int:
         prog="hybridrec generate",
         description="Write synthetic click logs in the raw Criteo TSV layout.",
     )
-    parser.add_argument("--output", "-o", required=True, help="output file (.gz: gzip)")
+    parser.add_argument(
+        "--output", "-o", required=True, help="output file (.gz: gzip); --events: a directory"
+    )
     parser.add_argument("--rows", type=int, default=100_000, help="number of rows")
     parser.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file)")
     parser.add_argument("--gzip", action="store_true", help="gzip even without a .gz suffix")
@@ -25,7 +29,18 @@ def main(argv: list[str]) -> int:
         help="multiplies the long-tail features' cardinalities (100k values and more); "
         "10 gives ~10M distinct ids over them in 10M rows",
     )
+    events = parser.add_argument_group("event logs (--events)")
+    events.add_argument("--events", action="store_true",
+                        help="write an event log (events.csv, items.csv and its spec events.toml) into --output")  # fmt: skip
+    events.add_argument("--users", type=int, default=10_000, help="users")
+    events.add_argument("--items", type=int, default=5_000, help="items")
+    events.add_argument("--topics", type=int, default=50, help="item topics")
+    events.add_argument("--mean-events", type=float, default=30.0, help="mean events a user")
+    events.add_argument("--max-events", type=int, default=2_000, help="events a user at most")
+    events.add_argument("--days", type=int, default=60, help="days the users start over")
     args = parser.parse_args(argv)
+    if args.events:
+        return _events(args)
     summary = generate(
         args.output,
         args.rows,
@@ -39,5 +54,39 @@ def main(argv: list[str]) -> int:
     print(
         f"wrote {summary['rows']:,} rows ({clicks:.1%} clicks, {summary['bytes'] / 1e6:.1f} MB) "
         f"to {summary['path']} in {summary['seconds']:.1f}s ({rate:,.0f} rows/s)"
+    )
+    return 0
+
+
+def _events(args: argparse.Namespace) -> int:
+    from hybridrec.pipeline.synthetic_events import (
+        EventLogConfig,
+        generate_events,
+        spec_text,
+    )
+
+    config = EventLogConfig(
+        users=args.users,
+        items=args.items,
+        topics=args.topics,
+        mean_events=args.mean_events,
+        max_events=args.max_events,
+        days=args.days,
+        seed=args.seed,
+    )
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = ".csv.gz" if args.gzip else ".csv"
+    summary = generate_events(out / f"events{suffix}", out / "items.csv", config)
+    (out / "events.toml").write_text(spec_text("items.csv"))
+    rate = summary["events"] / max(summary["seconds"], 1e-9)
+    print(
+        f"wrote {summary['events']:,} events of {summary['users']:,} users on "
+        f"{summary['items']:,} items ({summary['bytes'] / 1e6:.1f} MB) in "
+        f"{summary['seconds']:.1f}s ({rate:,.0f} events/s)\n"
+        f"  events    {summary['events_path']}\n  items     {summary['items_path']}\n"
+        f"  spec      {out / 'events.toml'}\n"
+        f"  next      hybridrec preprocess --input {summary['events_path']} "
+        f"--spec {out / 'events.toml'} --output DATA_DIR"
     )
     return 0

@@ -49,8 +49,9 @@ def main(argv: list[str]) -> int:
     temporary.write_text(proposed.toml)
     temporary.replace(out)
     width = max(len(column.name) for column in proposed.columns)
+    kinds = max(len(column.kind) for column in proposed.columns)
     for column in proposed.columns:
-        print(f"  {column.name:<{width}}  {column.kind:<11}  {column.reason}")
+        print(f"  {column.name:<{width}}  {column.kind:<{kinds}}  {column.reason}")
     print(
         f"wrote {out} (from {proposed.rows} rows of {args.sample}); check it, then:\n"
         f"  hybridrec preprocess --input {args.sample} --spec {out} --output DATA_DIR"
