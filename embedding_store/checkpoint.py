@@ -165,11 +165,18 @@ def discard_after(url: str, step: int) -> list[int]:
     """Removes every snapshot after `step`, committed or not; returns the steps removed.
 
     For a run restarting from `step`: snapshots a killed run wrote later would otherwise
-    be taken for its own by the next checkpoint of the same step number.
+    be taken for its own by the next checkpoint of the same step number. Every manifest
+    key after `step` goes, a manifest that was never committed too: a writer killed
+    inside a write leaves the key's lock file (`KEY.__lock`) with what it had written,
+    and tensorstore's file kvstore (0.1.86) writes the next value of that key over it
+    without truncating it, so a shorter manifest would end in the killed one's bytes.
     """
     committed = [s for s in committed_steps(url) if s > step]
     groups = [s for s in snapshot_groups(url) if s > step]
-    _delete(url, committed, groups)
+    _delete(url, [], groups)
+    # manifest keys sort by step (zero-padded); "." sorts after "-": every later manifest
+    after = ts.KvStore.KeyRange(manifest_key(step + 1), _MANIFEST_PREFIX[:-1] + ".")
+    _open_kvstore(url).delete_range(after).result()
     return sorted(set(committed) | set(groups))
 
 

@@ -1,6 +1,8 @@
 """The store owns its snapshot files: listing, discarding and pruning through its API,
 the same on a local path and on another kvstore (memory://)."""
 
+import os
+
 import numpy as np
 import pytest
 from hybridrec.embedding_store import EmbeddingStore, TableConfig, checkpoint
@@ -60,4 +62,24 @@ def test_discard_after_removes_newer_snapshots_committed_or_not(url):
     assert checkpoint.discard_after(url, 1) == [2, 3]
     assert checkpoint.committed_steps(url) == [1]
     assert checkpoint.snapshot_groups(url) == [1]
+    store.close()
+
+
+def test_a_manifest_write_killed_midway_does_not_corrupt_the_next_one(tmp_path):
+    """A writer killed inside the manifest's write leaves its lock file holding a partial,
+    longer manifest; a resumed run's manifest of the same step must read back whole."""
+    url = str(tmp_path / "embeddings")
+    tables = [TableConfig(name="items", dim=4, capacity=10_000)]
+    store = EmbeddingStore(tables, num_shards=1)
+    for step in (1, 2):
+        _train(store, step)
+        store.checkpoint(url, step)
+    stale = os.path.join(url, checkpoint.manifest_key(3) + ".__lock")
+    with open(stale, "wb") as handle:
+        handle.write(b"{" + b" " * 20_000)  # what the killed writer got out
+    checkpoint.discard_after(url, 2)  # the resumed run restarts from step 2
+    assert not os.path.exists(stale)
+    _train(store, 3)
+    store.checkpoint(url, 3)
+    assert checkpoint.read_manifest(url, 3)["step"] == 3
     store.close()
