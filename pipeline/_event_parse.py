@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from hybridrec.pipeline import hashing
 from hybridrec.pipeline._errors import InputError
-from hybridrec.pipeline._parse import line_text, parse_floats
+from hybridrec.pipeline._parse import line_text, parse_floats, parse_ints
 from hybridrec.pipeline.event_spec import EventSpec
 
 REASONS = (
@@ -173,12 +173,19 @@ def _iso_seconds(cells: Cells) -> tuple[np.ndarray, np.ndarray]:
 
 def _numeric_seconds(cells: Cells, milliseconds: bool) -> tuple[np.ndarray, np.ndarray]:
     """Seconds of unix-time cells (integers or decimals), and which cells are numbers."""
-    values, missing, non_numeric, *_ = parse_floats(cells.buffer, cells.starts, cells.lengths)
-    ok = ~missing & ~non_numeric & np.isfinite(values)
-    if milliseconds:
-        values = values / 1000.0
-    ok &= np.abs(values) < 2**62
-    return np.floor(np.where(ok, values, 0.0)).astype(np.int64), ok
+    values, missing, non_numeric, overflow = parse_ints(cells.buffer, cells.starts, cells.lengths)
+    ok = ~missing & ~non_numeric & ~overflow
+    seconds = values // 1000 if milliseconds else values
+    decimal = np.flatnonzero(non_numeric | overflow)  # 1700000000.5, 1.7e9: as floats
+    if len(decimal):
+        floats, _, bad, *_ = parse_floats(
+            cells.buffer, cells.starts[decimal], cells.lengths[decimal]
+        )
+        floats = floats / 1000.0 if milliseconds else floats
+        good = ~bad & np.isfinite(floats) & (np.abs(floats) < 2**62)
+        seconds[decimal[good]] = np.floor(floats[good]).astype(np.int64)
+        ok[decimal[good]] = True
+    return np.where(ok, seconds, 0), ok
 
 
 def _looks_numeric(cells: Cells) -> np.ndarray:
@@ -271,10 +278,15 @@ def _fields(buffer, line_starts, line_ends, delimiter: str):
         starts = np.flatnonzero(~blank & previous)
         ends = np.flatnonzero(~blank & following) + 1
     else:
-        separators = np.flatnonzero(buffer == ord(delimiter))
-        # a separator after the line's end (in a CR) cannot occur: CR is not a delimiter
-        starts = np.sort(np.concatenate([line_starts, separators + 1]))
-        ends = np.sort(np.concatenate([separators, line_ends]))
+        # every field ends at a delimiter or at its line's end (before a CR)
+        separators = np.flatnonzero((buffer == ord(delimiter)) | (buffer == _NEWLINE))
+        is_newline = buffer[separators] == _NEWLINE
+        starts = np.zeros(len(separators), np.int64)
+        starts[1:] = separators[:-1] + 1
+        ends = separators.astype(np.int64)
+        ends[is_newline] = line_ends
+        lines = np.cumsum(is_newline) - is_newline
+        return starts, ends, lines
     lines = np.searchsorted(line_ends, starts, side="left")
     return starts.astype(np.int64), ends.astype(np.int64), lines
 
@@ -311,8 +323,9 @@ class EventParser:
             text = line_text(buffer, line_starts[line], line_ends[line])
             found = f"{per_line[line]} fields, the spec has {width}"
             rejected.append((int(line), "wrong_field_count", found, text))
-        good = np.flatnonzero((per_line == width) & ~blank)
-        keep = np.isin(field_lines, good)
+        good_line = (per_line == width) & ~blank
+        good = np.flatnonzero(good_line)
+        keep = good_line[field_lines]
         cell_starts = starts[keep].reshape(-1, width)
         cell_lengths = (ends[keep] - starts[keep]).reshape(-1, width)
 

@@ -99,15 +99,24 @@ class Events:
 
     def duplicate_mask(self) -> np.ndarray:
         """True for each event equal in user, item, time, action and side ids to an earlier
-        one (in input order), exactly (no hashing)."""
-        keys = [*self.sides.values(), self.actions, self.times, self.items, self.users]
-        order = np.lexsort((self.positions, self.lines, self.chunks, self.files, *keys))
-        same = np.ones(max(len(order) - 1, 0), bool)
+        one (in input order), exactly (no hashing). Events must be in `time_order`."""
+        duplicate = np.zeros(len(self), bool)
+        same = (self.users[1:] == self.users[:-1]) & (self.times[1:] == self.times[:-1])
+        if not same.any():
+            return duplicate
+        # only events sharing their user and time with a neighbour can be duplicates
+        candidate = np.zeros(len(self), bool)
+        candidate[1:] |= same
+        candidate[:-1] |= same
+        index = np.flatnonzero(candidate)
+        part = self.take(index)
+        keys = [*part.sides.values(), part.actions, part.items, part.times, part.users]
+        order = np.lexsort((part.positions, part.lines, part.chunks, part.files, *keys))
+        equal = np.ones(len(order) - 1, bool)
         for key in keys:
             sorted_key = key[order]
-            same &= sorted_key[1:] == sorted_key[:-1]
-        duplicate = np.zeros(len(self), bool)
-        duplicate[order[1:][same]] = True
+            equal &= sorted_key[1:] == sorted_key[:-1]
+        duplicate[index[order[1:][equal]]] = True
         return duplicate
 
 
@@ -158,13 +167,13 @@ class ChunkPrune:
 
 def prune_chunk(events: Events, spec: EventSpec) -> ChunkPrune:
     """Drops duplicates (when the spec says so) and keeps each user's most recent events."""
+    ordered = events.take(events.time_order())
     duplicates = 0
-    if spec.drop_duplicates and len(events):
-        duplicate = events.duplicate_mask()
+    if spec.drop_duplicates and len(ordered):
+        duplicate = ordered.duplicate_mask()
         duplicates = int(duplicate.sum())
         if duplicates:
-            events = events.take(np.flatnonzero(~duplicate))
-    ordered = events.take(events.time_order())
+            ordered = ordered.take(np.flatnonzero(~duplicate))
     starts, lengths = user_runs(ordered.users)
     limit = chunk_limit(spec)
     kept = keep_last(starts, lengths, limit)
@@ -315,14 +324,14 @@ def build_bucket(
     stats = EventStats()
     known, inverse = np.unique(users, return_inverse=True)
     totals = np.bincount(inverse, weights=counts, minlength=len(known)).astype(np.int64)
-    if spec.drop_duplicates and len(events):  # equal events in different chunks
-        duplicate = events.duplicate_mask()
+    ordered = events.take(events.time_order())
+    if spec.drop_duplicates and len(ordered):  # equal events in different chunks
+        duplicate = ordered.duplicate_mask()
         if duplicate.any():
             stats.duplicates = int(duplicate.sum())
-            dropped = np.searchsorted(known, events.users[duplicate])
+            dropped = np.searchsorted(known, ordered.users[duplicate])
             totals -= np.bincount(dropped, minlength=len(known))
-            events = events.take(np.flatnonzero(~duplicate))
-    ordered = events.take(events.time_order())
+            ordered = ordered.take(np.flatnonzero(~duplicate))
     starts, lengths = user_runs(ordered.users)
     ordered = ordered.take(keep_last(starts, lengths, chunk_limit(spec)))
     starts, lengths = user_runs(ordered.users)
