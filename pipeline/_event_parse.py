@@ -231,7 +231,10 @@ def parse_times(cells: Cells, time_format: str, seen: str, where) -> tuple:
         other = present & numeric
     else:
         seconds, ok = _numeric_seconds(cells, fmt == "unix_ms")
-        other = present & ~numeric & _iso_seconds(cells)[1]
+        other = present & ~numeric
+        if other.any():  # only the cells that are not numbers can be ISO times
+            candidates = np.flatnonzero(other)
+            other[candidates] = _iso_seconds(cells.take(candidates))[1]
         if time_format == "auto" and fmt == "unix":
             other |= ok & (np.abs(seconds) > _MS_ABOVE)
         elif time_format == "auto":

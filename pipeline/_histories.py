@@ -92,31 +92,33 @@ class Events:
         return Events(**{name: column(name) for name in names}, sides=sides)
 
     def time_order(self) -> np.ndarray:
-        """Indices ordering the events by (user, time, input position)."""
-        return np.lexsort(
-            (self.positions, self.lines, self.chunks, self.files, self.times, self.users)
-        )
+        """Indices ordering the events by (user, time, input position), for events that are
+        in input order wherever they share a user and a time: a chunk's events as parsed,
+        or chunks' events each so ordered and concatenated in chunk order (np.lexsort is
+        stable)."""
+        return np.lexsort((self.times, self.users))
 
-    def duplicate_mask(self) -> np.ndarray:
-        """True for each event equal in user, item, time, action and side ids to an earlier
-        one (in input order), exactly (no hashing). Events must be in `time_order`."""
-        duplicate = np.zeros(len(self), bool)
-        same = (self.users[1:] == self.users[:-1]) & (self.times[1:] == self.times[:-1])
+    def duplicate_mask(self, order: np.ndarray) -> np.ndarray:
+        """For the events in `time_order` `order`: True for each one equal in user, item,
+        time, action and side ids to an earlier one (in input order), exactly."""
+        users, times = self.users[order], self.times[order]
+        duplicate = np.zeros(len(order), bool)
+        same = (users[1:] == users[:-1]) & (times[1:] == times[:-1])
         if not same.any():
             return duplicate
         # only events sharing their user and time with a neighbour can be duplicates
-        candidate = np.zeros(len(self), bool)
+        candidate = np.zeros(len(order), bool)
         candidate[1:] |= same
         candidate[:-1] |= same
         index = np.flatnonzero(candidate)
-        part = self.take(index)
+        part = self.take(order[index])
         keys = [*part.sides.values(), part.actions, part.items, part.times, part.users]
-        order = np.lexsort((part.positions, part.lines, part.chunks, part.files, *keys))
-        equal = np.ones(len(order) - 1, bool)
+        within = np.lexsort((part.positions, part.lines, part.chunks, part.files, *keys))
+        equal = np.ones(len(within) - 1, bool)
         for key in keys:
-            sorted_key = key[order]
+            sorted_key = key[within]
             equal &= sorted_key[1:] == sorted_key[:-1]
-        duplicate[index[order[1:][equal]]] = True
+        duplicate[index[within[1:][equal]]] = True
         return duplicate
 
 
@@ -167,19 +169,20 @@ class ChunkPrune:
 
 def prune_chunk(events: Events, spec: EventSpec) -> ChunkPrune:
     """Drops duplicates (when the spec says so) and keeps each user's most recent events."""
-    ordered = events.take(events.time_order())
+    index = events.time_order()
     duplicates = 0
-    if spec.drop_duplicates and len(ordered):
-        duplicate = ordered.duplicate_mask()
+    if spec.drop_duplicates and len(index):
+        duplicate = events.duplicate_mask(index)
         duplicates = int(duplicate.sum())
         if duplicates:
-            ordered = ordered.take(np.flatnonzero(~duplicate))
-    starts, lengths = user_runs(ordered.users)
+            index = index[~duplicate]
+    starts, lengths = user_runs(events.users[index])
     limit = chunk_limit(spec)
-    kept = keep_last(starts, lengths, limit)
+    kept = index[keep_last(starts, lengths, limit)]
+    users = events.users[index[starts]]
     return ChunkPrune(
-        events=ordered.take(kept) if len(kept) != len(ordered) else ordered,
-        users=ordered.users[starts],
+        events=events.take(kept),
+        users=users,
         counts=lengths,
         duplicates=duplicates,
         over_limit=np.flatnonzero(lengths > limit),
@@ -312,7 +315,8 @@ def build_bucket(
     """One bucket's examples and statistics from every chunk's events of its users.
 
     Args:
-        events: the chunks' kept events of the bucket's users (any order).
+        events: the chunks' kept events of the bucket's users: each chunk's as
+            `prune_chunk` ordered them, chunks in input order (`Events.time_order`).
         users, counts: each chunk's users and their event counts (a user once per chunk).
         names: raw ids of users some chunk cut to its limit (to name capped users).
         boundaries: a time split's boundaries (training end, then each window's end).
@@ -324,18 +328,18 @@ def build_bucket(
     stats = EventStats()
     known, inverse = np.unique(users, return_inverse=True)
     totals = np.bincount(inverse, weights=counts, minlength=len(known)).astype(np.int64)
-    ordered = events.take(events.time_order())
-    if spec.drop_duplicates and len(ordered):  # equal events in different chunks
-        duplicate = ordered.duplicate_mask()
+    index = events.time_order()
+    if spec.drop_duplicates and len(index):  # equal events in different chunks
+        duplicate = events.duplicate_mask(index)
         if duplicate.any():
             stats.duplicates = int(duplicate.sum())
-            dropped = np.searchsorted(known, ordered.users[duplicate])
+            dropped = np.searchsorted(known, events.users[index[duplicate]])
             totals -= np.bincount(dropped, minlength=len(known))
-            ordered = ordered.take(np.flatnonzero(~duplicate))
-    starts, lengths = user_runs(ordered.users)
-    ordered = ordered.take(keep_last(starts, lengths, chunk_limit(spec)))
-    starts, lengths = user_runs(ordered.users)
-    run_users = ordered.users[starts]
+            index = index[~duplicate]
+    starts, lengths = user_runs(events.users[index])
+    index = index[keep_last(starts, lengths, chunk_limit(spec))]
+    starts, lengths = user_runs(events.users[index])
+    run_users = events.users[index[starts]]
     total = totals[np.searchsorted(known, run_users)]
     enough = total >= spec.min_events
     stats.users_below_min_events = int((totals < spec.min_events).sum())
@@ -345,8 +349,7 @@ def build_bucket(
         ((int(totals[i]), names.get(int(known[i]), f"id {int(known[i])}")) for i in capped),
         reverse=True,
     )[:20]
-    keep = _ranges(starts[enough], lengths[enough])
-    ordered = ordered.take(keep)
+    ordered = events.take(index[_ranges(starts[enough], lengths[enough])])  # the one copy
     starts, lengths = user_runs(ordered.users)
     run_users, total = run_users[enough], total[enough]
     if item_features is not None:

@@ -24,7 +24,7 @@ class PreprocessConfig:
     chunk_mb: float = 32.0  # uncompressed text is cut into chunks of this many MB
     block_mb: float = 16.0  # MB of text parsed per batch
     compression: str = "zstd"  # Parquet codec
-    bucket_mb: float = 256.0  # event logs: MB of input a bucket of users holds, about
+    bucket_mb: float = 64.0  # event logs: MB of input a bucket of users holds, about
     overwrite: bool = False  # replace a complete output directory
     runner: str = "direct"  # Beam runner: a short name (see pipeline.RUNNER_NAMES) or a class path
     dask_address: str | None = None  # dask runner: tcp://HOST:PORT of a running scheduler
