@@ -38,6 +38,7 @@ import numpy as np
 from hybridrec.common.progress import Progress
 
 BLOCK_USERS = 2048
+VERSION = 2  # of what a given config and seed make (benchmark caches are keyed by it)
 ACTIONS = ("view", "click", "like", "skip")
 DEVICES = ("mobile", "desktop", "tv")
 RECENT = 20  # a repeat picks one of the user's last RECENT items
@@ -55,7 +56,7 @@ class EventLogConfig:
     mean_events: float = 30.0  # mean events a user (log-normal, at least 2)
     max_events: int = 2_000  # events a user at most
     repeat: float = 0.1  # probability an event repeats one of the user's last 20 items
-    series: float = 0.45  # probability it continues the series of the user's last item
+    series: float = 0.2  # probability it continues the series of the user's last item
     drift: float = 0.02  # probability, each event, that one of the user's topics changes
     zipf: float = 1.0  # popularity exponent over the items' global ranks
     days: int = 60  # span of the users' start times
@@ -119,6 +120,13 @@ def _interests(rng, users: int, topics: int) -> np.ndarray:
 def user_block(config: EventLogConfig, catalogue: Catalogue, block: int) -> dict:
     """The events of users [block * BLOCK_USERS, ...): columns as arrays, users in order and
     each user's events in time order."""
+    rng, first, lengths, items, interests = _simulate(config, catalogue, block)
+    return _events_of(rng, config, catalogue, first, lengths, items, interests)
+
+
+def _simulate(config: EventLogConfig, catalogue: Catalogue, block: int):
+    """The block's users' item sequences: (rng, first user, lengths, items [users, longest],
+    the users' interests after their last event)."""
     rng = np.random.default_rng([config.seed, block])
     first = block * BLOCK_USERS
     users = min(BLOCK_USERS, config.users - first)
@@ -152,7 +160,45 @@ def user_block(config: EventLogConfig, catalogue: Catalogue, block: int) -> dict
                 chosen[repeat] = recent[active[repeat], pick]
         items[active, step] = chosen
         recent[active, step % RECENT] = chosen
-    return _events_of(rng, config, catalogue, first, lengths, items, interests)
+    return rng, first, lengths, items, interests
+
+
+def oracle_hit_rate(config: EventLogConfig, *, users: int = 4096, k: int = 10) -> float:
+    """HR@k of a model that knows how the log was made: for each of the first `users`
+    users, the probability that its last event is among the k likeliest items given the
+    user's interests and history (the generating distribution, a topic's drift at that
+    last event aside). Ranked over every item, the history included: what a model can
+    reach at best on the leave-one-out test target."""
+    catalogue = Catalogue(config)
+    series_steps = np.array([0.5**s for s in range(1, SERIES_SPAN)] + [0.5 ** (SERIES_SPAN - 1)])
+    totals = []
+    for block in range(-(-min(users, config.users) // BLOCK_USERS)):
+        _, _, lengths, items, interests = _simulate(config, catalogue, block)
+        for user in range(min(len(lengths), users - block * BLOCK_USERS)):
+            n = int(lengths[user])
+            step = n - 1  # the last event's step
+            probability: dict[int, float] = {}
+
+            def add(item: int, mass: float, probability=probability) -> None:
+                probability[item] = probability.get(item, 0.0) + mass
+
+            repeat = config.repeat if step >= 2 else 0.0
+            recent = items[user, max(0, step - RECENT) : step]
+            for item in recent:
+                add(int(item), repeat / len(recent))
+            last = int(items[user, step - 1])
+            members = catalogue.by_topic[catalogue.topic[last]]
+            place = catalogue.place[last]
+            for ahead, mass in enumerate(series_steps, 1):
+                add(int(members[(place + ahead) % len(members)]), config.series * mass)
+            popular = (1.0 - repeat - config.series) / 3
+            for topic in interests[user]:
+                topic_items = catalogue.by_topic[topic]
+                share = catalogue.popularity[topic_items] / catalogue.popularity[topic_items].sum()
+                for index in np.argsort(-share)[:k]:
+                    add(int(topic_items[index]), popular * share[index])
+            totals.append(sum(sorted(probability.values(), reverse=True)[:k]))
+    return float(np.mean(totals))
 
 
 def _events_of(rng, config, catalogue, first, lengths, items, interests) -> dict:

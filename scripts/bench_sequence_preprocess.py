@@ -4,8 +4,8 @@ DirectRunner and on Dask, against a single-process pyarrow baseline doing the sa
 Data: `hybridrec generate --events` (--users; the events follow from --mean-events), cached
 under --cache by its arguments. Each run is a fresh process (peak memory: the resident
 bytes of it and its worker processes together, sampled); the baseline reads the same CSV with pyarrow, hashes nothing, sorts the events by
-(user, time) and writes one list row a user (items, times, actions), no splits: the work
-every history job does at least. A smaller run (--small-users) shows how peak memory grows
+(user, time) and writes one list row a user (items, times, actions; zstd, the job's codec),
+no splits: the work every history job does at least. A smaller run (--small-users) shows how peak memory grows
 with the input.
 
     python scripts/bench_sequence_preprocess.py                      # 10M events
@@ -68,7 +68,9 @@ def _child(command: list[str]) -> tuple[float, float]:
 
 
 def _generate(cache: Path, users: int, mean_events: float, items: int, seed: int) -> Path:
-    folder = cache / f"events-u{users}-m{mean_events:g}-i{items}-s{seed}"
+    from hybridrec.pipeline.synthetic_events import VERSION
+
+    folder = cache / f"events-v{VERSION}-u{users}-m{mean_events:g}-i{items}-s{seed}"
     if (folder / "events.toml").exists():
         print(f"generated log: {folder} (cached)", flush=True)
         return folder
@@ -88,10 +90,11 @@ def _events(folder: Path) -> int:
         return sum(block.count(b"\n") for block in iter(lambda: handle.read(1 << 24), b"")) - 1
 
 
-def _preprocess(folder: Path, out: Path, runner: str, workers: int) -> tuple[float, float]:
+def _preprocess(folder: Path, out: Path, runner: str, workers: int, bucket_mb: float):
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", "hybridrec", "preprocess", "-i", str(folder / "events.csv")]
     command += ["--spec", str(folder / "events.toml"), "-o", str(out), "--quiet"]
+    command += ["--bucket-mb", str(bucket_mb)]
     if runner == "dask":
         command += ["--runner", "dask", "--dask-workers", str(workers)]
     else:
@@ -111,7 +114,7 @@ table = csv.read_csv(source, convert_options=csv.ConvertOptions(
 table = table.sort_by([("user_id", "ascending"), ("timestamp", "ascending")])
 grouped = table.group_by("user_id", use_threads=False).aggregate(
     [("item_id", "list"), ("timestamp", "list"), ("action", "list")])
-pq.write_table(grouped, target)
+pq.write_table(grouped, target, compression="zstd")  # the job's codec
 """
 
 
@@ -139,6 +142,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--cache", type=Path, default=REPO / "runs" / "bench_sequence_preprocess")
     parser.add_argument("--skip-dask", action="store_true")
+    parser.add_argument("--bucket-mb", type=float, default=64.0, help="preprocess --bucket-mb")
     args = parser.parse_args()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     big = _generate(args.cache, args.users, args.mean_events, args.items, args.seed)
@@ -146,11 +150,11 @@ def main() -> None:
     events, events_small = _events(big), _events(small)
     print(f"events: {events:,} (small: {events_small:,})", flush=True)
     work = args.cache / "out"
-    direct_s, direct_rss = _preprocess(big, work / "direct", "direct", args.workers)
-    _, small_rss = _preprocess(small, work / "small", "direct", args.workers)
+    direct_s, direct_rss = _preprocess(big, work / "direct", "direct", args.workers, args.bucket_mb)
+    _, small_rss = _preprocess(small, work / "small", "direct", args.workers, args.bucket_mb)
     summary = {"events": events, "events_per_s_direct": round(events / direct_s)}
     if not args.skip_dask:
-        dask_s, _ = _preprocess(big, work / "dask", "dask", args.workers)
+        dask_s, _ = _preprocess(big, work / "dask", "dask", args.workers, args.bucket_mb)
         summary["events_per_s_dask"] = round(events / dask_s)
     baseline_s, _ = _baseline(big, work / "pyarrow")
     summary["events_per_s_pyarrow"] = round(events / baseline_s)

@@ -31,7 +31,10 @@ def read_split(data_dir, split: str) -> tuple[list[np.ndarray], np.ndarray]:
 
     root = Path(data_dir)
     meta = json.loads((root / METADATA_FILE).read_text())
-    tables = [pq.read_table(root / name, columns=["items", "first_target"]) for name in meta["splits"][split]["files"]]
+    tables = [
+        pq.read_table(root / name, columns=["items", "first_target"])
+        for name in meta["splits"][split]["files"]
+    ]
     table = pa.concat_tables(tables)
     column = table.column("items").combine_chunks()
     offsets = column.offsets.to_numpy()
