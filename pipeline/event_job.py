@@ -29,18 +29,24 @@ from collections.abc import Iterable, Sequence
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
-import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 from hybridrec.common.errors import UserError
-from hybridrec.pipeline import _chunks, _header, _launch, _output, _parquet, hashing, metadata
+from hybridrec.pipeline import (
+    _chunks,
+    _event_inputs,
+    _event_output,
+    _header,
+    _launch,
+    _output,
+    _parquet,
+    hashing,
+)
 from hybridrec.pipeline._errors import InputError
-from hybridrec.pipeline._event_parse import Cells, EventParser, ids_of
+from hybridrec.pipeline._event_parse import EventParser
 from hybridrec.pipeline._histories import (
     Events,
-    ItemFeatures,
     build_bucket,
-    chunk_limit,
     prune_chunk,
 )
 from hybridrec.pipeline.config import PreprocessConfig
@@ -147,7 +153,7 @@ class _ParseEventsFn(beam.DoFn):
 
     def _blocks(self, chunk: _chunks.Chunk, stats: EventStats):
         """(chunk-local index of the block's first line, EventBlock) of each block."""
-        where = _Where(chunk)
+        where = _event_inputs.Where(chunk)
         progress = (
             os.path.join(self.progress_dir, f"chunk-{chunk.key}.json")
             if self.progress_dir
@@ -155,7 +161,7 @@ class _ParseEventsFn(beam.DoFn):
         )
         line, seen, consumed = 0, "", 0
         if chunk.format == "parquet":
-            batches = _event_batches(chunk, self.spec, max(1, self.block_bytes // 256))
+            batches = _event_inputs.event_batches(chunk, self.spec, max(1, self.block_bytes // 256))
             for batch in batches:
                 block = self.parser.parse_batch(batch, lambda row, at=line: where(at + row), seen)
                 seen = seen or block.time_format
@@ -235,71 +241,6 @@ class _ParseEventsFn(beam.DoFn):
         return tuple(written)
 
 
-class _Where:
-    """Names a chunk-local line as "FILE: line N" (Parquet: "FILE: row N"), counting the
-    lines of the file before the chunk only when a message needs them."""
-
-    def __init__(self, chunk: _chunks.Chunk):
-        self.chunk = chunk
-        self.before: int | None = None
-
-    def __call__(self, local: int) -> str:
-        if self.before is None:
-            self.before = _lines_before(self.chunk)
-        if self.chunk.format == "parquet":
-            return f"{self.chunk.path}: row {self.before + local}"
-        return f"{self.chunk.path}: line {self.before + local + 1}"
-
-
-def _lines_before(chunk: _chunks.Chunk) -> int:
-    """Lines (Parquet: rows) of the chunk's file before the chunk."""
-    if chunk.chunk_index == 0:
-        return 0
-    if chunk.format == "parquet":
-        with _parquet.open_file(chunk.path) as parquet_file:
-            return sum(parquet_file.metadata.row_group(g).num_rows for g in range(chunk.start))
-    with FileSystems.open(chunk.path) as handle:
-        data = handle.read(chunk.start)
-    # a line crossing the chunk's start belongs to the chunk before
-    return data.count(b"\n") + (not data.endswith(b"\n"))
-
-
-def _event_batches(chunk: _chunks.Chunk, spec: EventSpec, batch_rows: int):
-    columns = event_columns(spec)
-    with _parquet.open_file(chunk.path) as parquet_file:
-        check_event_schema(parquet_file.schema_arrow, spec, chunk.path)
-        if chunk.end > chunk.start:
-            yield from parquet_file.iter_batches(
-                batch_size=batch_rows, row_groups=range(chunk.start, chunk.end), columns=columns
-            )
-
-
-def event_columns(spec: EventSpec) -> list[str]:
-    names = [spec.user, spec.item]
-    names += [spec.time] if spec.time else []
-    names += [spec.action.column] if spec.action else []
-    return names + [feature.name for feature in spec.event_features]
-
-
-def check_event_schema(schema: pa.Schema, spec: EventSpec, path: str) -> None:
-    """Every column the spec uses is in the file once, and not a list or a struct.
-
-    Raises:
-        InputError: naming the file and the column.
-    """
-    for name in event_columns(spec):
-        count = schema.names.count(name)
-        if count != 1:
-            problem = "is missing" if count == 0 else f"appears {count} times"
-            raise InputError(
-                f"{path}: column {name!r} of spec {spec.name!r} {problem}; a Parquet input's "
-                f"column names must be the spec's (file columns: {', '.join(schema.names[:40])})"
-            )
-        kind = schema.field(name).type
-        if pa.types.is_nested(kind):
-            raise InputError(f"{path}: column {name!r} has type {kind}; it must hold one value")
-
-
 def plan_buckets(spec: EventSpec, done: Iterable[ChunkDone]):
     """Every parsed chunk -> (bucket, BucketPlan) for each bucket some chunk wrote to."""
     done = sorted(done, key=lambda d: (d.chunk.file_index, d.chunk.chunk_index))
@@ -348,7 +289,9 @@ class _BuildHistoriesFn(beam.DoFn):
         self.compression = compression
 
     def setup(self):
-        self.item_features = load_item_features(self.spec) if self.spec.items else None
+        self.item_features = (
+            _event_inputs.load_item_features(self.spec) if self.spec.items else None
+        )
 
     def process(self, keyed):
         for plan in keyed[1]:
@@ -391,52 +334,6 @@ class _BuildHistoriesFn(beam.DoFn):
                 pq.write_table(table, handle, compression=self.compression)
             built.files.append((split, f"{plan.bucket:05d}", table.num_rows))
         return stats.merge(built)
-
-
-def load_item_features(spec: EventSpec) -> ItemFeatures:
-    """The item features file: its item ids and each feature's ids, sorted by item.
-
-    Raises:
-        InputError: the file cannot be read, lacks a column, or repeats an item.
-    """
-    items = spec.items
-    path = items.path
-    try:
-        if _parquet.is_parquet(path):
-            table = pq.read_table(path, columns=[items.id, *items.features])
-            table = table.cast(pa.schema([(name, pa.string()) for name in table.column_names]))
-        else:
-            names = [items.id, *items.features]
-            options = pa_csv.ConvertOptions(
-                column_types={name: pa.string() for name in names}, include_columns=names
-            )
-            parse = pa_csv.ParseOptions(delimiter=items.delimiter)
-            table = pa_csv.read_csv(path, parse_options=parse, convert_options=options)
-    except (OSError, pa.ArrowException, KeyError) as error:
-        raise InputError(
-            f"items file {path}: cannot read {items.id} and {list(items.features)}: {error}"
-        ) from None
-    bits = spec.prefix_bits
-
-    def ids(name: str, table_name: str) -> np.ndarray:
-        column = table.column(name).combine_chunks().cast(pa.large_binary())
-        return ids_of(Cells.of_binary(column), spec.prefix(table_name), bits)
-
-    item_ids = ids(items.id, "item")
-    order = np.argsort(item_ids, kind="stable")
-    sorted_items = item_ids[order]
-    repeated = np.flatnonzero(sorted_items[1:] == sorted_items[:-1])
-    if len(repeated):
-        row = int(order[repeated[0] + 1])
-        raise InputError(
-            f"items file {path}: row {row + 2}: item {table.column(items.id)[row]} is listed "
-            "twice; one row an item"
-        )
-    return ItemFeatures(
-        items=sorted_items,
-        ids={name: ids(name, name)[order] for name in items.features},
-        missing={name: hashing.missing_id(spec.prefix(name), bits) for name in items.features},
-    )
 
 
 def _merge_stats(group) -> EventStats:
@@ -507,14 +404,16 @@ def run_event_preprocess(
         if chunk.format == "parquet" and chunk.chunk_index == 0:
             with _parquet.open_file(chunk.path) as parquet_file:
                 try:
-                    check_event_schema(parquet_file.schema_arrow, spec, chunk.path)
+                    _event_inputs.check_event_schema(parquet_file.schema_arrow, spec, chunk.path)
                 except InputError as error:
                     raise UserError(error.plain) from None
     if spec.format == "delimited":
         _chunks.check_headers(chunks, spec, config.spec)
     if spec.items is not None:
         try:
-            load_item_features(spec)  # a bad items file stops the job before it starts
+            _event_inputs.load_item_features(
+                spec
+            )  # a bad items file stops the job before it starts
         except InputError as error:
             raise UserError(error.plain) from None
     total = sum(chunk.input_bytes for chunk in chunks)
@@ -540,115 +439,12 @@ def run_event_preprocess(
         config, chunks, build, beam_args=beam_args, quiet=quiet, outputs=OUTPUTS
     )
     stats = _output.read_stats(temp_dir)
-    meta = _publish(config, spec, chunks, temp_dir, stats, runner_line)
+    boundaries = _boundaries(spec, stats)
+    meta = _event_output.publish(
+        config, spec, chunks, temp_dir, stats, runner_line, outputs=OUTPUTS, boundaries=boundaries
+    )
     progress.count = progress.total
     progress.close(
         rows=stats.lines, rejected=sum(stats.rejected_by_reason.values()), users=stats.users
     )
     return PreprocessResult(config.output, meta, progress.elapsed)
-
-
-def _publish(config, spec: EventSpec, chunks, temp_dir: str, stats: EventStats, runner: str):
-    """Renames the buckets' files in bucket order, the rejected rows' lines to file lines;
-    writes metadata.json, then `_SUCCESS` last."""
-    out = config.output
-    if stats.lines == 0:
-        _output.discard_partial(temp_dir)
-        raise UserError(f"no input rows: every input file is empty ({', '.join(config.inputs)})")
-    if not stats.users:
-        rejected = sum(stats.rejected_by_reason.values())
-        reasons = ", ".join(f"{k}={v:,}" for k, v in sorted(stats.rejected_by_reason.items()))
-        message = (
-            f"no user has {spec.min_events} events or more (min_events): {stats.events:,} "
-            f"valid events of {stats.lines:,} rows, {stats.users_below_min_events:,} users "
-            f"below the minimum, {rejected:,} rows rejected" + (f" ({reasons})" if reasons else "")
-        )
-        if rejected:  # kept for a look, where they cannot touch a complete dataset
-            complete = FileSystems.exists(FileSystems.join(out, metadata.SUCCESS_FILE))
-            where = temp_dir if complete else out
-            files = _publish_rejected(where, temp_dir, stats)
-            message += f"; see {FileSystems.join(where, files[0])}"
-        _output.discard_partial(temp_dir, keep_rejected=True)
-        raise UserError(message)
-    _output.remove_previous(out, OUTPUTS)
-    splits = {}
-    written = {name for name, _, _ in stats.files if name != "rejected"}
-    for split in sorted(written, key=_split_order):
-        keys = sorted(key for name, key, _ in stats.files if name == split)
-        names = [f"{split}/part-{i:05d}-of-{len(keys):05d}.parquet" for i in range(len(keys))]
-        sources = [FileSystems.join(temp_dir, split, f"part-{key}.parquet") for key in keys]
-        if "://" not in out:
-            os.makedirs(os.path.join(out, split), exist_ok=True)
-        FileSystems.rename(sources, [FileSystems.join(out, name) for name in names])
-        rows = sum(count for name, _, count in stats.files if name == split)
-        splits[split] = {"rows": rows, "files": names}
-    rejected_files = _publish_rejected(out, temp_dir, stats)
-    meta = {
-        "format_version": metadata.FORMAT_VERSION,
-        "kind": "events",
-        "hash_scheme": hashing.hash_scheme(spec.prefix_bits),
-        "spec": _spec_json(spec),
-        "tables": list(spec.tables),
-        "splits": splits,
-        "boundaries": list(_boundaries(spec, stats) or []),
-        "inputs": list(config.inputs),
-        "input_files": list(dict.fromkeys(chunk.path for chunk in chunks)),
-        **stats.to_json(spec),
-        "rejected": {
-            "rows": sum(stats.rejected_by_reason.values()),
-            "by_reason": dict(sorted(stats.rejected_by_reason.items())),
-            "files": rejected_files,
-        },
-        "runner": runner,
-    }
-    with FileSystems.create(FileSystems.join(out, metadata.METADATA_FILE)) as handle:
-        handle.write(json.dumps(meta, indent=1).encode())
-    FileSystems.delete([temp_dir])
-    with FileSystems.create(FileSystems.join(out, metadata.SUCCESS_FILE)) as handle:
-        handle.write(b"")
-    return meta
-
-
-def _split_order(name: str) -> tuple[int, int]:
-    """train, valid, test, then window_1, window_2, ..."""
-    if name.startswith("window_"):
-        return 3, int(name.removeprefix("window_"))
-    return ("train", "valid", "test").index(name), 0
-
-
-def _publish_rejected(out: str, temp_dir: str, stats: EventStats) -> list[str]:
-    """The rejected rows, in input order, with their lines counted from their file's start."""
-    keys = sorted(key for name, key, _ in stats.files if name == "rejected")
-    if not keys:
-        return []
-    first_line: dict[tuple[int, int], int] = {}
-    running: dict[int, int] = {}
-    for file_index, chunk_index, lines in sorted(stats.chunk_lines):
-        first_line[(file_index, chunk_index)] = running.get(file_index, 0)
-        running[file_index] = running.get(file_index, 0) + lines
-    names = []
-    if "://" not in out:
-        os.makedirs(os.path.join(out, "rejected"), exist_ok=True)
-    for index, key in enumerate(keys):
-        file_index, chunk_index = (int(part) for part in key.split("-"))
-        offset = first_line.get((file_index, chunk_index), 0)
-        with FileSystems.open(FileSystems.join(temp_dir, "rejected", f"chunk-{key}.jsonl")) as f:
-            records = [json.loads(line) for line in f.read().decode().splitlines()]
-        for record in records:
-            if "line" in record:
-                record["line"] += offset + 1  # 1-based file lines
-            else:
-                record["row"] += offset
-        name = f"rejected/rejected-{index:05d}-of-{len(keys):05d}.jsonl"
-        with FileSystems.create(FileSystems.join(out, name)) as handle:
-            handle.write("".join(json.dumps(r) + "\n" for r in records).encode())
-        names.append(name)
-    return names
-
-
-def _spec_json(spec: EventSpec) -> dict:
-    data = dataclasses.asdict(spec)
-    data["action_types"] = list(spec.action.type_names) if spec.action else []
-    data["side_features"] = [list(pair) for pair in spec.side_features]
-    data["chunk_limit"] = chunk_limit(spec)
-    return data
