@@ -78,11 +78,7 @@ def publish(
         },
         "runner": runner,
     }
-    with FileSystems.create(FileSystems.join(out, metadata.METADATA_FILE)) as handle:
-        handle.write(json.dumps(meta, indent=1).encode())
-    FileSystems.delete([temp_dir])
-    with FileSystems.create(FileSystems.join(out, metadata.SUCCESS_FILE)) as handle:
-        handle.write(b"")
+    _output.commit(out, temp_dir, meta)
     return meta
 
 

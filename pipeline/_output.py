@@ -140,12 +140,18 @@ def publish(
         "rejected_files": rejected_files,
         "runner": runner,
     }
+    commit(out, temp_dir, meta)
+    return meta
+
+
+def commit(out: str, temp_dir: str, meta: dict) -> None:
+    """The last steps of a publish: metadata.json, the temporary directory removed, then
+    `_SUCCESS`, which makes the dataset complete."""
     with FileSystems.create(FileSystems.join(out, metadata.METADATA_FILE)) as handle:
         handle.write(json.dumps(meta, indent=1).encode())
     FileSystems.delete([temp_dir])
     with FileSystems.create(FileSystems.join(out, metadata.SUCCESS_FILE)) as handle:
         handle.write(b"")
-    return meta
 
 
 def remove_previous(out: str, outputs=OUTPUTS) -> None:

@@ -17,18 +17,9 @@ from typing import Literal
 
 from hybridrec.common import config
 from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.pipeline.spec import repeated_name
 
 TIME_FORMATS = ("auto", "unix", "unix_ms", "iso")
-
-
-def _repeated(names) -> str | None:
-    """The first name that occurs twice in `names`, or None."""
-    seen = set()
-    for name in names:
-        if name in seen:
-            return name
-        seen.add(name)
-    return None
 
 
 _WIDTH = re.compile(r"^(\d+)([smhdw])$")
@@ -64,8 +55,8 @@ class ActionSpec:
         if self.values:
             if self.names:
                 raise ValueError(f"action {self.column!r}: names go with thresholds, not values")
-            if _repeated(self.values):
-                raise ValueError(f"action.values: {_repeated(self.values)!r} is listed twice")
+            if repeated_name(self.values):
+                raise ValueError(f"action.values: {repeated_name(self.values)!r} is listed twice")
             if any(not value for value in self.values):
                 raise ValueError("action.values: an empty value")
         else:
@@ -112,8 +103,8 @@ class ItemFeaturesSpec:
     def __post_init__(self):
         if not self.features:
             raise ValueError("items.features: name at least one column")
-        if _repeated((self.id, *self.features)):
-            raise ValueError(f"items: {_repeated((self.id, *self.features))!r} is listed twice")
+        if repeated_name((self.id, *self.features)):
+            raise ValueError(f"items: {repeated_name((self.id, *self.features))!r} is listed twice")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -215,8 +206,8 @@ class EventSpec:
     def _check_columns(self) -> None:
         if not self.columns:
             raise ValueError("columns: list every field of a row, in order")
-        if _repeated(self.columns):
-            raise ValueError(f"columns: {_repeated(self.columns)!r} is listed twice")
+        if repeated_name(self.columns):
+            raise ValueError(f"columns: {repeated_name(self.columns)!r} is listed twice")
         if not self.user or not self.item:
             raise ValueError("user and item: name the columns holding them")
         used = [self.user, self.item]
@@ -226,8 +217,8 @@ class EventSpec:
         for name in used:
             if name not in self.columns:
                 raise ValueError(f"{name!r} is not one of the spec's columns")
-        if _repeated(used):
-            raise ValueError(f"column {_repeated(used)!r} is used twice")
+        if repeated_name(used):
+            raise ValueError(f"column {repeated_name(used)!r} is used twice")
 
     @property
     def tables(self) -> tuple[str, ...]:

@@ -16,12 +16,12 @@ Then:
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import tomllib
 
 from hybridrec.common import config
 from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.pipeline._sample import ColumnGuess, number
 from hybridrec.pipeline.event_spec import EventSpec
 
 USER_NAMES = re.compile(r"(^|_)(user|uid|customer|visitor|member|account|reviewer)(_?id)?$", re.I)
@@ -38,36 +38,21 @@ MAX_FEATURE_VALUES = 50  # a per-event feature or a word action has at most this
 
 
 @dataclasses.dataclass(frozen=True)
-class EventColumnGuess:
-    name: str
-    kind: str  # user, item, time, action, event feature, ignored
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
 class ProposedEventSpec:
     """An event spec proposed from a sample: the spec, its TOML text and the reasons."""
 
     spec: EventSpec
-    columns: tuple[EventColumnGuess, ...]
+    columns: tuple[ColumnGuess, ...]
     toml: str
     rows: int
     skipped_lines: tuple[int, ...] = ()
-
-
-def _number(value: str) -> float | None:
-    try:
-        number = float(value)
-    except ValueError:
-        return None
-    return number if math.isfinite(number) else None
 
 
 def _time_kind(values: list[str]) -> str | None:
     """ "iso", "unix", "unix_ms" when every value is one, else None."""
     if values and all(_TIMESTAMP.match(v) for v in values):
         return "iso"
-    numbers = [_number(v) for v in values]
+    numbers = [number(v) for v in values]
     if not values or any(n is None or n != int(n) for n in numbers):
         return None
     if all(_EPOCH[0] <= n < _EPOCH[1] for n in numbers):
@@ -110,8 +95,8 @@ def propose_user_per_line(path, lines: list[str]) -> ProposedEventSpec:
         ]
     )
     columns = (
-        EventColumnGuess("token 1", "user", "the first integer of every line"),
-        EventColumnGuess("tokens 2..", "item", "the other integers, oldest first"),
+        ColumnGuess("token 1", "user", "the first integer of every line"),
+        ColumnGuess("tokens 2..", "item", "the other integers, oldest first"),
     )
     return ProposedEventSpec(_load(path, text + "\n"), columns, text + "\n", users)
 
@@ -123,29 +108,29 @@ def propose_events(
     (with a two-valued column that can be a click label, only user and item columns named
     so make it one)."""
     rows = len(columns[0])
-    guesses: dict[int, EventColumnGuess] = {}
+    guesses: dict[int, ColumnGuess] = {}
     times = [(i, _time_kind([v for v in c if v])) for i, c in enumerate(columns)]
     times = [(i, kind) for i, kind in times if kind]
     if not times:
         return None
     named_time = [i for i, _ in times if TIME_NAMES.search(names[i])]
     time_index, time_format = next(((i, k) for i, k in times if i in named_time), times[0])
-    guesses[time_index] = EventColumnGuess(names[time_index], "time", f"{time_format} times")
+    guesses[time_index] = ColumnGuess(names[time_index], "time", f"{time_format} times")
     ids = _id_columns(names, columns, exclude={time_index}, named_only=label_present)
     if ids is None:
         return None
     (user, user_reason), (item, item_reason) = ids
-    guesses[user] = EventColumnGuess(names[user], "user", user_reason)
-    guesses[item] = EventColumnGuess(names[item], "item", item_reason)
+    guesses[user] = ColumnGuess(names[user], "user", user_reason)
+    guesses[item] = ColumnGuess(names[item], "item", item_reason)
     action = None
     for index, values in enumerate(columns):
         if index in guesses:
             continue
         present = [v for v in values if v]
         distinct = sorted(set(present))
-        numbers = [_number(v) for v in present]
+        numbers = [number(v) for v in present]
         if not present:
-            guesses[index] = EventColumnGuess(names[index], "ignored", "always empty")
+            guesses[index] = ColumnGuess(names[index], "ignored", "always empty")
         elif (
             action is None
             and all(n is not None for n in numbers)
@@ -154,7 +139,7 @@ def propose_events(
             top = max(numbers)
             threshold = 3.5 if top <= 5 else top * 0.7
             action = ("thresholds", index, threshold)
-            guesses[index] = EventColumnGuess(
+            guesses[index] = ColumnGuess(
                 names[index],
                 "action",
                 f"ratings {min(numbers):g}..{top:g}: below {threshold:g} negative",
@@ -165,15 +150,15 @@ def propose_events(
             and len(distinct) <= MAX_FEATURE_VALUES // 5
         ):
             action = ("values", index, distinct)
-            guesses[index] = EventColumnGuess(
+            guesses[index] = ColumnGuess(
                 names[index], "action", f"{len(distinct)} action words ({', '.join(distinct[:6])})"
             )
         elif len(distinct) <= MAX_FEATURE_VALUES:
-            guesses[index] = EventColumnGuess(
+            guesses[index] = ColumnGuess(
                 names[index], "event feature", f"{len(distinct)} distinct values"
             )
         else:
-            guesses[index] = EventColumnGuess(
+            guesses[index] = ColumnGuess(
                 names[index],
                 "ignored",
                 f"{len(distinct)} distinct values: neither an id that repeats nor a few codes",

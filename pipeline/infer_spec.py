@@ -16,7 +16,6 @@ saying why it got its kind; the user checks and edits it before preprocessing.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import tomllib
 import zlib
@@ -27,6 +26,8 @@ from hybridrec.common import config
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.pipeline import infer_events
 from hybridrec.pipeline._header import strip_bom
+from hybridrec.pipeline._sample import ColumnGuess
+from hybridrec.pipeline._sample import number as as_number
 from hybridrec.pipeline.spec import FeatureSpec
 
 SAMPLE_ROWS = 2000  # rows read from the start of the file
@@ -46,15 +47,6 @@ _TIMESTAMP = re.compile(
 )
 _EPOCH_SECONDS = (946_684_800, 4_102_444_800)  # 2000-01-01 .. 2100-01-01
 _SEPARATOR_NAMES = {"\t": "tab", ",": "comma", ";": "semicolon", "|": "pipe"}
-
-
-@dataclasses.dataclass(frozen=True)
-class ColumnGuess:
-    """One column of the sample: its name, kind and the reason for it."""
-
-    name: str
-    kind: str  # "label", "numeric", "categorical" or "ignored"
-    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,21 +164,13 @@ def _guess_separator(path: Path, lines: list[str]) -> tuple[str, int]:
     return best, best_width
 
 
-def _number(value: str) -> float | None:
-    try:
-        number = float(value)
-    except ValueError:
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _looks_like_header(rows: list[list[str]]) -> bool:
     """The first line names the columns: distinct non-numeric names, none of which shows
     up again in its column."""
     first = [value.strip() for value in rows[0]]
     if len(rows) < 2 or len(set(first)) != len(first):
         return False
-    if any(not value or _number(value) is not None for value in first):
+    if any(not value or as_number(value) is not None for value in first):
         return False
     return all(first[index] not in {row[index] for row in rows[1:]} for index in range(len(first)))
 
@@ -207,7 +191,7 @@ def _guess_kinds(path: Path, names: list[str], columns: list[list[str]]) -> list
     for index, (name, values) in enumerate(zip(names, columns, strict=True)):
         present = [value for value in values if value != ""]
         distinct = set(present)
-        numbers = [_number(value) for value in present]
+        numbers = [as_number(value) for value in present]
         numeric = bool(present) and all(number is not None for number in numbers)
         missing = rows - len(present)
         if index == label:
@@ -286,7 +270,7 @@ def _build_spec(path, delimiter, header, names, columns, guesses) -> FeatureSpec
     label_values = _label_values(columns[names.index(label.name)])
     dense = [guess.name for guess in guesses if guess.kind == "numeric"]
     dense_numbers = [
-        _number(value) for name in dense for value in columns[names.index(name)] if value != ""
+        as_number(value) for name in dense for value in columns[names.index(name)] if value != ""
     ]
     integers = all(_integer(number) for number in dense_numbers)
     non_negative = all(number >= 0 for number in dense_numbers)

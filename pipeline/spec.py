@@ -62,7 +62,7 @@ class FeatureSpec:
     def __post_init__(self):
         if len(self.delimiter.encode()) != 1 or self.delimiter in "\r\n":
             raise ValueError(f"delimiter must be one byte (not a newline), got {self.delimiter!r}")
-        repeated = _repeated(self.columns)
+        repeated = repeated_name(self.columns)
         if repeated:
             raise ValueError(f"columns: {repeated!r} is listed twice")
         if not self.categorical:
@@ -84,7 +84,7 @@ class FeatureSpec:
                 f"label_values must be two different non-empty values [negative, positive] "
                 f"without the delimiter, got {list(self.label_values)}"
             )
-        repeated = _repeated(used)
+        repeated = repeated_name(used)
         if repeated:
             raise ValueError(self._used_twice(repeated))
         if not 1 <= self.prefix_bits <= 16:
@@ -130,7 +130,7 @@ class FeatureSpec:
         return data
 
 
-def _repeated(names) -> str | None:
+def repeated_name(names) -> str | None:
     """The first name that occurs twice in `names`, or None."""
     seen = set()
     for name in names:
