@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from hybridrec.pipeline import hashing
 from hybridrec.pipeline._errors import InputError
-from hybridrec.pipeline._parse import line_text, parse_floats, parse_ints
+from hybridrec.pipeline._parse import binary_cells, line_text, parse_floats, parse_ints
 from hybridrec.pipeline.event_spec import EventSpec
 
 REASONS = (
@@ -58,14 +58,8 @@ class Cells:
     def of_binary(array: pa.Array) -> Cells:
         """The cells of a large_binary array (null: an empty cell)."""
         array = array.cast(pa.large_binary()) if array.type != pa.large_binary() else array
-        n = len(array)
-        offsets = np.frombuffer(array.buffers()[1], np.int64)[array.offset : array.offset + n + 1]
-        data = array.buffers()[2]
-        buffer = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
-        lengths = np.diff(offsets)
-        if array.null_count:
-            lengths = np.where(array.is_null().to_numpy(zero_copy_only=False), 0, lengths)
-        return Cells(buffer, offsets[:-1].copy(), lengths)
+        buffer, starts, lengths = binary_cells(array)
+        return Cells(buffer, starts.copy(), lengths)
 
 
 @dataclasses.dataclass

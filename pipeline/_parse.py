@@ -326,18 +326,24 @@ class BlockParser:
         return result
 
 
-def hash_binary_array(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Raw hashes and byte lengths of the values of a large_binary array (null: length 0)."""
+def binary_cells(array: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(buffer uint8, starts, lengths) of the values of a large_binary array (null: 0 long)."""
     n = len(array)
-    if n == 0:
-        return np.zeros(0, np.uint64), np.zeros(0, np.int64)
     offsets = np.frombuffer(array.buffers()[1], np.int64)[array.offset : array.offset + n + 1]
     data = array.buffers()[2]
     buffer = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
     lengths = np.diff(offsets)
     if array.null_count:
         lengths = np.where(array.is_null().to_numpy(zero_copy_only=False), 0, lengths)
-    return hashing.hash_fields(hashing.padded_words(buffer), offsets[:-1], lengths), lengths
+    return buffer, offsets[:-1], lengths
+
+
+def hash_binary_array(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Raw hashes and byte lengths of the values of a large_binary array (null: length 0)."""
+    if len(array) == 0:
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+    buffer, starts, lengths = binary_cells(array)
+    return hashing.hash_fields(hashing.padded_words(buffer), starts, lengths), lengths
 
 
 def split_multi_valued_ids(
