@@ -83,6 +83,11 @@ def read_metadata(out_dir: str | Path) -> DatasetMetadata:
             f"{path}: format_version {raw.get('format_version')!r} is not supported "
             f"(this hybridrec reads {FORMAT_VERSION})"
         )
+    if raw.get("kind") == "events":
+        raise UserError(
+            f"{root} is an event-log dataset (user histories, kind 'events'); this command "
+            "reads click-log datasets (a label, dense and categorical columns)"
+        )
     spec = raw["spec"]
     return DatasetMetadata(
         root=root,

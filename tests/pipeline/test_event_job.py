@@ -317,6 +317,15 @@ def test_rejected_rows_name_their_file_line_and_reason(tmp_path):
     }
 
 
+def test_a_click_log_reader_refuses_an_event_dataset_in_one_line(log, tmp_path):
+    from hybridrec.pipeline import read_metadata
+
+    root, _ = log
+    run([root / "events.csv"], tmp_path / "out", write_spec(root))
+    with pytest.raises(UserError, match="is an event-log dataset"):
+        read_metadata(tmp_path / "out")
+
+
 def test_a_non_integer_token_in_user_per_line_names_line_and_token(tmp_path):
     (tmp_path / "seq.txt").write_text("1 10 11 12\n2 20 x21 22\n")
     (tmp_path / "seq.toml").write_text(
