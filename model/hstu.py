@@ -28,56 +28,43 @@ class HSTUBlock(nnx.Module):
         dim: int,
         *,
         heads: int,
-        attention_dim: int,
-        linear_dim: int,
+        head_dim: int,
         buckets: int,
         max_distance: int,
         dtype,
         rngs: nnx.Rngs,
         implementation: str = "auto",
     ):
-        self.heads, self.attention_dim, self.linear_dim = heads, attention_dim, linear_dim
+        self.heads, self.head_dim = heads, head_dim
         self.max_distance, self.implementation = max_distance, implementation
-        width = heads * (2 * linear_dim + 2 * attention_dim)
+        width = 4 * heads * head_dim  # u, v, q and k: one width, as the attention takes
         self.norm_in = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.uvqk = linear(dim, width, (None, "mlp"), dtype=dtype, rngs=rngs)
         self.norm_attended = nnx.LayerNorm(
-            heads * linear_dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs
+            heads * head_dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs
         )
-        self.out = linear(heads * linear_dim, dim, ("mlp", None), dtype=dtype, rngs=rngs)
+        self.out = linear(heads * head_dim, dim, ("mlp", None), dtype=dtype, rngs=rngs)
         self.relative_bias = nnx.Param(jnp.zeros((heads, buckets), jnp.float32))
 
     def __call__(self, x: jax.Array, segments: jax.Array) -> jax.Array:
         """x: [batch, length, dim]; segments: [batch, length] int32 (negative: padding)."""
         batch, length, _ = x.shape
-        heads, attention_dim, linear_dim = self.heads, self.attention_dim, self.linear_dim
+        heads, head_dim = self.heads, self.head_dim
         uvqk = jax.nn.silu(self.uvqk(self.norm_in(x)))
-        split = [
-            heads * linear_dim,
-            2 * heads * linear_dim,
-            2 * heads * linear_dim + heads * attention_dim,
-        ]
-        u, v, q, k = jnp.split(uvqk, split, axis=-1)
-        v = v.reshape(batch, length, heads, linear_dim)
-        q = q.reshape(batch, length, heads, attention_dim)
-        k = k.reshape(batch, length, heads, attention_dim)
-        if attention_dim != linear_dim:  # the kernel takes one width for q, k and v
-            raise ValueError(
-                f"HSTU attention_dim {attention_dim} != linear_dim {linear_dim}: "
-                "the attention takes one width per head"
-            )
+        u, v, q, k = jnp.split(uvqk, 4, axis=-1)
+        v, q, k = (t.reshape(batch, length, heads, head_dim) for t in (v, q, k))
         attended = hstu_attention(
             q,
             k,
             v,
             segments,
             self.relative_bias[...],
-            alpha=attention_dim**-0.5,
+            alpha=head_dim**-0.5,
             inv_norm=1.0 / self.max_distance,
             max_distance=self.max_distance,
             implementation=self.implementation,
         )
-        attended = self.norm_attended(attended.reshape(batch, length, heads * linear_dim))
+        attended = self.norm_attended(attended.reshape(batch, length, heads * head_dim))
         return x + self.out(attended * u)
 
 
@@ -102,8 +89,7 @@ class HSTUEncoder(nnx.Module):
             block = HSTUBlock(
                 dim,
                 heads=heads,
-                attention_dim=head_dim,
-                linear_dim=head_dim,
+                head_dim=head_dim,
                 buckets=buckets,
                 max_distance=max_distance,
                 dtype=dtype,

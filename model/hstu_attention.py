@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from hybridrec.model import _hstu_pallas
+from jax.experimental import pallas as pl
 
 IMPLEMENTATIONS = ("auto", "pallas", "reference")
 
@@ -104,7 +105,7 @@ def block_bounds(segments, block_q: int, block_k: int):
     segment_end = jax.lax.cummin(jnp.where(ends, positions, length - 1), axis=1, reverse=True)
 
     def padded(bounds):
-        width = pl_next_power_of_2(bounds.shape[1])
+        width = pl.next_power_of_2(bounds.shape[1])
         return jnp.pad(bounds, ((0, 0), (0, width - bounds.shape[1]))).astype(jnp.int32)
 
     q_first = jnp.arange(0, length, block_q)
@@ -118,10 +119,6 @@ def block_bounds(segments, block_q: int, block_k: int):
     q_lo = jnp.broadcast_to(k_first // block_q, (batch, k_first.size))
     q_hi = jnp.where(any_live_k, segment_end[:, k_last] // block_q + 1, q_lo)
     return (padded(kv_lo), padded(kv_hi)), (padded(q_lo), padded(q_hi))
-
-
-def pl_next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 def _check_blocks(length: int, *blocks: int) -> None:
@@ -220,7 +217,7 @@ def hstu_attention_pallas(
     is no power of two >= 16 is zero-padded to one (the scores and outputs are unchanged)."""
     length, dim = q.shape[1], q.shape[3]
     _check_blocks(length, block_q, block_k, block_backward)
-    width = max(16, pl_next_power_of_2(dim))
+    width = max(16, pl.next_power_of_2(dim))
     if width != dim:
         pad = ((0, 0), (0, 0), (0, 0), (0, width - dim))
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
