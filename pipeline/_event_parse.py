@@ -304,8 +304,9 @@ class EventParser:
             values = [value.encode() for value in spec.action.values]
             self.action_hashes = hashing.hash_bytes_list(values)
 
-    def parse_text(self, block: bytes, where) -> EventBlock:
-        """A block of complete lines; `where(line)` names a line of it ("FILE: line N")."""
+    def parse_text(self, block: bytes, where, seen_format: str = "") -> EventBlock:
+        """A block of complete lines; `where(line)` names a line of it ("FILE: line N");
+        `seen_format` is the time format the input's earlier blocks were read in."""
         buffer, line_starts, line_ends = _lines(block)
         starts, ends, field_lines = _fields(buffer, line_starts, line_ends, self.spec.delimiter)
         per_line = np.bincount(field_lines, minlength=len(line_starts))
@@ -333,7 +334,7 @@ class EventParser:
         def shown(row: int) -> str:
             return line_text(buffer, line_starts[good[row]], line_ends[good[row]])
 
-        return self._events(column, good, shown, where, rejected, len(line_starts))
+        return self._events(column, good, shown, where, rejected, len(line_starts), seen_format)
 
     def parse_batch(self, batch: pa.RecordBatch, where, seen_format: str = "") -> EventBlock:
         """A Parquet record batch whose columns are named as the spec's."""

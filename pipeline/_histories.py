@@ -22,7 +22,7 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 from hybridrec.pipeline.event_spec import EventSpec
-from hybridrec.pipeline.event_stats import EventStats
+from hybridrec.pipeline.event_stats import NAMED_CAPPED_USERS, EventStats
 
 
 @dataclasses.dataclass
@@ -212,21 +212,23 @@ class Examples:
         )
 
 
+def _history_limit(max_length: int) -> int:
+    """Events of history a row keeps at most (max_length 0: every one)."""
+    return max_length if max_length else np.iinfo(np.int64).max // 4
+
+
 def leave_one_out(starts, lengths, users, max_length: int) -> dict[str, Examples]:
     """Training rows (all but the last two events), validation rows (the history, then the
     second-to-last event) and test rows (the history, then the last), each history cut to
     its last `max_length` events (0: all)."""
-    limit = max_length if max_length else np.iinfo(np.int64).max // 4
+    limit = _history_limit(max_length)
     ends = starts + lengths
-    train_count = np.minimum(lengths - 2, limit)
-    valid_history = np.minimum(lengths - 2, limit)
+    history = np.minimum(lengths - 2, limit)  # the training events, the validation history
     test_history = np.minimum(lengths - 1, limit)
-    trained = train_count >= 2  # one event is no next-event target
+    trained = history >= 2  # one event is no next-event target
     return {
-        "train": Examples.of(
-            users[trained], (ends - 2 - train_count)[trained], train_count[trained], 1
-        ),
-        "valid": Examples.of(users, ends - 2 - valid_history, valid_history + 1, valid_history),
+        "train": Examples.of(users[trained], (ends - 2 - history)[trained], history[trained], 1),
+        "valid": Examples.of(users, ends - 2 - history, history + 1, history),
         "test": Examples.of(users, ends - 1 - test_history, test_history + 1, test_history),
     }
 
@@ -236,7 +238,7 @@ def time_windows(starts, lengths, users, times, boundaries, spec: EventSpec):
     window w (boundaries[w - 1] <= time < boundaries[w]) rows of the user's last
     max_length events before it, then the window's events (its most recent
     max_events_per_user), the window's first event the first target."""
-    limit = spec.max_length if spec.max_length else np.iinfo(np.int64).max // 4
+    limit = _history_limit(spec.max_length)
     user_of = np.repeat(np.arange(len(starts)), lengths)
     before = np.zeros(len(starts), np.int64)  # events of each user before the window
     splits = {}
@@ -348,7 +350,7 @@ def build_bucket(
     stats.capped_users = sorted(
         ((int(totals[i]), names.get(int(known[i]), f"id {int(known[i])}")) for i in capped),
         reverse=True,
-    )[:20]
+    )[:NAMED_CAPPED_USERS]
     ordered = events.take(index[_ranges(starts[enough], lengths[enough])])  # the one copy
     starts, lengths = user_runs(ordered.users)
     run_users, total = run_users[enough], total[enough]

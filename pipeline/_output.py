@@ -62,15 +62,16 @@ def discard_partial(temp_dir: str, *, keep_rejected: bool = False) -> None:
         FileSystems.delete(paths)
 
 
-def write_stats(temp_dir: str, stats: PartialStats) -> None:
-    """Writes the combined statistics for the launcher (called by the job's last step)."""
+def write_stats(temp_dir: str, stats) -> None:
+    """Writes the combined statistics (a click-log job's PartialStats, an event-log job's
+    EventStats) for the launcher (called by the job's last step)."""
     path = FileSystems.join(temp_dir, STATS_FILE)
     with FileSystems.create(f"{path}.tmp") as handle:
         handle.write(pickle.dumps(stats))
     FileSystems.rename([f"{path}.tmp"], [path])
 
 
-def read_stats(temp_dir: str) -> PartialStats:
+def read_stats(temp_dir: str):
     path = FileSystems.join(temp_dir, STATS_FILE)
     if not FileSystems.exists(path):
         raise RuntimeError(

@@ -23,12 +23,12 @@ import dataclasses
 import json
 import math
 import os
-import pickle
 from collections.abc import Iterable, Sequence
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 from hybridrec.common.errors import UserError
@@ -119,7 +119,7 @@ class _ParseEventsFn(beam.DoFn):
     def process(self, chunk: _chunks.Chunk):
         stats = EventStats()
         parts, rejected = [], []
-        for first_line, block in self._blocks(chunk, stats):
+        for first_line, block in self._blocks(chunk):
             stats.lines += block.lines_read
             stats.events += len(block)
             for line, reason, detail, text in block.rejected:
@@ -133,8 +133,6 @@ class _ParseEventsFn(beam.DoFn):
                 stats.actions[int(kind)] = stats.actions.get(int(kind), 0) + int(count)
             parts.append((first_line, block))
         stats.chunk_lines.append((chunk.file_index, chunk.chunk_index, stats.lines))
-        if not stats.lines and chunk.chunk_index == 0:
-            stats.empty_files.append(chunk.path)
         events = self._events(chunk, parts)
         if len(events):
             stats.time_min, stats.time_max = int(events.times.min()), int(events.times.max())
@@ -151,7 +149,7 @@ class _ParseEventsFn(beam.DoFn):
         self.rows_rejected.inc(len(rejected))
         yield _ALL, ChunkDone(chunk, stats, written)
 
-    def _blocks(self, chunk: _chunks.Chunk, stats: EventStats):
+    def _blocks(self, chunk: _chunks.Chunk):
         """(chunk-local index of the block's first line, EventBlock) of each block."""
         where = _event_inputs.Where(chunk)
         progress = (
@@ -159,7 +157,7 @@ class _ParseEventsFn(beam.DoFn):
             if self.progress_dir
             else None
         )
-        line, seen, consumed = 0, "", 0
+        line, seen = 0, ""
         if chunk.format == "parquet":
             batches = _event_inputs.event_batches(chunk, self.spec, max(1, self.block_bytes // 256))
             for batch in batches:
@@ -178,13 +176,7 @@ class _ParseEventsFn(beam.DoFn):
                 if self.spec.header:
                     data = _header.strip_header(data, self.spec, chunk.path)
                     line = 1
-            block = self.parser.parse_text(data, lambda at, first=line: where(first + at))
-            block.time_format = block.time_format or ""
-            if block.time_format and seen and block.time_format != seen:
-                raise InputError(
-                    f"{where(line)}: the time column mixes formats: times before this line "
-                    f"are {seen}, from here {block.time_format}"
-                )
+            block = self.parser.parse_text(data, lambda at, first=line: where(first + at), seen)
             seen = seen or block.time_format
             yield line, block
             line += block.lines_read
@@ -246,7 +238,7 @@ def plan_buckets(spec: EventSpec, done: Iterable[ChunkDone]):
     done = sorted(done, key=lambda d: (d.chunk.file_index, d.chunk.chunk_index))
     merged = EventStats()
     for item in done:
-        merged.merge(dataclasses.replace(item.stats))
+        merged.merge(item.stats)
     formats = {f: path for f, path in merged.time_formats.items() if f != "timestamp"}
     if len(formats) > 1:
         (first, a), (second, b) = list(formats.items())[:2]
@@ -309,13 +301,10 @@ class _BuildHistoriesFn(beam.DoFn):
             user_tables.append(_read_arrow(_temp(self.temp_dir, "users", plan.bucket, key)))
         events = Events.from_table(pa.concat_tables(event_tables))
         users = pa.concat_tables(user_tables)
-        names = {
-            int(user): name
-            for user, name in zip(
-                users.column("user").to_pylist(), users.column("name").to_pylist(), strict=True
-            )
-            if name
-        }
+        named = users.filter(pc.greater(pc.utf8_length(users.column("name")), 0))
+        names = dict(
+            zip(named.column("user").to_pylist(), named.column("name").to_pylist(), strict=True)
+        )
         boundaries = None if plan.boundaries is None else np.asarray(plan.boundaries, np.int64)
         tables, built = build_bucket(
             events,
@@ -350,10 +339,7 @@ class _WriteStatsFn(beam.DoFn):
         self.temp_dir = temp_dir
 
     def process(self, stats: EventStats):
-        path = FileSystems.join(self.temp_dir, _output.STATS_FILE)
-        with FileSystems.create(f"{path}.tmp") as handle:
-            handle.write(pickle.dumps(stats))
-        FileSystems.rename([f"{path}.tmp"], [path])
+        _output.write_stats(self.temp_dir, stats)
         yield stats.events
 
 
@@ -410,10 +396,8 @@ def run_event_preprocess(
     if spec.format == "delimited":
         _chunks.check_headers(chunks, spec, config.spec)
     if spec.items is not None:
-        try:
-            _event_inputs.load_item_features(
-                spec
-            )  # a bad items file stops the job before it starts
+        try:  # a bad items file stops the job before it starts
+            _event_inputs.load_item_features(spec)
         except InputError as error:
             raise UserError(error.plain) from None
     total = sum(chunk.input_bytes for chunk in chunks)

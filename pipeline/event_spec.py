@@ -19,9 +19,6 @@ from hybridrec.common import config
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.pipeline.spec import repeated_name
 
-TIME_FORMATS = ("auto", "unix", "unix_ms", "iso")
-
-
 _WIDTH = re.compile(r"^(\d+)([smhdw])$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 

@@ -36,7 +36,6 @@ class EventStats:
     time_max: int | None = None
     time_formats: dict[str, str] = dataclasses.field(default_factory=dict)  # format -> a file
     chunk_lines: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
-    empty_files: list[str] = dataclasses.field(default_factory=list)
     # per bucket, after grouping
     users: int = 0  # users written
     users_below_min_events: int = 0
@@ -69,7 +68,6 @@ class EventStats:
             setattr(self, bound, pick(values) if values else None)
         self.time_formats = {**other.time_formats, **self.time_formats}
         self.chunk_lines += other.chunk_lines
-        self.empty_files += other.empty_files
         self.files += other.files
         self.capped_users = sorted(self.capped_users + other.capped_users, reverse=True)
         self.capped_users = self.capped_users[:NAMED_CAPPED_USERS]
