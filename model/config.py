@@ -18,7 +18,10 @@ import dataclasses
 import math
 from typing import Literal
 
-TowerName = Literal["auto", "dlrm", "dcnv2", "mlp", "dhen"]
+TowerName = Literal["auto", "dlrm", "dcnv2", "mlp", "dhen", "sasrec", "hstu"]
+
+# the towers that read user histories (event-log datasets), not pooled features
+SEQUENCE_TOWERS = ("sasrec", "hstu")
 
 # The interaction modules a DHEN layer can hold (see model/dhen.py).
 DHEN_MODULES = ("dot", "cross", "attention", "mlp")
@@ -135,6 +138,61 @@ class DHENConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SequenceConfig:
+    """SASRec and HSTU over packed user histories (`model.tower = "sasrec" | "hstu"`).
+
+    Histories are packed into rows of `max_length` positions (several users a row, each
+    a segment); every position predicts the next item (docs/training.md, "Sequences").
+    """
+
+    # positions per packed row: the longest history the tower reads at once
+    max_length: int = 200
+    # a history longer than a row: "split" into consecutive pieces of one row, every event
+    # trained once (a piece does not see the one before it), or "truncate" to its most
+    # recent max_length events
+    long_histories: Literal["split", "truncate"] = "split"
+    # attention blocks
+    blocks: int = 2
+    # attention heads per block
+    heads: int = 1
+    # width of each head's queries, keys and values; 0 = the embedding dim / heads
+    head_dim: int = 0
+    # dropout rate on the input embeddings and, for SASRec, after attention and the FFN
+    dropout: float = 0.2
+    # HSTU's relative-position bias: buckets per head, and the distance the last starts at
+    # (0 = max_length)
+    buckets: int = 32
+    max_distance: int = 0
+    # HSTU's attention: "auto" (the Pallas kernel on GPUs, else jax.numpy), "pallas",
+    # "reference"
+    attention: Literal["auto", "pallas", "reference"] = "auto"
+    # the score of an item for a position: "dot" (its row . the position's output) or
+    # "cosine" (both L2-normalized), divided by `temperature`
+    similarity: Literal["dot", "cosine"] = "dot"
+    temperature: float = 1.0
+    # retrieval objective: sampled softmax of the next item against this many negatives
+    # per batch, shared by every position, with the sampling-probability correction
+    negatives: int = 256
+    # where negatives come from: "catalogue" (uniformly from the training items), "batch"
+    # (the batch's own next items, so by popularity), "mixed" (half each)
+    negatives_from: Literal["catalogue", "batch", "mixed"] = "catalogue"
+
+    def __post_init__(self):
+        if self.max_length < 2:
+            raise ValueError(f"sequence.max_length must be >= 2, got {self.max_length}")
+        if self.blocks < 1 or self.heads < 1 or self.head_dim < 0:
+            raise ValueError("sequence.blocks and heads must be >= 1, head_dim >= 0 (0 = auto)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"sequence.dropout must be within [0, 1), got {self.dropout}")
+        if self.buckets < 1 or self.max_distance < 0:
+            raise ValueError("sequence.buckets must be >= 1 and max_distance >= 0")
+        if not self.temperature > 0:
+            raise ValueError(f"sequence.temperature must be > 0, got {self.temperature}")
+        if self.negatives < 1:
+            raise ValueError(f"sequence.negatives must be >= 1, got {self.negatives}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Which dense tower, its sizes, its precision and how its parameters are sharded."""
 
@@ -149,6 +207,8 @@ class ModelConfig:
     mlp: MLPConfig = dataclasses.field(default_factory=MLPConfig)
     # DHEN sizes and module set (used when tower = "dhen")
     dhen: DHENConfig = dataclasses.field(default_factory=DHENConfig)
+    # SASRec / HSTU sizes and the retrieval objective (tower = "sasrec" or "hstu")
+    sequence: SequenceConfig = dataclasses.field(default_factory=SequenceConfig)
     # Disaggregated Multi-Tower: groups of categorical feature positions (0-based, in the
     # dataset's feature order), each interacted and compressed by its own Tower Module
     # before the global tower above; every feature in exactly one group. [] = no towers

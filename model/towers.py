@@ -20,10 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from hybridrec.common.errors import ConfigError
-from hybridrec.model.config import DCNv2Config, DLRMConfig, MLPConfig, ModelConfig, choose_tower
+from hybridrec.model.config import (
+    SEQUENCE_TOWERS,
+    DCNv2Config,
+    DLRMConfig,
+    MLPConfig,
+    ModelConfig,
+    choose_tower,
+)
 from hybridrec.model.dhen import DHEN
 from hybridrec.model.dmt import DMT, TowerModule, check_towers
 from hybridrec.model.layers import MLP, CrossLayer, cast, flat_input, linear
+from hybridrec.model.sequence import build_sequence_tower
 
 
 class DLRM(nnx.Module):
@@ -154,6 +162,10 @@ def build_tower(
         raise ConfigError(
             f"bad tower inputs: num_features={num_features}, embedding_dim={embedding_dim}, "
             f"num_dense={num_dense}"
+        )
+    if config.tower in SEQUENCE_TOWERS:  # over packed histories: `model.sequence`
+        return build_sequence_tower(
+            config.tower, config.sequence, dim=embedding_dim, dtype=compute_dtype(config), rngs=rngs
         )
     towers = {
         "dlrm": (DLRM, config.dlrm),

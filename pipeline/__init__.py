@@ -15,7 +15,13 @@ Public surface:
 import logging as _logging
 
 from hybridrec.pipeline.manifest import ManifestEntry, read_manifest, read_shards  # noqa: F401
-from hybridrec.pipeline.metadata import CategoricalFeature, DatasetMetadata, read_metadata
+from hybridrec.pipeline.metadata import (
+    CategoricalFeature,
+    DatasetMetadata,
+    EventMetadata,
+    read_dataset,
+    read_metadata,
+)
 from hybridrec.pipeline.rows import EncodedRows, RowEncoder, RowError, spec_from_json  # noqa: F401
 from hybridrec.pipeline.spec import CategoricalSpec, FeatureSpec, builtin_specs, load_spec
 
@@ -59,6 +65,8 @@ __all__ = [
     "builtin_specs",
     "load_spec",
     "read_metadata",
+    "read_dataset",
+    "EventMetadata",
     *_LAZY,
 ]
 

@@ -27,15 +27,11 @@ class CategoricalFeature:
     separator: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
-class DatasetMetadata:
-    """What a preprocessed dataset holds; read with `read_metadata`."""
+class _Splits:
+    """The splits of a dataset's metadata.json (`raw["splits"]`)."""
 
     root: Path
-    label_column: str
-    dense_columns: tuple[str, ...]
-    categorical: tuple[CategoricalFeature, ...]
-    raw: dict  # the whole metadata.json
+    raw: dict
 
     def split_files(self, split: str) -> list[Path]:
         """Parquet files of `split` ("train" or "eval"), in input order."""
@@ -44,6 +40,9 @@ class DatasetMetadata:
     def split_rows(self, split: str) -> int:
         return int(self._split(split)["rows"])
 
+    def has_split(self, split: str) -> bool:
+        return split in self.raw["splits"]
+
     def _split(self, split: str) -> dict:
         splits = self.raw["splits"]
         if split not in splits:
@@ -51,13 +50,64 @@ class DatasetMetadata:
         return splits[split]
 
 
+@dataclasses.dataclass(frozen=True)
+class DatasetMetadata(_Splits):
+    """What a preprocessed click-log dataset holds; read with `read_metadata`."""
+
+    root: Path
+    label_column: str
+    dense_columns: tuple[str, ...]
+    categorical: tuple[CategoricalFeature, ...]
+    raw: dict  # the whole metadata.json
+    kind = "clicks"
+
+
+# the tables an event-log dataset's histories are looked up in (its item ids; the side
+# features' tables are not read by the towers yet)
+ITEM_FEATURE = CategoricalFeature(name="item", table="item", multi_valued=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class EventMetadata(_Splits):
+    """What a preprocessed event-log dataset (user histories, `kind = "events"`) holds."""
+
+    root: Path
+    raw: dict  # the whole metadata.json
+    kind = "events"
+    label_column = ""
+    dense_columns: tuple[str, ...] = ()
+    categorical: tuple[CategoricalFeature, ...] = (ITEM_FEATURE,)
+
+    @property
+    def sequence(self) -> dict:
+        """Users, events, history-length quantiles, ... (docs/pipeline.md)."""
+        return self.raw.get("sequence") or {}
+
+    @property
+    def distinct_items(self) -> int:
+        return int(((self.raw.get("tables") or {}).get("item") or {}).get("distinct_estimate", 1))
+
+
 def read_metadata(out_dir: str | Path) -> DatasetMetadata:
-    """Reads a complete dataset directory written by `hybridrec preprocess`.
+    """Reads a complete click-log dataset directory written by `hybridrec preprocess`.
 
     Raises:
         UserError: the directory is missing, or has no `_SUCCESS` (incomplete), or
-            metadata.json is unreadable or of an unknown format version.
+            metadata.json is unreadable or of an unknown format version, or the dataset
+            holds user histories.
     """
+    metadata = read_dataset(out_dir)
+    if isinstance(metadata, EventMetadata):
+        raise UserError(
+            f"{metadata.root} is an event-log dataset (user histories, kind 'events'); this "
+            "command reads click-log datasets (a label, dense and categorical columns)"
+        )
+    return metadata
+
+
+def read_dataset(out_dir: str | Path) -> DatasetMetadata | EventMetadata:
+    """Reads a complete dataset directory of either kind: click logs or user histories
+    (see `read_metadata` for the errors)."""
     root = Path(out_dir)
     make = f"`hybridrec preprocess --input RAW_FILES --spec SPEC --output {root}`"
     if not root.exists():
@@ -84,10 +134,7 @@ def read_metadata(out_dir: str | Path) -> DatasetMetadata:
             f"(this hybridrec reads {FORMAT_VERSION})"
         )
     if raw.get("kind") == "events":
-        raise UserError(
-            f"{root} is an event-log dataset (user histories, kind 'events'); this command "
-            "reads click-log datasets (a label, dense and categorical columns)"
-        )
+        return EventMetadata(root=root, raw=raw)
     spec = raw["spec"]
     return DatasetMetadata(
         root=root,

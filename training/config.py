@@ -43,6 +43,9 @@ class DataConfig:
     # order is the same for any number of processes, so a run resumed on another count
     # goes on as it would have; false: each reads its own share of the files (less I/O)
     global_order: bool = False
+    # sequence runs: positions per batch; the rows of a batch are token_budget /
+    # model.sequence.max_length (0: batch_size rows)
+    token_budget: int = 0
 
     def __post_init__(self):
         if self.batch_size < 0 or self.eval_batch_size < 0:
@@ -195,6 +198,13 @@ class EvalConfig:
     max_batches: int = (
         0  # batches per periodic evaluation; 0 = the whole split (final: always whole)
     )
+
+    # sequence runs: rank the target among every training item except the user's earlier
+    # ones (true), or among all of them (false); both are reported, this one unsuffixed
+    exclude_history: bool = True
+    # sequence runs: "full" ranking of every item, or also "sampled_100", the target among
+    # 100 sampled items as older papers report (its keys suffixed `_sampled100`)
+    ranking: Literal["full", "sampled_100"] = "full"
 
     def __post_init__(self):
         if self.every_steps < 0 or self.max_batches < 0:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hybridrec.common.errors import ConfigError
-from hybridrec.model.config import DenseOptimizerConfig, choose_tower
-from hybridrec.pipeline import DatasetMetadata
+from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.model.config import SEQUENCE_TOWERS, DenseOptimizerConfig, choose_tower
+from hybridrec.pipeline import DatasetMetadata, EventMetadata
 from hybridrec.training.config import TrainConfig
 
 AUTO_STEPS_PER_EPOCH = 200  # data.batch_size = 0 aims at about this many steps per epoch
@@ -165,6 +165,12 @@ def resolve_auto(
         divisor: the global batch must divide evenly by this (devices, processes); 1 where
             only the tables matter (an embedding server resolving a trainer's config).
     """
+    if config.model.tower in SEQUENCE_TOWERS:
+        raise UserError(
+            f"model.tower = {config.model.tower!r} reads user histories, but "
+            f"{metadata.root} is a click-log dataset; preprocess an event log "
+            "(a spec with kind = 'events') or pick a click-log tower"
+        )
     tower, tower_reason = choose_tower(
         config.model.tower, len(metadata.dense_columns), len(metadata.categorical)
     )
@@ -201,4 +207,74 @@ def resolve_auto(
         f"batch: {batch_reason}",
         f"embedding dim: {dim_reason}",
         f"embedding learning rate: {rate_reason}",
+    )
+
+
+# sequence runs (event-log datasets): the "auto" values
+AUTO_SEQUENCE_TOWER = "hstu"
+AUTO_SEQUENCE_TOKENS = 8192  # data.batch_size = 0: rows of max_length holding about this many
+AUTO_SEQUENCE_DIM = 64  # embedding.dim = 0 (SASRec's and HSTU's published widths: 50 to 64)
+
+
+def resolve_sequence_auto(
+    config: TrainConfig, metadata: EventMetadata, divisor: int
+) -> tuple[TrainConfig, tuple[str, ...]]:
+    """`resolve_auto` for a dataset of user histories: the tower, the rows of a packed
+    batch, the embedding dim and rate, and the evaluation split."""
+    tower = config.model.tower
+    if tower == "auto":
+        tower, tower_reason = (
+            AUTO_SEQUENCE_TOWER,
+            (f"model.tower = 'auto': {AUTO_SEQUENCE_TOWER}, the dataset holds user histories"),
+        )
+    elif tower not in SEQUENCE_TOWERS:
+        raise UserError(
+            f"model.tower = {tower!r} reads click-log features, but {metadata.root} holds user "
+            f"histories (kind 'events'): use model.tower = 'sasrec' or 'hstu' (--config sasrec)"
+        )
+    else:
+        tower_reason = f"model.tower = {tower!r} as configured"
+    sequence, data = config.model.sequence, config.data
+    if data.token_budget and data.token_budget < sequence.max_length:
+        raise UserError(
+            f"data.token_budget = {data.token_budget} is smaller than one history row "
+            f"(model.sequence.max_length = {sequence.max_length})"
+        )
+    if data.token_budget:
+        rows = data.token_budget // sequence.max_length
+        rows_reason = f"data.token_budget = {data.token_budget:,} positions"
+    elif data.batch_size:
+        rows, rows_reason = data.batch_size, "data.batch_size as configured"
+    else:
+        rows = max(AUTO_SEQUENCE_TOKENS // sequence.max_length, 1)
+        rows_reason = f"data.batch_size = 0 (auto): about {AUTO_SEQUENCE_TOKENS:,} positions"
+    rows = -(-rows // divisor) * divisor
+    dim = config.embedding.dim or AUTO_SEQUENCE_DIM
+    dim_reason = f"embedding.dim = {dim}" + (
+        " as configured" if config.embedding.dim else " (auto)"
+    )
+    optimizer = config.embedding.optimizer
+    rate, rate_reason = choose_sparse_learning_rate(
+        optimizer.learning_rate, optimizer.name, rows, optimizer.initial_accumulator
+    )
+    eval_split, split_reason = data.eval_split, ()
+    if eval_split == "eval" and not metadata.has_split("eval") and metadata.has_split("valid"):
+        eval_split = "valid"
+        split_reason = (
+            "evaluation split: 'valid' (the dataset's; test is `hybridrec evaluate --split test`)",
+        )
+    resolved = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, tower=tower),
+        data=dataclasses.replace(data, batch_size=rows, eval_split=eval_split),
+        embedding=dataclasses.replace(
+            config.embedding, dim=dim, optimizer=dataclasses.replace(optimizer, learning_rate=rate)
+        ),
+    )
+    return resolved, (
+        f"tower: {tower_reason}",
+        f"batch: {rows} rows of {sequence.max_length} positions ({rows_reason})",
+        f"embedding dim: {dim_reason}",
+        f"embedding learning rate: {rate_reason}",
+        *split_reason,
     )

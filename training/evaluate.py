@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.job import Job, load_config, prepare
 from hybridrec.training.layouts import feature_ids
 from hybridrec.training.run_dir import require_run_dir
+from hybridrec.training.sequence_eval import evaluate_sequences
 
 
 def evaluate(
@@ -38,6 +40,17 @@ def evaluate(
         progress_name: show a progress line under this name (None = quiet).
     """
     config = job.config
+    if job.sequences:
+        return evaluate_sequences(
+            job,
+            state,
+            store,
+            eval_step,
+            job.catalogue,
+            split=split or config.data.eval_split,
+            max_batches=max_batches,
+            progress_name=progress_name,
+        )
     batch_size = config.data.eval_batch_size or config.data.batch_size
     reader, rows = job.reader(split or config.data.eval_split, batch_size=batch_size, train=False)
     num_batches = reader.batches_per_epoch
@@ -68,6 +81,22 @@ def evaluate(
     if progress:
         progress.close()
     return {key: float(value) for key, value in metrics.result().items()}
+
+
+def describe(results: dict[str, Any]) -> str:
+    """One line of an evaluation's headline metrics: ranking (HR, NDCG, MRR over queries)
+    for a sequence run, else AUC, logloss, NE and calibration over rows."""
+    if "hr@10" in results:
+        return (
+            f"HR@10 {results['hr@10']:.4f}  NDCG@10 {results['ndcg@10']:.4f}  "
+            f"HR@20 {results['hr@20']:.4f}  MRR {results['mrr']:.4f}  "
+            f"({int(results.get('queries', 0)):,} queries, full ranking)"
+        )
+    return (
+        f"AUC {results.get('auc', math.nan):.4f}  logloss {results.get('logloss', math.nan):.4f}  "
+        f"NE {results.get('ne', math.nan):.4f}  calibration "
+        f"{results.get('calibration', math.nan):.3f}  ({int(results.get('count', 0)):,} rows)"
+    )
 
 
 def evaluate_checkpoint(

@@ -33,23 +33,31 @@ from hybridrec.model import (
     make_train_step,
     maybe_initialize_distributed,
 )
+from hybridrec.model.sequence_step import make_sequence_eval_step, make_sequence_train_step
 from hybridrec.model.tower_parallel import (
     check_layout,
     make_tower_mesh,
     make_tower_parallel_eval_step,
     make_tower_parallel_train_step,
 )
-from hybridrec.pipeline import DatasetMetadata, read_metadata
-from hybridrec.pipeline.id_map import IdMap, read_id_map
+from hybridrec.pipeline import DatasetMetadata, EventMetadata, read_dataset
+from hybridrec.pipeline.id_map import read_id_map
 from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from hybridrec.training.config import PRESET_DIR, TrainConfig
-from hybridrec.training.defaults import resolve_auto
+from hybridrec.training.defaults import resolve_auto, resolve_sequence_auto
 from hybridrec.training.device_plan import plan_devices
 from hybridrec.training.device_rows import DevicePlan, DeviceRows
 from hybridrec.training.hybrid import HybridLoop
 from hybridrec.training.input import Batch, ParquetReader
 from hybridrec.training.layouts import FlatLayout, TowerLayout
-from hybridrec.training.tables import PLAN_SAMPLE_BATCHES, TablePlan, plan_columns, plan_tables
+from hybridrec.training.sequences import (
+    Catalogue,
+    Histories,
+    Negatives,
+    SequenceLayout,
+    SequenceReader,
+)
+from hybridrec.training.tables import TablePlan, plan_tables, resolve_tables
 from jax.experimental import multihost_utils
 
 
@@ -67,7 +75,7 @@ class Job:
     """One process's view of a run: config, data, devices and tables (see `prepare`)."""
 
     config: TrainConfig
-    metadata: DatasetMetadata
+    metadata: DatasetMetadata | EventMetadata
     mesh: jax.sharding.Mesh
     process_index: int
     process_count: int
@@ -78,6 +86,14 @@ class Job:
     choices: tuple[str, ...] = ()  # what each "auto" config value became and why, a line each
     id_map: Any = None  # training.learned_hash.IdMap of embedding.id_map, or None
     devices: DevicePlan | None = None  # tables on the devices (training.device_plan)
+    # sequence runs: the training split's histories and their items (training.sequences)
+    histories: Histories | None = None
+    catalogue: Catalogue | None = None
+
+    @property
+    def sequences(self) -> bool:
+        """A run over user histories (an event-log dataset, a sequence tower)."""
+        return self.metadata.kind == "events"
 
     @property
     def device_tables(self) -> bool:
@@ -130,6 +146,8 @@ class Job:
         or a split with fewer files than processes, reads the global batch stream on
         every process instead and the slice picks this process's rows.
         """
+        if self.sequences:
+            return self.sequence_reader(split, train=train), slice(None)
         metadata = self.metadata
         files = metadata.split_files(split)
         if not files:
@@ -155,6 +173,24 @@ class Job:
             id_map=self.id_map,
         )
         return reader, rows
+
+    def sequence_reader(self, split: str, *, train: bool) -> SequenceReader:
+        """Packed batches of a split's histories (`training.sequences`)."""
+        config, sequence = self.config, self.config.model.sequence
+        negatives = None
+        if train:
+            negatives = Negatives(self.catalogue, sequence.negatives, sequence.negatives_from)
+        histories = self.histories if split == config.data.train_split else None
+        return SequenceReader(
+            histories or Histories.read(self.metadata, split),
+            rows=config.data.batch_size
+            if train
+            else config.data.eval_batch_size or config.data.batch_size,
+            length=sequence.max_length,
+            seed=config.seed,
+            split_long=sequence.long_histories == "split",
+            negatives=negatives,
+        )
 
     def gather(self, array: np.ndarray) -> np.ndarray:
         """Concatenates every process's rows in process order (a collective when multi-process)."""
@@ -192,6 +228,8 @@ class Job:
 
     def layout(self, batch_size: int, rows: slice = slice(None)) -> FlatLayout | TowerLayout:
         """How a batch of `batch_size` (this process's `rows` of it) meets the devices."""
+        if self.sequences:
+            return SequenceLayout(self.mesh)
         if self.tower_parallel:
             names = [feature.name for feature in self.metadata.categorical]
             return TowerLayout(self.mesh, self.config.model.towers, names, batch_size)
@@ -199,6 +237,8 @@ class Job:
 
     def train_step(self) -> Any:
         """The jitted train step of the run's layout."""
+        if self.sequences:
+            return make_sequence_train_step(self.mesh, self.config.model.sequence, self.config.seed)
         if self.tower_parallel:
             return make_tower_parallel_train_step(self.mesh, self.config.model.towers)
         if self.device_tables:
@@ -206,7 +246,10 @@ class Job:
         return make_train_step(self.mesh)
 
     def eval_step(self) -> Any:
-        """The jitted eval step of the run's layout: probabilities [B]."""
+        """The jitted eval step of the run's layout: probabilities [B] (sequence runs:
+        the tower's output at every position)."""
+        if self.sequences:
+            return make_sequence_eval_step(self.mesh, self.config.model.sequence)
         if self.tower_parallel:
             return make_tower_parallel_eval_step(self.mesh, self.config.model.towers)
         return make_eval_step(self.mesh)
@@ -314,8 +357,10 @@ def prepare(
         raise UserError(
             "no data: pass --data DIR (a `hybridrec preprocess` output) or set data.path"
         )
-    metadata = read_metadata(config.data.path)
+    metadata = read_dataset(config.data.path)
     process_count = jax.process_count()
+    if metadata.kind == "events":
+        return _prepare_sequences(config, metadata, servers=servers)
     addresses = tuple(servers.addresses if servers else config.embedding.servers)
     towers = config.model.towers
     if config.model.layout == "towers":
@@ -385,6 +430,49 @@ def prepare(
     )
 
 
+def _prepare_sequences(
+    config: TrainConfig, metadata: EventMetadata, *, servers: ServerSet | None
+) -> Job:
+    """`prepare` for a dataset of user histories (a sequence tower over packed rows)."""
+    if jax.process_count() > 1:
+        raise UserError(
+            f"{metadata.root} holds user histories: sequence runs train in one process "
+            "(several trainer processes are for click-log datasets)"
+        )
+    if config.model.layout == "towers":
+        raise ConfigError("model.layout = 'towers' is DMT's, for click logs, not sequence towers")
+    mesh = make_mesh(config.mesh)
+    config, choices = resolve_sequence_auto(config, metadata, mesh.devices.size)
+    check_batch_size(
+        "data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size, mesh
+    )
+    histories = Histories.read(metadata, config.data.train_split)
+    catalogue = Catalogue.of(histories)
+    addresses = tuple(servers.addresses if servers else config.embedding.servers)
+    tables = plan_tables(config.embedding, metadata.categorical)
+    host_only = "sequence runs look up the histories' item rows from the host store"
+    devices = plan_devices(config, metadata, mesh, tables, host_only=host_only)
+    return Job(
+        config=config,
+        metadata=metadata,
+        mesh=mesh,
+        process_index=jax.process_index(),
+        process_count=1,
+        tables=tables,
+        servers=addresses,
+        server_token=servers.token if servers else None,
+        retry_timeout=servers.retry_timeout if servers else DEFAULT_RETRY_TIMEOUT,
+        choices=(
+            *choices,
+            f"items: {len(catalogue):,} in the training split's {len(histories):,} histories",
+            *devices.lines,
+        ),
+        devices=devices,
+        histories=histories,
+        catalogue=catalogue,
+    )
+
+
 def check_batch_size(name: str, size: int, mesh) -> None:
     """A one-line UserError unless the global batch `size` (config key `name`) splits evenly
     over the mesh's devices and the job's processes."""
@@ -393,53 +481,6 @@ def check_batch_size(name: str, size: int, mesh) -> None:
             f"{name} = {size} must divide evenly over {mesh.devices.size} devices and "
             f"{jax.process_count()} processes"
         )
-
-
-def resolve_tables(
-    config: TrainConfig,
-    metadata: DatasetMetadata,
-    num_shards: int | None,
-    *,
-    id_map: IdMap | None = None,
-) -> tuple[TablePlan, tuple[str, ...]]:
-    """The store's tables for a resolved config, and the lines describing a column plan.
-
-    With `embedding.column_shards = 0` each table's column split is planned from the ids of
-    the first PLAN_SAMPLE_BATCHES training batches (read in file order, unshuffled, so an
-    embedding server resolving the same config and data plans the same tables).
-
-    Args:
-        num_shards: the shards the tables are spread over (None: not known, which a
-            planned split refuses).
-        id_map: `embedding.id_map` loaded: the sample's ids as training will see them.
-    """
-    plan = plan_tables(config.embedding, metadata.categorical)
-    if config.embedding.column_shards:
-        return plan, ()
-    if num_shards is None:
-        raise UserError(
-            "embedding.column_shards = 0 (planned) with embedding servers needs "
-            "embedding.num_shards: the servers' total shard count"
-        )
-    reader = ParquetReader.of_dataset(
-        metadata,
-        metadata.split_files(config.data.train_split),
-        batch_size=config.data.batch_size,
-        seed=config.seed,
-        id_map=id_map,
-    )
-    sample = [batch.ids for batch in reader.batches(PLAN_SAMPLE_BATCHES)]
-    planned, description = plan_columns(plan, sample, num_shards)
-    header, *per_table, balance = description.splitlines()
-    split = [
-        line
-        for line, table in zip(per_table, planned.tables, strict=True)
-        if table.column_shards > 1
-    ]
-    if len(per_table) > 8:  # many tables: name the split ones only
-        split.append(f"  {len(per_table) - len(split)} of {len(per_table)} tables keep whole rows")
-        per_table = split
-    return planned, (header, *per_table, balance)
 
 
 def load_config(

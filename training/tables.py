@@ -19,10 +19,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from hybridrec.common.errors import UserError
 from hybridrec.embedding_store import TableConfig
 from hybridrec.embedding_store.columns import describe_plan, plan_column_shards
-from hybridrec.pipeline import CategoricalFeature
-from hybridrec.training.config import EmbeddingConfig
+from hybridrec.pipeline import CategoricalFeature, DatasetMetadata
+from hybridrec.pipeline.id_map import IdMap
+from hybridrec.training.config import EmbeddingConfig, TrainConfig
+from hybridrec.training.input import ParquetReader
 
 FUSED_TABLE = "embeddings"  # the physical table's name when tables are fused
 
@@ -91,3 +94,50 @@ def plan_columns(
     )
     description = describe_plan(plan.tables, columns, accesses, num_shards)
     return TablePlan(tables=planned, feature_tables=plan.feature_tables), description
+
+
+def resolve_tables(
+    config: TrainConfig,
+    metadata: DatasetMetadata,
+    num_shards: int | None,
+    *,
+    id_map: IdMap | None = None,
+) -> tuple[TablePlan, tuple[str, ...]]:
+    """The store's tables for a resolved config, and the lines describing a column plan.
+
+    With `embedding.column_shards = 0` each table's column split is planned from the ids of
+    the first PLAN_SAMPLE_BATCHES training batches (read in file order, unshuffled, so an
+    embedding server resolving the same config and data plans the same tables).
+
+    Args:
+        num_shards: the shards the tables are spread over (None: not known, which a
+            planned split refuses).
+        id_map: `embedding.id_map` loaded: the sample's ids as training will see them.
+    """
+    plan = plan_tables(config.embedding, metadata.categorical)
+    if config.embedding.column_shards:
+        return plan, ()
+    if num_shards is None:
+        raise UserError(
+            "embedding.column_shards = 0 (planned) with embedding servers needs "
+            "embedding.num_shards: the servers' total shard count"
+        )
+    reader = ParquetReader.of_dataset(
+        metadata,
+        metadata.split_files(config.data.train_split),
+        batch_size=config.data.batch_size,
+        seed=config.seed,
+        id_map=id_map,
+    )
+    sample = [batch.ids for batch in reader.batches(PLAN_SAMPLE_BATCHES)]
+    planned, description = plan_columns(plan, sample, num_shards)
+    header, *per_table, balance = description.splitlines()
+    split = [
+        line
+        for line, table in zip(per_table, planned.tables, strict=True)
+        if table.column_shards > 1
+    ]
+    if len(per_table) > 8:  # many tables: name the split ones only
+        split.append(f"  {len(per_table) - len(split)} of {len(per_table)} tables keep whole rows")
+        per_table = split
+    return planned, (header, *per_table, balance)

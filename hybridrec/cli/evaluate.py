@@ -1,4 +1,5 @@
-"""`hybridrec evaluate`: AUC, logloss, NE and calibration of a run's checkpoint."""
+"""`hybridrec evaluate`: a run's checkpoint on a split: AUC, logloss, NE and calibration
+(click logs), or HR@K, NDCG@K and MRR by full ranking (user histories)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax
 
 from hybridrec.cli import _flags
 from hybridrec.cli._compilation_cache import use_compilation_cache
-from hybridrec.training.evaluate import evaluate_checkpoint
+from hybridrec.training.evaluate import describe, evaluate_checkpoint
 from hybridrec.training.run_log import run_name
 
 
@@ -44,9 +45,7 @@ def main(argv: list[str]) -> int:
         else:
             on = results["split"] + (f" of {args.data}" if args.data else "")
             print(
-                f"{run_name(args.run)} step {results['step']} on {on}: AUC {results['auc']:.4f}  "
-                f"logloss {results['logloss']:.4f}  NE {results['ne']:.4f}  "
-                f"calibration {results['calibration']:.3f}  ({int(results['count']):,} rows)\n"
+                f"{run_name(args.run)} step {results['step']} on {on}: {describe(results)}\n"
                 f"written to {results['output']}"
             )
     return 0

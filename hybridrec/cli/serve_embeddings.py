@@ -44,7 +44,7 @@ from hybridrec.pipeline import read_metadata
 from hybridrec.pipeline.id_map import read_id_map
 from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.defaults import resolve_auto
-from hybridrec.training.job import resolve_tables
+from hybridrec.training.tables import resolve_tables
 
 
 def parse_shard_list(text: str, num_shards: int) -> list[int]:
@@ -315,7 +315,7 @@ def training_tables(
     preset: str, data: str | None, overrides: Sequence[str], num_shards: int | None = None
 ) -> list[TableConfig]:
     """The TableConfigs `hybridrec train --config preset --data data` builds, in its order
-    (see `training.job.resolve_tables`), over `num_shards` shards in all."""
+    (see `training.tables.resolve_tables`), over `num_shards` shards in all."""
     overrides = _flags.with_data(data, list(overrides))  # as `hybridrec train`
     train_config = config.load(TrainConfig, preset, overrides, preset_dir=PRESET_DIR)
     if not train_config.data.path:

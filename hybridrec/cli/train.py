@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
@@ -17,6 +16,7 @@ from hybridrec.cli import _flags, _train_follow
 from hybridrec.cli._chatter import VERBOSE_ENV, native_output_filtered, quiet_native_logging
 from hybridrec.cli._compilation_cache import use_compilation_cache
 from hybridrec.cli._embedding_servers import embedding_servers
+from hybridrec.training.evaluate import describe
 from hybridrec.training.job import load_config
 from hybridrec.training.profiling import format_summary
 from hybridrec.training.run_dir import require_run_dir
@@ -53,12 +53,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"{sum(c['evicted'] for c in caches.values()):,} evicted (written back)"
         )
     if evaluation:
-        lines.append(
-            f"  eval            AUC {evaluation.get('auc', math.nan):.4f}  logloss "
-            f"{evaluation.get('logloss', math.nan):.4f}  NE {evaluation.get('ne', math.nan):.4f}  "
-            f"calibration {evaluation.get('calibration', math.nan):.3f}  "
-            f"({int(evaluation.get('count', 0)):,} rows)"
-        )
+        lines.append(f"  eval            {describe(evaluation)}")
     if summary.get("profile"):
         lines += format_summary(summary["profile"])
     lines += [

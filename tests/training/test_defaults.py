@@ -153,7 +153,7 @@ def test_a_column_plan_splits_a_wide_table_of_few_hot_rows_only():
 
 def test_resolving_tables_with_a_planned_or_fixed_column_split(dataset):
     from hybridrec.common.errors import UserError
-    from hybridrec.training.job import resolve_tables
+    from hybridrec.training.tables import resolve_tables
 
     metadata = read_metadata(dataset)
     base = [f"data.path={json.dumps(str(dataset))}", "embedding.fuse_tables=false"]

@@ -1,0 +1,136 @@
+"""Sequence towers over packed user histories: SASRec and HSTU.
+
+A packed row holds several users' histories one after the other (docs/training.md,
+"Sequences"); with R rows of L positions:
+
+    x          [R, L, D]  the items' embedding rows (gathered from the batch's unique rows)
+    segments   [R, L]     int32: which history a position belongs to; negative: padding
+    positions  [R, L]     int32: the position within its history, from 0
+
+A tower maps them to one output vector per position, `[R, L, D]`, which the retrieval
+objective (`model.sequence_step`) compares with item rows. Attention never crosses a
+segment and never looks ahead: the mask is block-diagonal and causal.
+
+    SASRec   (Kang & McAuley 2018) learned absolute positions, pre-norm blocks of causal
+             softmax self-attention and a two-layer feed-forward network
+    HSTU     (Zhai et al. 2024) learned absolute positions, then HSTU blocks (pointwise SiLU
+             attention with a relative-position bias and a gated output, `model.hstu`)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from hybridrec.model.config import SequenceConfig
+from hybridrec.model.hstu import HSTUEncoder
+from hybridrec.model.hstu_attention import live_pairs
+from hybridrec.model.layers import linear
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+    """Inverted dropout of `x` at `rate`; the identity without an `rng` (evaluation)."""
+    if rng is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def _norm(dim: int, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+class _Positions(nnx.Module):
+    """Learned absolute positions, added to the scaled item rows, then dropout."""
+
+    def __init__(self, dim: int, max_length: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(stddev=0.02)
+        self.table = nnx.Param(init(rngs.params(), (max_length, dim), jnp.float32))
+        self.scale = dim**0.5
+
+    def __call__(self, x, positions, rate: float, rng) -> jax.Array:
+        x = x * self.scale + self.table[...][positions].astype(x.dtype)
+        return dropout(x, rate, rng)
+
+
+class SASRecBlock(nnx.Module):
+    """x + attention(norm(x)); then x + ffn(norm(x)), with dropout after each."""
+
+    def __init__(self, dim: int, *, heads: int, head_dim: int, dtype, rngs: nnx.Rngs):
+        self.heads, self.head_dim = heads, head_dim
+        width = heads * head_dim
+        self.norm_attention = _norm(dim, dtype, rngs)
+        self.qkv = linear(dim, 3 * width, (None, "mlp"), dtype=dtype, rngs=rngs)
+        self.out = linear(width, dim, ("mlp", None), dtype=dtype, rngs=rngs)
+        self.norm_ffn = _norm(dim, dtype, rngs)
+        self.ffn_in = linear(dim, dim, (None, "mlp"), dtype=dtype, rngs=rngs)
+        self.ffn_out = linear(dim, dim, ("mlp", None), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, live, rate: float, rng) -> jax.Array:
+        rows, length, _ = x.shape
+        q, k, v = jnp.split(self.qkv(self.norm_attention(x)), 3, axis=-1)
+        q, k, v = (t.reshape(rows, length, self.heads, self.head_dim) for t in (q, k, v))
+        scores = jnp.einsum("bihd,bjhd->bhij", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.where(live, scores * self.head_dim**-0.5, -1e9)
+        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        attended = jnp.einsum("bhij,bjhd->bihd", weights, v).reshape(rows, length, -1)
+        keys = (None, None) if rng is None else jax.random.split(rng)
+        x = x + dropout(self.out(attended), rate, keys[0])
+        hidden = jax.nn.relu(self.ffn_in(self.norm_ffn(x)))
+        return x + dropout(self.ffn_out(hidden), rate, keys[1])
+
+
+class SASRec(nnx.Module):
+    """SASRec over packed rows: `tower(x, segments, positions, rng=None) -> [R, L, D]`."""
+
+    def __init__(self, config: SequenceConfig, *, dim: int, dtype, rngs: nnx.Rngs):
+        self.rate, self.num_blocks = config.dropout, config.blocks
+        head_dim = config.head_dim or max(dim // config.heads, 1)
+        self.positions = _Positions(dim, config.max_length, rngs=rngs)
+        for index in range(config.blocks):
+            block = SASRecBlock(dim, heads=config.heads, head_dim=head_dim, dtype=dtype, rngs=rngs)
+            setattr(self, f"block_{index}", block)
+        self.norm_out = _norm(dim, dtype, rngs)
+
+    def __call__(self, x, segments, positions, rng=None) -> jax.Array:
+        keys = [None] * (self.num_blocks + 1)
+        if rng is not None:
+            keys = list(jax.random.split(rng, self.num_blocks + 1))
+        x = self.positions(x, positions, self.rate, keys[0])
+        live = live_pairs(segments)[:, None]  # [R, 1, L, L]
+        for index in range(self.num_blocks):
+            x = getattr(self, f"block_{index}")(x, live, self.rate, keys[index + 1])
+        return self.norm_out(x)
+
+
+class HSTU(nnx.Module):
+    """HSTU over packed rows: `tower(x, segments, positions, rng=None) -> [R, L, D]`."""
+
+    def __init__(self, config: SequenceConfig, *, dim: int, dtype, rngs: nnx.Rngs):
+        self.rate = config.dropout
+        self.positions = _Positions(dim, config.max_length, rngs=rngs)
+        self.encoder = HSTUEncoder(
+            dim,
+            blocks=config.blocks,
+            heads=config.heads,
+            head_dim=config.head_dim or max(dim // config.heads, 1),
+            buckets=config.buckets,
+            max_distance=config.max_distance or config.max_length,
+            dtype=dtype if dtype is not None else jnp.float32,
+            rngs=rngs,
+            implementation=config.attention,
+        )
+
+    def __call__(self, x, segments, positions, rng=None) -> jax.Array:
+        x = self.positions(x, positions, self.rate, rng)
+        return self.encoder(x, jnp.where(segments >= 0, segments, -1))
+
+
+SEQUENCE_TOWERS = {"sasrec": SASRec, "hstu": HSTU}
+
+
+def build_sequence_tower(
+    name: str, config: SequenceConfig, *, dim: int, dtype, rngs: nnx.Rngs
+) -> nnx.Module:
+    """The sequence tower `name` ("sasrec" or "hstu") of width `dim`."""
+    return SEQUENCE_TOWERS[name](config, dim=dim, dtype=dtype, rngs=rngs)

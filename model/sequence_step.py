@@ -1,0 +1,150 @@
+"""The dense step of a sequence run: next-item retrieval by sampled softmax over packed rows.
+
+A batch holds the rows of its distinct items once, `rows [U, D]` (looked up from the
+store like any embedding), and everything else as indices into them:
+
+    inputs, targets        [R, L] int32   the item at each position and the one after it
+    segments, positions    [R, L] int32   packing (`model.sequence`); segments < 0: padding
+    weights                [R, L] f32     1 where the position is trained (a next item exists)
+    negatives              [N] int32      sampled items, shared by every position
+    negative_logq          [N] f32        log(N q(item)), q the sampling probability
+
+The loss at a position is the cross-entropy of its next item against the negatives,
+whose logits are corrected by -log(N q) so that the sampled softmax estimates the full
+one (Bengio & Senecal; Yi et al. 2019); a negative equal to the target is masked. The
+gradient with respect to `rows` sums over every position an item appears at, as inputs,
+targets and negatives: one sparse update per distinct item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from hybridrec.model import sharding as sharding_lib
+from hybridrec.model.config import SequenceConfig
+from hybridrec.model.step import ShardedStep, TrainState, apply_dense_gradients
+from jax.sharding import Mesh
+
+PER_POSITION = ("inputs", "targets", "segments", "positions", "weights")
+SHARED = ("rows", "negatives", "negative_logq")
+
+
+def scored(vectors: jax.Array, config: SequenceConfig) -> jax.Array:
+    """Vectors as the score compares them: L2-normalized for cosine similarity."""
+    vectors = vectors.astype(jnp.float32)
+    if config.similarity == "cosine":
+        return vectors / jnp.maximum(jnp.linalg.norm(vectors, axis=-1, keepdims=True), 1e-6)
+    return vectors
+
+
+def encode(
+    graphdef: nnx.GraphDef, params: Any, rows: jax.Array, batch: Mapping[str, jax.Array], rng=None
+) -> jax.Array:
+    """The tower's output at every position, [R, L, D]."""
+    tower = nnx.merge(graphdef, params)
+    return tower(rows[batch["inputs"]], batch["segments"], batch["positions"], rng)
+
+
+def retrieval_loss(
+    config: SequenceConfig,
+    graphdef: nnx.GraphDef,
+    params: Any,
+    rows: jax.Array,
+    batch: Mapping[str, jax.Array],
+    rng=None,
+    *,
+    hit_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(mean sampled-softmax cross-entropy over the trained positions, their count).
+
+    `hit_mask` [R, L, N]: the negatives that are the position's target (default: equal
+    indices, as in a batch of distinct rows)."""
+    outputs = scored(encode(graphdef, params, rows, batch, rng), config)
+    targets = scored(rows[batch["targets"]], config)
+    negatives = scored(rows[batch["negatives"]], config)
+    positive = jnp.sum(outputs * targets, axis=-1) / config.temperature  # [R, L]
+    negative = jnp.einsum("rld,nd->rln", outputs, negatives) / config.temperature
+    negative = negative - batch["negative_logq"]
+    if hit_mask is None:
+        hit_mask = batch["negatives"][None, None, :] == batch["targets"][..., None]
+    negative = jnp.where(hit_mask, -1e9, negative)
+    logits = jnp.concatenate([positive[..., None], negative], axis=-1)
+    cross_entropy = jax.nn.logsumexp(logits, axis=-1) - positive
+    weights = batch["weights"]
+    count = jnp.sum(weights)
+    return jnp.sum(cross_entropy * weights) / jnp.maximum(count, 1.0), count
+
+
+def make_sequence_train_step(
+    mesh: Mesh, config: SequenceConfig, seed: int, *, state_shardings: TrainState | None = None
+) -> ShardedStep:
+    """Jits the retrieval step once for `mesh`: `state, metrics, row_grads = step(state, batch)`.
+
+    `row_grads` [U, D] f32 is d(mean loss)/d(rows), replicated; dropout draws from `seed`
+    folded with the step counter, so a resumed run draws what it would have.
+    """
+
+    def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
+        rng = jax.random.fold_in(jax.random.key(seed), state.step)
+
+        def objective(params, rows):
+            return retrieval_loss(config, state.graphdef, params, rows, batch, rng)
+
+        (loss, count), (param_grads, row_grads) = jax.value_and_grad(
+            objective, argnums=(0, 1), has_aux=True
+        )(state.params, batch["rows"])
+        new_state, metrics = apply_dense_gradients(state, loss, param_grads)
+        return new_state, {**metrics, "trained_positions": count}, row_grads
+
+    replicated = sharding_lib.replicated(mesh)
+    batch_shardings = {key: sharding_lib.batch_sharding(mesh, 2) for key in PER_POSITION}
+    batch_shardings |= {key: replicated for key in SHARED}
+
+    def make_jitted(shardings: TrainState):
+        return jax.jit(
+            train_step,
+            in_shardings=(shardings, batch_shardings),
+            out_shardings=(shardings, replicated, replicated),
+            donate_argnums=(0,),
+        )
+
+    return ShardedStep(train_step, mesh, PER_POSITION + SHARED, make_jitted, state_shardings)
+
+
+def make_sequence_eval_step(
+    mesh: Mesh, config: SequenceConfig, *, state_shardings: TrainState | None = None
+) -> ShardedStep:
+    """Jits `outputs [R, L, D] = step(state, batch)`: the tower's output at every position,
+    as scores compare it (no dropout)."""
+    keys = ("rows", "inputs", "segments", "positions")
+
+    def eval_step(state: TrainState, batch: Mapping[str, jax.Array]) -> jax.Array:
+        return scored(encode(state.graphdef, state.params, batch["rows"], batch), config)
+
+    shardings = {key: sharding_lib.batch_sharding(mesh, 2) for key in keys[1:]}
+    shardings["rows"] = sharding_lib.replicated(mesh)
+
+    def make_jitted(state_shardings: TrainState):
+        return jax.jit(
+            eval_step,
+            in_shardings=(state_shardings, shardings),
+            out_shardings=sharding_lib.batch_sharding(mesh, 3),
+        )
+
+    return ShardedStep(eval_step, mesh, keys, make_jitted, state_shardings)
+
+
+@jax.jit
+def count_above(
+    queries: jax.Array, threshold: jax.Array, items: jax.Array, valid: jax.Array, own: jax.Array
+):
+    """[Q] int32: how many of the `valid` `items` [C, D] score above each query's
+    `threshold` [Q] (its target's score), the query's own target (`own` [Q], its index in
+    `items`, -1 when absent) left out; queries [Q, D]."""
+    scores = jnp.einsum("qd,cd->qc", queries, items, preferred_element_type=jnp.float32)
+    other = jnp.arange(items.shape[0])[None, :] != own[:, None]
+    return jnp.sum((scores > threshold[:, None]) & valid[None, :] & other, axis=1, dtype=jnp.int32)

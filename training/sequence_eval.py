@@ -1,0 +1,168 @@
+"""Next-item evaluation of a sequence run: every query ranks the target among all items.
+
+A query is a trained position of an evaluation history (leave-one-out: the last one,
+predicting the held-out item). Its rank is the number of catalogue items (the training
+split's items) that score above the target:
+
+1. the tower's output at every query (the eval step over packed histories);
+2. the target's score, from its row (an item never trained scores from its initial row,
+   looked up without admitting it);
+3. the catalogue streamed from the store in chunks of `CHUNK` rows, each compared with
+   every query on the devices (`count_above`): the table is never whole on the devices;
+4. with the history excluded, the user's earlier items that score above the target
+   are taken off (they are not candidates), as most frameworks report.
+
+The target itself is never counted (its score on the devices may differ from the
+threshold's in the last bit). HR@K, NDCG@K (K = 5, 10, 20) and MRR follow from the ranks (`ranking_metrics`), for the
+configured convention and, with the suffix `_history_kept` / `_history_excluded`, the
+other. `eval.ranking = "sampled_100"` adds the older papers' protocol (the target among
+100 items drawn uniformly from the catalogue, neither the target nor in the history),
+its keys suffixed `_sampled100`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hybridrec.common.progress import Progress
+from hybridrec.model.sequence_step import count_above
+from hybridrec.training.sequence_baselines import ranking_metrics
+from hybridrec.training.sequences import Histories, SequenceLayout, SequenceReader
+
+CHUNK = 65536  # catalogue rows per lookup and comparison
+QUERY_BLOCK = 4096  # queries per comparison
+SAMPLED = 100
+
+
+def _scored(rows: np.ndarray, similarity: str) -> np.ndarray:
+    rows = rows.astype(np.float32, copy=False)
+    if similarity == "cosine":
+        return rows / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1e-6)
+    return rows
+
+
+def _rows(store, job, ids: np.ndarray) -> np.ndarray:
+    """[len(ids), D] rows of item ids, looked up without admitting or counting them."""
+    lookup = store.lookup_features(
+        {"item": ids},
+        feature_tables=job.tables.feature_tables,
+        pooling=job.config.embedding.pooling,
+        train=False,
+    ).result()
+    return lookup.embeddings[:, 0]
+
+
+def query_outputs(job, state, store, eval_step, histories: Histories, *, max_batches, progress):
+    """(outputs [Q, D], target ids [Q], history index [Q], the query's position in its
+    history [Q]) of every query of `histories` (the first `max_batches` batches; 0: all)."""
+    config = job.config
+    rows = config.data.eval_batch_size or config.data.batch_size
+    reader = SequenceReader(histories, rows=rows, length=config.model.sequence.max_length)
+    layout = SequenceLayout(job.mesh)
+    total = reader.batches_per_epoch
+    if max_batches:
+        total = min(total, max_batches)
+    if progress:
+        progress.total = total
+    outputs, targets, history, position = [], [], [], []
+    for batch in reader.batches(num_batches=total):
+        embeddings = _rows(store, job, batch.ids["item"])[:, None]
+        out = np.asarray(eval_step(state, layout.device_batch(batch, embeddings, train=False)))
+        query = batch.arrays["weights"] > 0
+        segment = batch.arrays["segments"][query]
+        outputs.append(out[query])
+        targets.append(batch.ids["item"][batch.arrays["targets"][query]])
+        history.append(batch.histories[segment])
+        position.append(batch.starts[segment] + batch.arrays["positions"][query])
+        if progress:
+            progress.update(1)
+    return tuple(np.concatenate(parts) for parts in (outputs, targets, history, position))
+
+
+def _pairs(histories: Histories, history: np.ndarray, position: np.ndarray):
+    """(query, item) of each distinct item a query's user had up to its position."""
+    sizes = position + 1
+    query = np.repeat(np.arange(len(history)), sizes)
+    starts = histories.offsets[history]
+    items = histories.items[
+        np.repeat(starts - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()))
+    ]
+    pairs = np.unique(np.stack([query.astype(np.uint64), items], axis=1), axis=0)
+    return pairs[:, 0].astype(np.int64), pairs[:, 1]
+
+
+def _pair_scores(store, job, queries, query: np.ndarray, items: np.ndarray, similarity: str):
+    ids, inverse = np.unique(items, return_inverse=True)
+    rows = (
+        _scored(_rows(store, job, ids), similarity)
+        if len(ids)
+        else np.zeros((0, queries.shape[1]), np.float32)
+    )
+    return np.einsum("pd,pd->p", queries[query], rows[inverse])
+
+
+def evaluate_sequences(
+    job,
+    state,
+    store,
+    eval_step,
+    catalogue,
+    *,
+    split: str,
+    max_batches: int = 0,
+    progress_name: str | None = None,
+) -> dict[str, float]:
+    """Ranking metrics of `state` with `store`'s rows on `split` (see the module's doc)."""
+    config = job.config
+    similarity = config.model.sequence.similarity
+    histories = Histories.read(job.metadata, split)
+    progress = Progress(progress_name, total=1, unit="batches") if progress_name else None
+    queries, targets, history, position = query_outputs(
+        job, state, store, eval_step, histories, max_batches=max_batches, progress=progress
+    )
+    if progress:
+        progress.close()
+    unique_targets, target_index = np.unique(targets, return_inverse=True)
+    target_rows = _scored(_rows(store, job, unique_targets), similarity)[target_index]
+    threshold = np.einsum("qd,qd->q", queries, target_rows)
+    above = np.zeros(len(queries), np.int64)
+    for start in range(0, len(catalogue), CHUNK):
+        ids = catalogue.items[start : start + CHUNK]
+        items = _scored(_rows(store, job, ids), similarity)
+        valid = np.ones(len(ids), bool)
+        where = np.minimum(np.searchsorted(ids, targets), len(ids) - 1)
+        own = np.where(ids[where] == targets, where, -1).astype(np.int32)  # the target itself
+        for first in range(0, len(queries), QUERY_BLOCK):
+            block = slice(first, first + QUERY_BLOCK)
+            counted = count_above(queries[block], threshold[block], items, valid, own[block])
+            above[block] += np.asarray(counted)
+    # the user's earlier items above the target: taken off when the history is excluded
+    query, items = _pairs(histories, history, position)
+    candidate = catalogue.contains(items) & (items != targets[query])
+    query, items = query[candidate], items[candidate]
+    scores = _pair_scores(store, job, queries, query, items, similarity)
+    history_above = np.bincount(query[scores > threshold[query]], minlength=len(queries))
+    excluded, kept = ranking_metrics(above - history_above), ranking_metrics(above)
+    if config.eval.exclude_history:
+        result = excluded | {f"{k}_history_kept": v for k, v in kept.items()}
+    else:
+        result = kept | {f"{k}_history_excluded": v for k, v in excluded.items()}
+    if config.eval.ranking == "sampled_100":
+        ranks = _sampled_ranks(store, job, catalogue, queries, threshold, query, items, config.seed)
+        result |= {f"{k}_sampled100": v for k, v in ranking_metrics(ranks).items()}
+    return {**result, "queries": float(len(queries))}
+
+
+def _sampled_ranks(store, job, catalogue, queries, threshold, query, items, seed) -> np.ndarray:
+    """Ranks among SAMPLED items drawn uniformly from the catalogue per query; a drawn item
+    that is the target or in the history (`query`, `items` pairs) is left out."""
+    similarity = job.config.model.sequence.similarity
+    rng = np.random.default_rng([seed, 100])
+    drawn = catalogue.items[rng.integers(len(catalogue), size=(len(queries), SAMPLED))]
+    ids, inverse = np.unique(drawn, return_inverse=True)
+    rows = _scored(_rows(store, job, ids), similarity)
+    scores = np.einsum("qd,qsd->qs", queries, rows[inverse.reshape(drawn.shape)])
+    seen = set(zip(query.tolist(), items.tolist(), strict=True))
+    left_out = np.array(
+        [[(q, int(i)) in seen for i in row] for q, row in enumerate(drawn)], bool
+    ).reshape(drawn.shape)
+    return np.sum((scores > threshold[:, None]) & ~left_out, axis=1)

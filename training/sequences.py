@@ -1,0 +1,398 @@
+"""User histories in packed batches: what a sequence run reads (`model.tower = "sasrec" |
+"hstu"` on an event-log dataset, docs/training.md "Sequences").
+
+A split's rows are histories of item ids, oldest first, with `first_target` the first
+position that is a prediction target (docs/pipeline.md). A history of n items gives n - 1
+positions: the item at position i is the input, the item at i + 1 its target, trained
+where i + 1 >= first_target.
+
+Batches are `rows` rows of `length` positions each (the token budget), and a row holds
+several histories one after the other, each a segment: there is no padding to the
+longest history of the batch, only what is left at the end of a row. Histories are taken
+in a shuffled order and placed first-fit into the batch's rows; one that fits no row
+waits for the next batch (at most `rows` wait, so none is ever dropped). A history longer
+than a row is split into pieces of one row (or truncated to its most recent positions).
+
+A batch's ids are its distinct items (inputs, targets and negatives): the store looks
+each up once, and the step's gradient of a row sums every position it appears at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from hybridrec.common.errors import UserError
+from hybridrec.model import make_global_batch
+from hybridrec.model.config import SequenceConfig
+from hybridrec.pipeline.metadata import ITEM_FEATURE, EventMetadata
+from hybridrec.training.input import DataPosition
+
+
+@dataclasses.dataclass(frozen=True)
+class Histories:
+    """A split's histories: history h is `items[offsets[h]:offsets[h + 1]]`."""
+
+    items: np.ndarray  # [tokens] uint64
+    offsets: np.ndarray  # [histories + 1] int64
+    first_target: np.ndarray  # [histories] int64
+
+    @classmethod
+    def read(cls, metadata: EventMetadata, split: str) -> Histories:
+        files = metadata.split_files(split)
+        if not files:
+            raise UserError(f"{metadata.root}: split {split!r} has no files")
+        tables = []
+        for path in files:
+            try:
+                tables.append(pq.read_table(path, columns=["items", "first_target"]))
+            except (OSError, pa.ArrowInvalid, KeyError) as error:
+                raise UserError(f"{path}: cannot read its histories: {error}") from None
+        table = pa.concat_tables(tables)
+        column = table.column("items").combine_chunks()
+        offsets = column.offsets.to_numpy().astype(np.int64)
+        items = column.values.to_numpy()[offsets[0] : offsets[-1]].astype(np.uint64, copy=False)
+        first = table.column("first_target").to_numpy().astype(np.int64)
+        return cls(items, offsets - offsets[0], first)
+
+    def __len__(self) -> int:
+        return len(self.first_target)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+@dataclasses.dataclass(frozen=True)
+class Catalogue:
+    """The items of the training split: the ids negatives are drawn from and evaluation
+    ranks, with how often each occurs."""
+
+    items: np.ndarray  # [C] uint64, sorted
+    counts: np.ndarray  # [C] int64
+
+    @classmethod
+    def of(cls, histories: Histories) -> Catalogue:
+        items, counts = np.unique(histories.items, return_counts=True)
+        return cls(items, counts.astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        where = np.minimum(np.searchsorted(self.items, ids), len(self.items) - 1)
+        return self.items[where] == ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """Stretches of histories, each one segment of a row: positions [start, stop) of
+    history `history` (position i: input item i, target item i + 1)."""
+
+    history: np.ndarray  # [pieces] int64
+    start: np.ndarray
+    stop: np.ndarray
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self.stop - self.start
+
+
+def cut_pieces(histories: Histories, length: int, *, split: bool) -> Pieces:
+    """Every history's positions in pieces of at most `length`: consecutive pieces
+    (`split`), or only its most recent `length`; pieces without a target are left out."""
+    positions = histories.lengths - 1
+    if not split:
+        start = np.maximum(positions - length, 0)
+        history = np.arange(len(histories))
+        pieces = Pieces(history, start, positions)
+    else:
+        counts = np.maximum(-(-positions // length), 0)
+        history = np.repeat(np.arange(len(histories)), counts)
+        first_piece = np.repeat(np.cumsum(counts) - counts, counts)
+        start = (np.arange(len(history)) - first_piece) * length
+        pieces = Pieces(history, start, np.minimum(start + length, positions[history]))
+    # a piece trains positions i with i + 1 >= first_target
+    keep = (pieces.stop > pieces.start) & (pieces.stop >= histories.first_target[pieces.history])
+    return Pieces(pieces.history[keep], pieces.start[keep], pieces.stop[keep])
+
+
+def pack(
+    sizes: np.ndarray, rows: int, length: int
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """First-fit packing of pieces (of `sizes`, in order) into batches of `rows` rows of
+    `length`: per batch (piece indices, their rows, their offsets in the rows).
+
+    A piece that fits no row of the open batch waits; once `rows` pieces wait (or the
+    pieces end) the batch closes and the waiting ones open the next, in order.
+    """
+    if len(sizes) and int(sizes.max()) > length:
+        raise ValueError(f"a piece of {int(sizes.max())} positions exceeds the row length {length}")
+    batches = []
+    fill = np.zeros(rows, np.int64)
+    placed: list[tuple[int, int, int]] = []
+    waiting: list[int] = []
+
+    def close():
+        nonlocal fill, placed
+        if placed:
+            index, row, offset = (
+                np.array(column, np.int64) for column in zip(*placed, strict=True)
+            )
+            batches.append((index, row, offset))
+        fill, placed = np.zeros(rows, np.int64), []
+
+    def place(piece: int) -> bool:
+        size = sizes[piece]
+        fits = np.flatnonzero(fill + size <= length)
+        if not len(fits):
+            return False
+        row = int(fits[0])
+        placed.append((piece, row, int(fill[row])))
+        fill[row] += size
+        return True
+
+    for piece in range(len(sizes)):
+        if not place(piece):
+            waiting.append(piece)
+        if len(waiting) >= rows:
+            close()
+            waiting = [p for p in waiting if not place(p)]
+    while waiting:
+        close()
+        waiting = [p for p in waiting if not place(p)]
+    close()
+    return batches
+
+
+def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """np.concatenate([np.arange(s, s + n) for s, n in zip(starts, sizes)])."""
+    total = int(sizes.sum())
+    if not total:
+        return np.zeros(0, np.int64)
+    repeated = np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
+    return repeated + np.arange(total)
+
+
+@dataclasses.dataclass
+class SequenceBatch:
+    """One packed batch: its distinct item ids (what the store looks up) and the step's
+    index arrays into their rows (`model.sequence_step`)."""
+
+    ids: dict[str, np.ndarray]  # {"item": [U] uint64 distinct ids}
+    arrays: dict[str, np.ndarray]  # inputs, targets, segments, positions, weights [R, L]
+    negatives: np.ndarray  # [N] int32 into ids
+    negative_logq: np.ndarray  # [N] float32
+    position: DataPosition
+    histories: np.ndarray  # [pieces] the history of each segment, in placing order
+    starts: np.ndarray  # [pieces] the history position each segment starts at
+    tokens: int  # positions holding an item (the rest is padding)
+
+    @property
+    def size(self) -> int:
+        return int(self.arrays["inputs"].shape[0])
+
+
+class Negatives:
+    """Negatives per batch: `count` items drawn uniformly from the catalogue, from the
+    batch's own targets (so by popularity), or half each; with log(N q(item)) of each,
+    q the probability of drawing it (popularity estimated by the catalogue's counts)."""
+
+    def __init__(self, catalogue: Catalogue, count: int, source: str):
+        if count > len(catalogue):
+            raise UserError(
+                f"model.sequence.negatives = {count} is more than the {len(catalogue):,} items "
+                "of the training split"
+            )
+        self.catalogue, self.count, self.source = catalogue, count, source
+        self.frequency = catalogue.counts / catalogue.counts.sum()
+
+    def draw(self, rng: np.random.Generator, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [count], log(count q) [count]) given the batch's trained targets."""
+        catalogue = self.catalogue
+        from_batch = {"catalogue": 0, "batch": self.count, "mixed": self.count // 2}[self.source]
+        if not len(targets):
+            from_batch = 0
+        uniform = catalogue.items[rng.integers(len(catalogue), size=self.count - from_batch)]
+        drawn = np.concatenate([uniform, targets[rng.integers(len(targets), size=from_batch)]])
+        share = from_batch / self.count
+        where = np.searchsorted(catalogue.items, drawn)
+        q = (1.0 - share) / len(catalogue) + share * self.frequency[where]
+        return drawn, np.log(self.count * q).astype(np.float32)
+
+
+class SequenceReader:
+    """Packed batches of a split, epoch after epoch (training: shuffled by `seed` and the
+    epoch, with negatives), or once in order (evaluation: histories truncated, every
+    history its own segment, no negatives).
+
+    Args:
+        histories: the split's histories.
+        rows, length: the batch's rows and positions per row.
+        split_long: cut histories longer than a row into pieces (else keep the most recent).
+        negatives: the training negatives (None: evaluation).
+    """
+
+    def __init__(
+        self,
+        histories: Histories,
+        *,
+        rows: int,
+        length: int,
+        seed: int = 0,
+        split_long: bool = True,
+        negatives: Negatives | None = None,
+    ):
+        self.histories, self.rows, self.length = histories, rows, length
+        self.seed, self.negatives = seed, negatives
+        self.train = negatives is not None
+        self.pieces = cut_pieces(histories, length, split=split_long and self.train)
+        if not len(self.pieces.history):
+            raise UserError("no history has a position to train or evaluate")
+        self._plans: dict[int, list] = {}
+        self.batches_per_epoch = len(self._plan(0))
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.train:
+            return np.arange(len(self.pieces.sizes))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.pieces.sizes))
+
+    def _plan(self, epoch: int) -> list:
+        if epoch not in self._plans:
+            order = self._order(epoch)
+            batches = pack(self.pieces.sizes[order], self.rows, self.length)
+            self._plans = {epoch: [(order[i], r, o) for i, r, o in batches]}
+        return self._plans[epoch]
+
+    def position_after(self, batches: int) -> DataPosition:
+        epoch, index = divmod(batches, self.batches_per_epoch)
+        return DataPosition(epoch=epoch, offset=index, batches=batches)
+
+    def batches(
+        self, num_batches: int | None = None, position: DataPosition | None = None
+    ) -> Iterator[SequenceBatch]:
+        """Batches from `position` until `num_batches` in all (counted from the start of
+        training, as `position.batches`); evaluation: the split once."""
+        position = position or DataPosition()
+        done = position.batches
+        epoch, index = position.epoch, position.offset
+        while num_batches is None or done < num_batches:
+            plan = self._plan(epoch)
+            if index >= len(plan):
+                if not self.train:
+                    return
+                epoch, index = epoch + 1, 0
+                continue
+            done += 1
+            after = DataPosition(epoch=epoch, offset=index + 1, batches=done)
+            yield self._batch(*plan[index], epoch=epoch, index=index, position=after)
+            index += 1
+
+    def _batch(self, order, rows, offsets, *, epoch, index, position) -> SequenceBatch:
+        pieces, histories, length = self.pieces, self.histories, self.length
+        start, sizes = pieces.start[order], pieces.sizes[order]
+        history = pieces.history[order]
+        source = _ranges(histories.offsets[history] + start, sizes)  # input item of a position
+        dest = _ranges(rows * length + offsets, sizes)
+        segment = np.repeat(np.arange(len(order)), sizes)
+        shape = (self.rows, length)
+        inputs = histories.items[source]
+        targets = histories.items[source + 1]
+        step_position = _ranges(np.zeros(len(order), np.int64), sizes)
+        trained = start.repeat(sizes) + step_position + 1 >= histories.first_target[history].repeat(
+            sizes
+        )
+        negatives, logq = np.zeros(0, np.uint64), np.zeros(0, np.float32)
+        if self.negatives is not None:
+            rng = np.random.default_rng([self.seed, epoch, index, 1])
+            negatives, logq = self.negatives.draw(rng, targets[trained])
+        ids, inverse = np.unique(np.concatenate([inputs, targets, negatives]), return_inverse=True)
+        inverse = inverse.astype(np.int32)
+        count = len(inputs)
+        arrays = {
+            "inputs": np.zeros(shape, np.int32),
+            "targets": np.zeros(shape, np.int32),
+            "segments": np.full(shape, -1, np.int32),
+            "positions": np.zeros(shape, np.int32),
+            "weights": np.zeros(shape, np.float32),
+        }
+        for key, values in (
+            ("inputs", inverse[:count]),
+            ("targets", inverse[count : 2 * count]),
+            ("segments", segment),
+            ("positions", step_position),
+            ("weights", trained),
+        ):
+            arrays[key].reshape(-1)[dest] = values
+        return SequenceBatch(
+            ids={ITEM_FEATURE.name: ids},
+            arrays=arrays,
+            negatives=inverse[2 * count :],
+            negative_logq=logq,
+            position=position,
+            histories=history,
+            starts=start,
+            tokens=count,
+        )
+
+
+def padded_rows(count: int) -> int:
+    """Distinct rows a batch's step takes: the next power of two (at least 256), so that a
+    run compiles a handful of shapes, not one per batch."""
+    return max(256, 1 << max(count - 1, 0).bit_length())
+
+
+class SequenceLayout:
+    """The flat layout of a sequence batch: every process its whole batch (one process),
+    the rows of the batch's distinct items replicated on every device, the positions split
+    over the data axis (the `FlatLayout` of `training.layouts` for histories)."""
+
+    features = [ITEM_FEATURE.name]
+    rows = slice(None)
+
+    def __init__(self, mesh: Any):
+        self.mesh = mesh
+
+    def device_batch(
+        self, batch: SequenceBatch, embeddings: np.ndarray, *, train: bool = True, extra=None
+    ) -> dict:
+        """embeddings: [U, 1, D] rows of `batch.ids` -> the step's batch (rows padded to
+        `padded_rows(U)` with zeros, which no index points at)."""
+        count, _, dim = embeddings.shape
+        rows = np.zeros((padded_rows(count), dim), np.float32)
+        rows[:count] = embeddings[:, 0]
+        shared = {"rows": rows}
+        if train:
+            shared |= {"negatives": batch.negatives, "negative_logq": batch.negative_logq}
+        arrays = (
+            batch.arrays
+            if train
+            else {k: batch.arrays[k] for k in ("inputs", "segments", "positions")}
+        )
+        return make_global_batch(arrays, self.mesh, replicated=shared)
+
+    def gradients(self, row_grads: jax.Array) -> np.ndarray:
+        """[U_padded, D] replicated -> host [U_padded, 1, D] (the loop applies the first U,
+        the rows its lookup holds; the padding's are zero)."""
+        return np.asarray(jax.device_get(row_grads))[:, None, :]
+
+
+def check_budget(config: SequenceConfig, rows: int, token_budget: int) -> None:
+    """A one-line error for a token budget that does not hold one history row."""
+    if token_budget and token_budget < config.max_length:
+        raise UserError(
+            f"data.token_budget = {token_budget} is smaller than one history row "
+            f"(model.sequence.max_length = {config.max_length})"
+        )
+
+
+def rows_per_batch(config: SequenceConfig, batch_size: int, token_budget: int) -> int:
+    """Rows of a packed batch: `data.token_budget` / `max_length` when a budget is set."""
+    if token_budget:
+        return token_budget // config.max_length
+    return batch_size
