@@ -5,6 +5,29 @@ work lives in the stage packages below it, in the order of the data flow:
 `pipeline` (Apache Beam preprocessing), `embedding_store` (sharded embedding tables),
 `model` (Flax dense towers and the sharded step) and `training` (the hybrid loop),
 all standing on `common` (config loading, user-facing errors, progress lines).
+
+From Python: `hybridrec.load_config`, `hybridrec.train`, `hybridrec.evaluate` and
+`hybridrec.export` are the calls behind the commands (`training/api.py`).
 """
 
 __version__ = "0.2.0"
+
+# The Python API (training.api, serving.export): imported on first use, so that the
+# command line starts without loading the training code.
+__all__ = ["UserError", "evaluate", "export", "load_config", "train"]
+
+
+def __getattr__(name: str):
+    if name in ("train", "evaluate", "load_config"):
+        from hybridrec.training import api
+
+        return getattr(api, name)
+    if name == "export":
+        from hybridrec.serving.export import export_run
+
+        return export_run
+    if name == "UserError":
+        from hybridrec.common.errors import UserError
+
+        return UserError
+    raise AttributeError(f"module 'hybridrec' has no attribute {name!r}")

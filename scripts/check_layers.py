@@ -46,7 +46,7 @@ MAY_IMPORT = {
     "training": {"common", "pipeline", "embedding_store", "model"},
     "serving": {"common", "pipeline", "embedding_store", "model", "training"},
     "cli": {"common", "pipeline", "embedding_store", "model", "training", "serving", "hybridrec"},
-    "hybridrec": {"cli"},
+    "hybridrec": {"cli", "common", "training", "serving"},  # the commands and the Python API
 }
 # what `hybridrec serve` loads: it must run without the training code
 SERVING_RUNTIME = {

@@ -95,6 +95,7 @@ class StepResult:
     metrics: Mapping[str, jax.Array]  # on the devices: fetch them only when logging
     position: DataPosition  # the reader's position after this batch (what checkpoints save)
     staleness: int  # updates the batch's lookup missed
+    tokens: int = 0  # a packed batch of histories: the positions holding an item
 
 
 @dataclasses.dataclass
@@ -237,7 +238,8 @@ class HybridLoop:
         self._time("update_ms", clock)
         self._timed_steps += 1
         self._slowest = max(self._slowest, (time.perf_counter() - started) * 1e3)
-        return StepResult(item.step, metrics, item.batch.position, item.staleness)
+        tokens = getattr(item.batch, "tokens", 0)  # sequence batches count their positions
+        return StepResult(item.step, metrics, item.batch.position, item.staleness, tokens)
 
     def drain(self) -> None:
         """Returns once every update handed over is applied in the store, and the rows

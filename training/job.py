@@ -286,7 +286,8 @@ class Job:
             steps_ahead=config.hybrid.steps_ahead,
             first_step=first_step,
             prefetch=config.data.prefetch,
-            replicated=self.replicated_store,
+            # a sequence step's row gradients are the whole batch's already (SequenceLayout)
+            replicated=self.replicated_store and not self.sequences,
             gather=self.gather,
             # with k = 0 the step always waits for the host work: nothing to yield to
             nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
@@ -434,21 +435,24 @@ def _prepare_sequences(
     config: TrainConfig, metadata: EventMetadata, *, servers: ServerSet | None
 ) -> Job:
     """`prepare` for a dataset of user histories (a sequence tower over packed rows)."""
-    if jax.process_count() > 1:
+    process_count = jax.process_count()
+    addresses = tuple(servers.addresses if servers else config.embedding.servers)
+    if process_count > 1 and addresses:
         raise UserError(
-            f"{metadata.root} holds user histories: sequence runs train in one process "
-            "(several trainer processes are for click-log datasets)"
+            f"{metadata.root} holds user histories: several trainer processes train them "
+            "with in-process embedding replicas, one trainer process with embedding servers"
         )
     if config.model.layout == "towers":
         raise ConfigError("model.layout = 'towers' is DMT's, for click logs, not sequence towers")
     mesh = make_mesh(config.mesh)
-    config, choices = resolve_sequence_auto(config, metadata, mesh.devices.size)
+    config, choices = resolve_sequence_auto(
+        config, metadata, math.lcm(mesh.devices.size, process_count)
+    )
     check_batch_size(
         "data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size, mesh
     )
     histories = Histories.read(metadata, config.data.train_split)
     catalogue = Catalogue.of(histories)
-    addresses = tuple(servers.addresses if servers else config.embedding.servers)
     tables = plan_tables(config.embedding, metadata.categorical)
     host_only = "sequence runs look up the histories' item rows from the host store"
     devices = plan_devices(config, metadata, mesh, tables, host_only=host_only)
@@ -457,7 +461,7 @@ def _prepare_sequences(
         metadata=metadata,
         mesh=mesh,
         process_index=jax.process_index(),
-        process_count=1,
+        process_count=process_count,
         tables=tables,
         servers=addresses,
         server_token=servers.token if servers else None,

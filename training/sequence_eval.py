@@ -66,7 +66,7 @@ def query_outputs(job, state, store, eval_step, histories: Histories, *, max_bat
     outputs, targets, history, position = [], [], [], []
     for batch in reader.batches(num_batches=total):
         embeddings = _rows(store, job, batch.ids["item"])[:, None]
-        out = np.asarray(eval_step(state, layout.device_batch(batch, embeddings, train=False)))
+        out = job.global_rows(eval_step(state, layout.device_batch(batch, embeddings, train=False)))
         query = batch.arrays["weights"] > 0
         segment = batch.arrays["segments"][query]
         outputs.append(out[query])

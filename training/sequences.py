@@ -348,15 +348,24 @@ def padded_rows(count: int) -> int:
 
 
 class SequenceLayout:
-    """The flat layout of a sequence batch: every process its whole batch (one process),
-    the rows of the batch's distinct items replicated on every device, the positions split
-    over the data axis (the `FlatLayout` of `training.layouts` for histories)."""
+    """The flat layout of a sequence batch: every process reads and looks up the whole
+    global batch, the rows of its distinct items replicated on every device, and each
+    process puts its share of the packed rows on its devices (the positions are split over
+    the data axis). The step's row gradients are summed over every device of every
+    process, so each process's store (a replica, or shared servers) gets the whole
+    batch's update from it: nothing is gathered (the `FlatLayout` of `training.layouts`
+    for histories)."""
 
     features = [ITEM_FEATURE.name]
-    rows = slice(None)
+    rows = slice(None)  # the ids looked up: the whole batch's
 
     def __init__(self, mesh: Any):
         self.mesh = mesh
+
+    def own(self, array: np.ndarray) -> np.ndarray:
+        """This process's rows of a [rows, ...] batch array."""
+        share = array.shape[0] // jax.process_count()
+        return array[jax.process_index() * share : (jax.process_index() + 1) * share]
 
     def device_batch(
         self, batch: SequenceBatch, embeddings: np.ndarray, *, train: bool = True, extra=None
@@ -369,11 +378,8 @@ class SequenceLayout:
         shared = {"rows": rows}
         if train:
             shared |= {"negatives": batch.negatives, "negative_logq": batch.negative_logq}
-        arrays = (
-            batch.arrays
-            if train
-            else {k: batch.arrays[k] for k in ("inputs", "segments", "positions")}
-        )
+        keys = batch.arrays if train else ("inputs", "segments", "positions")
+        arrays = {key: self.own(batch.arrays[key]) for key in keys}
         return make_global_batch(arrays, self.mesh, replicated=shared)
 
     def gradients(self, row_grads: jax.Array) -> np.ndarray:

@@ -52,6 +52,9 @@ class EpochSource:
         self.last_step = config.data.max_steps or config.data.epochs * self.reader.batches_per_epoch
         self.position = DataPosition()
         self.samples = 0
+        # sequence runs: positions trained, of the rows' max_length each
+        self.tokens = 0
+        self.row_length = config.model.sequence.max_length if job.sequences else 0
 
     def restore(self, saved: dict[str, Any] | None) -> float:
         """Takes the position of a checkpoint's record; returns its training seconds."""
@@ -63,6 +66,7 @@ class EpochSource:
         if "processes" in saved:  # written by a job of another process count
             self.position = self.reader.position_after(self.position.batches)
         self.samples = int(saved["samples"])
+        self.tokens = int(saved.get("tokens", 0))
         return float(saved["seconds"])
 
     def segments(self, step: int, stop: threading.Event) -> Iterator[Segment | None]:
@@ -74,6 +78,7 @@ class EpochSource:
         """Moves past a trained step; returns its rows."""
         self.position = result.position
         self.samples += self.batch_size
+        self.tokens += result.tokens
         return self.batch_size
 
     def trained(self) -> int:
@@ -82,13 +87,20 @@ class EpochSource:
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint saves of the position (with the run's training seconds)."""
-        return {"position": self.position.to_dict(), "samples": self.samples}
+        return {"position": self.position.to_dict(), "samples": self.samples, "tokens": self.tokens}
 
     def fields(self) -> dict[str, Any]:
-        return {"samples": self.samples}
+        return {"samples": self.samples, **self._tokens()}
 
     def summary(self) -> dict[str, Any]:
-        return {"samples": self.samples}
+        return {"samples": self.samples, **self._tokens()}
+
+    def _tokens(self) -> dict[str, Any]:
+        """Sequence runs: positions trained and the share of the rows left as padding."""
+        if not self.row_length:
+            return {}
+        padding = 1.0 - self.tokens / max(self.samples * self.row_length, 1)
+        return {"tokens": self.tokens, "padding_fraction": round(padding, 4)}
 
     def published(self) -> dict[str, Any]:
         """What a published export's line records of the position."""

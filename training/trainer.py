@@ -397,6 +397,7 @@ class Trainer:
             **self.source.summary(),
             "train_seconds": round(self.seconds, 3),
             "samples_per_s": self.source.trained() / self.seconds if self.seconds else None,
+            **self._tokens_per_s(),
             "final_loss": self.meter.last_loss,
             "eval": self.eval_results,
             "staleness_bound": self.config.hybrid.staleness,
@@ -423,6 +424,11 @@ class Trainer:
             "metrics_file": str(self.run_dir / "metrics.jsonl"),
             "tensorboard_dir": str(self.run_dir / "tensorboard"),
         }
+
+    def _tokens_per_s(self) -> dict[str, float]:
+        """Sequence runs: the positions trained per second."""
+        tokens = getattr(self.source, "tokens", 0)
+        return {"tokens_per_s": tokens / self.seconds} if tokens and self.seconds else {}
 
     def _write_summary(self, summary: dict[str, Any]) -> None:
         text = json.dumps(summary, indent=2) + "\n"

@@ -31,7 +31,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"training finished: {run_name(summary['run_dir'])}",
         f"  steps           {summary['steps']}  ({summary['samples']:,} samples, "
         f"{summary['processes']} process(es), {summary['devices']} devices)",
-        f"  throughput      {summary['samples_per_s'] or 0:,.0f} samples/s",
+        f"  throughput      {summary['samples_per_s'] or 0:,.0f} samples/s"
+        + (
+            f", {summary['tokens_per_s']:,.0f} positions/s of histories "
+            f"({summary['padding_fraction']:.1%} of the rows padding)"
+            if summary.get("tokens_per_s")
+            else ""
+        ),
         f"  staleness       max {summary['staleness_max']} (bound {summary['staleness_bound']})",
     ]
     store = summary.get("embedding_store") or {}

@@ -148,3 +148,78 @@ def test_a_mismatched_tower_or_budget_is_one_line(events, dataset, tmp_path):
     )
     with pytest.raises(UserError, match="negatives = 100000 is more than the 4"):
         Trainer(config, tmp_path / "run", quiet=True)
+
+
+def test_the_python_api_trains_and_evaluates_and_raises_user_errors(events, tmp_path, capsys):
+    import hybridrec
+
+    config = hybridrec.load_config("hstu", [*SMALL, "data.max_steps=12"])
+    summary = hybridrec.train(config, data=events, run_dir=tmp_path / "run", quiet=True)
+    assert summary["steps"] == 12 and summary["tokens_per_s"] > 0
+    assert 0 < summary["padding_fraction"] < 0.5
+    tested = hybridrec.evaluate(tmp_path / "run", split="test")
+    assert tested["split"] == "test" and tested["step"] == 12 and "hr@10" in tested
+    with pytest.raises(hybridrec.UserError, match="data.token_budget = 10 is smaller"):
+        hybridrec.train(
+            hybridrec.load_config("sasrec", ["data.token_budget=10"]),
+            data=events,
+            run_dir=tmp_path / "bad",
+        )
+    assert capsys.readouterr().out == ""  # nothing on stdout: the caller's
+
+
+@pytest.mark.devices(8, launched=True)
+def test_two_processes_train_histories_as_one_does(events, tmp_path, cli):
+    """Each process its share of the packed rows, every process's store replica the whole
+    batch's row gradients: at k = 0 the 2-process run matches one process on 8 devices."""
+    keys = sets("data.max_steps=12", "hybrid.staleness=0", "embedding.num_shards=1")
+    common = ["--data", str(events), "--config", "sasrec", "--quiet", *keys]
+    launch = ["launch", "--num-processes", "2", "--devices-per-process", "4", "--timeout", "200"]
+    cli(*launch, "--", "train", "--run-dir", str(tmp_path / "two"), *common, timeout=240)
+    two = [
+        json.loads((tmp_path / "two" / "processes" / f"summary_{i}.json").read_text())
+        for i in range(2)
+    ]
+    assert two[0]["processes"] == 2 and two[0]["steps"] == 12
+    assert two[0]["eval"] == two[1]["eval"]  # the same ranks on every process
+    eight = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    cli("train", "--run-dir", str(tmp_path / "one"), *common, env=eight)
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert one["devices"] == 8 and one["processes"] == 1
+    assert abs(one["final_loss"] - two[0]["final_loss"]) < 1e-3
+    assert abs(one["eval"]["hr@10"] - two[0]["eval"]["hr@10"]) < 0.01
+
+
+def test_histories_train_against_an_embedding_server(events, tmp_path, cli):
+    """The item rows on a shard server (`serve-embeddings --config sasrec --data`): the run
+    trains them there, its checkpoint holds what the server holds."""
+    from hybridrec.embedding_store import EmbeddingStore
+    from hybridrec.embedding_store.remote import connect
+
+    from hybridrec.cli.server_processes import start_servers, stop_servers
+
+    settings = [*SMALL, "data.max_steps=10"]
+    servers = start_servers(
+        1, num_shards=2, config="sasrec", data=events, overrides=settings, log_dir=tmp_path
+    )
+    run = tmp_path / "run"
+    try:
+        cli(
+            "train", "--config", "sasrec", "--data", str(events), "--run-dir", str(run),
+            "--quiet", *sets("data.max_steps=10"),
+            env={"HYBRIDREC_EMBEDDING_SERVERS": servers[0].address},
+        )  # fmt: skip
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["steps"] == 10 and summary["eval"]["hr@10"] > 0
+        job = prepare(load_config("sasrec", [f"data.path={json.dumps(str(events))}", *settings]))
+        tables = list(job.tables.tables)
+        ids = job.catalogue.items[:500]
+        remote = EmbeddingStore(tables, num_shards=2, shards=connect(servers[0].address, tables))
+        table = job.tables.feature_tables["item"]
+        trained = remote.lookup(table, ids, train=False).result()
+        with EmbeddingStore.restore(
+            str(run / "checkpoints" / "embeddings"), tables, step=10, num_shards=1
+        ) as saved:
+            np.testing.assert_array_equal(saved.lookup(table, ids, train=False).result(), trained)
+    finally:
+        assert stop_servers(servers) == [0]

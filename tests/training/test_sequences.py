@@ -107,6 +107,23 @@ def test_packed_batches_map_back_to_the_histories_and_resume_exactly():
         np.testing.assert_array_equal(a.arrays["inputs"], b.arrays["inputs"])
 
 
+def test_a_history_of_ten_thousand_events_trains_in_rows_of_the_row_length():
+    """Memory follows the batch's rows and row length, never the longest history."""
+    long = list(np.arange(10_000) % 997 + 1)
+    histories = histories_of([long, [1, 2, 3], [4, 5]])
+    catalogue = Catalogue.of(histories)
+    reader = SequenceReader(
+        histories, rows=4, length=200, negatives=Negatives(catalogue, 8, "batch")
+    )
+    trained = 0
+    for batch in reader.batches(num_batches=reader.batches_per_epoch):
+        assert batch.arrays["inputs"].shape == (4, 200)
+        trained += int(batch.arrays["weights"].sum())
+    assert trained == 9_999 + 2 + 1  # every position of every history, once
+    truncated = SequenceReader(histories, rows=4, length=200, split_long=False)
+    assert truncated.batches_per_epoch == 1
+
+
 def test_more_negatives_than_items_is_one_line():
     catalogue = Catalogue.of(histories_of([[1, 2, 3], [2, 3, 4]]))
     with pytest.raises(UserError, match="negatives = 10 is more than the 4 items"):
