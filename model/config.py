@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+import typing
+from typing import Any, Literal
 
 TowerName = Literal["auto", "dlrm", "dcnv2", "mlp", "dhen", "sasrec", "hstu"]
 
@@ -197,8 +198,11 @@ class ModelConfig:
     """Which dense tower, its sizes, its precision and how its parameters are sharded."""
 
     # the tower architecture; only the matching sub-table below is used. "auto" picks one
-    # from the data (see `choose_tower`): DLRM with numeric features, DCN-V2 without
-    tower: TowerName = "auto"
+    # from the data (see `choose_tower`): DLRM with numeric features, DCN-V2 without (HSTU
+    # on user histories). A user's own tower: "package.module:ClassName" (model/custom.py)
+    tower: str = "auto"
+    # a user's tower's keyword arguments (with tower = "package.module:ClassName")
+    tower_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     # DLRM sizes (used when tower = "dlrm")
     dlrm: DLRMConfig = dataclasses.field(default_factory=DLRMConfig)
     # DCN-V2 sizes (used when tower = "dcnv2")
@@ -231,6 +235,15 @@ class ModelConfig:
     min_sharded_width: int = 1024
 
     def __post_init__(self):
+        if self.tower not in typing.get_args(TowerName) and ":" not in self.tower:
+            raise ValueError(
+                f"tower must be one of {list(typing.get_args(TowerName))} or a user's tower "
+                f"'package.module:ClassName', got {self.tower!r}"
+            )
+        if self.tower_config and ":" not in self.tower:
+            raise ValueError(
+                "tower_config is for a user's tower (tower = 'package.module:ClassName')"
+            )
         if self.min_sharded_width < 1:
             raise ValueError(f"min_sharded_width must be >= 1, got {self.min_sharded_width}")
         if any(not tower for tower in self.towers):

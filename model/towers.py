@@ -28,6 +28,7 @@ from hybridrec.model.config import (
     ModelConfig,
     choose_tower,
 )
+from hybridrec.model.custom import build_custom_tower, check_tower, is_import_path, tower_kind
 from hybridrec.model.dhen import DHEN
 from hybridrec.model.dmt import DMT, TowerModule, check_towers
 from hybridrec.model.layers import MLP, CrossLayer, cast, flat_input, linear
@@ -163,6 +164,17 @@ def build_tower(
             f"bad tower inputs: num_features={num_features}, embedding_dim={embedding_dim}, "
             f"num_dense={num_dense}"
         )
+    if is_import_path(config.tower):  # a user's tower (model/custom.py)
+        return build_custom_tower(
+            config.tower,
+            dict(config.tower_config),
+            num_dense=num_dense,
+            num_features=num_features,
+            embedding_dim=embedding_dim,
+            max_length=config.sequence.max_length,
+            dtype=compute_dtype(config),
+            rngs=rngs,
+        )
     if config.tower in SEQUENCE_TOWERS:  # over packed histories: `model.sequence`
         return build_sequence_tower(
             config.tower, config.sequence, dim=embedding_dim, dtype=compute_dtype(config), rngs=rngs
@@ -201,6 +213,22 @@ def build_tower(
         embedding_dim=embedding_dim,
         dtype=compute_dtype(config),
         rngs=rngs,
+    )
+
+
+def check_user_tower(
+    config: ModelConfig, *, num_dense: int, num_features: int, embedding_dim: int
+) -> None:
+    """A user's tower (`model.tower = "module:Class"`) built and called on abstract inputs
+    at start-up: a one-line ConfigError when it does not meet the contract (model/custom.py)."""
+    if not is_import_path(config.tower):
+        return
+    dims = {"num_dense": num_dense, "num_features": num_features, "embedding_dim": embedding_dim}
+    check_tower(
+        lambda rngs: build_tower(config, **dims, rngs=rngs),
+        kind=tower_kind(config.tower),
+        path=config.tower,
+        dims=dims,
     )
 
 

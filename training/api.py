@@ -49,10 +49,16 @@ def train(
     quiet: bool = False,
     distributed: dict[str, Any] | None = None,
     stop: Any = None,
+    tower: type | None = None,
 ) -> dict[str, Any]:
     """Trains `config` (on `data`, else `config.data.path`) into `run_dir`; returns the run's
     summary (also in `run_dir/summary.json`). `stop`: a threading.Event that ends the run
-    after its current step, with a checkpoint."""
+    after its current step, with a checkpoint. `tower`: a user's tower class (the tower
+    contract, model/custom.py), saved in the run's config as its import path, so that
+    `evaluate`, `export` and `--resume` find it where this process did."""
+    if tower is not None:
+        model = dataclasses.replace(config.model, tower=f"{tower.__module__}:{tower.__qualname__}")
+        config = dataclasses.replace(config, model=model)
     if data is not None:
         config = dataclasses.replace(config, data=dataclasses.replace(config.data, path=str(data)))
     trainer = Trainer(

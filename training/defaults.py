@@ -23,7 +23,8 @@ import dataclasses
 import math
 
 from hybridrec.common.errors import ConfigError, UserError
-from hybridrec.model.config import SEQUENCE_TOWERS, DenseOptimizerConfig, choose_tower
+from hybridrec.model.config import DenseOptimizerConfig, choose_tower
+from hybridrec.model.custom import tower_kind
 from hybridrec.pipeline import DatasetMetadata, EventMetadata
 from hybridrec.training.config import TrainConfig
 
@@ -165,7 +166,7 @@ def resolve_auto(
         divisor: the global batch must divide evenly by this (devices, processes); 1 where
             only the tables matter (an embedding server resolving a trainer's config).
     """
-    if config.model.tower in SEQUENCE_TOWERS:
+    if tower_kind(config.model.tower) == "sequence":
         raise UserError(
             f"model.tower = {config.model.tower!r} reads user histories, but "
             f"{metadata.root} is a click-log dataset; preprocess an event log "
@@ -227,7 +228,7 @@ def resolve_sequence_auto(
             AUTO_SEQUENCE_TOWER,
             (f"model.tower = 'auto': {AUTO_SEQUENCE_TOWER}, the dataset holds user histories"),
         )
-    elif tower not in SEQUENCE_TOWERS:
+    elif tower_kind(tower) != "sequence":
         raise UserError(
             f"model.tower = {tower!r} reads click-log features, but {metadata.root} holds user "
             f"histories (kind 'events'): use model.tower = 'sasrec' or 'hstu' (--config sasrec)"

@@ -40,6 +40,7 @@ from hybridrec.model.tower_parallel import (
     make_tower_parallel_eval_step,
     make_tower_parallel_train_step,
 )
+from hybridrec.model.towers import check_user_tower
 from hybridrec.pipeline import DatasetMetadata, EventMetadata, read_dataset
 from hybridrec.pipeline.id_map import read_id_map
 from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
@@ -53,9 +54,9 @@ from hybridrec.training.layouts import FlatLayout, TowerLayout
 from hybridrec.training.sequences import (
     Catalogue,
     Histories,
-    Negatives,
     SequenceLayout,
     SequenceReader,
+    packed_reader,
 )
 from hybridrec.training.tables import TablePlan, plan_tables, resolve_tables
 from jax.experimental import multihost_utils
@@ -176,21 +177,8 @@ class Job:
 
     def sequence_reader(self, split: str, *, train: bool) -> SequenceReader:
         """Packed batches of a split's histories (`training.sequences`)."""
-        config, sequence = self.config, self.config.model.sequence
-        negatives = None
-        if train:
-            negatives = Negatives(self.catalogue, sequence.negatives, sequence.negatives_from)
-        histories = self.histories if split == config.data.train_split else None
-        return SequenceReader(
-            histories or Histories.read(self.metadata, split),
-            rows=config.data.batch_size
-            if train
-            else config.data.eval_batch_size or config.data.batch_size,
-            length=sequence.max_length,
-            seed=config.seed,
-            split_long=sequence.long_histories == "split",
-            negatives=negatives,
-        )
+        histories = self.histories if split == self.config.data.train_split else None
+        return packed_reader(self.config, self.metadata, split, histories, self.catalogue, train)
 
     def gather(self, array: np.ndarray) -> np.ndarray:
         """Concatenates every process's rows in process order (a collective when multi-process)."""
@@ -414,6 +402,12 @@ def prepare(
         host_only = "model.layout = 'towers' places each tower's tables itself"
     elif follow:
         host_only = "a followed stream brings new ids without end"
+    check_user_tower(
+        config.model,
+        num_dense=len(metadata.dense_columns),
+        num_features=len(metadata.categorical),
+        embedding_dim=config.embedding.dim,
+    )
     devices = plan_devices(config, metadata, mesh, tables, host_only=host_only, no_caches=no_caches)
     return Job(
         config=config,
@@ -451,6 +445,7 @@ def _prepare_sequences(
     check_batch_size(
         "data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size, mesh
     )
+    check_user_tower(config.model, num_dense=0, num_features=1, embedding_dim=config.embedding.dim)
     histories = Histories.read(metadata, config.data.train_split)
     catalogue = Catalogue.of(histories)
     tables = plan_tables(config.embedding, metadata.categorical)

@@ -402,3 +402,27 @@ def rows_per_batch(config: SequenceConfig, batch_size: int, token_budget: int) -
     if token_budget:
         return token_budget // config.max_length
     return batch_size
+
+
+def packed_reader(
+    config: Any,
+    metadata: EventMetadata,
+    split: str,
+    histories: Histories | None,
+    catalogue: Catalogue,
+    train: bool,
+) -> SequenceReader:
+    """The reader of a run's split (`histories`: the split's, when already read):
+    training batches with negatives, or evaluation batches."""
+    sequence, data = config.model.sequence, config.data
+    negatives = None
+    if train:
+        negatives = Negatives(catalogue, sequence.negatives, sequence.negatives_from)
+    return SequenceReader(
+        histories or Histories.read(metadata, split),
+        rows=data.batch_size if train else data.eval_batch_size or data.batch_size,
+        length=sequence.max_length,
+        seed=config.seed,
+        split_long=sequence.long_histories == "split",
+        negatives=negatives,
+    )

@@ -34,9 +34,9 @@ def sets(*keys: str) -> list[str]:
     return [item for key in (*SMALL, *keys) for item in ("--set", key)]
 
 
-@pytest.fixture(scope="module")
-def events(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sequence_training")
+def events_dataset(root):
+    """A generated event log of 1,500 users, preprocessed: the dataset's directory."""
+    root.mkdir(parents=True, exist_ok=True)
     config = EventLogConfig(users=1500, items=400, topics=10, mean_events=15, seed=7)
     generate_events(root / "events.csv", root / "items.csv", config, quiet=True)
     (root / "events.toml").write_text(spec_text("items.csv"))
@@ -46,6 +46,11 @@ def events(tmp_path_factory):
     )
     run_event_preprocess(settings, quiet=True, beam_args=["--direct_running_mode=in_memory"])
     return out
+
+
+@pytest.fixture(scope="module")
+def events(tmp_path_factory):
+    return events_dataset(tmp_path_factory.mktemp("sequence_training"))
 
 
 def test_sasrec_trains_resumes_and_beats_popularity(events, tmp_path, cli):
