@@ -177,6 +177,14 @@ class SequenceConfig:
     # where negatives come from: "catalogue" (uniformly from the training items), "batch"
     # (the batch's own next items, so by popularity), "mixed" (half each)
     negatives_from: Literal["catalogue", "batch", "mixed"] = "catalogue"
+    # "retrieval": the next item by the sampled softmax; "ranking": the next event's action
+    # type scored from its item at its position (DLRMv3's form: BCE per action, AUC and NE
+    # per action in evaluation; needs a dataset with actions); "both": the two losses summed
+    objective: Literal["retrieval", "ranking", "both"] = "retrieval"
+    # action types the ranking head scores; 0 = the dataset's (set at start-up)
+    actions: int = 0
+    # hidden width of the ranking head (an MLP over [output, item row, their product])
+    ranking_hidden: int = 256
 
     def __post_init__(self):
         if self.max_length < 2:
@@ -191,6 +199,18 @@ class SequenceConfig:
             raise ValueError(f"sequence.temperature must be > 0, got {self.temperature}")
         if self.negatives < 1:
             raise ValueError(f"sequence.negatives must be >= 1, got {self.negatives}")
+        if self.actions < 0 or self.ranking_hidden < 1:
+            raise ValueError(
+                "sequence.actions must be >= 0 (0 = the dataset's), ranking_hidden >= 1"
+            )
+
+    @property
+    def retrieval(self) -> bool:
+        return self.objective in ("retrieval", "both")
+
+    @property
+    def ranking(self) -> bool:
+        return self.objective in ("ranking", "both")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

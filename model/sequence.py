@@ -126,11 +126,50 @@ class HSTU(nnx.Module):
         return self.encoder(x, jnp.where(segments >= 0, segments, -1))
 
 
+class RankingHead(nnx.Module):
+    """The ranking objective's head: logits [.., actions] of a candidate item at a position,
+    from [output, item row, output * item row] through an MLP (DLRMv3's form)."""
+
+    def __init__(self, dim: int, actions: int, hidden: int, *, dtype, rngs: nnx.Rngs):
+        self.hidden = linear(3 * dim, hidden, (None, "mlp"), dtype=dtype, rngs=rngs)
+        self.out = linear(hidden, actions, ("mlp", None), dtype=dtype, rngs=rngs)
+
+    def __call__(self, outputs: jax.Array, items: jax.Array) -> jax.Array:
+        x = jnp.concatenate([outputs, items.astype(outputs.dtype), outputs * items], axis=-1)
+        return self.out(jax.nn.relu(self.hidden(x))).astype(jnp.float32)
+
+
+class Ranked(nnx.Module):
+    """A sequence tower with the ranking head: called as the tower, `rank(outputs, items)`
+    the head."""
+
+    def __init__(self, tower: nnx.Module, head: RankingHead):
+        self.tower, self.head = tower, head
+
+    def __call__(self, x, segments, positions, rng=None) -> jax.Array:
+        return self.tower(x, segments, positions, rng)
+
+    def rank(self, outputs: jax.Array, items: jax.Array) -> jax.Array:
+        return self.head(outputs, items)
+
+
+def with_ranking_head(tower: nnx.Module, config: SequenceConfig, *, dim: int, dtype, rngs):
+    """The tower as the objective needs it: with the ranking head when it ranks."""
+    if not config.ranking:
+        return tower
+    if config.actions < 1:
+        raise ValueError("sequence.actions must be set (the dataset's action types) to rank")
+    head = RankingHead(dim, config.actions, config.ranking_hidden, dtype=dtype, rngs=rngs)
+    return Ranked(tower, head)
+
+
 SEQUENCE_TOWERS = {"sasrec": SASRec, "hstu": HSTU}
 
 
 def build_sequence_tower(
     name: str, config: SequenceConfig, *, dim: int, dtype, rngs: nnx.Rngs
 ) -> nnx.Module:
-    """The sequence tower `name` ("sasrec" or "hstu") of width `dim`."""
-    return SEQUENCE_TOWERS[name](config, dim=dim, dtype=dtype, rngs=rngs)
+    """The sequence tower `name` ("sasrec" or "hstu") of width `dim` (with the ranking head
+    when `config.objective` ranks)."""
+    tower = SEQUENCE_TOWERS[name](config, dim=dim, dtype=dtype, rngs=rngs)
+    return with_ranking_head(tower, config, dim=dim, dtype=dtype, rngs=rngs)

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from hybridrec.model import sharding as sharding_lib
 from hybridrec.model.config import SequenceConfig
@@ -63,7 +64,12 @@ def retrieval_loss(
 
     `hit_mask` [R, L, N]: the negatives that are the position's target (default: equal
     indices, as in a batch of distinct rows)."""
-    outputs = scored(encode(graphdef, params, rows, batch, rng), config)
+    outputs = encode(graphdef, params, rows, batch, rng)
+    return _retrieval(config, outputs, rows, batch, hit_mask)
+
+
+def _retrieval(config, outputs, rows, batch, hit_mask=None) -> tuple[jax.Array, jax.Array]:
+    outputs = scored(outputs, config)
     targets = scored(rows[batch["targets"]], config)
     negatives = scored(rows[batch["negatives"]], config)
     positive = jnp.sum(outputs * targets, axis=-1) / config.temperature  # [R, L]
@@ -79,10 +85,37 @@ def retrieval_loss(
     return jnp.sum(cross_entropy * weights) / jnp.maximum(count, 1.0), count
 
 
+def _ranking(config, model, outputs, rows, batch) -> jax.Array:
+    """Mean BCE over the trained positions with an action and every action type: the
+    next event's type (one of `config.actions`) against the head's logits."""
+    logits = model.rank(outputs, rows[batch["targets"]])  # [R, L, A]
+    actions = batch["actions"]
+    labels = jax.nn.one_hot(actions - 1, config.actions, dtype=jnp.float32)
+    weights = batch["weights"] * (actions > 0)
+    losses = optax.sigmoid_binary_cross_entropy(logits, labels).mean(axis=-1)
+    return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def sequence_loss(config, graphdef, params, rows, batch, rng=None):
+    """The objective's loss (`config.objective`) and its parts."""
+    model = nnx.merge(graphdef, params)
+    outputs = model(rows[batch["inputs"]], batch["segments"], batch["positions"], rng)
+    parts = {}
+    if config.retrieval:
+        parts["retrieval_loss"], parts["trained_positions"] = _retrieval(
+            config, outputs, rows, batch
+        )
+    if config.ranking:
+        parts["ranking_loss"] = _ranking(config, model, outputs, rows, batch)
+    loss = parts.get("retrieval_loss", 0.0) + parts.get("ranking_loss", 0.0)
+    return loss, parts
+
+
 def make_sequence_train_step(
     mesh: Mesh, config: SequenceConfig, seed: int, *, state_shardings: TrainState | None = None
 ) -> ShardedStep:
-    """Jits the retrieval step once for `mesh`: `state, metrics, row_grads = step(state, batch)`.
+    """Jits the objective's step once for `mesh`: `state, metrics, row_grads = step(state,
+    batch)`.
 
     `row_grads` [U, D] f32 is d(mean loss)/d(rows), replicated; dropout draws from `seed`
     folded with the step counter, so a resumed run draws what it would have.
@@ -92,16 +125,17 @@ def make_sequence_train_step(
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
 
         def objective(params, rows):
-            return retrieval_loss(config, state.graphdef, params, rows, batch, rng)
+            return sequence_loss(config, state.graphdef, params, rows, batch, rng)
 
-        (loss, count), (param_grads, row_grads) = jax.value_and_grad(
+        (loss, parts), (param_grads, row_grads) = jax.value_and_grad(
             objective, argnums=(0, 1), has_aux=True
         )(state.params, batch["rows"])
         new_state, metrics = apply_dense_gradients(state, loss, param_grads)
-        return new_state, {**metrics, "trained_positions": count}, row_grads
+        return new_state, {**metrics, **parts}, row_grads
 
+    keys = PER_POSITION + (("actions",) if config.ranking else ())
     replicated = sharding_lib.replicated(mesh)
-    batch_shardings = {key: sharding_lib.batch_sharding(mesh, 2) for key in PER_POSITION}
+    batch_shardings = {key: sharding_lib.batch_sharding(mesh, 2) for key in keys}
     batch_shardings |= {key: replicated for key in SHARED}
 
     def make_jitted(shardings: TrainState):
@@ -112,28 +146,34 @@ def make_sequence_train_step(
             donate_argnums=(0,),
         )
 
-    return ShardedStep(train_step, mesh, PER_POSITION + SHARED, make_jitted, state_shardings)
+    return ShardedStep(train_step, mesh, keys + SHARED, make_jitted, state_shardings)
 
 
 def make_sequence_eval_step(
     mesh: Mesh, config: SequenceConfig, *, state_shardings: TrainState | None = None
 ) -> ShardedStep:
-    """Jits `outputs [R, L, D] = step(state, batch)`: the tower's output at every position,
-    as scores compare it (no dropout)."""
-    keys = ("rows", "inputs", "segments", "positions")
+    """Jits `step(state, batch)` -> {"outputs": [R, L, D] the tower's output at every
+    position as scores compare it, and with the ranking objective "ranking": [R, L, A]
+    the head's logits of each position's next item} (no dropout)."""
+    keys = ("rows", "inputs", "segments", "positions") + (("targets",) if config.ranking else ())
 
-    def eval_step(state: TrainState, batch: Mapping[str, jax.Array]) -> jax.Array:
-        return scored(encode(state.graphdef, state.params, batch["rows"], batch), config)
+    def eval_step(state: TrainState, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        model = nnx.merge(state.graphdef, state.params)
+        rows = batch["rows"]
+        outputs = model(rows[batch["inputs"]], batch["segments"], batch["positions"], None)
+        out = {"outputs": scored(outputs, config)}
+        if config.ranking:
+            out["ranking"] = model.rank(outputs, rows[batch["targets"]])
+        return out
 
     shardings = {key: sharding_lib.batch_sharding(mesh, 2) for key in keys[1:]}
     shardings["rows"] = sharding_lib.replicated(mesh)
+    outputs = {"outputs": sharding_lib.batch_sharding(mesh, 3)}
+    if config.ranking:
+        outputs["ranking"] = sharding_lib.batch_sharding(mesh, 3)
 
     def make_jitted(state_shardings: TrainState):
-        return jax.jit(
-            eval_step,
-            in_shardings=(state_shardings, shardings),
-            out_shardings=sharding_lib.batch_sharding(mesh, 3),
-        )
+        return jax.jit(eval_step, in_shardings=(state_shardings, shardings), out_shardings=outputs)
 
     return ShardedStep(eval_step, mesh, keys, make_jitted, state_shardings)
 

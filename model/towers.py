@@ -32,7 +32,7 @@ from hybridrec.model.custom import build_custom_tower, check_tower, is_import_pa
 from hybridrec.model.dhen import DHEN
 from hybridrec.model.dmt import DMT, TowerModule, check_towers
 from hybridrec.model.layers import MLP, CrossLayer, cast, flat_input, linear
-from hybridrec.model.sequence import build_sequence_tower
+from hybridrec.model.sequence import build_sequence_tower, with_ranking_head
 
 
 class DLRM(nnx.Module):
@@ -165,7 +165,7 @@ def build_tower(
             f"num_dense={num_dense}"
         )
     if is_import_path(config.tower):  # a user's tower (model/custom.py)
-        return build_custom_tower(
+        tower = build_custom_tower(
             config.tower,
             dict(config.tower_config),
             num_dense=num_dense,
@@ -175,6 +175,10 @@ def build_tower(
             dtype=compute_dtype(config),
             rngs=rngs,
         )
+        if tower_kind(config.tower) != "sequence":
+            return tower
+        dtype = compute_dtype(config)
+        return with_ranking_head(tower, config.sequence, dim=embedding_dim, dtype=dtype, rngs=rngs)
     if config.tower in SEQUENCE_TOWERS:  # over packed histories: `model.sequence`
         return build_sequence_tower(
             config.tower, config.sequence, dim=embedding_dim, dtype=compute_dtype(config), rngs=rngs

@@ -250,6 +250,14 @@ def resolve_sequence_auto(
         rows = max(AUTO_SEQUENCE_TOKENS // sequence.max_length, 1)
         rows_reason = f"data.batch_size = 0 (auto): about {AUTO_SEQUENCE_TOKENS:,} positions"
     rows = -(-rows // divisor) * divisor
+    action_types = (metadata.raw.get("spec") or {}).get("action_types") or []
+    if sequence.ranking and not action_types:
+        raise UserError(
+            f"model.sequence.objective = {sequence.objective!r} ranks the next event's action, "
+            f"but {metadata.root} has none (its spec has no [action] table)"
+        )
+    if sequence.ranking and not sequence.actions:
+        sequence = dataclasses.replace(sequence, actions=len(action_types))
     dim = config.embedding.dim or AUTO_SEQUENCE_DIM
     dim_reason = f"embedding.dim = {dim}" + (
         " as configured" if config.embedding.dim else " (auto)"
@@ -266,7 +274,7 @@ def resolve_sequence_auto(
         )
     resolved = dataclasses.replace(
         config,
-        model=dataclasses.replace(config.model, tower=tower),
+        model=dataclasses.replace(config.model, tower=tower, sequence=sequence),
         data=dataclasses.replace(data, batch_size=rows, eval_split=eval_split),
         embedding=dataclasses.replace(
             config.embedding, dim=dim, optimizer=dataclasses.replace(optimizer, learning_rate=rate)

@@ -86,12 +86,16 @@ def evaluate(
 def describe(results: dict[str, Any]) -> str:
     """One line of an evaluation's headline metrics: ranking (HR, NDCG, MRR over queries)
     for a sequence run, else AUC, logloss, NE and calibration over rows."""
-    if "hr@10" in results:
-        return (
-            f"HR@10 {results['hr@10']:.4f}  NDCG@10 {results['ndcg@10']:.4f}  "
-            f"HR@20 {results['hr@20']:.4f}  MRR {results['mrr']:.4f}  "
-            f"({int(results.get('queries', 0)):,} queries, full ranking)"
-        )
+    if "queries" in results:  # a sequence run: retrieval and / or ranking
+        parts = []
+        if "hr@10" in results:
+            parts.append(
+                f"HR@10 {results['hr@10']:.4f}  NDCG@10 {results['ndcg@10']:.4f}  "
+                f"HR@20 {results['hr@20']:.4f}  MRR {results['mrr']:.4f}"
+            )
+        if "auc" in results:
+            parts.append(f"ranking AUC {results['auc']:.4f}  NE {results['ne']:.4f} (action mean)")
+        return "  ".join(parts) + f"  ({int(results['queries']):,} queries, full ranking)"
     return (
         f"AUC {results.get('auc', math.nan):.4f}  logloss {results.get('logloss', math.nan):.4f}  "
         f"NE {results.get('ne', math.nan):.4f}  calibration "

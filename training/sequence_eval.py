@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 from hybridrec.common.progress import Progress
+from hybridrec.model import StreamingMetrics
 from hybridrec.model.sequence_step import count_above
 from hybridrec.training.sequence_baselines import ranking_metrics
 from hybridrec.training.sequences import Histories, SequenceLayout, SequenceReader
@@ -53,7 +54,8 @@ def _rows(store, job, ids: np.ndarray) -> np.ndarray:
 
 def query_outputs(job, state, store, eval_step, histories: Histories, *, max_batches, progress):
     """(outputs [Q, D], target ids [Q], history index [Q], the query's position in its
-    history [Q]) of every query of `histories` (the first `max_batches` batches; 0: all)."""
+    history [Q], ranking logits [Q, A] or None, the target's action [Q]) of every query of
+    `histories` (the first `max_batches` batches; 0: all)."""
     config = job.config
     rows = config.data.eval_batch_size or config.data.batch_size
     reader = SequenceReader(histories, rows=rows, length=config.model.sequence.max_length)
@@ -63,11 +65,15 @@ def query_outputs(job, state, store, eval_step, histories: Histories, *, max_bat
         total = min(total, max_batches)
     if progress:
         progress.total = total
-    outputs, targets, history, position = [], [], [], []
+    outputs, targets, history, position, ranking, actions = [], [], [], [], [], []
     for batch in reader.batches(num_batches=total):
         embeddings = _rows(store, job, batch.ids["item"])[:, None]
-        out = job.global_rows(eval_step(state, layout.device_batch(batch, embeddings, train=False)))
+        out = eval_step(state, layout.device_batch(batch, embeddings, train=False))
         query = batch.arrays["weights"] > 0
+        if "ranking" in out:
+            ranking.append(job.global_rows(out["ranking"])[query])
+            actions.append(batch.arrays["actions"][query])
+        out = job.global_rows(out["outputs"])
         segment = batch.arrays["segments"][query]
         outputs.append(out[query])
         targets.append(batch.ids["item"][batch.arrays["targets"][query]])
@@ -75,7 +81,8 @@ def query_outputs(job, state, store, eval_step, histories: Histories, *, max_bat
         position.append(batch.starts[segment] + batch.arrays["positions"][query])
         if progress:
             progress.update(1)
-    return tuple(np.concatenate(parts) for parts in (outputs, targets, history, position))
+    parts = (outputs, targets, history, position, ranking, actions)
+    return tuple(np.concatenate(part) if part else None for part in parts)
 
 
 def _pairs(histories: Histories, history: np.ndarray, position: np.ndarray):
@@ -116,11 +123,17 @@ def evaluate_sequences(
     similarity = config.model.sequence.similarity
     histories = Histories.read(job.metadata, split)
     progress = Progress(progress_name, total=1, unit="batches") if progress_name else None
-    queries, targets, history, position = query_outputs(
+    queries, targets, history, position, ranking, actions = query_outputs(
         job, state, store, eval_step, histories, max_batches=max_batches, progress=progress
     )
     if progress:
         progress.close()
+    result = {"queries": float(len(queries))}
+    if ranking is not None:
+        names = job.metadata.raw["spec"].get("action_types") or []
+        result |= ranking_by_action(ranking, actions, names)
+    if not config.model.sequence.retrieval:
+        return result
     unique_targets, target_index = np.unique(targets, return_inverse=True)
     target_rows = _scored(_rows(store, job, unique_targets), similarity)[target_index]
     threshold = np.einsum("qd,qd->q", queries, target_rows)
@@ -143,13 +156,32 @@ def evaluate_sequences(
     history_above = np.bincount(query[scores > threshold[query]], minlength=len(queries))
     excluded, kept = ranking_metrics(above - history_above), ranking_metrics(above)
     if config.eval.exclude_history:
-        result = excluded | {f"{k}_history_kept": v for k, v in kept.items()}
+        result |= excluded | {f"{k}_history_kept": v for k, v in kept.items()}
     else:
-        result = kept | {f"{k}_history_excluded": v for k, v in excluded.items()}
+        result |= kept | {f"{k}_history_excluded": v for k, v in excluded.items()}
     if config.eval.ranking == "sampled_100":
         ranks = _sampled_ranks(store, job, catalogue, queries, threshold, query, items, config.seed)
         result |= {f"{k}_sampled100": v for k, v in ranking_metrics(ranks).items()}
-    return {**result, "queries": float(len(queries))}
+    return result
+
+
+def ranking_by_action(logits: np.ndarray, actions: np.ndarray, names) -> dict[str, float]:
+    """AUC and NE of each action type (`auc_<name>`, `ne_<name>`) over the queries whose
+    next event has an action, and their means (`auc`, `ne`)."""
+    known = actions > 0
+    out = {}
+    for index in range(logits.shape[1]):
+        name = names[index] if index < len(names) else str(index + 1)
+        metrics = StreamingMetrics()
+        probabilities = 1.0 / (1.0 + np.exp(-logits[known, index].astype(np.float64)))
+        metrics.update(
+            probabilities.astype(np.float32), (actions[known] == index + 1).astype(np.float32)
+        )
+        scores = metrics.result()
+        out[f"auc_{name}"], out[f"ne_{name}"] = float(scores["auc"]), float(scores["ne"])
+    aucs = [v for k, v in out.items() if k.startswith("auc_")]
+    nes = [v for k, v in out.items() if k.startswith("ne_")]
+    return {**out, "auc": float(np.mean(aucs)), "ne": float(np.mean(nes))}
 
 
 def _sampled_ranks(store, job, catalogue, queries, threshold, query, items, seed) -> np.ndarray:

@@ -41,24 +41,34 @@ class Histories:
     items: np.ndarray  # [tokens] uint64
     offsets: np.ndarray  # [histories + 1] int64
     first_target: np.ndarray  # [histories] int64
+    actions: np.ndarray | None = None  # [tokens] int8 action type 1..n (0: none), if any
 
     @classmethod
     def read(cls, metadata: EventMetadata, split: str) -> Histories:
         files = metadata.split_files(split)
         if not files:
             raise UserError(f"{metadata.root}: split {split!r} has no files")
+        columns = ["items", "first_target"]
+        if (metadata.raw.get("spec") or {}).get("action_types"):
+            columns.append("actions")
         tables = []
         for path in files:
             try:
-                tables.append(pq.read_table(path, columns=["items", "first_target"]))
+                tables.append(pq.read_table(path, columns=columns))
             except (OSError, pa.ArrowInvalid, KeyError) as error:
                 raise UserError(f"{path}: cannot read its histories: {error}") from None
         table = pa.concat_tables(tables)
-        column = table.column("items").combine_chunks()
-        offsets = column.offsets.to_numpy().astype(np.int64)
-        items = column.values.to_numpy()[offsets[0] : offsets[-1]].astype(np.uint64, copy=False)
+
+        def flat(name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
+            column = table.column(name).combine_chunks()
+            offsets = column.offsets.to_numpy().astype(np.int64)
+            values = column.values.to_numpy()[offsets[0] : offsets[-1]]
+            return values.astype(dtype, copy=False), offsets - offsets[0]
+
+        items, offsets = flat("items", np.uint64)
+        actions = flat("actions", np.int8)[0] if "actions" in columns else None
         first = table.column("first_target").to_numpy().astype(np.int64)
-        return cls(items, offsets - offsets[0], first)
+        return cls(items, offsets, first, actions)
 
     def __len__(self) -> int:
         return len(self.first_target)
@@ -320,6 +330,7 @@ class SequenceReader:
             "segments": np.full(shape, -1, np.int32),
             "positions": np.zeros(shape, np.int32),
             "weights": np.zeros(shape, np.float32),
+            "actions": np.zeros(shape, np.int32),  # the next event's action type (0: none)
         }
         for key, values in (
             ("inputs", inverse[:count]),
@@ -327,6 +338,7 @@ class SequenceReader:
             ("segments", segment),
             ("positions", step_position),
             ("weights", trained),
+            ("actions", 0 if histories.actions is None else histories.actions[source + 1]),
         ):
             arrays[key].reshape(-1)[dest] = values
         return SequenceBatch(
@@ -378,7 +390,7 @@ class SequenceLayout:
         shared = {"rows": rows}
         if train:
             shared |= {"negatives": batch.negatives, "negative_logq": batch.negative_logq}
-        keys = batch.arrays if train else ("inputs", "segments", "positions")
+        keys = batch.arrays if train else ("inputs", "segments", "positions", "targets")
         arrays = {key: self.own(batch.arrays[key]) for key in keys}
         return make_global_batch(arrays, self.mesh, replicated=shared)
 

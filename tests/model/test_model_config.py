@@ -48,7 +48,7 @@ def test_partition_rules_read_from_toml_lists():
 def test_unknown_and_invalid_keys_are_errors():
     with pytest.raises(ConfigError, match=r"dlrm\.top_mpl.*did you mean dlrm\.top_mlp"):
         config_lib.from_dict(ModelConfig, {"dlrm": {"top_mpl": [1]}})
-    with pytest.raises(ConfigError, match="not one of"):
+    with pytest.raises(ConfigError, match="tower must be one of .* or a user's tower"):
         config_lib.from_dict(ModelConfig, {"tower": "transformer"})
     with pytest.raises(ConfigError, match="low_rank"):
         config_lib.from_dict(ModelConfig, {"dcnv2": {"low_rank": -1}})

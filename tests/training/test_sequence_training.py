@@ -104,7 +104,7 @@ def test_evaluation_ranks_equal_scoring_every_item(events, tmp_path):
     store = job.open_store(checkpoints, step)
     try:
         histories = Histories.read(job.metadata, "valid")
-        outputs, targets, history, position = query_outputs(
+        outputs, targets, history, position, _, _ = query_outputs(
             job, state, store, job.eval_step(), histories, max_batches=0, progress=None
         )
 
@@ -228,3 +228,34 @@ def test_histories_train_against_an_embedding_server(events, tmp_path, cli):
             np.testing.assert_array_equal(saved.lookup(table, ids, train=False).result(), trained)
     finally:
         assert stop_servers(servers) == [0]
+
+
+def test_the_ranking_objective_learns_the_next_events_action(events, tmp_path):
+    """DLRMv3's form: BCE per action type of the next event, AUC and NE per action in
+    evaluation."""
+    import hybridrec
+
+    config = hybridrec.load_config(
+        "sasrec", [*SMALL, "data.epochs=10", "model.sequence.objective=ranking"]
+    )
+    summary = hybridrec.train(config, data=events, run_dir=tmp_path / "run", quiet=True)
+    evaluation = summary["eval"]
+    for action in ("view", "click", "like", "skip"):  # the generator's action types
+        assert 0 <= evaluation[f"auc_{action}"] <= 1 and evaluation[f"ne_{action}"] > 0
+    assert "hr@10" not in evaluation  # retrieval is not this run's objective
+    # the head learned the actions of the events it trained on (on this generator the
+    # held-out events' actions follow the user's topics only weakly)
+    trained = hybridrec.evaluate(tmp_path / "run", split="train")
+    assert trained["auc"] > 0.6, trained
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model"]["sequence"]["actions"] == 4
+    with pytest.raises(hybridrec.UserError, match="has none"):
+        no_actions = tmp_path / "no_actions"
+        no_actions.mkdir()
+        import shutil
+
+        shutil.copytree(events, no_actions / "data")
+        meta = json.loads((no_actions / "data" / "metadata.json").read_text())
+        meta["spec"]["action_types"] = []
+        (no_actions / "data" / "metadata.json").write_text(json.dumps(meta))
+        hybridrec.train(config, data=no_actions / "data", run_dir=tmp_path / "bad", quiet=True)

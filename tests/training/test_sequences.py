@@ -6,6 +6,8 @@ evaluation (against scoring every item in numpy)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -232,3 +234,37 @@ def test_count_above_matches_numpy():
     above[np.arange(7)[own >= 0], own[own >= 0]] = False
     counted = count_above(queries, threshold, items, valid, own)
     np.testing.assert_array_equal(np.asarray(counted), above.sum(1))
+
+
+def test_the_ranking_loss_is_the_mean_bce_over_positions_with_an_action():
+    from hybridrec.model.sequence import build_sequence_tower
+    from hybridrec.model.sequence_step import sequence_loss
+
+    config = SequenceConfig(
+        max_length=16, blocks=1, dropout=0.0, objective="ranking", actions=3, ranking_hidden=8
+    )
+    module = build_sequence_tower("sasrec", config, dim=8, dtype=None, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(module, nnx.Param)
+    rng = np.random.default_rng(4)
+    batch = _batch(rng)
+    batch["actions"] = rng.integers(0, 4, size=batch["inputs"].shape).astype(np.int32)
+    rows = jnp.asarray(rng.normal(size=(12, 8)).astype(np.float32))
+    loss, parts = sequence_loss(config, graphdef, params, rows, batch)
+    model = nnx.merge(graphdef, params)
+    outputs = model(rows[batch["inputs"]], batch["segments"], batch["positions"])
+    logits = np.asarray(model.rank(outputs, rows[batch["targets"]]), np.float64)
+    labels = np.eye(3)[np.maximum(batch["actions"] - 1, 0)]
+    bce = np.maximum(logits, 0) - logits * labels + np.log1p(np.exp(-np.abs(logits)))
+    weights = batch["weights"] * (batch["actions"] > 0)
+    expected = (bce.mean(-1) * weights).sum() / weights.sum()
+    assert set(parts) == {"ranking_loss"}
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+    # "both": the two losses summed
+    both = dataclasses.replace(config, objective="both")
+    batch["negatives"], batch["negative_logq"] = batch["negatives"][:3], batch["negative_logq"][:3]
+    total, parts = sequence_loss(both, graphdef, params, rows, batch)
+    assert set(parts) == {"ranking_loss", "retrieval_loss", "trained_positions"}
+    np.testing.assert_allclose(
+        float(total), float(parts["ranking_loss"] + parts["retrieval_loss"]), rtol=1e-6
+    )
+    np.testing.assert_allclose(float(parts["ranking_loss"]), expected, rtol=1e-5)
