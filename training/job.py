@@ -402,12 +402,7 @@ def prepare(
         host_only = "model.layout = 'towers' places each tower's tables itself"
     elif follow:
         host_only = "a followed stream brings new ids without end"
-    check_user_tower(
-        config.model,
-        num_dense=len(metadata.dense_columns),
-        num_features=len(metadata.categorical),
-        embedding_dim=config.embedding.dim,
-    )
+    _check_tower(config, metadata)
     devices = plan_devices(config, metadata, mesh, tables, host_only=host_only, no_caches=no_caches)
     return Job(
         config=config,
@@ -422,6 +417,16 @@ def prepare(
         choices=(*choices, *plan_lines, *devices.lines),
         id_map=id_map,
         devices=devices,
+    )
+
+
+def _check_tower(config: TrainConfig, metadata: DatasetMetadata | EventMetadata) -> None:
+    """A user's tower against the contract, with the dataset's inputs (model/custom.py)."""
+    check_user_tower(
+        config.model,
+        num_dense=len(metadata.dense_columns),
+        num_features=len(metadata.categorical),
+        embedding_dim=config.embedding.dim,
     )
 
 
@@ -445,7 +450,7 @@ def _prepare_sequences(
     check_batch_size(
         "data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size, mesh
     )
-    check_user_tower(config.model, num_dense=0, num_features=1, embedding_dim=config.embedding.dim)
+    _check_tower(config, metadata)
     histories = Histories.read(metadata, config.data.train_split)
     catalogue = Catalogue.of(histories)
     tables = plan_tables(config.embedding, metadata.categorical)

@@ -29,7 +29,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from hybridrec.common.errors import UserError
 from hybridrec.model import make_global_batch
-from hybridrec.model.config import SequenceConfig
 from hybridrec.pipeline.metadata import ITEM_FEATURE, EventMetadata
 from hybridrec.training.input import DataPosition
 
@@ -398,22 +397,6 @@ class SequenceLayout:
         """[U_padded, D] replicated -> host [U_padded, 1, D] (the loop applies the first U,
         the rows its lookup holds; the padding's are zero)."""
         return np.asarray(jax.device_get(row_grads))[:, None, :]
-
-
-def check_budget(config: SequenceConfig, rows: int, token_budget: int) -> None:
-    """A one-line error for a token budget that does not hold one history row."""
-    if token_budget and token_budget < config.max_length:
-        raise UserError(
-            f"data.token_budget = {token_budget} is smaller than one history row "
-            f"(model.sequence.max_length = {config.max_length})"
-        )
-
-
-def rows_per_batch(config: SequenceConfig, batch_size: int, token_budget: int) -> int:
-    """Rows of a packed batch: `data.token_budget` / `max_length` when a budget is set."""
-    if token_budget:
-        return token_budget // config.max_length
-    return batch_size
 
 
 def packed_reader(
