@@ -14,6 +14,8 @@ from hybridrec.pipeline._histories import chunk_limit
 from hybridrec.pipeline.event_spec import EventSpec
 from hybridrec.pipeline.event_stats import EventStats
 
+ITEMS = "items"  # the item names: the raw id of each hashed item id
+
 
 def publish(
     config,
@@ -48,17 +50,11 @@ def publish(
         _output.discard_partial(temp_dir, keep_rejected=True)
         raise UserError(message)
     _output.remove_previous(out, outputs)
-    splits = {}
-    written = {name for name, _, _ in stats.files if name != "rejected"}
-    for split in sorted(written, key=_split_order):
-        keys = sorted(key for name, key, _ in stats.files if name == split)
-        names = [f"{split}/part-{i:05d}-of-{len(keys):05d}.parquet" for i in range(len(keys))]
-        sources = [FileSystems.join(temp_dir, split, f"part-{key}.parquet") for key in keys]
-        if "://" not in out:
-            os.makedirs(os.path.join(out, split), exist_ok=True)
-        FileSystems.rename(sources, [FileSystems.join(out, name) for name in names])
-        rows = sum(count for name, _, count in stats.files if name == split)
-        splits[split] = {"rows": rows, "files": names}
+    written = {name for name, _, _ in stats.files if name not in ("rejected", ITEMS)}
+    splits = {
+        split: _publish_parts(out, temp_dir, stats, split)
+        for split in sorted(written, key=_split_order)
+    }
     rejected_files = _publish_rejected(out, temp_dir, stats)
     meta = {
         "format_version": metadata.FORMAT_VERSION,
@@ -67,6 +63,8 @@ def publish(
         "spec": _spec_json(spec),
         "tables": list(spec.tables),
         "splits": splits,
+        # the raw id of every hashed item id (item uint64, name binary): serving's names
+        "item_names": _publish_parts(out, temp_dir, stats, ITEMS),
         "boundaries": list(boundaries or []),
         "inputs": list(config.inputs),
         "input_files": list(dict.fromkeys(chunk.path for chunk in chunks)),
@@ -80,6 +78,18 @@ def publish(
     }
     _output.commit(out, temp_dir, meta)
     return meta
+
+
+def _publish_parts(out: str, temp_dir: str, stats: EventStats, kind: str) -> dict:
+    """Renames the buckets' `kind` files (a split, or the item names) in bucket order."""
+    keys = sorted(key for name, key, _ in stats.files if name == kind)
+    names = [f"{kind}/part-{i:05d}-of-{len(keys):05d}.parquet" for i in range(len(keys))]
+    sources = [FileSystems.join(temp_dir, kind, f"part-{key}.parquet") for key in keys]
+    if "://" not in out:
+        os.makedirs(os.path.join(out, kind), exist_ok=True)
+    FileSystems.rename(sources, [FileSystems.join(out, name) for name in names])
+    rows = sum(count for name, _, count in stats.files if name == kind)
+    return {"rows": rows, "files": names}
 
 
 def _split_order(name: str) -> tuple[int, int]:

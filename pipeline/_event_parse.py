@@ -54,6 +54,16 @@ class Cells:
     def take(self, rows: np.ndarray) -> Cells:
         return Cells(self.buffer, self.starts[rows], self.lengths[rows])
 
+    def to_arrow(self) -> pa.Array:
+        """The cells as one large_binary array (gathered without a Python object a cell)."""
+        offsets = np.zeros(len(self.lengths) + 1, np.int64)
+        np.cumsum(self.lengths, out=offsets[1:])
+        source = np.repeat(self.starts - offsets[:-1], self.lengths) + np.arange(offsets[-1])
+        data = self.buffer[source] if len(source) else np.zeros(0, np.uint8)
+        return pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), len(self.lengths), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+        )
+
     @staticmethod
     def of_binary(array: pa.Array) -> Cells:
         """The cells of a large_binary array (null: an empty cell)."""
@@ -74,6 +84,7 @@ class EventBlock:
         lines: int64 [events] the event's line (Parquet: row) index in the block.
         positions: int32 [events] its place in its line (user_per_line), else 0.
         user_cells: the raw user id of each event (to name a capped user).
+        item_cells: the raw item id of each event (the dataset's item names).
         rejected: (line in block, reason, detail, text) of each rejected line.
         lines_read: lines (rows) of the block.
         time_format: the time format the block's times were read in ("" without times).
@@ -87,6 +98,7 @@ class EventBlock:
     lines: np.ndarray
     positions: np.ndarray
     user_cells: Cells
+    item_cells: Cells
     rejected: list[tuple[int, str, str, str]]
     lines_read: int
     time_format: str = ""
@@ -408,6 +420,7 @@ class EventParser:
             lines=np.asarray(rows, np.int64)[keep],
             positions=np.zeros(int(keep.sum()), np.int32),
             user_cells=user_cells.take(np.flatnonzero(keep)),
+            item_cells=item_cells.take(np.flatnonzero(keep)),
             rejected=sorted(rejected),
             lines_read=lines_read,
             time_format=time_format,
@@ -467,6 +480,7 @@ class EventParser:
             lines=field_lines[item].astype(np.int64),
             positions=positions.astype(np.int32),
             user_cells=cells.take(user_token[item]),
+            item_cells=cells.take(np.flatnonzero(item)),
             rejected=[],
             lines_read=len(line_starts),
         )

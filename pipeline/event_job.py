@@ -43,6 +43,7 @@ from hybridrec.pipeline import (
     hashing,
 )
 from hybridrec.pipeline._errors import InputError
+from hybridrec.pipeline._event_output import ITEMS
 from hybridrec.pipeline._event_parse import EventParser
 from hybridrec.pipeline._histories import (
     Events,
@@ -55,18 +56,20 @@ from hybridrec.pipeline.event_stats import EventStats
 from hybridrec.pipeline.job import PreprocessResult
 
 _ALL = 0
-OUTPUTS = ("metadata.json", "train", "valid", "test", "rejected") + tuple(
+OUTPUTS = ("metadata.json", "train", "valid", "test", "rejected", ITEMS) + tuple(
     f"window_{w}" for w in range(1, 33)
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkDone:
-    """A parsed chunk: its statistics and the buckets it wrote events to."""
+    """A parsed chunk: its statistics, the buckets it wrote events to and those it wrote
+    item names to."""
 
     chunk: _chunks.Chunk
     stats: EventStats
     buckets: tuple[int, ...]
+    item_buckets: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,7 @@ class BucketPlan:
     chunk_keys: tuple[str, ...]
     boundaries: tuple[int, ...] | None
     chunk_stats: EventStats | None  # the merged chunk statistics (carried by one bucket)
+    item_chunk_keys: tuple[str, ...] = ()  # the chunks that wrote item names to the bucket
 
 
 def _temp(temp_dir: str, kind: str, bucket: int, key: str) -> str:
@@ -140,6 +144,7 @@ class _ParseEventsFn(beam.DoFn):
         stats.duplicates = pruned.duplicates
         names = self._names(parts, pruned)  # of the users cut to the limit: maybe capped
         written = self._write(chunk, pruned, names)
+        item_buckets = self._write_item_names(chunk, parts)
         if rejected:
             path = FileSystems.join(self.temp_dir, "rejected", f"chunk-{chunk.key}.jsonl")
             with FileSystems.create(path) as handle:
@@ -147,7 +152,7 @@ class _ParseEventsFn(beam.DoFn):
             stats.files.append(("rejected", chunk.key, len(rejected)))
         self.events_read.inc(stats.events)
         self.rows_rejected.inc(len(rejected))
-        yield _ALL, ChunkDone(chunk, stats, written)
+        yield _ALL, ChunkDone(chunk, stats, written, item_buckets)
 
     def _blocks(self, chunk: _chunks.Chunk):
         """(chunk-local index of the block's first line, EventBlock) of each block."""
@@ -232,6 +237,30 @@ class _ParseEventsFn(beam.DoFn):
             written.append(int(bucket))
         return tuple(written)
 
+    def _write_item_names(self, chunk, parts) -> tuple[int, ...]:
+        """The raw id of each item at its first occurrence in the chunk, by item bucket."""
+        items = [block.items for _, block in parts]
+        if not sum(len(ids) for ids in items):
+            return ()
+        firsts = [np.unique(ids, return_index=True)[1] for ids in items]
+        ids = np.concatenate([ids[first] for ids, first in zip(items, firsts, strict=True)])
+        names = pa.concat_arrays(
+            [
+                block.item_cells.take(first).to_arrow()
+                for (_, block), first in zip(parts, firsts, strict=True)
+            ]
+        )
+        ids, first = np.unique(ids, return_index=True)  # blocks are in input order
+        names = names.take(pa.array(first))
+        item_bucket = bucket_of(ids, self.buckets)
+        written = []
+        for bucket in np.unique(item_bucket):
+            mine = np.flatnonzero(item_bucket == bucket)
+            table = pa.table({"item": ids[mine], "name": names.take(pa.array(mine))})
+            _write_arrow(_temp(self.temp_dir, ITEMS, int(bucket), chunk.key), table)
+            written.append(int(bucket))
+        return tuple(written)
+
 
 def plan_buckets(spec: EventSpec, done: Iterable[ChunkDone]):
     """Every parsed chunk -> (bucket, BucketPlan) for each bucket some chunk wrote to."""
@@ -248,15 +277,25 @@ def plan_buckets(spec: EventSpec, done: Iterable[ChunkDone]):
         )
     boundaries = _boundaries(spec, merged)
     chunks_of: dict[int, list[str]] = {}
+    item_chunks_of: dict[int, list[str]] = {}
     for item in done:
         for bucket in item.buckets:
             chunks_of.setdefault(bucket, []).append(item.chunk.key)
-    if not chunks_of:
+        for bucket in item.item_buckets:
+            item_chunks_of.setdefault(bucket, []).append(item.chunk.key)
+    if not chunks_of and not item_chunks_of:
         yield -1, BucketPlan(-1, (), boundaries, merged)
         return
-    for index, bucket in enumerate(sorted(chunks_of)):
+    for index, bucket in enumerate(sorted(set(chunks_of) | set(item_chunks_of))):
         stats = merged if index == 0 else None
-        yield bucket, BucketPlan(bucket, tuple(chunks_of[bucket]), boundaries, stats)
+        plan = BucketPlan(
+            bucket,
+            tuple(chunks_of.get(bucket, ())),
+            boundaries,
+            stats,
+            tuple(item_chunks_of.get(bucket, ())),
+        )
+        yield bucket, plan
 
 
 def _boundaries(spec: EventSpec, stats: EventStats) -> tuple[int, ...] | None:
@@ -295,6 +334,10 @@ class _BuildHistoriesFn(beam.DoFn):
             stats.merge(plan.chunk_stats)
         if plan.bucket < 0:
             return stats
+        if plan.item_chunk_keys:
+            stats.files.append(self._item_names(plan))
+        if not plan.chunk_keys:
+            return stats
         event_tables, user_tables = [], []
         for key in plan.chunk_keys:
             event_tables.append(_read_arrow(_temp(self.temp_dir, "events", plan.bucket, key)))
@@ -323,6 +366,22 @@ class _BuildHistoriesFn(beam.DoFn):
                 pq.write_table(table, handle, compression=self.compression)
             built.files.append((split, f"{plan.bucket:05d}", table.num_rows))
         return stats.merge(built)
+
+    def _item_names(self, plan: BucketPlan) -> tuple[str, str, int]:
+        """The bucket's items, each named by its first occurrence in input order."""
+        tables = [
+            _read_arrow(_temp(self.temp_dir, ITEMS, plan.bucket, key))
+            for key in plan.item_chunk_keys  # in input order (plan_buckets)
+        ]
+        table = pa.concat_tables(tables)
+        ids = table.column("item").to_numpy()
+        order = np.argsort(ids, kind="stable")  # stable: the first chunk's name first
+        first = order[np.unique(ids[order], return_index=True)[1]]
+        table = table.take(pa.array(first))
+        path = FileSystems.join(self.temp_dir, ITEMS, f"part-{plan.bucket:05d}.parquet")
+        with FileSystems.create(path) as handle:
+            pq.write_table(table, handle, compression=self.compression)
+        return ITEMS, f"{plan.bucket:05d}", table.num_rows
 
 
 def _merge_stats(group) -> EventStats:

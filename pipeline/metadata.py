@@ -10,6 +10,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from hybridrec.common.errors import UserError
 
 FORMAT_VERSION = 1
@@ -86,6 +89,29 @@ class EventMetadata(_Splits):
     @property
     def distinct_items(self) -> int:
         return int(((self.raw.get("tables") or {}).get("item") or {}).get("distinct_estimate", 1))
+
+    def item_names(self) -> tuple[np.ndarray, pa.Array]:
+        """(item ids [n] uint64 ascending, their raw ids [n] large_binary): how each item
+        was written in the input (its first occurrence), for serving raw ids."""
+        files = (self.raw.get("item_names") or {}).get("files")
+        if files is None:
+            raise UserError(
+                f"{self.root}: this dataset has no item names (written by an older "
+                "`hybridrec preprocess`); preprocess it again to serve raw item ids"
+            )
+        tables = []
+        for name in files:
+            try:
+                tables.append(pq.read_table(self.root / name))
+            except (OSError, pa.ArrowInvalid) as error:
+                raise UserError(f"{self.root / name}: cannot read its item names: {error}") from None
+        if not tables:
+            return np.zeros(0, np.uint64), pa.array([], pa.large_binary())
+        table = pa.concat_tables(tables)
+        ids = table.column("item").to_numpy().astype(np.uint64)
+        order = np.argsort(ids)
+        names = table.column("name").combine_chunks().cast(pa.large_binary())
+        return ids[order], names.take(pa.array(order))
 
 
 def read_metadata(out_dir: str | Path) -> DatasetMetadata:

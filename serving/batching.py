@@ -34,6 +34,7 @@ class _Request:
     lines: list | None = None  # raw rows, or:
     ids: Any = None  # [n, F] uint64, or {feature: [n] uint64 | RaggedIds} (serving.bags)
     dense: np.ndarray | None = None  # [n, d] float32
+    payload: Any = None  # or a request the model runs itself (`model.run_batch`)
 
 
 def _encode(model: Any, batch: list[_Request]) -> dict[int, Any]:
@@ -59,7 +60,10 @@ def _encode(model: Any, batch: list[_Request]) -> dict[int, Any]:
 
 
 def _execute(model: Any, batch: list[_Request]) -> list[Any]:
-    """Per request: (probabilities [n], unseen [n]) or the exception it gets."""
+    """Per request: (probabilities [n], unseen [n]), or `model.run_batch`'s answer, or the
+    exception it gets."""
+    if batch[0].payload is not None:
+        return model.run_batch([request.payload for request in batch])
     encoded = _encode(model, batch)
     inputs = [encoded.get(i, (request.ids, request.dense)) for i, request in enumerate(batch)]
     good = [i for i, item in enumerate(inputs) if not isinstance(item, Exception)]
@@ -127,6 +131,13 @@ class DynamicBatcher:
         await self._queue.put(_Request(model, rows, future, lines=lines, ids=ids, dense=dense))
         return await future
 
+    async def submit(self, model: Any, payload: Any, rows: int) -> Any:
+        """`model.run_batch([payload, ...])`'s answer for `payload` (a request of `rows`
+        rows), batched with the other payloads that arrive meanwhile."""
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Request(model, rows, future, payload=payload))
+        return await future
+
     def run_on_worker(self, function: Callable, *args) -> asyncio.Future:
         """Runs `function(*args)` on the batch thread, after every batch already started."""
         return asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
@@ -146,7 +157,11 @@ class DynamicBatcher:
                 )
             except (asyncio.QueueEmpty, TimeoutError):
                 break
-            if request.model is not first.model or rows + request.rows > self.max_batch:
+            if (
+                request.model is not first.model
+                or (request.payload is None) != (first.payload is None)
+                or rows + request.rows > self.max_batch
+            ):
                 self._carry = request  # another model version or no room: the next batch
                 break
             batch.append(request)

@@ -25,10 +25,11 @@ from hybridrec.common.errors import UserError
 from hybridrec.common.progress import Progress
 from hybridrec.embedding_store import checkpoint as store_checkpoint
 from hybridrec.model import abstract_train_state, eval_step, make_mesh
-from hybridrec.pipeline import read_metadata
 from hybridrec.pipeline.hashing import hash_scheme
 from hybridrec.pipeline.id_map import ARRAYS_FILE, MAP_FILE
+from hybridrec.pipeline.metadata import EventMetadata, read_dataset
 from hybridrec.serving import _format, delta
+from hybridrec.serving.export_sequences import write_sequence_parts
 from hybridrec.serving.quantize import encode_table
 from hybridrec.training import RunCheckpoints, load_config, plan_tables, require_run_dir
 
@@ -103,7 +104,7 @@ def export_run(
     """Writes the next version of the export `out` from the checkpoint of `run_dir`.
 
     Args:
-        run_dir: a `hybridrec train` run directory.
+        run_dir: a `hybridrec train` run directory (a click-log or a sequence run).
         out: export base directory; the new version is `out/<n>` (n = newest + 1).
         step: checkpoint step (default: the newest complete one).
         precision: embedding rows as fp32, fp16 or int8 (row-wise, fp16 scale and bias).
@@ -126,79 +127,40 @@ def export_run(
     if not name or not all(c.isalnum() or c in "_-." for c in name):
         raise UserError(f"model name {name!r} must use only letters, digits, _ - .")
     config = load_config(None, [], run_dir)
-    metadata = read_metadata(config.data.path)
+    metadata = read_dataset(config.data.path)
+    sequences = isinstance(metadata, EventMetadata)
     checkpoints = RunCheckpoints(run_dir, keep=config.checkpoint.keep)
     step = checkpoints.resolve_step(step, "export")
-
     plan = plan_tables(config.embedding, metadata.categorical)  # the tables the run trained
-    tables = [table.name for table in plan.tables]
     base = _delta_base(out, delta_from, run_dir, step, precision)
-    progress = None if quiet else Progress("export", total=len(tables) + 1, unit="parts")
-    graphdef, params = _restore_params(run_dir, config, metadata, step)
-    tower = export_tower(
-        graphdef,
-        params,
-        len(metadata.categorical),
-        config.embedding.dim,
-        len(metadata.dense_columns),
-    )
-    if progress:
-        progress.update(1)
+    progress = None if quiet else Progress("export", total=len(plan.tables) + 1, unit="parts")
     temporary, final = _format.new_version_dir(out)
     try:
-        (temporary / _format.MODEL_FILE).write_bytes(tower)
-        table_summaries = {}
-        changed = {}
-        if base is not None:
-            for table in tables:
-                rows = delta.changed_rows(checkpoints.embeddings_url, base["step"], step, table)
-                if rows is None:  # a full snapshot after the base: no delta
-                    changed, base = {}, None
-                    break
-                changed[table] = rows
-        for table in tables:
-            if base is not None:
-                ids, values, deleted = changed[table]
-            else:
-                ids, values = store_checkpoint.read_table_rows(
-                    checkpoints.embeddings_url, step, table
-                )
-            if values.shape[1:] not in ((config.embedding.dim,), (0,)):
-                raise UserError(
-                    f"{checkpoints.embeddings_url}: table {table!r} has rows of width "
-                    f"{values.shape[1]}, the run's config says embedding.dim = {config.embedding.dim}"
-                )
-            directory = temporary / _format.TABLES_DIR / table
-            directory.mkdir(parents=True)
-            np.save(directory / "ids.npy", ids)
-            values = values.reshape(len(ids), config.embedding.dim)
-            for part, array in encode_table(values, precision).items():
-                np.save(directory / f"{part}.npy", array)
-            if base is not None:
-                np.save(directory / "deleted.npy", deleted)
-            table_summaries[table] = {"rows": len(ids), "dim": config.embedding.dim}
-            if progress:
-                progress.update(1)
-        features = {
-            "spec": metadata.raw["spec"],
-            "hash_scheme": metadata.raw.get("hash_scheme", hash_scheme(8)),
-            "statistics": metadata.raw.get("stats", {}),
-            "feature_tables": dict(plan.feature_tables),
-            # single: one id per row; multi: a bag of ids per row, pooled with `pooling`
-            "feature_kinds": {
-                feature.name: "multi" if feature.multi_valued else "single"
-                for feature in metadata.categorical
-            },
-            "pooling": config.embedding.pooling,
-            "embedding_dim": config.embedding.dim,
-            "default_rows": {table.name: _default_rule(table) for table in plan.tables},
-        }
+        if sequences:
+            features = write_sequence_parts(temporary, run_dir, config, metadata, step)
+        else:
+            graphdef, params = _restore_params(run_dir, config, metadata, step)
+            tower = export_tower(
+                graphdef,
+                params,
+                len(metadata.categorical),
+                config.embedding.dim,
+                len(metadata.dense_columns),
+            )
+            (temporary / _format.MODEL_FILE).write_bytes(tower)
+            features = {}
+        if progress:
+            progress.update(1)
+        table_summaries, base = _write_tables(
+            temporary, checkpoints, plan, step, base, config.embedding.dim, precision, progress
+        )
+        features = {**_features(config, metadata, plan), **features}
         if config.embedding.id_map:  # the run trained on bucket ids: serve through the map
             features["id_map_kind"] = config.embedding.id_map_kind
             (temporary / _format.ID_MAP_DIR).mkdir()
-            for name in (MAP_FILE, ARRAYS_FILE):
+            for name_ in (MAP_FILE, ARRAYS_FILE):
                 shutil.copyfile(
-                    Path(config.embedding.id_map) / name, temporary / _format.ID_MAP_DIR / name
+                    Path(config.embedding.id_map) / name_, temporary / _format.ID_MAP_DIR / name_
                 )
         (temporary / _format.FEATURES_FILE).write_text(json.dumps(features, indent=1) + "\n")
         files = _format.file_entries(temporary)
@@ -207,6 +169,7 @@ def export_run(
             "format_version": _format.FORMAT_VERSION,
             "name": name,
             "version": int(final.name),
+            "kind": "sequences" if sequences else "clicks",
             "run_dir": str(run_dir.resolve()),
             "step": int(step),
             "precision": precision,
@@ -236,6 +199,61 @@ def export_run(
         "base_version": None if base is None else base["version"],
         **sizes,
         "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def _write_tables(temporary, checkpoints, plan, step, base, dim, precision, progress):
+    """Every table's rows under `tables/` (a delta: only those changed since `base`'s step);
+    returns (per table: rows and dim, the base, None where a delta could not be written)."""
+    tables = [table.name for table in plan.tables]
+    changed = {}
+    if base is not None:
+        for table in tables:
+            rows = delta.changed_rows(checkpoints.embeddings_url, base["step"], step, table)
+            if rows is None:  # a full snapshot after the base: no delta
+                changed, base = {}, None
+                break
+            changed[table] = rows
+    summaries = {}
+    for table in tables:
+        if base is not None:
+            ids, values, deleted = changed[table]
+        else:
+            ids, values = store_checkpoint.read_table_rows(checkpoints.embeddings_url, step, table)
+        if values.shape[1:] not in ((dim,), (0,)):
+            raise UserError(
+                f"{checkpoints.embeddings_url}: table {table!r} has rows of width "
+                f"{values.shape[1]}, the run's config says embedding.dim = {dim}"
+            )
+        directory = temporary / _format.TABLES_DIR / table
+        directory.mkdir(parents=True)
+        np.save(directory / "ids.npy", ids)
+        values = values.reshape(len(ids), dim)
+        for part, array in encode_table(values, precision).items():
+            np.save(directory / f"{part}.npy", array)
+        if base is not None:
+            np.save(directory / "deleted.npy", deleted)
+        summaries[table] = {"rows": len(ids), "dim": dim}
+        if progress:
+            progress.update(1)
+    return summaries, base
+
+
+def _features(config: Any, metadata: Any, plan: Any) -> dict[str, Any]:
+    """features.json: how serving turns a request's raw ids into the tables' rows."""
+    return {
+        "spec": metadata.raw["spec"],
+        "hash_scheme": metadata.raw.get("hash_scheme", hash_scheme(8)),
+        "statistics": metadata.raw.get("stats", {}),
+        "feature_tables": dict(plan.feature_tables),
+        # single: one id per row; multi: a bag of ids per row, pooled with `pooling`
+        "feature_kinds": {
+            feature.name: "multi" if feature.multi_valued else "single"
+            for feature in metadata.categorical
+        },
+        "pooling": config.embedding.pooling,
+        "embedding_dim": config.embedding.dim,
+        "default_rows": {table.name: _default_rule(table) for table in plan.tables},
     }
 
 

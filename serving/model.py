@@ -85,8 +85,29 @@ def _load(path: Path, dtype: Any, ndim: int) -> np.ndarray:
     return array
 
 
+def open_tables(path: Path, names: list[str], checksums: bool) -> dict[str, Any]:
+    """The tables of the export version `path`, memory-mapped; a delta version's read
+    through its chain of versions."""
+    chain = version_chain(path)
+    for base in chain[1:]:
+        _format.read_manifest(base, checksums=checksums)
+    tables: dict[str, Any] = {}
+    for table in names:
+        layers, deleted = [], []
+        for version in chain:
+            directory = version / _format.TABLES_DIR / table
+            precision = json.loads((version / _format.MANIFEST_FILE).read_text())["precision"]
+            layers.append(ServedTable(directory, table, precision))
+            removed = directory / "deleted.npy"
+            deleted.append(
+                _load(removed, np.uint64, 1) if removed.exists() else np.zeros(0, np.uint64)
+            )
+        tables[table] = layers[0] if len(layers) == 1 else LayeredTable(layers, deleted)
+    return tables
+
+
 class ServedModel:
-    """One export version, ready to score.
+    """One export version of a click-log run, ready to score.
 
     Args:
         path: an export version directory, or a base directory (its newest version).
@@ -94,6 +115,8 @@ class ServedModel:
         checksums: check every file's sha256 against the manifest first (sizes are
             always checked).
     """
+
+    kind = "clicks"
 
     def __init__(self, path: str | Path, *, max_batch: int = 256, checksums: bool = True):
         self.path = _format.resolve(path)
@@ -125,8 +148,10 @@ class ServedModel:
         self.num_dense = len(self.spec.dense)
         self.dim = int(self.features["embedding_dim"])
         feature_tables = self.features["feature_tables"]
-        self.tables = self._open_tables(
-            list(dict.fromkeys(feature_tables[name] for name in self.feature_names)), checksums
+        self.tables = open_tables(
+            self.path,
+            list(dict.fromkeys(feature_tables[name] for name in self.feature_names)),
+            checksums,
         )
         self._feature_tables = [self.tables[feature_tables[n]] for n in self.feature_names]
         self._defaults = _DefaultRows(self.features["default_rows"])
@@ -149,25 +174,6 @@ class ServedModel:
                 np.zeros((bucket, len(self.feature_names), self.dim), np.float32),
                 np.zeros((bucket, self.num_dense), np.float32),
             )
-
-    def _open_tables(self, names: list[str], checksums: bool) -> dict[str, Any]:
-        """The tables, memory-mapped; a delta version's read through its chain of versions."""
-        chain = version_chain(self.path)
-        for base in chain[1:]:
-            _format.read_manifest(base, checksums=checksums)
-        tables: dict[str, Any] = {}
-        for table in names:
-            layers, deleted = [], []
-            for version in chain:
-                directory = version / _format.TABLES_DIR / table
-                precision = json.loads((version / _format.MANIFEST_FILE).read_text())["precision"]
-                layers.append(ServedTable(directory, table, precision))
-                removed = directory / "deleted.npy"
-                deleted.append(
-                    _load(removed, np.uint64, 1) if removed.exists() else np.zeros(0, np.uint64)
-                )
-            tables[table] = layers[0] if len(layers) == 1 else LayeredTable(layers, deleted)
-        return tables
 
     # ------------------------------------------------------------------ inputs
 

@@ -3,8 +3,11 @@
     GET  /v2/health/live | /v2/health/ready           (no token needed: probes)
     GET  /v2 | /v2/models/{name} | /v2/models/{name}/ready | /v2/models/{name}/stats
     POST /v2/models/{name}[/versions/{v}]/infer
+    POST /v2/models/{name}[/versions/{v}]/events      (sequence runs: users' new events)
 
-An infer request carries either raw rows, one BYTES tensor `rows` [n] of lines in the
+The export of a sequence run answers retrieval and ranking requests over users'
+histories (`serving.sequence_server`). For a click-log run, an infer request carries
+either raw rows, one BYTES tensor `rows` [n] of lines in the
 dataset's own layout (label column optional), or hashed inputs, `ids` [n, F]
 INT64/UINT64 and `dense` [n, num_dense] FP32; with multi-valued features, `ids` holds
 the single-valued ones and each multi-valued feature X comes as `X.ids` [nnz] (every
@@ -34,9 +37,11 @@ from typing import Any
 from hybridrec.common.errors import UserError
 from hybridrec.common.tls import TLSFiles
 from hybridrec.pipeline import RowError
-from hybridrec.serving import _format
+from hybridrec.serving import _format, sequence_server
 from hybridrec.serving.batching import DynamicBatcher
+from hybridrec.serving.histories import KeptHistories
 from hybridrec.serving.inputs import input_metadata, model_inputs
+from hybridrec.serving.load import load_export
 from hybridrec.serving.model import ServedModel
 from hybridrec.serving.protocol import (
     ProtocolError,
@@ -68,13 +73,17 @@ class ServeOptions:
     watch_interval: float = 1.0  # seconds between looks for a newer version
     checksums: bool = True  # verify every file's sha256 at load (sizes are always checked)
     tls: TLSFiles | None = None  # certificate and key: HTTPS; with a CA: client certificates too
+    keep_histories: int = 0  # sequence models: events kept per user (0: none kept)
+    max_users: int = 100_000  # sequence models: users kept, least recently used evicted
 
     def __post_init__(self):
-        for name in ("max_batch", "max_rows", "max_body_bytes"):
+        for name in ("max_batch", "max_rows", "max_body_bytes", "max_users"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_delay_ms < 0:
             raise UserError(f"max-delay-ms must be >= 0, got {self.max_delay_ms}")
+        if self.keep_histories < 0:
+            raise UserError(f"keep-histories must be >= 0, got {self.keep_histories}")
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -84,10 +93,15 @@ def _error(message: str, status: int) -> JSONResponse:
 class _Service:
     """The state behind the routes: the current model, the batcher, the watcher."""
 
-    def __init__(self, base: Path, model: ServedModel, options: ServeOptions):
+    def __init__(self, base: Path, model: Any, options: ServeOptions):
         self.base = base
         self.model = model
         self.options = options
+        self.histories = None
+        if options.keep_histories:
+            if model.kind != "sequences":
+                raise UserError("--keep-histories is for exports of sequence runs")
+            self.histories = KeptHistories(options.keep_histories, options.max_users)
         self.batcher = DynamicBatcher(
             max_batch=options.max_batch, max_delay=options.max_delay_ms / 1e3
         )
@@ -98,7 +112,7 @@ class _Service:
         self.refused = 0  # of them, answered with an error status
 
     @contextlib.contextmanager
-    def holding(self, model: ServedModel):
+    def holding(self, model: Any):
         """Marks a request as using `model`: a replaced model is closed only when unused."""
         key = id(model)
         self.in_flight[key] = self.in_flight.get(key, 0) + 1
@@ -120,7 +134,7 @@ class _Service:
         # compare_digest takes the same time wherever the strings differ
         return hmac.compare_digest(given.strip().encode(), expected) and scheme.lower() == "bearer"
 
-    def check_model(self, name: str, version: str | None) -> ServedModel:
+    def check_model(self, name: str, version: str | None) -> Any:
         model = self.model
         if name != model.name:
             raise ProtocolError(f"unknown model {name!r}; this server has {model.name!r}", 404)
@@ -160,7 +174,7 @@ class _Service:
             version = found[-1]
             try:
                 fresh = await run_in_threadpool(
-                    ServedModel,
+                    load_export,
                     self.base / str(version),
                     max_batch=self.options.max_batch,
                     checksums=self.options.checksums,
@@ -169,13 +183,14 @@ class _Service:
                 self.failed_versions.add(version)
                 print(f"hybridrec serve: not loading version {version}: {error}", file=sys.stderr)
                 continue
+            differs = None
             if fresh.name != self.model.name:
+                differs = f"model name {fresh.name!r} differs from {self.model.name!r}"
+            elif fresh.kind != self.model.kind:
+                differs = f"it is an export of a {fresh.kind} run, not of a {self.model.kind} run"
+            if differs:
                 self.failed_versions.add(version)
-                print(
-                    f"hybridrec serve: not loading version {version}: model name "
-                    f"{fresh.name!r} differs from {self.model.name!r}",
-                    file=sys.stderr,
-                )
+                print(f"hybridrec serve: not loading version {version}: {differs}", file=sys.stderr)
                 fresh.close()
                 continue
             old, self.model = self.model, fresh  # requests from now on use the new version
@@ -187,32 +202,133 @@ class _Service:
             print(f"hybridrec serve: now serving version {version}", file=sys.stderr, flush=True)
 
 
-def create_app(model: ServedModel, base: str | Path, options: ServeOptions) -> Starlette:
-    """The ASGI application serving `model` (loaded from the export `base`)."""
+def _click_metadata(model: ServedModel, service: _Service) -> dict[str, Any]:
+    """`GET /v2/models/{name}` of a click-log model."""
+    return {
+        "name": model.name,
+        "versions": [str(model.version)],
+        "platform": "hybridrec_jax_export",
+        "inputs": input_metadata(model),
+        "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1]}],
+        "parameters": {
+            "step": model.manifest["step"],
+            "precision": model.precision,
+            "features": model.feature_names,
+            "multi_valued_features": model.bag_features,
+            "pooling": model.pooling,
+            "dense": list(model.spec.dense),
+        },
+    }
+
+
+async def _click_infer(service: _Service, request: Request, model: ServedModel) -> Response:
+    """Click probabilities of raw or hashed rows, batched with other requests."""
+    body, headers = await service.read_body(request), request.headers
+    parsed, binary = parse_body(body, headers)
+    inputs = decode_inputs(parsed, binary)
+    binary_output = requested_outputs(parsed, (OUTPUT,))
+    first, dense = service.model_inputs(model, inputs)
+    if dense is None:  # raw rows: parsed, checked, transformed and hashed in the batch
+        probabilities, unseen = await service.batcher.predict(model, lines=first)
+    else:
+        probabilities, unseen = await service.batcher.predict(model, ids=first, dense=dense)
+    response = {"model_name": model.name, "model_version": str(model.version)}
+    if "id" in parsed:
+        response["id"] = parsed["id"]
+    response["parameters"] = {"unseen_ids": int(unseen.sum())}
+    content, extra = encode_response(response, OUTPUT, probabilities, binary=binary_output)
+    return Response(content, media_type="application/json", headers=extra)
+
+
+def _sequence_metadata(model: Any, service: _Service) -> dict[str, Any]:
+    return sequence_server.metadata(model, service.histories)
+
+
+_KINDS = {  # model kind -> (its metadata, its infer handler)
+    "clicks": (_click_metadata, _click_infer),
+    "sequences": (_sequence_metadata, sequence_server.infer),
+}
+
+
+def _guarded(service: _Service, handler):
+    """The route: authorized, counted, and every ProtocolError or RowError a 4xx answer."""
+
+    async def answer(request: Request) -> Response:
+        if not service.authorized(request):
+            return _error("missing or wrong bearer token", 401)
+        try:
+            return await handler(request)
+        except ProtocolError as error:
+            return _error(str(error), error.status)
+        except RowError as error:
+            return _error(f"input 'rows': {error}", 400)
+
+    async def route(request: Request) -> Response:
+        service.requests += 1
+        try:
+            response = await answer(request)
+        except Exception:  # answered 500 by the framework
+            service.refused += 1
+            raise
+        service.refused += response.status_code >= 400
+        return response
+
+    return route
+
+
+def _model_routes(service: _Service) -> list[Route]:
+    """/v2/models/{name}[/versions/{version}][/ready | /infer | /events] and /stats."""
+    metadata_of, infer_with = _KINDS[service.model.kind]
+
+    def current(request: Request) -> Any:
+        return service.check_model(request.path_params["name"], request.path_params.get("version"))
+
+    async def model_metadata(request: Request) -> Response:
+        return JSONResponse(metadata_of(current(request), service))
+
+    async def model_ready(request: Request) -> Response:
+        return JSONResponse({"name": current(request).name, "ready": True})
+
+    async def model_stats(request: Request) -> Response:
+        model = service.check_model(request.path_params["name"], None)
+        stats = {
+            "name": model.name,
+            "version": str(model.version),
+            **model.stats(),
+            "batches": service.batcher.batches,
+            "batched_rows": service.batcher.rows,
+            "reloads": service.reloads,
+        }
+        if service.histories is not None:
+            stats["histories"] = service.histories.stats()
+        return JSONResponse(stats)
+
+    async def infer(request: Request) -> Response:
+        model = current(request)
+        with service.holding(model):
+            return await infer_with(service, request, model)
+
+    async def events(request: Request) -> Response:
+        model = current(request)
+        with service.holding(model):
+            return await sequence_server.append_events(service, request, model)
+
+    routes = [Route("/v2/models/{name}/stats", _guarded(service, model_stats))]
+    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        routes += [
+            Route(prefix, _guarded(service, model_metadata)),
+            Route(prefix + "/ready", _guarded(service, model_ready)),
+            Route(prefix + "/infer", _guarded(service, infer), methods=["POST"]),
+        ]
+        if service.model.kind == "sequences":
+            routes.append(Route(prefix + "/events", _guarded(service, events), methods=["POST"]))
+    return routes
+
+
+def create_app(model: Any, base: str | Path, options: ServeOptions) -> Starlette:
+    """The ASGI application serving `model` (loaded from the export `base`): a
+    `ServedModel` or a `ServedSequenceModel`."""
     service = _Service(Path(base), model, options)
-
-    def guarded(handler):
-        async def route(request: Request) -> Response:
-            service.requests += 1
-            try:
-                response = await answer(request)
-            except Exception:  # answered 500 by the framework
-                service.refused += 1
-                raise
-            service.refused += response.status_code >= 400
-            return response
-
-        async def answer(request: Request) -> Response:
-            if not service.authorized(request):
-                return _error("missing or wrong bearer token", 401)
-            try:
-                return await handler(request)
-            except ProtocolError as error:
-                return _error(str(error), error.status)
-            except RowError as error:
-                return _error(f"input 'rows': {error}", 400)
-
-        return route
 
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -224,65 +340,6 @@ def create_app(model: ServedModel, base: str | Path, options: ServeOptions) -> S
         return JSONResponse(
             {"name": "hybridrec", "version": _version(), "extensions": ["binary_tensor_data"]}
         )
-
-    async def model_metadata(request: Request) -> Response:
-        model = service.check_model(request.path_params["name"], request.path_params.get("version"))
-        return JSONResponse(
-            {
-                "name": model.name,
-                "versions": [str(model.version)],
-                "platform": "hybridrec_jax_export",
-                "inputs": input_metadata(model),
-                "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1]}],
-                "parameters": {
-                    "step": model.manifest["step"],
-                    "precision": model.precision,
-                    "features": model.feature_names,
-                    "multi_valued_features": model.bag_features,
-                    "pooling": model.pooling,
-                    "dense": list(model.spec.dense),
-                },
-            }
-        )
-
-    async def model_ready(request: Request) -> Response:
-        model = service.check_model(request.path_params["name"], request.path_params.get("version"))
-        return JSONResponse({"name": model.name, "ready": True})
-
-    async def model_stats(request: Request) -> Response:
-        model = service.check_model(request.path_params["name"], None)
-        return JSONResponse(
-            {
-                "name": model.name,
-                "version": str(model.version),
-                **model.stats(),
-                "batches": service.batcher.batches,
-                "batched_rows": service.batcher.rows,
-                "reloads": service.reloads,
-            }
-        )
-
-    async def infer(request: Request) -> Response:
-        model = service.check_model(request.path_params["name"], request.path_params.get("version"))
-        with service.holding(model):
-            return await _infer(request, model)
-
-    async def _infer(request: Request, model: ServedModel) -> Response:
-        body, headers = await service.read_body(request), request.headers
-        parsed, binary = parse_body(body, headers)
-        inputs = decode_inputs(parsed, binary)
-        binary_output = requested_outputs(parsed, (OUTPUT,))
-        first, dense = service.model_inputs(model, inputs)
-        if dense is None:  # raw rows: parsed, checked, transformed and hashed in the batch
-            probabilities, unseen = await service.batcher.predict(model, lines=first)
-        else:
-            probabilities, unseen = await service.batcher.predict(model, ids=first, dense=dense)
-        response = {"model_name": model.name, "model_version": str(model.version)}
-        if "id" in parsed:
-            response["id"] = parsed["id"]
-        response["parameters"] = {"unseen_ids": int(unseen.sum())}
-        content, extra = encode_response(response, OUTPUT, probabilities, binary=binary_output)
-        return Response(content, media_type="application/json", headers=extra)
 
     async def http_error(request: Request, error: HTTPException) -> Response:
         return _error(f"{error.detail}: {request.method} {request.url.path}", error.status_code)
@@ -299,20 +356,12 @@ def create_app(model: ServedModel, base: str | Path, options: ServeOptions) -> S
             await service.batcher.stop()
             service.model.close()
 
-    model_routes = []
-    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        model_routes += [
-            Route(prefix, guarded(model_metadata)),
-            Route(prefix + "/ready", guarded(model_ready)),
-            Route(prefix + "/infer", guarded(infer), methods=["POST"]),
-        ]
     app = Starlette(
         routes=[
             Route("/v2/health/live", live),
             Route("/v2/health/ready", ready),
-            Route("/v2", guarded(server_metadata)),
-            Route("/v2/models/{name}/stats", guarded(model_stats)),
-            *model_routes,
+            Route("/v2", _guarded(service, server_metadata)),
+            *_model_routes(service),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
@@ -352,7 +401,7 @@ def make_server(export: str | Path, sock: socket.socket, options: ServeOptions):
     tls = options.tls
     if tls is not None:
         tls.check_server()  # one line per bad file, before the export is loaded
-    model = ServedModel(base, max_batch=options.max_batch, checksums=options.checksums)
+    model = load_export(base, max_batch=options.max_batch, checksums=options.checksums)
     if options.watch and (base / _format.MANIFEST_FILE).exists():
         raise UserError(f"{base}: --watch needs the export base directory, not one version")
     app = create_app(model, base, options)
@@ -406,11 +455,22 @@ def serve(
 def _print_stopped(server, started: float) -> None:
     service = server.config.app.state.service
     current = service.model
+    if current.kind == "sequences":
+        work = f"{current.histories_encoded:,} histories encoded by version {current.version}"
+    else:
+        work = f"{current.rows_scored:,} rows scored by version {current.version}"
+    kept = ""
+    if service.histories is not None:
+        stats = service.histories.stats()
+        kept = (
+            f", {stats['kept_users']:,} users' histories kept ({stats['events_appended']:,} "
+            f"events appended, {stats['evicted_users']:,} users evicted)"
+        )
     print(
         f"hybridrec serve: stopped after {time.monotonic() - started:,.0f} s: "
-        f"{service.requests:,} requests ({service.refused:,} refused), "
-        f"{current.rows_scored:,} rows scored by version {current.version}"
-        + (f", {service.reloads} reload(s)" if service.reloads else ""),
+        f"{service.requests:,} requests ({service.refused:,} refused), {work}"
+        + (f", {service.reloads} reload(s)" if service.reloads else "")
+        + kept,
         flush=True,
     )
 

@@ -40,6 +40,20 @@ def main(argv: list[str]) -> int:
         "--watch", action="store_true", help="load newer versions of the export as they appear"
     )
     parser.add_argument(
+        "--keep-histories",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sequence runs: keep each user's last N events (POST .../events), so that a "
+        "request may name only the user (0: none kept)",
+    )
+    parser.add_argument(
+        "--max-users",
+        type=int,
+        default=100_000,
+        help="with --keep-histories: users kept, the least recently used evicted",
+    )
+    parser.add_argument(
         "--skip-checksums",
         action="store_true",
         help="check file sizes but not sha256 at load (exports larger than RAM load faster)",
@@ -55,6 +69,8 @@ def main(argv: list[str]) -> int:
         watch=args.watch,
         checksums=not args.skip_checksums,
         tls=TLSFiles.from_flags(args),
+        keep_histories=args.keep_histories,
+        max_users=args.max_users,
     )
     serve(args.export, host=args.host, port=args.port, options=options)
     return 0

@@ -210,11 +210,27 @@ def test_direct_and_dask_write_the_same_bytes(log, tmp_path):
     assert direct.pop("runner").startswith("DirectRunner")
     assert dask.pop("runner").startswith("DaskRunner")
     assert direct == dask
-    for split in direct["splits"].values():
+    for split in [*direct["splits"].values(), direct["item_names"]]:
         for name in split["files"]:
             assert (tmp_path / "direct" / name).read_bytes() == (
                 tmp_path / "dask" / name
             ).read_bytes()
+
+
+def test_item_names_give_every_hashed_item_its_raw_id(log, tmp_path):
+    root, lines = log
+    spec_path = write_spec(root)
+    spec = load_event_spec(spec_path)
+    out = tmp_path / "out"
+    inputs = [root / "events.csv", root / "more.csv"]
+    meta = run(inputs, out, spec_path, chunk_mb=0.05, bucket_mb=0.1).metadata
+    files = meta["item_names"]["files"]
+    assert len(files) > 1  # several buckets
+    table = pa.concat_tables([pq.read_table(out / name) for name in files])
+    names = dict(zip(table.column("item").to_pylist(), table.column("name").to_pylist()))
+    assert len(names) == table.num_rows == meta["item_names"]["rows"]
+    raw = {line.split(",")[1] for line in lines}
+    assert names == {item_id(item, spec): item.encode() for item in raw}
 
 
 def test_user_per_line_and_parquet_inputs_give_the_same_histories(tmp_path):

@@ -1,0 +1,134 @@
+"""What an export of a sequence run holds besides its item table.
+
+    model.stablehlo    the encoder: queries [b, D] = f(rows [b, L, D], lengths [b]), each
+                       history right-padded to L = max_length positions; a query is the
+                       tower's output at the history's last event, as the scores compare it
+                       (L2-normalized for cosine similarity)
+    ranking.stablehlo  with the ranking objective: logits [b, C, A] = f(rows, lengths,
+                       candidates [b, C, D]), the head's score of each candidate for each
+                       action type
+    catalogue.npy      [C] uint64 ascending: the items retrieval ranks (the training
+                       split's, as `hybridrec evaluate` ranks)
+    item_names.parquet item (uint64 ascending) -> name (the raw id, binary): a response's
+                       items are raw ids, as the requests' are
+
+Both modules take the history as the training tower reads an evaluation history: its
+most recent `max_length` items at positions 0, 1, ...; the parameters are constants of the
+module and `b` (and `C`) are symbolic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from flax import nnx
+from hybridrec.model import abstract_train_state, make_mesh
+from hybridrec.model.config import SequenceConfig
+from hybridrec.model.sequence_step import scored
+from hybridrec.pipeline.metadata import EventMetadata
+from hybridrec.serving._format import MODEL_FILE
+from hybridrec.training import RunCheckpoints
+from hybridrec.training.sequences import Catalogue, Histories
+
+RANKING_FILE = "ranking.stablehlo"
+CATALOGUE_FILE = "catalogue.npy"
+ITEM_NAMES_FILE = "item_names.parquet"
+
+
+def restore_sequence_model(run_dir: Path, config: Any, step: int) -> nnx.Module:
+    """The run's sequence tower at `step` on one device, its attention in jax.numpy (an
+    export runs on CPU and CUDA hosts alike)."""
+    sequence = dataclasses.replace(config.model.sequence, attention="reference")
+    config = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, sequence=sequence),
+        mesh=dataclasses.replace(config.mesh, shape=(1,) * len(config.mesh.shape)),
+    )
+    mesh = make_mesh(config.mesh, devices=jax.devices()[:1])
+    abstract = abstract_train_state(
+        config.model, config.optimizer, mesh, num_dense=0, num_features=1,
+        embedding_dim=config.embedding.dim,
+    )  # fmt: skip
+    checkpoints = RunCheckpoints(run_dir, keep=config.checkpoint.keep)
+    try:
+        state = checkpoints.restore_dense(step, abstract)
+    finally:
+        checkpoints.close()
+    params = jax.tree.map(jnp.asarray, jax.device_get(state.params))
+    return nnx.merge(state.graphdef, params)
+
+
+def _last_outputs(model: nnx.Module, rows: jax.Array, lengths: jax.Array) -> jax.Array:
+    """The tower's output at each history's last event, [b, D] (unscored)."""
+    length = rows.shape[1]
+    positions = jnp.zeros(rows.shape[:2], jnp.int32) + jnp.arange(length, dtype=jnp.int32)
+    segments = jnp.where(positions < lengths[:, None], 0, -1).astype(jnp.int32)
+    outputs = model(rows, segments, positions, None)
+    last = jnp.clip(lengths - 1, 0, length - 1)[:, None, None]
+    return jnp.take_along_axis(outputs, last, axis=1)[:, 0]
+
+
+def export_encoder(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes:
+    """Serialized StableHLO: queries [b, D] float32 = f(rows [b, L, D], lengths [b] int32)."""
+
+    def queries(rows, lengths):
+        return scored(_last_outputs(model, rows, lengths), config)
+
+    (batch,) = jax.export.symbolic_shape("b")
+    exported = jax.export.export(jax.jit(queries), platforms=("cpu", "cuda"))(
+        jax.ShapeDtypeStruct((batch, config.max_length, dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+    return bytes(exported.serialize())
+
+
+def export_ranker(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes:
+    """Serialized StableHLO: logits [b, C, A] = f(rows [b, L, D], lengths [b], candidates
+    [b, C, D]): the ranking head's score of each candidate after the history."""
+
+    def logits(rows, lengths, candidates):
+        outputs = _last_outputs(model, rows, lengths)
+        outputs = jnp.broadcast_to(outputs[:, None], candidates.shape)
+        return model.rank(outputs, candidates)
+
+    batch, count = jax.export.symbolic_shape("b, c")
+    exported = jax.export.export(jax.jit(logits), platforms=("cpu", "cuda"))(
+        jax.ShapeDtypeStruct((batch, config.max_length, dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((batch, count, dim), jnp.float32),
+    )
+    return bytes(exported.serialize())
+
+
+def write_sequence_parts(directory: Path, run_dir: Path, config: Any, metadata, step: int):
+    """Writes the modules, the catalogue and the item names into `directory`; returns the
+    features.json entries of a sequence export."""
+    sequence = config.model.sequence
+    model = restore_sequence_model(run_dir, config, step)
+    (directory / MODEL_FILE).write_bytes(export_encoder(model, sequence, config.embedding.dim))
+    if sequence.ranking:
+        (directory / RANKING_FILE).write_bytes(export_ranker(model, sequence, config.embedding.dim))
+    catalogue = Catalogue.of(Histories.read(metadata, config.data.train_split))
+    np.save(directory / CATALOGUE_FILE, catalogue.items)
+    ids, names = metadata.item_names()
+    pq.write_table(pa.table({"item": ids, "name": names}), directory / ITEM_NAMES_FILE)
+    return sequence_features(config, metadata)
+
+
+def sequence_features(config: Any, metadata: EventMetadata) -> dict[str, Any]:
+    sequence = config.model.sequence
+    return {
+        "kind": "sequences",
+        "max_length": sequence.max_length,
+        "similarity": sequence.similarity,
+        "objective": sequence.objective,
+        "action_types": list(metadata.raw["spec"].get("action_types") or []),
+        "exclude_history": config.eval.exclude_history,
+    }

@@ -1,0 +1,27 @@
+"""Loading an export of either kind: a click-log run's or a sequence run's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hybridrec.serving import _format
+
+
+def export_kind(path: str | Path) -> str:
+    """ "clicks" or "sequences": the run kind of the export version `path` resolves to."""
+    version = _format.resolve(path)
+    manifest = _format.read_manifest(version, verify=False)
+    return manifest.get("kind", "clicks")
+
+
+def load_export(path: str | Path, *, max_batch: int, checksums: bool = True) -> Any:
+    """The export at `path` (a version, or a base: its newest), ready to serve: a
+    `ServedModel` for a click-log run, a `ServedSequenceModel` for a sequence run."""
+    if export_kind(path) == "sequences":
+        from hybridrec.serving.sequence_model import ServedSequenceModel
+
+        return ServedSequenceModel(path, max_batch=max_batch, checksums=checksums)
+    from hybridrec.serving.model import ServedModel
+
+    return ServedModel(path, max_batch=max_batch, checksums=checksums)

@@ -1,0 +1,334 @@
+"""A loaded export of a sequence run: retrieval of the next items and ranking of candidates.
+
+    raw item ids ──► ids (hashed as the event job hashes them) ──► rows of the item table
+                     (memory-mapped; an item never trained: its initial row)
+    history rows [n, L, D], lengths [n] ──► encoder (jax.export module) ──► queries [n, D]
+    queries ──► every catalogue item scored, chunk by chunk (exact; int8 exports score
+                their dequantized rows) ──► top-K ──► raw item ids and scores
+    queries, candidates ──► the ranking head (with the ranking objective): a probability
+                per candidate and action type; else each candidate's retrieval score
+
+A history longer than the tower's `max_length` keeps its most recent events, as
+`hybridrec evaluate` reads it. Top-K is ordered by score, ties by catalogue order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pyarrow.parquet as pq
+from hybridrec.pipeline import hashing
+from hybridrec.serving import _format
+from hybridrec.serving.export_sequences import CATALOGUE_FILE, ITEM_NAMES_FILE, RANKING_FILE
+from hybridrec.serving.model import _buckets, _DefaultRows, _load, open_tables
+
+CHUNK = 1 << 17  # catalogue rows scored at once
+ITEM_PREFIX = 1  # the item table's prefix in every event spec (`EventSpec.tables`)
+MIN_CANDIDATES = 8  # candidate lists are padded to a power of two from here
+
+
+@dataclasses.dataclass
+class SequenceQuery:
+    """One request's work: retrieval (`k` > 0) or ranking (`candidates`)."""
+
+    histories: list[np.ndarray]  # per user: item ids, oldest first
+    k: int = 0
+    exclude_history: bool = True
+    candidates: np.ndarray | None = None  # [n, C] item ids
+
+    @property
+    def rows(self) -> int:
+        return len(self.histories)
+
+
+@dataclasses.dataclass
+class SequenceAnswer:
+    """Retrieval: `items` [n, K] ids and `scores` [n, K]; ranking: `scores` [n, C, A]."""
+
+    scores: np.ndarray
+    items: np.ndarray | None
+    truncated: list[int]  # the rows whose history was cut to max_length
+    unseen: int  # items of the histories and candidates that got their initial row
+
+
+class ServedSequenceModel:
+    """One export version of a sequence run.
+
+    Args:
+        path: an export version directory, or a base directory (its newest version).
+        max_batch: the most histories the encoder runs at once (compiled up front).
+        checksums: check every file's sha256 against the manifest first.
+    """
+
+    kind = "sequences"
+
+    def __init__(self, path: str | Path, *, max_batch: int = 64, checksums: bool = True):
+        self.path = _format.resolve(path)
+        self.manifest = _format.read_manifest(self.path, checksums=checksums)
+        self.name = self.manifest["name"]
+        self.version = int(self.manifest["version"])
+        self.precision = self.manifest["precision"]
+        features_path = self.path / _format.FEATURES_FILE
+        try:
+            features = json.loads(features_path.read_text())
+            self.max_length = int(features["max_length"])
+            self.similarity = features["similarity"]
+            self.dim = int(features["embedding_dim"])
+            self.action_types = list(features["action_types"])
+            self.exclude_history = bool(features["exclude_history"])
+            self.prefix_bits = int(features["spec"]["prefix_bits"])
+            default_rows = features["default_rows"]
+            self.table_name = features["feature_tables"]["item"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise _format.ExportError(f"{features_path}: unreadable ({error})") from None
+        self.features = features
+        self.table = open_tables(self.path, [self.table_name], checksums)[self.table_name]
+        self._defaults = _DefaultRows(default_rows)
+        self.catalogue = np.asarray(_load(self.path / CATALOGUE_FILE, np.uint64, 1))
+        self._name_ids, self._names = _read_names(self.path / ITEM_NAMES_FILE)
+        self._encoder = _module(self.path / _format.MODEL_FILE)
+        ranking = self.path / RANKING_FILE
+        self._ranker = _module(ranking) if ranking.exists() else None
+        self.outputs = len(self.action_types) if self._ranker else 1
+        self.scan = self._scan_rows()
+        self.max_batch = max_batch
+        self.buckets = _buckets(max_batch)
+        self._lock = threading.Lock()
+        self.histories_encoded = 0
+        self.unseen_items = 0
+        for bucket in self.buckets:  # compile every shape now, not on a request
+            self._encode_rows(
+                np.zeros((bucket, self.max_length, self.dim), np.float32), np.ones(bucket, np.int32)
+            )
+
+    # ------------------------------------------------------------------ ids and names
+
+    def item_ids(self, names: list[bytes]) -> np.ndarray:
+        """Raw item ids -> [n] uint64 ids, as the event job hashes them."""
+        if not names:
+            return np.zeros(0, np.uint64)
+        raw = hashing.hash_bytes_list(names)
+        missing = np.array([not name for name in names], bool)
+        return hashing.feature_ids(raw, missing, ITEM_PREFIX, self.prefix_bits)
+
+    def item_names(self, ids: np.ndarray) -> list[str]:
+        """Ids -> the raw ids they were hashed from (an id without a name: "#<id>")."""
+        flat = np.asarray(ids, np.uint64).reshape(-1)
+        position = np.minimum(np.searchsorted(self._name_ids, flat), len(self._name_ids) - 1)
+        known = self._name_ids[position] == flat if len(self._name_ids) else np.zeros(0, bool)
+        names = self._names.take(position[known]).to_pylist() if known.any() else []
+        out, taken = [], iter(names)
+        for index, item in enumerate(flat):
+            if len(known) and known[index]:
+                out.append(next(taken).decode("utf-8", "backslashreplace"))
+            else:
+                out.append(f"#{int(item)}")
+        return out
+
+    # ------------------------------------------------------------------ rows
+
+    def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ids [m] uint64 -> (rows [m, D] float32, found [m]: False where the item got its
+        initial row, never trained)."""
+        index, found = self.table.find(ids)
+        if found.all():
+            return self.table.rows(index), found
+        out = np.empty((len(ids), self.dim), np.float32)
+        out[found] = self.table.rows(index[found])
+        out[~found] = self._defaults(self.table_name, ids[~found], self.dim)
+        return out, found
+
+    def _scored(self, rows: np.ndarray) -> np.ndarray:
+        if self.similarity == "cosine":
+            return rows / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1e-6)
+        return rows
+
+    def _scan_rows(self) -> np.ndarray:
+        """[C, D] float32: the catalogue's rows as scores compare them (dequantized)."""
+        out = np.empty((len(self.catalogue), self.dim), np.float32)
+        for start in range(0, len(self.catalogue), CHUNK):
+            ids = self.catalogue[start : start + CHUNK]
+            out[start : start + len(ids)] = self._scored(self.rows(ids)[0])
+        return out
+
+    # ------------------------------------------------------------------ forward
+
+    def _encode_rows(self, rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        n = len(rows)
+        bucket = next(b for b in self.buckets if b >= n)
+        if bucket != n:
+            rows = np.concatenate([rows, np.zeros((bucket - n, *rows.shape[1:]), np.float32)])
+            lengths = np.concatenate([lengths, np.ones(bucket - n, np.int32)])
+        return np.asarray(self._encoder(rows, lengths))[:n]
+
+    def _history_rows(self, histories: list[np.ndarray]):
+        """(rows [n, L, D], lengths [n] int32, truncated rows, per row the items that got
+        their initial row [n]) of histories, each cut to its most recent max_length items."""
+        length = self.max_length
+        kept = [history[-length:] for history in histories]
+        truncated = [i for i, history in enumerate(histories) if len(history) > length]
+        lengths = np.array([len(history) for history in kept], np.int32)
+        ids = np.concatenate(kept) if kept else np.zeros(0, np.uint64)
+        flat, found = self.rows(ids)
+        rows = np.zeros((len(kept), length, self.dim), np.float32)
+        place = np.arange(length)[None, :] < lengths[:, None]
+        rows[place] = flat
+        unseen = np.bincount(np.repeat(np.arange(len(kept)), lengths)[~found], minlength=len(kept))
+        with self._lock:
+            self.unseen_items += int(unseen.sum())
+            self.histories_encoded += len(kept)
+        return rows, lengths, truncated, unseen
+
+    def encode(self, histories: list[np.ndarray]) -> tuple[np.ndarray, list[int], int]:
+        """Histories (item ids, oldest first; none empty) -> (queries [n, D], truncated rows,
+        per row the items that got their initial row)."""
+        rows, lengths, truncated, unseen = self._history_rows(histories)
+        parts = [
+            self._encode_rows(rows[start : start + self.max_batch], lengths[start : start + self.max_batch])
+            for start in range(0, len(rows), self.max_batch)
+        ]  # fmt: skip
+        queries = np.concatenate(parts) if parts else np.zeros((0, self.dim), np.float32)
+        return queries, truncated, unseen
+
+    def top_k(
+        self, queries: np.ndarray, k: int, exclude: list[np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(items [n, k] uint64, scores [n, k] float32): the best `k` catalogue items per
+        query by score (ties: catalogue order), leaving out each row's `exclude` items."""
+        n = len(queries)
+        k = min(k, len(self.catalogue))
+        best_scores = np.full((n, 0), -np.inf, np.float32)
+        best_index = np.zeros((n, 0), np.int64)
+        masked_rows, masked_at = _positions(self.catalogue, exclude or [])
+        for start in range(0, len(self.catalogue), CHUNK):
+            scores = queries @ self.scan[start : start + CHUNK].T
+            inside = (masked_at >= start) & (masked_at < start + scores.shape[1])
+            scores[masked_rows[inside], masked_at[inside] - start] = -np.inf
+            index = np.arange(start, start + scores.shape[1])
+            scores = np.concatenate([best_scores, scores], axis=1)
+            index = np.concatenate([best_index, np.broadcast_to(index, (n, len(index)))], axis=1)
+            if scores.shape[1] > k:
+                keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+                scores = np.take_along_axis(scores, keep, axis=1)
+                index = np.take_along_axis(index, keep, axis=1)
+            best_scores, best_index = scores, index
+        order = np.lexsort((best_index, -best_scores), axis=1)
+        best_scores = np.take_along_axis(best_scores, order, axis=1)
+        best_index = np.take_along_axis(best_index, order, axis=1)
+        return self.catalogue[best_index], best_scores
+
+    def score_candidates(
+        self, histories: list[np.ndarray], candidates: np.ndarray
+    ) -> tuple[np.ndarray, list[int], int]:
+        """(scores [n, C, A], truncated rows, unseen candidates) of candidate item ids
+        [n, C] after each history: the ranking head's probability per action type, or
+        without one the retrieval score ([n, C, 1])."""
+        n, count = candidates.shape
+        flat, found = self.rows(candidates.reshape(-1))
+        unseen = int(np.count_nonzero(~found))
+        with self._lock:
+            self.unseen_items += unseen
+        candidate_rows = flat.reshape(n, count, self.dim)
+        if self._ranker is None:
+            queries, truncated, seen_unseen = self.encode(histories)
+            scores = np.einsum("nd,ncd->nc", queries, self._scored(candidate_rows))
+            return scores[..., None].astype(np.float32), truncated, unseen + int(seen_unseen.sum())
+        rows, lengths, truncated, history_unseen = self._history_rows(histories)
+        unseen += int(history_unseen.sum())
+        width = max(MIN_CANDIDATES, 1 << (count - 1).bit_length())
+        padded = np.zeros((n, width, self.dim), np.float32)
+        padded[:, :count] = candidate_rows
+        out = []
+        for start in range(0, n, self.max_batch):
+            stop = min(start + self.max_batch, n)
+            bucket = next(b for b in self.buckets if b >= stop - start)
+            pad = bucket - (stop - start)
+            logits = self._ranker(
+                np.concatenate([rows[start:stop], np.zeros((pad, *rows.shape[1:]), np.float32)]),
+                np.concatenate([lengths[start:stop], np.ones(pad, np.int32)]),
+                np.concatenate([padded[start:stop], np.zeros((pad, width, self.dim), np.float32)]),
+            )
+            out.append(np.asarray(logits)[: stop - start, :count])
+        logits = np.concatenate(out).astype(np.float64)
+        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32), truncated, unseen
+
+    # ------------------------------------------------------------------ batches
+
+    def run_batch(self, queries: list[SequenceQuery]) -> list[SequenceAnswer | Exception]:
+        """Every request of a batch: the retrieval ones share one encoder pass and one scan
+        of the catalogue."""
+        answers: list[Any] = [None] * len(queries)
+        retrieval = [i for i, query in enumerate(queries) if query.candidates is None]
+        if retrieval:
+            histories = [h for i in retrieval for h in queries[i].histories]
+            encoded, truncated, unseen = self.encode(histories)
+            exclude = [
+                h if queries[i].exclude_history else np.zeros(0, np.uint64)
+                for i in retrieval
+                for h in queries[i].histories
+            ]
+            k = max(queries[i].k for i in retrieval)
+            items, scores = self.top_k(encoded, k, exclude)
+            start = 0
+            for i in retrieval:
+                stop = start + queries[i].rows
+                k_i = min(queries[i].k, items.shape[1])
+                mine = [t - start for t in truncated if start <= t < stop]
+                answers[i] = SequenceAnswer(
+                    scores[start:stop, :k_i],
+                    items[start:stop, :k_i],
+                    mine,
+                    int(unseen[start:stop].sum()),
+                )
+                start = stop
+        for i, query in enumerate(queries):
+            if query.candidates is not None:
+                scores, truncated, unseen = self.score_candidates(query.histories, query.candidates)
+                answers[i] = SequenceAnswer(scores, None, truncated, unseen)
+        return answers
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "histories_encoded": self.histories_encoded,
+                "unseen_items": self.unseen_items,
+                "catalogue": len(self.catalogue),
+            }
+
+    def close(self) -> None:
+        self._defaults.close()
+
+
+def _module(path: Path):
+    try:
+        exported = jax.export.deserialize(bytearray(path.read_bytes()))
+    except Exception as error:  # noqa: BLE001 - any decoding failure names the file
+        raise _format.ExportError(f"{path}: not a jax.export module ({error})") from None
+    return jax.jit(exported.call)
+
+
+def _read_names(path: Path):
+    try:
+        table = pq.read_table(path)
+        ids = table.column("item").to_numpy().astype(np.uint64)
+        names = table.column("name").combine_chunks()
+    except (OSError, KeyError, ValueError) as error:
+        raise _format.ExportError(f"{path}: unreadable item names ({error})") from None
+    return ids, names
+
+
+def _positions(catalogue: np.ndarray, exclude: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(row, catalogue position) of every excluded item that is in the catalogue."""
+    if not exclude:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    rows = np.repeat(np.arange(len(exclude)), [len(e) for e in exclude])
+    items = np.concatenate(exclude).astype(np.uint64) if len(rows) else np.zeros(0, np.uint64)
+    position = np.minimum(np.searchsorted(catalogue, items), max(len(catalogue) - 1, 0))
+    hit = catalogue[position] == items if len(catalogue) else np.zeros(len(items), bool)
+    return rows[hit], position[hit]

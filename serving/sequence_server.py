@@ -1,0 +1,229 @@
+"""The requests of a served sequence run (Open Inference Protocol, KServe v2 REST).
+
+    POST /v2/models/{name}/infer    retrieval, or ranking when `candidates` is given
+    POST /v2/models/{name}/events   append users' new events (a server that keeps them)
+
+An infer request names its users' histories as raw item ids, oldest first:
+
+    history     BYTES [total]      every user's recent items, user after user
+    lengths     INT64 [n]          items per user (absent: `history` is one user's)
+    users       BYTES [n]          users whose kept events come first (`--keep-histories`);
+                                   with `history` and `lengths`, the request's events follow
+                                   theirs (a length may then be 0)
+    candidates  BYTES [n, C]       ranking: C items per user to score
+
+and `parameters`: `k` (retrieval: how many items, default 10) and `exclude_history`
+(leave the history's own items out of the top-K; default: as the run was evaluated).
+
+A retrieval answer is `items` BYTES [n, k] (raw item ids, best first) and `scores` FP32
+[n, k]; a ranking answer `scores` FP32 [n, C, A]: per candidate a probability per action
+type (the ranking objective's head; `parameters.actions` names them), or without a head
+one retrieval score (A = 1). `parameters.truncated` lists the users whose history was cut
+to the model's `max_length` most recent items; `parameters.unseen_items` counts the items
+never trained (scored from their initial rows).
+
+An events request is `users` BYTES [m] and `items` BYTES [m]: event i is user i's, in
+order. Every bad request is a 4xx with `{"error": ...}` naming the input or parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from hybridrec.serving.protocol import ProtocolError, decode_inputs, parse_body
+from hybridrec.serving.sequence_model import SequenceQuery, ServedSequenceModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+INPUTS = ("history", "lengths", "users", "candidates")
+DEFAULT_K = 10
+
+
+def metadata(model: ServedSequenceModel, histories: Any) -> dict[str, Any]:
+    """`GET /v2/models/{name}` of a sequence model."""
+    return {
+        "name": model.name,
+        "versions": [str(model.version)],
+        "platform": "hybridrec_jax_export",
+        "inputs": [
+            {"name": "history", "datatype": "BYTES", "shape": [-1]},
+            {"name": "lengths", "datatype": "INT64", "shape": [-1]},
+            {"name": "users", "datatype": "BYTES", "shape": [-1]},
+            {"name": "candidates", "datatype": "BYTES", "shape": [-1, -1]},
+        ],
+        "outputs": [
+            {"name": "items", "datatype": "BYTES", "shape": [-1, -1]},
+            {"name": "scores", "datatype": "FP32", "shape": [-1, -1]},
+        ],
+        "parameters": {
+            "kind": "sequences",
+            "step": model.manifest["step"],
+            "precision": model.precision,
+            "max_length": model.max_length,
+            "catalogue": len(model.catalogue),
+            "similarity": model.similarity,
+            "actions": model.action_types if model.outputs > 1 else [],
+            "exclude_history": model.exclude_history,
+            "keeps_histories": histories is not None,
+        },
+    }
+
+
+def _bytes_input(inputs: dict, name: str, dims: int) -> tuple[list[int], list[bytes]]:
+    datatype, shape, values = inputs[name]
+    if datatype != "BYTES":
+        raise ProtocolError(f"input {name!r} must be BYTES (raw item or user ids), got {datatype}")
+    if len(shape) != dims:
+        raise ProtocolError(f"input {name!r} must have {dims} dimension(s), got shape {shape}")
+    return shape, values
+
+
+def _parameter(parsed: dict, name: str, default: Any) -> Any:
+    parameters = parsed.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise ProtocolError("'parameters' must be an object")
+    return parameters.get(name, default)
+
+
+def parse_query(
+    model: ServedSequenceModel, parsed: dict, binary: bytes, histories: Any, max_rows: int
+) -> SequenceQuery:
+    """An infer request -> the histories (item ids) and what to do with them."""
+    inputs = decode_inputs(parsed, binary)
+    unknown = sorted(set(inputs) - set(INPUTS))
+    if unknown:
+        raise ProtocolError(
+            f"unknown input(s) {unknown}: a sequence model takes {', '.join(INPUTS)}"
+        )
+    if "history" not in inputs and "users" not in inputs:
+        raise ProtocolError("send the users' events as 'history' (and 'lengths'), or 'users'")
+    kept: list[np.ndarray] | None = None
+    if "users" in inputs:
+        shape, users = _bytes_input(inputs, "users", 1)
+        kept = _kept(users, histories, new_events="history" in inputs)
+    new: list[np.ndarray] | None = None
+    if "history" in inputs:
+        _, items = _bytes_input(inputs, "history", 1)
+        new = _split(model.item_ids(items), inputs.get("lengths"), len(items))
+    if kept is not None and new is not None and len(kept) != len(new):
+        raise ProtocolError(f"'users' names {len(kept)} users but 'lengths' {len(new)}")
+    if kept is None:
+        user_histories = new
+    elif new is None:
+        user_histories = kept
+    else:
+        user_histories = [np.concatenate([k, n]) for k, n in zip(kept, new, strict=True)]
+    if len(user_histories) > max_rows:
+        raise ProtocolError(f"{len(user_histories)} users exceed the limit of {max_rows}", 413)
+    for row, history in enumerate(user_histories):
+        if not len(history):
+            raise ProtocolError(f"the history of user row {row} is empty: nothing to follow")
+    exclude = _parameter(parsed, "exclude_history", model.exclude_history)
+    if not isinstance(exclude, bool):
+        raise ProtocolError(f"parameter 'exclude_history' must be true or false, got {exclude!r}")
+    if "candidates" in inputs:
+        shape, names = _bytes_input(inputs, "candidates", 2)
+        if shape[0] != len(user_histories) or shape[1] < 1:
+            raise ProtocolError(
+                f"input 'candidates' must have shape [{len(user_histories)}, C >= 1] (one "
+                f"list a user), got {shape}"
+            )
+        candidates = model.item_ids(names).reshape(shape)
+        return SequenceQuery(user_histories, candidates=candidates)
+    k = _parameter(parsed, "k", DEFAULT_K)
+    catalogue = len(model.catalogue)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= catalogue:
+        raise ProtocolError(
+            f"parameter 'k' = {k!r} must be an integer from 1 to the catalogue's {catalogue:,} "
+            "items"
+        )
+    return SequenceQuery(user_histories, k=k, exclude_history=exclude)
+
+
+def _kept(users: list[bytes], histories: Any, *, new_events: bool) -> list[np.ndarray]:
+    if histories is None:
+        raise ProtocolError(
+            "input 'users': this server keeps no histories (start it with `hybridrec serve "
+            "--keep-histories N`); send the users' events as 'history' and 'lengths'"
+        )
+    out = []
+    for user in users:
+        found = histories.get(user)
+        if found is None and not new_events:
+            shown = user.decode("utf-8", "backslashreplace")
+            raise ProtocolError(
+                f"input 'users': no kept events of user {shown!r} (append them with "
+                "POST .../events, or send them as 'history')",
+                404,
+            )
+        out.append(found if found is not None else np.zeros(0, np.uint64))
+    return out
+
+
+def _split(ids: np.ndarray, lengths: Any, total: int) -> list[np.ndarray]:
+    """`history` ids -> one array a user, by `lengths` (absent: all one user's)."""
+    if lengths is None:
+        return [ids]
+    datatype, shape, values = lengths
+    if datatype not in ("INT64", "UINT64") or len(shape) != 1:
+        raise ProtocolError(f"input 'lengths' must be INT64 [n], got {datatype} {shape}")
+    values = values.astype(np.int64)
+    if (values < 0).any() or int(values.sum()) != total:
+        raise ProtocolError(
+            f"input 'lengths' must be non-negative and sum to the {total} items of 'history', "
+            f"got a sum of {int(values.sum())}"
+        )
+    return np.split(ids, np.cumsum(values)[:-1])
+
+
+async def infer(service, request: Request, model: ServedSequenceModel) -> Response:
+    body = await service.read_body(request)
+    parsed, binary = parse_body(body, request.headers)
+    query = parse_query(model, parsed, binary, service.histories, service.options.max_rows)
+    answer = await service.batcher.submit(model, query, query.rows)
+    response: dict[str, Any] = {"model_name": model.name, "model_version": str(model.version)}
+    if "id" in parsed:
+        response["id"] = parsed["id"]
+    response["parameters"] = {"truncated": answer.truncated, "unseen_items": answer.unseen}
+    scores = {
+        "name": "scores",
+        "datatype": "FP32",
+        "shape": list(answer.scores.shape),
+        "data": answer.scores.reshape(-1).tolist(),
+    }
+    if answer.items is None:
+        if model.outputs > 1:
+            response["parameters"]["actions"] = model.action_types
+        response["outputs"] = [scores]
+    else:
+        items = {
+            "name": "items",
+            "datatype": "BYTES",
+            "shape": list(answer.items.shape),
+            "data": model.item_names(answer.items),
+        }
+        response["outputs"] = [items, scores]
+    return Response(json.dumps(response).encode(), media_type="application/json")
+
+
+async def append_events(service, request: Request, model: ServedSequenceModel) -> Response:
+    if service.histories is None:
+        raise ProtocolError(
+            "this server keeps no histories: start it with `hybridrec serve --keep-histories N`"
+        )
+    body = await service.read_body(request)
+    parsed, binary = parse_body(body, request.headers)
+    inputs = decode_inputs(parsed, binary)
+    if set(inputs) != {"users", "items"}:
+        raise ProtocolError(f"inputs {sorted(inputs)}: an events request is 'users' and 'items'")
+    (count,), users = _bytes_input(inputs, "users", 1)
+    shape, items = _bytes_input(inputs, "items", 1)
+    if shape[0] != count:
+        raise ProtocolError(f"'users' has {count} events but 'items' {shape[0]}")
+    for name, values in (("users", users), ("items", items)):
+        if any(not value for value in values):
+            raise ProtocolError(f"input {name!r}: an event has an empty id")
+    touched = service.histories.append(users, model.item_ids(items))
+    return JSONResponse({"events": count, "users": touched, **service.histories.stats()})
