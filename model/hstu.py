@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from hybridrec.model.hstu_attention import hstu_attention
-from hybridrec.model.layers import linear
+from hybridrec.model.hstu_attention import hstu_attention, hstu_attention_cached
+from hybridrec.model.layers import linear, place_positions
 
 
 class HSTUBlock(nnx.Module):
@@ -48,23 +48,53 @@ class HSTUBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, segments: jax.Array) -> jax.Array:
         """x: [batch, length, dim]; segments: [batch, length] int32 (negative: padding)."""
-        batch, length, _ = x.shape
-        heads, head_dim = self.heads, self.head_dim
-        uvqk = jax.nn.silu(self.uvqk(self.norm_in(x)))
-        u, v, q, k = jnp.split(uvqk, 4, axis=-1)
-        v, q, k = (t.reshape(batch, length, heads, head_dim) for t in (v, q, k))
+        u, v, q, k = self._uvqk(x)
         attended = hstu_attention(
             q,
             k,
             v,
             segments,
             self.relative_bias[...],
-            alpha=head_dim**-0.5,
+            alpha=self.head_dim**-0.5,
             inv_norm=1.0 / self.max_distance,
             max_distance=self.max_distance,
             implementation=self.implementation,
         )
-        attended = self.norm_attended(attended.reshape(batch, length, heads * head_dim))
+        return self._gated(x, attended, u)
+
+    def extend(self, x, positions, key_count, cache_k, cache_v, prefix):
+        """The block at a history's new positions, over its cached keys and values.
+
+        x: [batch, n, dim] at `positions` [batch, n] = prefix + 0..n-1; cache_k, cache_v:
+        [batch, L, heads, head_dim] of the first `prefix` [batch] positions; key_count
+        [batch]: positions that exist after this step. Returns (x, the caches with the new
+        positions' keys and values)."""
+        u, v, q, k = self._uvqk(x)
+        cache_k = place_positions(cache_k, k, prefix)
+        cache_v = place_positions(cache_v, v, prefix)
+        attended = hstu_attention_cached(
+            q,
+            cache_k,
+            cache_v,
+            positions,
+            key_count,
+            self.relative_bias[...],
+            alpha=self.head_dim**-0.5,
+            inv_norm=1.0 / self.max_distance,
+            max_distance=self.max_distance,
+        )
+        return self._gated(x, attended, u), cache_k, cache_v
+
+    def _uvqk(self, x):
+        batch, length, _ = x.shape
+        uvqk = jax.nn.silu(self.uvqk(self.norm_in(x)))
+        u, v, q, k = jnp.split(uvqk, 4, axis=-1)
+        shape = (batch, length, self.heads, self.head_dim)
+        return u, v.reshape(shape), q.reshape(shape), k.reshape(shape)
+
+    def _gated(self, x, attended, u):
+        batch, length = x.shape[:2]
+        attended = self.norm_attended(attended.reshape(batch, length, -1))
         return x + self.out(attended * u)
 
 
@@ -103,6 +133,16 @@ class HSTUEncoder(nnx.Module):
         for index in range(self.num_blocks):
             x = getattr(self, f"block_{index}")(x, segments)
         return self.norm_out(x)
+
+    def extend(self, x, positions, key_count, cache_k, cache_v, prefix):
+        """`HSTUBlock.extend` through every block; caches [blocks, batch, L, heads, dim]."""
+        keys, values = [], []
+        for index in range(self.num_blocks):
+            block = getattr(self, f"block_{index}")
+            x, k, v = block.extend(x, positions, key_count, cache_k[index], cache_v[index], prefix)
+            keys.append(k)
+            values.append(v)
+        return self.norm_out(x), jnp.stack(keys), jnp.stack(values)
 
 
 def hstu_flops_per_token(

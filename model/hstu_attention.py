@@ -86,6 +86,34 @@ def hstu_attention_reference(
     return out.astype(q.dtype)
 
 
+def hstu_attention_cached(
+    q, k, v, q_positions, key_count, bias, *, alpha: float, inv_norm: float, max_distance: int
+):
+    """The attention of a history's new positions over all of its keys (a served history
+    extended by its new events, the earlier keys and values cached).
+
+    Args:
+        q: [batch, n, heads, dim] the new positions' queries, at `q_positions` [batch, n].
+        k, v: [batch, L, heads, dim] the keys and values of positions 0..L-1, of which the
+            first `key_count` [batch] exist.
+        bias, alpha, inv_norm, max_distance: as `hstu_attention_reference`.
+    Returns:
+        [batch, n, heads, dim]: what the reference computes at those positions for one
+        history of `key_count` events.
+    """
+    keys = jnp.arange(k.shape[1])[None, None, :]
+    distance = jnp.maximum(q_positions[:, :, None] - keys, 0)  # [batch, n, L]
+    buckets = relative_bucket(distance, bias.shape[1], max_distance)
+    scores = jnp.einsum("bihd,bjhd->bhij", q, k, preferred_element_type=jnp.float32)
+    scores = scores * alpha + jnp.moveaxis(bias[:, buckets], 0, 1).astype(jnp.float32)
+    live = (keys <= q_positions[:, :, None]) & (keys < key_count[:, None, None])
+    weights = jnp.where(live[:, None], jax.nn.silu(scores), 0.0) * inv_norm
+    out = jnp.einsum(
+        "bhij,bjhd->bihd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    return out.astype(q.dtype)
+
+
 def block_bounds(segments, block_q: int, block_k: int):
     """The blocks a tile loop visits, from the segments' runs.
 

@@ -88,3 +88,16 @@ def flat_input(dtype, embeddings: jax.Array, dense: jax.Array) -> jax.Array:
     embeddings, dense = cast(dtype, embeddings, dense)
     flat = embeddings.reshape(embeddings.shape[0], -1)  # [B, F*D]
     return jnp.concatenate([dense, flat], axis=-1)
+
+
+def place_positions(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """`cache` [b, L, ...] with `new` [b, n, ...] written at positions start[b] ..
+    start[b] + n - 1 of each row (what falls beyond L is dropped)."""
+    length, count = cache.shape[1], new.shape[1]
+    index = jnp.arange(length)[None, :] - start[:, None]  # [b, L]: which new row lands there
+    inside = (index >= 0) & (index < count)
+    trailing = (1,) * (cache.ndim - 2)
+    gathered = jnp.take_along_axis(
+        new, jnp.clip(index, 0, count - 1).reshape(*index.shape, *trailing), axis=1
+    )
+    return jnp.where(inside.reshape(*inside.shape, *trailing), gathered, cache)

@@ -25,7 +25,7 @@ from flax import nnx
 from hybridrec.model.config import SequenceConfig
 from hybridrec.model.hstu import HSTUEncoder
 from hybridrec.model.hstu_attention import live_pairs
-from hybridrec.model.layers import linear
+from hybridrec.model.layers import linear, place_positions
 
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
@@ -53,6 +53,29 @@ class _Positions(nnx.Module):
         return dropout(x, rate, rng)
 
 
+def cached_live(positions: jax.Array, key_count: jax.Array, length: int) -> jax.Array:
+    """[b, n, L] bool: new position i sees key j when j <= positions[i] and j < key_count."""
+    keys = jnp.arange(length)[None, None, :]
+    return (keys <= positions[:, :, None]) & (keys < key_count[:, None, None])
+
+
+def extend_history(tower, x, positions, count, cache_k, cache_v):
+    """A tower's outputs at a history's new events, its earlier ones cached.
+
+    Args:
+        tower: a sequence tower with `extend` (SASRec, HSTU).
+        x: [b, n, D] the new events' item rows, at `positions` [b, n] = prefix + 0..n-1
+            (prefix [b]: the events cached).
+        count: [b] how many of the n are events (the rest padding).
+        cache_k, cache_v: [blocks, b, L, heads, head_dim], the keys and values of each
+            block at positions 0..prefix-1 (`tower.cache_shape()`); L the longest history.
+    Returns:
+        (outputs [b, n, D], the caches with the new events' keys and values): the outputs
+        equal the full forward pass's over the whole history at those positions.
+    """
+    return tower.extend(x, positions, count, cache_k, cache_v)
+
+
 class SASRecBlock(nnx.Module):
     """x + attention(norm(x)); then x + ffn(norm(x)), with dropout after each."""
 
@@ -67,9 +90,25 @@ class SASRecBlock(nnx.Module):
         self.ffn_out = linear(dim, dim, ("mlp", None), dtype=dtype, rngs=rngs)
 
     def __call__(self, x, live, rate: float, rng) -> jax.Array:
+        q, k, v = self._qkv(x)
+        return self._attend(x, q, k, v, live, rate, rng)
+
+    def extend(self, x, live, cache_k, cache_v, prefix):
+        """The block at a history's new positions (x [b, n, D]) over the cached keys and
+        values of its first `prefix` [b] positions (cache_k, cache_v [b, L, heads, dim]);
+        `live` [b, 1, n, L]. Returns (x, the caches with the new positions written)."""
+        q, k, v = self._qkv(x)
+        cache_k = place_positions(cache_k, k, prefix)
+        cache_v = place_positions(cache_v, v, prefix)
+        return self._attend(x, q, cache_k, cache_v, live, 0.0, None), cache_k, cache_v
+
+    def _qkv(self, x):
         rows, length, _ = x.shape
         q, k, v = jnp.split(self.qkv(self.norm_attention(x)), 3, axis=-1)
-        q, k, v = (t.reshape(rows, length, self.heads, self.head_dim) for t in (q, k, v))
+        return (t.reshape(rows, length, self.heads, self.head_dim) for t in (q, k, v))
+
+    def _attend(self, x, q, k, v, live, rate: float, rng) -> jax.Array:
+        rows, length, _ = x.shape
         scores = jnp.einsum("bihd,bjhd->bhij", q, k, preferred_element_type=jnp.float32)
         scores = jnp.where(live, scores * self.head_dim**-0.5, -1e9)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -102,6 +141,24 @@ class SASRec(nnx.Module):
             x = getattr(self, f"block_{index}")(x, live, self.rate, keys[index + 1])
         return self.norm_out(x)
 
+    def cache_shape(self) -> tuple[int, int, int]:
+        """(blocks, heads, head dim) of the keys and values `extend` caches per position."""
+        return self.num_blocks, self.block_0.heads, self.block_0.head_dim
+
+    def extend(self, x, positions, count, cache_k, cache_v):
+        """The outputs at a history's new events from the cached keys and values of its
+        earlier ones (`extend_history`'s arguments)."""
+        prefix = positions[:, 0]
+        x = self.positions(x, positions, 0.0, None)
+        live = cached_live(positions, prefix + count, cache_k.shape[2])[:, None]
+        keys, values = [], []
+        for index in range(self.num_blocks):
+            block = getattr(self, f"block_{index}")
+            x, k, v = block.extend(x, live, cache_k[index], cache_v[index], prefix)
+            keys.append(k)
+            values.append(v)
+        return self.norm_out(x), jnp.stack(keys), jnp.stack(values)
+
 
 class HSTU(nnx.Module):
     """HSTU over packed rows: `tower(x, segments, positions, rng=None) -> [R, L, D]`."""
@@ -124,6 +181,15 @@ class HSTU(nnx.Module):
     def __call__(self, x, segments, positions, rng=None) -> jax.Array:
         x = self.positions(x, positions, self.rate, rng)
         return self.encoder(x, jnp.where(segments >= 0, segments, -1))
+
+    def cache_shape(self) -> tuple[int, int, int]:
+        block = self.encoder.block_0
+        return self.encoder.num_blocks, block.heads, block.head_dim
+
+    def extend(self, x, positions, count, cache_k, cache_v):
+        prefix = positions[:, 0]
+        x = self.positions(x, positions, 0.0, None)
+        return self.encoder.extend(x, positions, prefix + count, cache_k, cache_v, prefix)
 
 
 class RankingHead(nnx.Module):
@@ -151,6 +217,11 @@ class Ranked(nnx.Module):
 
     def rank(self, outputs: jax.Array, items: jax.Array) -> jax.Array:
         return self.head(outputs, items)
+
+    def __getattr__(self, name: str):
+        if name in ("extend", "cache_shape"):  # the tower's, where it has them
+            return getattr(self.tower, name)
+        raise AttributeError(name)
 
 
 def with_ranking_head(tower: nnx.Module, config: SequenceConfig, *, dim: int, dtype, rngs):

@@ -104,7 +104,9 @@ class EventMetadata(_Splits):
             try:
                 tables.append(pq.read_table(self.root / name))
             except (OSError, pa.ArrowInvalid) as error:
-                raise UserError(f"{self.root / name}: cannot read its item names: {error}") from None
+                raise UserError(
+                    f"{self.root / name}: cannot read its item names: {error}"
+                ) from None
         if not tables:
             return np.zeros(0, np.uint64), pa.array([], pa.large_binary())
         table = pa.concat_tables(tables)

@@ -2,11 +2,15 @@
 
 Public surface:
     export_run(run_dir, out, step=, precision=)   a run's checkpoint -> a versioned export
-    ServedModel(path)                              a loaded export: encode_rows, predict
+    ServedModel(path)                              a click-log run's export: encode_rows, predict
+    ServedSequenceModel(path)                      a sequence run's export: encode, top_k,
+                                                   score_candidates
+    load_export(path, max_batch=)                  either, by the export's kind
     ExportError                                    a bad or incomplete export (names the file)
     MANIFEST_FILE, versions(base)                  a version's manifest; an export's versions
     create_app(path, ...) / serve(path, ...)       the Open Inference Protocol (KServe v2) server
     demo_score(export_dir, rows)                   start a server, score rows over HTTP, stop it
+    demo_top_k(export_dir, histories, k=)          the same for a sequence run's next items
 """
 
 from hybridrec.serving._format import MANIFEST_FILE, ExportError, versions
@@ -15,9 +19,12 @@ __all__ = [
     "MANIFEST_FILE",
     "ExportError",
     "ServedModel",
+    "ServedSequenceModel",
     "create_app",
     "demo_score",
+    "demo_top_k",
     "export_run",
+    "load_export",
     "serve",
     "versions",
 ]
@@ -37,8 +44,16 @@ def __getattr__(name):
         from hybridrec.serving import server
 
         return getattr(server, name)
-    if name == "demo_score":
-        from hybridrec.serving.demo import demo_score
+    if name == "ServedSequenceModel":
+        from hybridrec.serving.sequence_model import ServedSequenceModel
 
-        return demo_score
+        return ServedSequenceModel
+    if name == "load_export":
+        from hybridrec.serving.load import load_export
+
+        return load_export
+    if name in ("demo_score", "demo_top_k"):
+        from hybridrec.serving import demo
+
+        return getattr(demo, name)
     raise AttributeError(f"module 'serving' has no attribute {name!r}")

@@ -4,6 +4,11 @@
                        history right-padded to L = max_length positions; a query is the
                        tower's output at the history's last event, as the scores compare it
                        (L2-normalized for cosine similarity)
+    extend.stablehlo   towers with `extend` (SASRec, HSTU): (queries [b, D], keys, values)
+                       = f(rows [b, n, D] of new events, prefix [b], count [b], keys,
+                       values [blocks, b, L, heads, head_dim] of the earlier events): a
+                       kept history's query from its cached keys and values, computing
+                       only its new events (`model.sequence.extend_history`)
     ranking.stablehlo  with the ranking objective: logits [b, C, A] = f(rows, lengths,
                        candidates [b, C, D]), the head's score of each candidate for each
                        action type
@@ -31,6 +36,7 @@ import pyarrow.parquet as pq
 from flax import nnx
 from hybridrec.model import abstract_train_state, make_mesh
 from hybridrec.model.config import SequenceConfig
+from hybridrec.model.sequence import extend_history
 from hybridrec.model.sequence_step import scored
 from hybridrec.pipeline.metadata import EventMetadata
 from hybridrec.serving._format import MODEL_FILE
@@ -38,6 +44,7 @@ from hybridrec.training import RunCheckpoints
 from hybridrec.training.sequences import Catalogue, Histories
 
 RANKING_FILE = "ranking.stablehlo"
+EXTEND_FILE = "extend.stablehlo"
 CATALOGUE_FILE = "catalogue.npy"
 ITEM_NAMES_FILE = "item_names.parquet"
 
@@ -89,6 +96,31 @@ def export_encoder(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes
     return bytes(exported.serialize())
 
 
+def export_extend(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes:
+    """Serialized StableHLO: (queries [b, D], keys, values) = f(rows [b, n, D], prefix [b],
+    count [b], keys, values [blocks, b, L, heads, head_dim]); the query is the output at
+    each row's last new event (position prefix + count - 1)."""
+    blocks, heads, head_dim = model.cache_shape()
+
+    def extend(rows, prefix, count, keys, values):
+        positions = prefix[:, None] + jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :]
+        outputs, keys, values = extend_history(model, rows, positions, count, keys, values)
+        last = jnp.clip(count - 1, 0, rows.shape[1] - 1)[:, None, None]
+        query = jnp.take_along_axis(outputs, last, axis=1)[:, 0]
+        return scored(query, config), keys, values
+
+    batch, new = jax.export.symbolic_shape("b, n")
+    cache = jax.ShapeDtypeStruct((blocks, batch, config.max_length, heads, head_dim), jnp.float32)
+    exported = jax.export.export(jax.jit(extend), platforms=("cpu", "cuda"))(
+        jax.ShapeDtypeStruct((batch, new, dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        cache,
+        cache,
+    )
+    return bytes(exported.serialize())
+
+
 def export_ranker(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes:
     """Serialized StableHLO: logits [b, C, A] = f(rows [b, L, D], lengths [b], candidates
     [b, C, D]): the ranking head's score of each candidate after the history."""
@@ -113,13 +145,19 @@ def write_sequence_parts(directory: Path, run_dir: Path, config: Any, metadata, 
     sequence = config.model.sequence
     model = restore_sequence_model(run_dir, config, step)
     (directory / MODEL_FILE).write_bytes(export_encoder(model, sequence, config.embedding.dim))
+    cached = hasattr(getattr(model, "tower", model), "extend")
+    if cached:
+        (directory / EXTEND_FILE).write_bytes(export_extend(model, sequence, config.embedding.dim))
     if sequence.ranking:
         (directory / RANKING_FILE).write_bytes(export_ranker(model, sequence, config.embedding.dim))
     catalogue = Catalogue.of(Histories.read(metadata, config.data.train_split))
     np.save(directory / CATALOGUE_FILE, catalogue.items)
     ids, names = metadata.item_names()
     pq.write_table(pa.table({"item": ids, "name": names}), directory / ITEM_NAMES_FILE)
-    return sequence_features(config, metadata)
+    features = sequence_features(config, metadata)
+    if cached:
+        features["cache_shape"] = list(model.cache_shape())
+    return features
 
 
 def sequence_features(config: Any, metadata: EventMetadata) -> dict[str, Any]:

@@ -1,14 +1,19 @@
 """Users' recent events kept by the server, so that a request may name only the user.
 
-Memory is bounded twice: each user keeps the last `max_events` item ids, and at most
-`max_users` users are kept, the least recently used (appended to or read) evicted first.
-The histories outlive a model version: `serve --watch` swaps the model, not the events.
+Memory is bounded: each user keeps the last `max_events` item ids, at most `max_users`
+users are kept, the least recently used (appended to or read) evicted first, and the
+towers' caches of kept histories (their keys and values, `serving.sequence_model.
+CachedHistory`: a request then computes only the user's new events) take at most
+`cache_bytes`, the least recently used dropped first. The histories outlive a model
+version: `serve --watch` swaps the model, not the events (a cache names the version that
+made it, and another version recomputes).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -21,15 +26,19 @@ class KeptHistories:
         max_users: users kept; the least recently used beyond it are evicted.
     """
 
-    def __init__(self, max_events: int, max_users: int):
+    def __init__(self, max_events: int, max_users: int, cache_bytes: int = 1 << 30):
         if max_events < 1 or max_users < 1:
             raise ValueError("max_events and max_users must be >= 1")
         self.max_events = max_events
         self.max_users = max_users
+        self.cache_bytes = cache_bytes
         self._users: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._caches: OrderedDict[bytes, Any] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
         self.events_appended = 0
         self.evicted_users = 0
+        self.dropped_caches = 0
 
     def append(self, users: list[bytes], items: np.ndarray) -> int:
         """Appends event i (user `users[i]`, item `items[i]`) in order; returns the number of
@@ -44,7 +53,8 @@ class KeptHistories:
                 joined = new if old is None else np.concatenate([old, new])
                 self._users[user] = joined[-self.max_events :].copy()
             while len(self._users) > self.max_users:
-                self._users.popitem(last=False)
+                user, _ = self._users.popitem(last=False)
+                self._drop_cache(user)
                 self.evicted_users += 1
             self.events_appended += len(users)
         return len(order)
@@ -57,9 +67,39 @@ class KeptHistories:
                 self._users.move_to_end(user)
             return found
 
+    def cache(self, user: bytes) -> Any:
+        """The user's cache (a `CachedHistory`), or None."""
+        with self._lock:
+            found = self._caches.get(user)
+            if found is not None:
+                self._caches.move_to_end(user)
+            return found
+
+    def store_cache(self, user: bytes, cache: Any) -> None:
+        """Keeps a kept user's new cache (the least recently used dropped beyond the budget)."""
+        with self._lock:
+            if user not in self._users:
+                return  # evicted meanwhile
+            self._drop_cache(user)
+            if cache is None or cache.nbytes > self.cache_bytes:
+                return
+            self._caches[user] = cache
+            self._cached_bytes += cache.nbytes
+            while self._cached_bytes > self.cache_bytes:
+                self._drop_cache(next(iter(self._caches)))
+                self.dropped_caches += 1
+
+    def _drop_cache(self, user: bytes) -> None:
+        old = self._caches.pop(user, None)
+        if old is not None:
+            self._cached_bytes -= old.nbytes
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
+                "cached_users": len(self._caches),
+                "cache_bytes": self._cached_bytes,
+                "dropped_caches": self.dropped_caches,
                 "kept_users": len(self._users),
                 "kept_events": int(sum(len(v) for v in self._users.values())),
                 "events_appended": self.events_appended,

@@ -47,11 +47,11 @@ class ServedTable:
 
     def __init__(self, directory: Path, name: str, precision: str):
         self.name = name
-        self.ids = _load(directory / "ids.npy", np.uint64, 1)
-        self.values = _load(directory / "values.npy", None, 2)
+        self.ids = load_array(directory / "ids.npy", np.uint64, 1)
+        self.values = load_array(directory / "values.npy", None, 2)
         self.scale_bias = None
         if precision == "int8":
-            self.scale_bias = _load(directory / "scale_bias.npy", np.float16, 2)
+            self.scale_bias = load_array(directory / "scale_bias.npy", np.float16, 2)
         if len(self.values) != len(self.ids) or (
             self.scale_bias is not None and len(self.scale_bias) != len(self.ids)
         ):
@@ -75,7 +75,7 @@ class ServedTable:
         return values.astype(np.float32) * scale_bias[:, :1] + scale_bias[:, 1:]
 
 
-def _load(path: Path, dtype: Any, ndim: int) -> np.ndarray:
+def load_array(path: Path, dtype: Any, ndim: int) -> np.ndarray:
     try:
         array = np.load(path, mmap_mode="r")
     except (OSError, ValueError) as error:
@@ -100,7 +100,7 @@ def open_tables(path: Path, names: list[str], checksums: bool) -> dict[str, Any]
             layers.append(ServedTable(directory, table, precision))
             removed = directory / "deleted.npy"
             deleted.append(
-                _load(removed, np.uint64, 1) if removed.exists() else np.zeros(0, np.uint64)
+                load_array(removed, np.uint64, 1) if removed.exists() else np.zeros(0, np.uint64)
             )
         tables[table] = layers[0] if len(layers) == 1 else LayeredTable(layers, deleted)
     return tables
@@ -154,7 +154,7 @@ class ServedModel:
             checksums,
         )
         self._feature_tables = [self.tables[feature_tables[n]] for n in self.feature_names]
-        self._defaults = _DefaultRows(self.features["default_rows"])
+        self._defaults = DefaultRows(self.features["default_rows"])
         # a run trained with embedding.id_map: its mapping travels with the export
         kind = self.features.get("id_map_kind")
         self.id_map = read_id_map(self.path / _format.ID_MAP_DIR, kind) if kind else None
@@ -165,7 +165,7 @@ class ServedModel:
             raise _format.ExportError(f"{model_path}: not a jax.export module ({error})") from None
         self._tower = jax.jit(exported.call)
         self.max_batch = max_batch
-        self.buckets = _buckets(max_batch)
+        self.buckets = batch_buckets(max_batch)
         self._lock = threading.Lock()
         self.unseen = dict.fromkeys(self.tables, 0)  # ids that got the default row, per table
         self.rows_scored = 0
@@ -305,7 +305,7 @@ class ServedModel:
         self._defaults.close()
 
 
-def _buckets(max_batch: int) -> list[int]:
+def batch_buckets(max_batch: int) -> list[int]:
     buckets, size = [], MIN_BUCKET
     while size < max_batch:
         buckets.append(size)
@@ -313,7 +313,7 @@ def _buckets(max_batch: int) -> list[int]:
     return [*buckets, max_batch]
 
 
-class _DefaultRows:
+class DefaultRows:
     """Rows of ids the export lacks: what `hybridrec evaluate` reads for them.
 
     A table that admits every id reads an unseen id as its deterministic initial row

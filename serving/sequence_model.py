@@ -25,12 +25,33 @@ import numpy as np
 import pyarrow.parquet as pq
 from hybridrec.pipeline import hashing
 from hybridrec.serving import _format
-from hybridrec.serving.export_sequences import CATALOGUE_FILE, ITEM_NAMES_FILE, RANKING_FILE
-from hybridrec.serving.model import _buckets, _DefaultRows, _load, open_tables
+from hybridrec.serving.export_sequences import (
+    CATALOGUE_FILE,
+    EXTEND_FILE,
+    ITEM_NAMES_FILE,
+    RANKING_FILE,
+)
+from hybridrec.serving.model import DefaultRows, batch_buckets, load_array, open_tables
 
 CHUNK = 1 << 17  # catalogue rows scored at once
 ITEM_PREFIX = 1  # the item table's prefix in every event spec (`EventSpec.tables`)
 MIN_CANDIDATES = 8  # candidate lists are padded to a power of two from here
+
+
+@dataclasses.dataclass
+class CachedHistory:
+    """What a kept history's next request can reuse: the tower's keys and values at its
+    events (`extend.stablehlo`), and the query after them."""
+
+    version: int  # the export version that computed it
+    items: np.ndarray  # [c] uint64: the events cached, oldest first
+    keys: np.ndarray  # [blocks, L, heads, head_dim] float32 (positions >= c: unused)
+    values: np.ndarray
+    query: np.ndarray  # [D] float32
+
+    @property
+    def nbytes(self) -> int:
+        return self.items.nbytes + self.keys.nbytes + self.values.nbytes + self.query.nbytes
 
 
 @dataclasses.dataclass
@@ -41,6 +62,8 @@ class SequenceQuery:
     k: int = 0
     exclude_history: bool = True
     candidates: np.ndarray | None = None  # [n, C] item ids
+    # kept histories: per user, its cache (None: none yet), to extend and give back
+    cached: list[CachedHistory | None] | None = None
 
     @property
     def rows(self) -> int:
@@ -55,6 +78,8 @@ class SequenceAnswer:
     items: np.ndarray | None
     truncated: list[int]  # the rows whose history was cut to max_length
     unseen: int  # items of the histories and candidates that got their initial row
+    caches: list[CachedHistory | None] | None = None  # kept histories: their new caches
+    computed_events: int = 0  # events the tower ran on (cached ones are not)
 
 
 class ServedSequenceModel:
@@ -89,16 +114,19 @@ class ServedSequenceModel:
             raise _format.ExportError(f"{features_path}: unreadable ({error})") from None
         self.features = features
         self.table = open_tables(self.path, [self.table_name], checksums)[self.table_name]
-        self._defaults = _DefaultRows(default_rows)
-        self.catalogue = np.asarray(_load(self.path / CATALOGUE_FILE, np.uint64, 1))
+        self._defaults = DefaultRows(default_rows)
+        self.catalogue = np.asarray(load_array(self.path / CATALOGUE_FILE, np.uint64, 1))
         self._name_ids, self._names = _read_names(self.path / ITEM_NAMES_FILE)
         self._encoder = _module(self.path / _format.MODEL_FILE)
         ranking = self.path / RANKING_FILE
         self._ranker = _module(ranking) if ranking.exists() else None
+        extend = self.path / EXTEND_FILE
+        self._extend = _module(extend) if extend.exists() else None
+        self.cache_shape = tuple(features.get("cache_shape") or ())
         self.outputs = len(self.action_types) if self._ranker else 1
         self.scan = self._scan_rows()
         self.max_batch = max_batch
-        self.buckets = _buckets(max_batch)
+        self.buckets = batch_buckets(max_batch)
         self._lock = threading.Lock()
         self.histories_encoded = 0
         self.unseen_items = 0
@@ -196,6 +224,89 @@ class ServedSequenceModel:
         queries = np.concatenate(parts) if parts else np.zeros((0, self.dim), np.float32)
         return queries, truncated, unseen
 
+    def encode_kept(
+        self, histories: list[np.ndarray], cached: list[CachedHistory | None]
+    ) -> tuple[np.ndarray, list[int], np.ndarray, list[CachedHistory | None], int]:
+        """`encode` for kept histories: a history whose cache holds its first events runs the
+        tower on its new events only, and each gets its cache back (None where the model
+        cannot cache, or the history is longer than max_length: the window then moves with
+        every event). Returns (queries, truncated rows, unseen per row, caches, per row the
+        events the tower ran on)."""
+        n = len(histories)
+        queries = np.zeros((n, self.dim), np.float32)
+        unseen = np.zeros(n, np.int64)
+        computed = np.zeros(n, np.int64)
+        caches: list[CachedHistory | None] = [None] * n
+        extend, full = [], []
+        for row, history in enumerate(histories):
+            if self._extend is None or len(history) > self.max_length:
+                full.append(row)
+                continue
+            cache = cached[row]
+            usable = (
+                cache is not None
+                and cache.version == self.version
+                and len(cache.items) <= len(history)
+                and np.array_equal(history[: len(cache.items)], cache.items)
+            )
+            if usable and len(cache.items) == len(history):  # nothing new: the cached query
+                queries[row], caches[row] = cache.query, cache
+            else:
+                extend.append((row, cache if usable else None))
+        for start in range(0, len(extend), self.max_batch):
+            part = extend[start : start + self.max_batch]
+            self._extend_rows(histories, part, queries, unseen, caches, computed)
+        truncated = []
+        if full:
+            encoded, truncated, full_unseen = self.encode([histories[row] for row in full])
+            queries[full], unseen[full] = encoded, full_unseen
+            truncated = [full[i] for i in truncated]
+            computed[full] = [min(len(histories[row]), self.max_length) for row in full]
+        return queries, truncated, unseen, caches, computed
+
+    def _extend_rows(self, histories, part, queries, unseen, caches, computed) -> None:
+        """Runs extend.stablehlo on rows [(row, usable cache | None)], filling the outputs."""
+        prefix = np.array([len(c.items) if c else 0 for _, c in part], np.int32)
+        count = np.array([len(histories[row]) for row, _ in part], np.int32) - prefix
+        width = max(MIN_CANDIDATES, 1 << int(count.max() - 1).bit_length())
+        width = min(width, self.max_length)
+        bucket = next(b for b in self.buckets if b >= len(part))
+        rows = np.zeros((bucket, width, self.dim), np.float32)
+        new_ids = np.concatenate(
+            [histories[row][p:] for (row, _), p in zip(part, prefix, strict=True)]
+        )
+        flat, found = self.rows(new_ids)
+        place = np.arange(width)[None, :] < count[:, None]
+        rows[: len(part)][place] = flat
+        blocks, heads, head_dim = self.cache_shape
+        shape = (blocks, bucket, self.max_length, heads, head_dim)
+        keys, values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        for index, (_, cache) in enumerate(part):
+            if cache is not None:
+                keys[:, index], values[:, index] = cache.keys, cache.values
+        pad = bucket - len(part)
+        query, keys, values = self._extend(
+            rows,
+            np.concatenate([prefix, np.zeros(pad, np.int32)]),
+            np.concatenate([count, np.ones(pad, np.int32)]),
+            keys,
+            values,
+        )
+        query, keys, values = (np.asarray(a) for a in (query, keys, values))
+        missed = np.bincount(np.repeat(np.arange(len(part)), count)[~found], minlength=len(part))
+        with self._lock:
+            self.unseen_items += int(missed.sum())
+            self.histories_encoded += len(part)
+        for index, (row, _) in enumerate(part):
+            queries[row], unseen[row], computed[row] = query[index], missed[index], count[index]
+            caches[row] = CachedHistory(
+                self.version,
+                histories[row].copy(),
+                keys[:, index].copy(),
+                values[:, index].copy(),
+                query[index].copy(),
+            )
+
     def top_k(
         self, queries: np.ndarray, k: int, exclude: list[np.ndarray] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -267,7 +378,15 @@ class ServedSequenceModel:
         retrieval = [i for i, query in enumerate(queries) if query.candidates is None]
         if retrieval:
             histories = [h for i in retrieval for h in queries[i].histories]
-            encoded, truncated, unseen = self.encode(histories)
+            cached = [c for i in retrieval for c in (queries[i].cached or [None] * queries[i].rows)]
+            kept = [queries[i].cached is not None for i in retrieval for _ in queries[i].histories]
+            if any(kept):
+                encoded, truncated, unseen, caches, computed = self.encode_kept(histories, cached)
+                caches = [c if k else None for c, k in zip(caches, kept, strict=True)]
+            else:
+                encoded, truncated, unseen = self.encode(histories)
+                caches = [None] * len(histories)
+                computed = np.array([min(len(h), self.max_length) for h in histories])
             exclude = [
                 h if queries[i].exclude_history else np.zeros(0, np.uint64)
                 for i in retrieval
@@ -285,6 +404,8 @@ class ServedSequenceModel:
                     items[start:stop, :k_i],
                     mine,
                     int(unseen[start:stop].sum()),
+                    caches[start:stop] if queries[i].cached is not None else None,
+                    computed_events=int(computed[start:stop].sum()),
                 )
                 start = stop
         for i, query in enumerate(queries):

@@ -89,8 +89,9 @@ def _parameter(parsed: dict, name: str, default: Any) -> Any:
 
 def parse_query(
     model: ServedSequenceModel, parsed: dict, binary: bytes, histories: Any, max_rows: int
-) -> SequenceQuery:
-    """An infer request -> the histories (item ids) and what to do with them."""
+) -> tuple[SequenceQuery, list[bytes]]:
+    """An infer request -> (the histories (item ids) and what to do with them, the users it
+    names)."""
     inputs = decode_inputs(parsed, binary)
     unknown = sorted(set(inputs) - set(INPUTS))
     if unknown:
@@ -100,6 +101,7 @@ def parse_query(
     if "history" not in inputs and "users" not in inputs:
         raise ProtocolError("send the users' events as 'history' (and 'lengths'), or 'users'")
     kept: list[np.ndarray] | None = None
+    users: list[bytes] = []
     if "users" in inputs:
         shape, users = _bytes_input(inputs, "users", 1)
         kept = _kept(users, histories, new_events="history" in inputs)
@@ -131,7 +133,7 @@ def parse_query(
                 f"list a user), got {shape}"
             )
         candidates = model.item_ids(names).reshape(shape)
-        return SequenceQuery(user_histories, candidates=candidates)
+        return SequenceQuery(user_histories, candidates=candidates), users
     k = _parameter(parsed, "k", DEFAULT_K)
     catalogue = len(model.catalogue)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= catalogue:
@@ -139,7 +141,8 @@ def parse_query(
             f"parameter 'k' = {k!r} must be an integer from 1 to the catalogue's {catalogue:,} "
             "items"
         )
-    return SequenceQuery(user_histories, k=k, exclude_history=exclude)
+    cached = [histories.cache(user) for user in users] if kept is not None else None
+    return SequenceQuery(user_histories, k=k, exclude_history=exclude, cached=cached), users
 
 
 def _kept(users: list[bytes], histories: Any, *, new_events: bool) -> list[np.ndarray]:
@@ -181,12 +184,18 @@ def _split(ids: np.ndarray, lengths: Any, total: int) -> list[np.ndarray]:
 async def infer(service, request: Request, model: ServedSequenceModel) -> Response:
     body = await service.read_body(request)
     parsed, binary = parse_body(body, request.headers)
-    query = parse_query(model, parsed, binary, service.histories, service.options.max_rows)
+    query, users = parse_query(model, parsed, binary, service.histories, service.options.max_rows)
     answer = await service.batcher.submit(model, query, query.rows)
+    for user, cache in zip(users, answer.caches or (), strict=False):
+        service.histories.store_cache(user, cache)
     response: dict[str, Any] = {"model_name": model.name, "model_version": str(model.version)}
     if "id" in parsed:
         response["id"] = parsed["id"]
-    response["parameters"] = {"truncated": answer.truncated, "unseen_items": answer.unseen}
+    response["parameters"] = {
+        "truncated": answer.truncated,
+        "unseen_items": answer.unseen,
+        "computed_events": answer.computed_events,
+    }
     scores = {
         "name": "scores",
         "datatype": "FP32",

@@ -75,6 +75,7 @@ class ServeOptions:
     tls: TLSFiles | None = None  # certificate and key: HTTPS; with a CA: client certificates too
     keep_histories: int = 0  # sequence models: events kept per user (0: none kept)
     max_users: int = 100_000  # sequence models: users kept, least recently used evicted
+    history_cache_mb: float = 1024.0  # sequence models: the kept histories' tower caches
 
     def __post_init__(self):
         for name in ("max_batch", "max_rows", "max_body_bytes", "max_users"):
@@ -101,7 +102,11 @@ class _Service:
         if options.keep_histories:
             if model.kind != "sequences":
                 raise UserError("--keep-histories is for exports of sequence runs")
-            self.histories = KeptHistories(options.keep_histories, options.max_users)
+            self.histories = KeptHistories(
+                options.keep_histories,
+                options.max_users,
+                cache_bytes=int(options.history_cache_mb * (1 << 20)),
+            )
         self.batcher = DynamicBatcher(
             max_batch=options.max_batch, max_delay=options.max_delay_ms / 1e3
         )

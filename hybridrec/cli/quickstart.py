@@ -6,6 +6,11 @@ checkpoint → plot → summary. With `--input` it preprocesses real Criteo file
 (Kaggle `train.txt`, 1TB `day_N`, `.gz` or not) instead of generating data.
 
 Everything goes under `--out` (default runs/quickstart): `raw/`, `data/`, `run/`.
+
+`--example sequences` runs the same stages for a sequential recommender: a generated
+event log of users' actions → the event-log Beam job (user histories) → SASRec → full-
+ranking evaluation on the test split → export → a few users' top-5 next items through
+`hybridrec serve`, as raw item ids.
 """
 
 from __future__ import annotations
@@ -17,9 +22,16 @@ import time
 from pathlib import Path
 
 from hybridrec.cli import _flags, evaluate, export, generate, plot, preprocess, train
-from hybridrec.serving import demo_score
+from hybridrec.serving import demo_score, demo_top_k
 
 DEFAULT_ROWS = 1_000_000
+SEQUENCE_EXAMPLE = {"users": 6_000, "items": 3_000, "topics": 30, "mean_events": 25}
+SEQUENCE_RUN = [  # SASRec, small enough for about a minute of training on 2 cores
+    "model.sequence.max_length=50",
+    "data.token_budget=4096",
+    "data.epochs=20",
+    "model.sequence.negatives=256",
+]
 
 
 def _last_rows(path: Path, count: int) -> list[str]:
@@ -49,8 +61,16 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generator and the run")
     parser.add_argument("--config", default="quickstart", help="training preset")
+    parser.add_argument(
+        "--example",
+        choices=("clicks", "sequences"),
+        default="clicks",
+        help="clicks: a CTR model on Criteo-format logs; sequences: SASRec on an event log",
+    )
     _flags.add_override_flag(parser, "override a training config key (repeatable)")
     args = parser.parse_args(argv)
+    if args.example == "sequences":
+        return _sequences(args)
     out = Path(args.out)
     started = time.perf_counter()
     timings: dict[str, float] = {}
@@ -110,6 +130,82 @@ def main(argv: list[str]) -> int:
         f"  export    {exported}  (serve it: hybridrec serve {exported})\n"
         f"  next      tensorboard --logdir {run_dir / 'tensorboard'}   |   "
         f"hybridrec train --config criteo_dlrm --data DIR --run-dir runs/criteo",
+        flush=True,
+    )
+    return 0
+
+
+def _train(data: Path, run_dir: Path, config: str, overrides: list[str]) -> None:
+    sets = [item for override in overrides for item in ("--set", override)]
+    train.main(
+        ["--data", str(data), "--run-dir", str(run_dir), "--config", config, "--overwrite", *sets]
+    )
+
+
+def _histories_of(events: Path, users: int) -> dict[str, list[str]]:
+    """The first `users` users of a generated event log and their items, oldest first."""
+    import pyarrow.csv as csv
+
+    table = csv.read_csv(events).to_pydict()
+    out: dict[str, list[tuple[int, str]]] = {}
+    for user, item, when in zip(
+        table["user_id"], table["item_id"], table["timestamp"], strict=True
+    ):
+        if user in out or len(out) < users:
+            out.setdefault(user, []).append((when, item))
+    return {user: [item for _, item in sorted(events)] for user, events in out.items()}
+
+
+def _sequences(args: argparse.Namespace) -> int:
+    """`hybridrec quickstart --example sequences`."""
+    out = Path(args.out if args.out != "runs/quickstart" else "runs/quickstart-sequences")
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    size = SEQUENCE_EXAMPLE
+    begin = _stage(f"generate an event log of {size['users']:,} users over {size['items']:,} items")
+    raw = out / "raw"
+    generate.main(
+        ["--events", "--output", str(raw), "--seed", str(args.seed)]
+        + [f"--{key.replace('_', '-')}={value}" for key, value in size.items()]
+    )
+    timings["generate"] = time.perf_counter() - begin
+
+    begin = _stage("preprocess (Apache Beam: events grouped into user histories, leave-one-out)")
+    data = out / "data"
+    preprocess.main(
+        ["--input", str(raw / "events.csv"), "--spec", str(raw / "events.toml")]
+        + ["--output", str(data), "--overwrite"]
+    )
+    timings["preprocess"] = time.perf_counter() - begin
+
+    begin = _stage("train SASRec (packed histories, item rows from the embedding store)")
+    run_dir = out / "run"
+    config = args.config if args.config != "quickstart" else "sasrec"
+    _train(data, run_dir, config, [*SEQUENCE_RUN, *args.overrides, f"seed={args.seed}"])
+    timings["train"] = time.perf_counter() - begin
+
+    begin = _stage("evaluate on the test split (full ranking over every item)")
+    evaluate.main(["--run", str(run_dir), "--split", "test"])
+    timings["evaluate"] = time.perf_counter() - begin
+
+    begin = _stage("export, and a few users' next items through `hybridrec serve`")
+    exported = out / "export"
+    export.main(["--run", str(run_dir), "--out", str(exported)])
+    histories = _histories_of(raw / "events.csv", 3)
+    answers = demo_top_k(exported, list(histories.values()), k=5)
+    for (user, history), top in zip(histories.items(), answers, strict=True):
+        recent = " ".join(history[-5:])
+        items = ", ".join(f"{item} ({score:.2f})" for item, score in top)
+        print(f"  {user}: last items {recent}\n      top-5 next: {items}")
+    timings["export+serve"] = time.perf_counter() - begin
+
+    total = time.perf_counter() - started
+    stages = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in timings.items())
+    print(
+        f"\nquickstart (sequences) finished in {total:.0f} s ({stages})\n"
+        f"  data      {data}  (metadata.json, train/ valid/ test/ histories, items/)\n"
+        f"  run       {run_dir}  (summary.json, metrics.jsonl, checkpoints/)\n"
+        f"  export    {exported}  (serve it: hybridrec serve {exported} --keep-histories 200)",
         flush=True,
     )
     return 0

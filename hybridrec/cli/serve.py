@@ -54,6 +54,13 @@ def main(argv: list[str]) -> int:
         help="with --keep-histories: users kept, the least recently used evicted",
     )
     parser.add_argument(
+        "--history-cache-mb",
+        type=float,
+        default=1024.0,
+        help="with --keep-histories: memory for the towers' caches of kept histories (a "
+        "request then computes only a user's new events)",
+    )
+    parser.add_argument(
         "--skip-checksums",
         action="store_true",
         help="check file sizes but not sha256 at load (exports larger than RAM load faster)",
@@ -71,6 +78,7 @@ def main(argv: list[str]) -> int:
         tls=TLSFiles.from_flags(args),
         keep_histories=args.keep_histories,
         max_users=args.max_users,
+        history_cache_mb=args.history_cache_mb,
     )
     serve(args.export, host=args.host, port=args.port, options=options)
     return 0

@@ -227,7 +227,9 @@ def test_item_names_give_every_hashed_item_its_raw_id(log, tmp_path):
     files = meta["item_names"]["files"]
     assert len(files) > 1  # several buckets
     table = pa.concat_tables([pq.read_table(out / name) for name in files])
-    names = dict(zip(table.column("item").to_pylist(), table.column("name").to_pylist()))
+    names = dict(
+        zip(table.column("item").to_pylist(), table.column("name").to_pylist(), strict=True)
+    )
     assert len(names) == table.num_rows == meta["item_names"]["rows"]
     raw = {line.split(",")[1] for line in lines}
     assert names == {item_id(item, spec): item.encode() for item in raw}

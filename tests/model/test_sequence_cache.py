@@ -1,0 +1,81 @@
+"""A served history extended by its new events: the towers' `extend` from cached keys and
+values gives what the full forward pass gives at the same positions (SASRec and HSTU,
+with and without the ranking head's wrapper), from an empty cache or a cached prefix."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hybridrec.model.config import SequenceConfig
+from hybridrec.model.sequence import build_sequence_tower, extend_history
+
+LENGTH, DIM = 16, 32
+
+
+def tower(name: str, objective: str = "retrieval"):
+    config = SequenceConfig(
+        max_length=LENGTH, blocks=2, heads=2, dropout=0.0, attention="reference",
+        objective=objective, actions=3 if objective != "retrieval" else 0,
+    )  # fmt: skip
+    return build_sequence_tower(name, config, dim=DIM, dtype=None, rngs=nnx.Rngs(3))
+
+
+def full(model, x, length):
+    """The training forward pass over one history of `length` events (right-padded)."""
+    positions = jnp.broadcast_to(jnp.arange(LENGTH), (x.shape[0], LENGTH))
+    segments = jnp.where(positions < length, 0, -1)
+    return model(x, segments, positions)
+
+
+def empty(model, batch):
+    blocks, heads, head_dim = model.cache_shape()
+    shape = (blocks, batch, LENGTH, heads, head_dim)
+    return jnp.zeros(shape), jnp.zeros(shape)
+
+
+@pytest.mark.parametrize("name", ["sasrec", "hstu"])
+@pytest.mark.parametrize("objective", ["retrieval", "both"])
+def test_extend_equals_the_full_forward_pass(name, objective):
+    model = tower(name, objective)
+    x = jax.random.normal(jax.random.key(0), (2, LENGTH, DIM))
+    expected = full(model, x, 11)[:, :11]
+    # the whole history from an empty cache
+    positions = jnp.broadcast_to(jnp.arange(11), (2, 11))
+    out, k, v = extend_history(model, x[:, :11], positions, jnp.array([11, 11]), *empty(model, 2))
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+    # 7 events cached, then 4 new ones (padded to 6: the last two are not events)
+    first, k, v = extend_history(
+        model, x[:, :7], positions[:, :7], jnp.array([7, 7]), *empty(model, 2)
+    )
+    new = jnp.concatenate([x[:, 7:11], jnp.ones((2, 2, DIM))], axis=1)
+    later = 7 + jnp.broadcast_to(jnp.arange(6), (2, 6))
+    second, k2, v2 = extend_history(model, new, later, jnp.array([4, 4]), k, v)
+    np.testing.assert_allclose(second[:, :4], expected[:, 7:11], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(first, expected[:, :7], rtol=2e-5, atol=2e-5)
+    # the caches after the step hold what a cache of all 11 events holds
+    _, k_all, v_all = extend_history(
+        model, x[:, :11], positions, jnp.array([11, 11]), *empty(model, 2)
+    )
+    np.testing.assert_allclose(k2[:, :, :11], k_all[:, :, :11], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(v2[:, :, :11], v_all[:, :, :11], rtol=2e-5, atol=2e-5)
+
+
+def test_rows_with_different_prefixes_in_one_batch():
+    model = tower("hstu")
+    x = jax.random.normal(jax.random.key(1), (2, LENGTH, DIM))
+    expected = [full(model, x[i : i + 1], n)[0, n - 1] for i, n in enumerate((5, 9))]
+    # row 0: 3 cached + 2 new; row 1: 8 cached + 1 new
+    caches = [
+        extend_history(model, x[i : i + 1, :p], jnp.arange(p)[None], jnp.array([p]), *empty(model, 1))[1:]
+        for i, p in enumerate((3, 8))
+    ]  # fmt: skip
+    k = jnp.concatenate([c[0] for c in caches], axis=1)
+    v = jnp.concatenate([c[1] for c in caches], axis=1)
+    new = jnp.stack([x[0, 3:5], jnp.stack([x[1, 8], jnp.zeros(DIM)])])
+    positions = jnp.array([[3, 4], [8, 9]])
+    out, _, _ = extend_history(model, new, positions, jnp.array([2, 1]), k, v)
+    np.testing.assert_allclose(out[0, 1], expected[0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(out[1, 0], expected[1], rtol=2e-5, atol=2e-5)
