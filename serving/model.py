@@ -305,8 +305,9 @@ class ServedModel:
         self._defaults.close()
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-    buckets, size = [], MIN_BUCKET
+def batch_buckets(max_batch: int, smallest: int = MIN_BUCKET) -> list[int]:
+    """The padded batch sizes compiled: powers of two from `smallest`, then `max_batch`."""
+    buckets, size = [], smallest
     while size < max_batch:
         buckets.append(size)
         size *= 2

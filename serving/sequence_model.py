@@ -34,6 +34,7 @@ from hybridrec.serving.export_sequences import (
 from hybridrec.serving.model import DefaultRows, batch_buckets, load_array, open_tables
 
 CHUNK = 1 << 17  # catalogue rows scored at once
+FIRST_CHUNK = 4096  # the first chunk's rows: every row's top-k of them is sorted
 ITEM_PREFIX = 1  # the item table's prefix in every event spec (`EventSpec.tables`)
 MIN_CANDIDATES = 8  # candidate lists are padded to a power of two from here
 
@@ -126,7 +127,9 @@ class ServedSequenceModel:
         self.outputs = len(self.action_types) if self._ranker else 1
         self.scan = self._scan_rows()
         self.max_batch = max_batch
-        self.buckets = batch_buckets(max_batch)
+        # from one history up: a single user's request is the common case, and a history's
+        # forward pass costs as much as its padded batch's
+        self.buckets = batch_buckets(max_batch, smallest=1)
         self._lock = threading.Lock()
         self.histories_encoded = 0
         self.unseen_items = 0
@@ -268,8 +271,7 @@ class ServedSequenceModel:
         """Runs extend.stablehlo on rows [(row, usable cache | None)], filling the outputs."""
         prefix = np.array([len(c.items) if c else 0 for _, c in part], np.int32)
         count = np.array([len(histories[row]) for row, _ in part], np.int32) - prefix
-        width = max(MIN_CANDIDATES, 1 << int(count.max() - 1).bit_length())
-        width = min(width, self.max_length)
+        width = min(1 << int(count.max() - 1).bit_length(), self.max_length)
         bucket = next(b for b in self.buckets if b >= len(part))
         rows = np.zeros((bucket, width, self.dim), np.float32)
         new_ids = np.concatenate(
@@ -311,28 +313,45 @@ class ServedSequenceModel:
         self, queries: np.ndarray, k: int, exclude: list[np.ndarray] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(items [n, k] uint64, scores [n, k] float32): the best `k` catalogue items per
-        query by score (ties: catalogue order), leaving out each row's `exclude` items."""
+        query by score (ties: catalogue order), leaving out each row's `exclude` items (a
+        row with fewer than k items left ends with scores of -inf).
+
+        Every item is scored, chunk by chunk (one BLAS call a chunk, which threads
+        itself: chunks on threads of their own were slower on the 2-core VM); a chunk's items that beat a row's k-th best so far (its threshold) are
+        merged into the row's top-k, so after the first small chunk only a few items a
+        chunk are sorted."""
         n = len(queries)
-        k = min(k, len(self.catalogue))
-        best_scores = np.full((n, 0), -np.inf, np.float32)
-        best_index = np.zeros((n, 0), np.int64)
-        masked_rows, masked_at = _positions(self.catalogue, exclude or [])
-        for start in range(0, len(self.catalogue), CHUNK):
-            scores = queries @ self.scan[start : start + CHUNK].T
-            inside = (masked_at >= start) & (masked_at < start + scores.shape[1])
-            scores[masked_rows[inside], masked_at[inside] - start] = -np.inf
-            index = np.arange(start, start + scores.shape[1])
-            scores = np.concatenate([best_scores, scores], axis=1)
-            index = np.concatenate([best_index, np.broadcast_to(index, (n, len(index)))], axis=1)
-            if scores.shape[1] > k:
-                keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-                scores = np.take_along_axis(scores, keep, axis=1)
-                index = np.take_along_axis(index, keep, axis=1)
-            best_scores, best_index = scores, index
-        order = np.lexsort((best_index, -best_scores), axis=1)
-        best_scores = np.take_along_axis(best_scores, order, axis=1)
-        best_index = np.take_along_axis(best_index, order, axis=1)
-        return self.catalogue[best_index], best_scores
+        size = len(self.catalogue)
+        k = min(k, size)
+        masked = _positions(self.catalogue, exclude or [])
+        best_scores = np.full((n, k), -np.inf, np.float32)
+        best_index = np.full((n, k), size, np.int64)  # after every item: no item yet
+        transposed = np.ascontiguousarray(queries.T, np.float32)  # items @ queries.T
+        first = min(max(FIRST_CHUNK, k), size)
+        threshold = np.full(n, -np.inf, np.float32)
+        _merge(best_scores, best_index, *self._candidates(0, first, transposed, threshold, masked))
+        bounds = [*range(first, size, CHUNK), size]
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+            threshold = best_scores[:, -1]
+            found = self._candidates(start, stop, transposed, threshold, masked)
+            _merge(best_scores, best_index, *found)
+        found = best_index < size
+        items = self.catalogue[np.where(found, best_index, 0)]
+        return np.where(found, items, 0), best_scores
+
+    def _candidates(self, start, stop, transposed, threshold, masked):
+        """(catalogue index, row, score) of the items of [start, stop) above their row's
+        threshold: the lowest threshold first (one contiguous comparison), then each row's."""
+        n = transposed.shape[1]
+        scores = self.scan[start:stop] @ transposed  # [items, rows]
+        rows, at = masked
+        inside = (at >= start) & (at < stop)
+        scores[at[inside] - start, rows[inside]] = -np.inf
+        flat = scores.reshape(-1)
+        above = np.flatnonzero(flat > threshold.min())
+        above = above[flat[above] > threshold[above % n]]
+        item, row = np.divmod(above, n)
+        return item + start, row, flat[above]
 
     def score_candidates(
         self, histories: list[np.ndarray], candidates: np.ndarray
@@ -424,6 +443,22 @@ class ServedSequenceModel:
 
     def close(self) -> None:
         self._defaults.close()
+
+
+def _merge(best_scores, best_index, items, rows, scores) -> None:
+    """Merges candidates (catalogue index, row, score) into each row's top-k (sorted by
+    score, then catalogue order)."""
+    if not len(rows):
+        return
+    k = best_scores.shape[1]
+    by_row = np.argsort(rows, kind="stable")
+    items, rows, scores = items[by_row], rows[by_row], scores[by_row]
+    for part in np.split(np.arange(len(rows)), np.flatnonzero(np.diff(rows)) + 1):
+        row = rows[part[0]]
+        merged = np.concatenate([best_scores[row], scores[part]])
+        index = np.concatenate([best_index[row], items[part]])
+        order = np.lexsort((index, -merged))[:k]
+        best_scores[row], best_index[row] = merged[order], index[order]
 
 
 def _module(path: Path):

@@ -207,6 +207,14 @@ async def infer(service, request: Request, model: ServedSequenceModel) -> Respon
             response["parameters"]["actions"] = model.action_types
         response["outputs"] = [scores]
     else:
+        short = np.flatnonzero(~np.isfinite(answer.scores).all(axis=1))
+        if len(short):
+            row = int(short[0])
+            left = int(np.isfinite(answer.scores[row]).sum())
+            raise ProtocolError(
+                f"parameter 'k' = {answer.scores.shape[1]} exceeds the {left} items left for user "
+                f"row {row} after leaving out its history (exclude_history)"
+            )
         items = {
             "name": "items",
             "datatype": "BYTES",

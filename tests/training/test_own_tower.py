@@ -97,6 +97,16 @@ def test_a_sequence_tower_passed_as_a_class_trains(tmp_path):
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["model"]["tower"] == path("TinySequence")
     assert hybridrec.evaluate(tmp_path / "run", split="test")["queries"] > 0
+    # it exports and serves like the built-in towers (without extend: no cached histories)
+    from hybridrec.serving import ServedSequenceModel
+
+    exported = hybridrec.export(tmp_path / "run", tmp_path / "export", quiet=True)["path"]
+    model = ServedSequenceModel(exported, max_batch=8)
+    history = model.catalogue[:5]
+    items, scores = model.top_k(model.encode([history])[0], 3, [history])
+    assert items.shape == (1, 3) and not np.isin(items, history).any()
+    _, _, _, caches, computed = model.encode_kept([history], [None])
+    assert caches == [None] and computed[0] == 5  # recomputed, not cached
 
 
 @pytest.mark.parametrize(

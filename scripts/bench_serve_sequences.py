@@ -1,0 +1,260 @@
+"""Serving a sequence run: top-K over a large catalogue through `hybridrec serve`.
+
+1. A generated event log whose training split holds about --items distinct items
+   (popularity flattened, --zipf, so that nearly every item occurs), preprocessed, and
+   SASRec (max_length --history) trained one epoch through the hybrid loop; exported at
+   fp32 and int8. Cached under --cache by its arguments.
+2. A real `hybridrec serve` process on a loopback port (--keep-histories): --clients
+   closed-loop clients for --duration seconds, each request one user's history of
+   --history raw item ids (drawn from the catalogue) asking for the top --k items, the
+   history excluded: p50 / p99 latency and requests/s. The clients run on the same
+   machine and count against it.
+3. Recall@k of the int8 export's top-k against the fp32 export's, on the validation
+   split's histories.
+4. The kept-history cache: a user's query from its cached keys and values plus one new
+   event, against computing the whole history (in process, one user a call, the tower's
+   part only), and end to end over HTTP (a request naming the user after one appended
+   event, against the same history sent whole).
+
+    python scripts/bench_serve_sequences.py                     # about 1M items
+    python scripts/bench_serve_sequences.py --items 20000 --duration 5
+
+The last line is one JSON object: catalogue, p50_ms, p99_ms, requests_per_s, errors,
+recall_at_k_int8 (k = --k), cached_speedup (the tower's part), cached_request_p50_ms,
+full_request_p50_ms, cached_request_speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import Server, load  # noqa: E402  the same server harness and load loop
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def trained_exports(args) -> tuple[Path, Path, Path]:
+    """(data, fp32 export, int8 export), made once per set of arguments."""
+    from hybridrec.pipeline.config import PreprocessConfig
+    from hybridrec.pipeline.event_job import run_event_preprocess
+    from hybridrec.pipeline.synthetic_events import EventLogConfig, generate_events, spec_text
+    from hybridrec.serving.export import export_run
+    from hybridrec.training.job import load_config
+    from hybridrec.training.trainer import Trainer
+
+    events = args.items * args.events_per_item
+    users = max(events // args.mean_events, 1)
+    root = Path(args.cache) / f"serve_seq_i{args.items}_e{args.events_per_item}_h{args.history}"
+    data, run = root / "data", root / "run"
+    fp32, int8 = root / "export_fp32", root / "export_int8"
+    if (int8 / "1" / "manifest.json").exists():
+        return data, fp32, int8
+    if not (data / "_SUCCESS").exists():
+        print(f"== generate {events:,} events of {users:,} users", file=sys.stderr, flush=True)
+        raw = root / "raw"
+        raw.mkdir(parents=True, exist_ok=True)
+        config = EventLogConfig(
+            users=users, items=args.items, topics=200, mean_events=args.mean_events,
+            zipf=args.zipf, seed=1,
+        )  # fmt: skip
+        generate_events(raw / "events.csv", raw / "items.csv", config)
+        (raw / "events.toml").write_text(spec_text("items.csv"))
+        settings = PreprocessConfig(
+            inputs=[str(raw / "events.csv")], output=str(data), spec=str(raw / "events.toml")
+        )
+        run_event_preprocess(settings)
+    print("== train SASRec one epoch", file=sys.stderr, flush=True)
+    config = load_config(
+        "sasrec",
+        [
+            f"data.path={json.dumps(str(data))}",
+            f"model.sequence.max_length={args.history}",
+            "data.epochs=1",
+            "data.token_budget=8192",
+            "eval.every_steps=0",
+            "embedding.capacity=4000000",
+            "log.every_steps=50",
+        ],
+    )
+    trainer = Trainer(config, run, overwrite=True)
+    trainer.source.evaluates = False  # full ranking of a 1M catalogue is not the point here
+    trainer.fit()
+    for out, precision in ((fp32, "fp32"), (int8, "int8")):
+        export_run(run, out, precision=precision, name="sequences")
+    return data, fp32, int8
+
+
+def history_bodies(model, count: int, length: int, k: int, seed: int) -> list[bytes]:
+    """Requests of one user's `length` raw item ids drawn from the catalogue."""
+    rng = np.random.default_rng(seed)
+    bodies = []
+    for _ in range(count):
+        names = model.item_names(model.catalogue[rng.integers(len(model.catalogue), size=length)])
+        tensor = {"name": "history", "datatype": "BYTES", "shape": [length], "data": names}
+        bodies.append(json.dumps({"inputs": [tensor], "parameters": {"k": k}}).encode())
+    return bodies
+
+
+def recall_int8(data: Path, fp32, int8, k: int, users: int) -> float:
+    """Mean |top-k of int8 ∩ top-k of fp32| / k over validation histories."""
+    from hybridrec.pipeline.metadata import read_dataset
+    from hybridrec.training.sequences import Histories
+
+    histories = Histories.read(read_dataset(data), "valid")
+    chosen = np.linspace(0, len(histories) - 1, min(users, len(histories))).astype(int)
+    queries = [histories.items[histories.offsets[h] : histories.offsets[h + 1] - 1] for h in chosen]
+    queries = [q for q in queries if len(q)]
+    exact, _ = fp32.top_k(fp32.encode(queries)[0], k, queries)
+    approximate, _ = int8.top_k(int8.encode(queries)[0], k, queries)
+    found = [len(np.intersect1d(a, b)) for a, b in zip(exact, approximate, strict=True)]
+    return float(np.mean(found) / k)
+
+
+def cached_speedup(model, length: int, users: int, seed: int) -> float:
+    """Seconds of the tower's part for a whole `length`-event history over those for the
+    same history's last event with the earlier ones cached (one user a call)."""
+    rng = np.random.default_rng(seed)
+    histories = [
+        model.catalogue[rng.integers(len(model.catalogue), size=length)] for _ in range(users)
+    ]
+    _, _, _, caches, _ = model.encode_kept([h[:-1] for h in histories], [None] * users)
+    for history, cache in zip(histories[:2], caches[:2], strict=True):  # compile both shapes
+        model.encode([history])
+        model.encode_kept([history], [cache])
+    started = time.perf_counter()
+    for history in histories:
+        model.encode([history])
+    full = time.perf_counter() - started
+    started = time.perf_counter()
+    for history, cache in zip(histories, caches, strict=True):
+        _, _, _, _, computed = model.encode_kept([history], [cache])
+        assert computed[0] == 1, computed
+    return full / (time.perf_counter() - started)
+
+
+def request_latencies(server: Server, model, length: int, k: int, count: int, seed: int):
+    """(p50 ms of a request naming a kept user after one appended event, p50 ms of the same
+    history sent whole), sequential requests on one connection."""
+    rng = np.random.default_rng(seed)
+    connection = http.client.HTTPConnection(server.host, int(server.port), timeout=60)
+
+    def post(path: str, body: dict) -> dict:
+        connection.request("POST", f"/v2/models/{server.model}/{path}", json.dumps(body).encode())
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 200, answer
+        return answer
+
+    def events(user: str, items: list[str]) -> dict:
+        users = {
+            "name": "users",
+            "datatype": "BYTES",
+            "shape": [len(items)],
+            "data": [user] * len(items),
+        }
+        rows = {"name": "items", "datatype": "BYTES", "shape": [len(items)], "data": items}
+        return {"inputs": [users, rows]}
+
+    cached, full = [], []
+    for index in range(count):
+        user = f"bench-user-{index}"
+        names = model.item_names(model.catalogue[rng.integers(len(model.catalogue), size=length)])
+        post("events", events(user, names[:-1]))
+        by_user = {
+            "inputs": [{"name": "users", "datatype": "BYTES", "shape": [1], "data": [user]}],
+            "parameters": {"k": k},
+        }
+        post("infer", by_user)  # computes and caches the first length - 1 events
+        post("events", events(user, names[-1:]))
+        began = time.perf_counter()
+        answer = post("infer", by_user)
+        cached.append(time.perf_counter() - began)
+        assert answer["parameters"]["computed_events"] == 1, answer["parameters"]
+        whole = {
+            "inputs": [{"name": "history", "datatype": "BYTES", "shape": [length], "data": names}],
+            "parameters": {"k": k},
+        }
+        began = time.perf_counter()
+        post("infer", whole)
+        full.append(time.perf_counter() - began)
+    connection.close()
+    return float(np.median(cached) * 1e3), float(np.median(full) * 1e3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=1_050_000, help="items in the log")
+    parser.add_argument("--events-per-item", type=int, default=4, help="events = items x this")
+    parser.add_argument("--mean-events", type=int, default=40, help="mean events a user")
+    parser.add_argument("--zipf", type=float, default=0.0, help="popularity exponent")
+    parser.add_argument("--history", type=int, default=200, help="events a request carries")
+    parser.add_argument("--k", type=int, default=100, help="items a request asks for")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of load")
+    parser.add_argument("--recall-users", type=int, default=500, help="histories for recall")
+    parser.add_argument("--cache", default=str(REPO / "runs" / "bench_cache"))
+    args = parser.parse_args()
+
+    from hybridrec.serving.sequence_model import ServedSequenceModel
+
+    data, fp32_dir, int8_dir = trained_exports(args)
+    fp32 = ServedSequenceModel(fp32_dir, max_batch=64)
+    int8 = ServedSequenceModel(int8_dir, max_batch=64)
+    catalogue = len(fp32.catalogue)
+    print(f"== catalogue of {catalogue:,} items; recall of int8", file=sys.stderr, flush=True)
+    recall = recall_int8(data, fp32, int8, args.k, args.recall_users)
+    del int8
+    speedup = cached_speedup(fp32, args.history, 32, seed=3)
+    print(
+        f"   recall@{args.k} int8 vs fp32 {recall:.4f}; cached history: the tower's part "
+        f"{speedup:.1f}x faster",
+        file=sys.stderr,
+        flush=True,
+    )
+    bodies = history_bodies(fp32, 64, args.history, args.k, seed=2)
+    server = Server(fp32_dir, "--keep-histories", str(args.history), "--max-batch", "64")
+    try:
+        # warm-up: every batch shape the load will see, compiled before it is timed
+        load(server, bodies, rows=1, clients=args.clients, duration=3.0)
+        print(f"== {args.clients} clients, {args.duration:.0f} s", file=sys.stderr, flush=True)
+        figures = load(server, bodies, rows=1, clients=args.clients, duration=args.duration)
+        cached_ms, full_ms = request_latencies(server, fp32, args.history, args.k, 20, seed=4)
+    finally:
+        server.stop()
+    summary = {
+        "catalogue": catalogue,
+        "history": args.history,
+        "k": args.k,
+        "clients": args.clients,
+        "p50_ms": figures["p50_ms"],
+        "p99_ms": figures["p99_ms"],
+        "requests_per_s": figures["rows_per_s"],
+        "errors": figures["errors"],
+        "recall_at_k_int8": round(recall, 4),
+        "cached_speedup": round(speedup, 2),
+        "cached_request_p50_ms": round(cached_ms, 2),
+        "full_request_p50_ms": round(full_ms, 2),
+        "cached_request_speedup": round(full_ms / cached_ms, 2),
+    }
+    print(
+        f"[bench_serve_sequences] {catalogue:,} items, histories of {args.history}, top-"
+        f"{args.k}, {args.clients} clients: p50 {summary['p50_ms']} ms, p99 "
+        f"{summary['p99_ms']} ms, {summary['requests_per_s']} requests/s, recall int8 "
+        f"{summary['recall_at_k_int8']}, cached {summary['cached_speedup']}x (tower), "
+        f"{summary['cached_request_speedup']}x (request)",
+        file=sys.stderr,
+        flush=True,
+    )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
