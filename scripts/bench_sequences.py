@@ -121,7 +121,8 @@ def dense_figures(job, store, repeats: int) -> dict:
         .result()
         .embeddings
     )
-    device_batch = SequenceLayout(job.mesh).device_batch(batch, embeddings)
+    layout = SequenceLayout(job.mesh, ranking=job.config.model.sequence.ranking)
+    device_batch = layout.device_batch(batch, embeddings)
     step, state = job.train_step(), job.new_state()
     compiled = step.lower(state, device_batch).compile()
     flops = float((compiled.cost_analysis() or {}).get("flops", 0.0))

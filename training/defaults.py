@@ -287,3 +287,15 @@ def resolve_sequence_auto(
         f"embedding learning rate: {rate_reason}",
         *split_reason,
     )
+
+
+def check_batch_size(name: str, size: int, mesh) -> None:
+    """A one-line UserError unless the global batch `size` (config key `name`) splits evenly
+    over the mesh's devices and the job's processes."""
+    import jax  # imported already by whoever built the mesh; this module stays light without it
+
+    if size % mesh.devices.size or size % jax.process_count():
+        raise UserError(
+            f"{name} = {size} must divide evenly over {mesh.devices.size} devices and "
+            f"{jax.process_count()} processes"
+        )

@@ -45,7 +45,7 @@ from hybridrec.pipeline import DatasetMetadata, EventMetadata, read_dataset
 from hybridrec.pipeline.id_map import read_id_map
 from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from hybridrec.training.config import PRESET_DIR, TrainConfig
-from hybridrec.training.defaults import resolve_auto, resolve_sequence_auto
+from hybridrec.training.defaults import check_batch_size, resolve_auto, resolve_sequence_auto
 from hybridrec.training.device_plan import plan_devices
 from hybridrec.training.device_rows import DevicePlan, DeviceRows
 from hybridrec.training.hybrid import HybridLoop
@@ -217,7 +217,7 @@ class Job:
     def layout(self, batch_size: int, rows: slice = slice(None)) -> FlatLayout | TowerLayout:
         """How a batch of `batch_size` (this process's `rows` of it) meets the devices."""
         if self.sequences:
-            return SequenceLayout(self.mesh)
+            return SequenceLayout(self.mesh, ranking=self.config.model.sequence.ranking)
         if self.tower_parallel:
             names = [feature.name for feature in self.metadata.categorical]
             return TowerLayout(self.mesh, self.config.model.towers, names, batch_size)
@@ -411,13 +411,20 @@ def prepare(
         process_index=jax.process_index(),
         process_count=process_count,
         tables=tables,
-        servers=addresses,
-        server_token=servers.token if servers else None,
-        retry_timeout=servers.retry_timeout if servers else DEFAULT_RETRY_TIMEOUT,
+        **_server_fields(addresses, servers),
         choices=(*choices, *plan_lines, *devices.lines),
         id_map=id_map,
         devices=devices,
     )
+
+
+def _server_fields(addresses: tuple[str, ...], servers: ServerSet | None) -> dict[str, Any]:
+    """A Job's embedding-server fields: the addresses, the token, the retry timeout."""
+    return {
+        "servers": addresses,
+        "server_token": servers.token if servers else None,
+        "retry_timeout": servers.retry_timeout if servers else DEFAULT_RETRY_TIMEOUT,
+    }
 
 
 def _check_tower(config: TrainConfig, metadata: DatasetMetadata | EventMetadata) -> None:
@@ -463,9 +470,7 @@ def _prepare_sequences(
         process_index=jax.process_index(),
         process_count=process_count,
         tables=tables,
-        servers=addresses,
-        server_token=servers.token if servers else None,
-        retry_timeout=servers.retry_timeout if servers else DEFAULT_RETRY_TIMEOUT,
+        **_server_fields(addresses, servers),
         choices=(
             *choices,
             f"items: {len(catalogue):,} in the training split's {len(histories):,} histories",
@@ -475,16 +480,6 @@ def _prepare_sequences(
         histories=histories,
         catalogue=catalogue,
     )
-
-
-def check_batch_size(name: str, size: int, mesh) -> None:
-    """A one-line UserError unless the global batch `size` (config key `name`) splits evenly
-    over the mesh's devices and the job's processes."""
-    if size % mesh.devices.size or size % jax.process_count():
-        raise UserError(
-            f"{name} = {size} must divide evenly over {mesh.devices.size} devices and "
-            f"{jax.process_count()} processes"
-        )
 
 
 def load_config(

@@ -59,7 +59,7 @@ def query_outputs(job, state, store, eval_step, histories: Histories, *, max_bat
     config = job.config
     rows = config.data.eval_batch_size or config.data.batch_size
     reader = SequenceReader(histories, rows=rows, length=config.model.sequence.max_length)
-    layout = SequenceLayout(job.mesh)
+    layout = SequenceLayout(job.mesh, ranking=config.model.sequence.ranking)
     total = reader.batches_per_epoch
     if max_batches:
         total = min(total, max_batches)

@@ -370,8 +370,9 @@ class SequenceLayout:
     features = [ITEM_FEATURE.name]
     rows = slice(None)  # the ids looked up: the whole batch's
 
-    def __init__(self, mesh: Any):
+    def __init__(self, mesh: Any, *, ranking: bool = False):
         self.mesh = mesh
+        self.ranking = ranking  # the step reads the next events' actions
 
     def own(self, array: np.ndarray) -> np.ndarray:
         """This process's rows of a [rows, ...] batch array."""
@@ -389,7 +390,10 @@ class SequenceLayout:
         shared = {"rows": rows}
         if train:
             shared |= {"negatives": batch.negatives, "negative_logq": batch.negative_logq}
-        keys = batch.arrays if train else ("inputs", "segments", "positions", "targets")
+        if train:
+            keys = [key for key in batch.arrays if key != "actions" or self.ranking]
+        else:
+            keys = ["inputs", "segments", "positions", "targets"]
         arrays = {key: self.own(batch.arrays[key]) for key in keys}
         return make_global_batch(arrays, self.mesh, replicated=shared)
 
