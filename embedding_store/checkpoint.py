@@ -180,8 +180,9 @@ def discard_after(url: str, step: int) -> list[int]:
     return sorted(set(committed) | set(groups))
 
 
-def prune(url: str, keep: int) -> list[int]:
-    """Keeps the newest `keep` committed snapshots (0: all) and the groups they read.
+def prune(url: str, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
+    """Keeps the newest `keep` committed snapshots (0: all), those in `protect`, and the
+    groups they read.
 
     Incremental snapshots are rebuilt from a chain of groups (a full one at least every
     `MAX_CHAIN`), so what stays is those chains; everything older goes, on any kvstore
@@ -191,12 +192,12 @@ def prune(url: str, keep: int) -> list[int]:
     steps = committed_steps(url)
     if keep < 1 or len(steps) <= keep:
         return []
-    kept = steps[-keep:]
+    kept = sorted(set(steps[-keep:]) | (set(protect) & set(steps)))
     needed = set()
     for step in kept:
         for table in read_manifest(url, step)["tables"].values():
             needed.update(group["step"] for group in table["chain"])
-    removed = steps[:-keep]
+    removed = [step for step in steps if step not in kept]
     groups = [s for s in snapshot_groups(url) if s < kept[-1] and s not in needed]
     _delete(url, removed, groups)
     return removed

@@ -32,6 +32,8 @@ from hybridrec.embedding_store import checkpoint as store_checkpoint
 CONFIG_FILE = "config.json"  # a run directory's config, as trained
 CHECKPOINT_DIR = "checkpoints"
 LAST_FILE = "LAST"
+BEST_FILE = "BEST"  # {"step", "metric", "value"}: the kept best checkpoint (keep_best)
+LOWER_IS_BETTER = ("logloss", "ne", "loss")
 
 
 def make_checkpoint_manager(directory: str | Path, *, keep: int) -> ocp.CheckpointManager:
@@ -51,20 +53,73 @@ class RunCheckpoints:
     Args:
         run_dir: the run directory.
         keep: complete checkpoints to keep (older dense/position parts are removed).
+        keep_best: an eval metric: the checkpoint with its best value (`record_eval`) is
+            kept too (`checkpoint.keep_best`).
     """
 
-    def __init__(self, run_dir: str | Path, *, keep: int = 2):
+    def __init__(self, run_dir: str | Path, *, keep: int = 2, keep_best: str = ""):
         self.root = Path(run_dir).absolute() / CHECKPOINT_DIR
         self.keep = keep
+        self.keep_best = keep_best
         self.embeddings_url = str(self.root / "embeddings")
         self._manager: ocp.CheckpointManager | None = None
 
     @property
     def manager(self) -> ocp.CheckpointManager:
-        """The Orbax manager of `checkpoints/dense/`, built on first use."""
+        """The Orbax manager of `checkpoints/dense/`, built on first use (keeping a best
+        checkpoint, `prune_dense` removes the old steps instead of Orbax)."""
         if self._manager is None:
-            self._manager = make_checkpoint_manager(self.root / "dense", keep=self.keep)
+            keep = 0 if self.keep_best else self.keep
+            self._manager = make_checkpoint_manager(self.root / "dense", keep=keep)
         return self._manager
+
+    def best(self) -> dict[str, Any] | None:
+        """{"step", "metric", "value"} of the kept best checkpoint, or None."""
+        path = self.root / BEST_FILE
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except ValueError as error:
+            raise UserError(f"{path}: unreadable best-checkpoint record: {error}") from None
+
+    def record_eval(self, step: int, results: dict[str, Any]) -> bool:
+        """Makes the complete checkpoint `step` the best when its `keep_best` metric beats
+        the best so far (process 0 only); returns whether it did."""
+        if not self.keep_best or step != self.latest_step():
+            return False
+        if self.keep_best not in results:
+            have = ", ".join(sorted(k for k, v in results.items() if isinstance(v, float)))
+            raise UserError(
+                f"checkpoint.keep_best = {self.keep_best!r} is not an eval metric of this run "
+                f"(it has {have})"
+            )
+        value = float(results[self.keep_best])
+        best = self.best()
+        lower = self.keep_best in LOWER_IS_BETTER
+        same = best is not None and best.get("metric") == self.keep_best
+        if same and ((value >= best["value"]) if lower else (value <= best["value"])):
+            return False
+        record = {"step": int(step), "metric": self.keep_best, "value": value}
+        atomic_write_text(self.root / BEST_FILE, json.dumps(record))
+        return True
+
+    def protected(self) -> tuple[int, ...]:
+        """Steps kept whatever their age: the best checkpoint's."""
+        best = self.best() if self.keep_best else None
+        return (int(best["step"]),) if best else ()
+
+    def prune_dense(self) -> None:
+        """Keeping a best checkpoint: removes the dense steps that are neither among the
+        newest `keep` (+1, the one LAST may still point to while the next is written) nor the
+        best. Call on every process (Orbax coordinates its deletes)."""
+        if not self.keep_best:
+            return
+        steps = sorted(self.manager.all_steps())
+        kept = set(steps[-(self.keep + 1) :]) | set(self.protected())
+        for step in steps:
+            if step not in kept:
+                self.manager.delete(step)
 
     def begin(self, config: Any, *, resume: bool, chief: bool) -> int | None:
         """Starts (or resumes) training in the run directory; returns the step to resume
@@ -104,10 +159,19 @@ class RunCheckpoints:
         except (ValueError, KeyError) as error:
             raise UserError(f"{path}: unreadable checkpoint pointer: {error}") from None
 
-    def resolve_step(self, step: int | None, purpose: str) -> int:
+    def resolve_step(self, step: int | str | None, purpose: str) -> int:
         """`step` when the run holds a complete checkpoint of it; None: the newest complete
-        one. A one-line UserError otherwise, naming what `purpose` (e.g. "export") needs."""
+        one; "best": the kept best (`checkpoint.keep_best`). A one-line UserError otherwise,
+        naming what `purpose` (e.g. "export") needs."""
         run_dir = self.root.parent
+        if step == "best":
+            best = self.best()
+            if best is None:
+                raise UserError(
+                    f"{run_dir}: no best checkpoint recorded (train with checkpoint.keep_best "
+                    "= METRIC, and checkpoints at steps that are evaluated)"
+                )
+            step = int(best["step"])
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -163,10 +227,12 @@ class RunCheckpoints:
         then keeps the newest `keep` checkpoints: positions here, dense state through Orbax,
         embedding snapshots through the store (with the groups their chains read)."""
         atomic_write_text(self.root / LAST_FILE, json.dumps({"step": int(step)}))
+        protected = {f"{step:010d}" for step in self.protected()}
         positions = sorted((self.root / "positions").glob("*"))
         for old in positions[: -self.keep] if self.keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-        store_checkpoint.prune(self.embeddings_url, self.keep)
+            if old.name not in protected:
+                shutil.rmtree(old, ignore_errors=True)
+        store_checkpoint.prune(self.embeddings_url, self.keep, protect=self.protected())
 
     def read_position(self, step: int, process_index: int, process_count: int) -> dict[str, Any]:
         """Reads the dict `save_position` wrote for `step` and `process_index`.

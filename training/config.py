@@ -217,6 +217,10 @@ class CheckpointConfig:
 
     every_steps: int = 0  # checkpoint every this many steps; 0 = only at the end
     keep: int = 2  # complete checkpoints kept
+    # an evaluation metric ("hr@10", "ndcg@10", "auc", "logloss", ...): the checkpoint with
+    # its best value on the eval split (at a step evaluated and checkpointed) is kept besides
+    # the newest `keep`, and `--step best` names it; lower is better for "logloss" and "ne"
+    keep_best: str = ""
     # embedding rows and optimizer state on disk: fp32 (exact), fp16, or int8 / int4 row-wise
     # quantized (per-row scale and bias; ids exact); a restore reads the precision it was written at
     precision: Literal["fp32", "fp16", "int8", "int4"] = "fp32"

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from hybridrec.common.errors import UserError
 from hybridrec.common.progress import Progress
 from hybridrec.model import StreamingMetrics, local_rows
@@ -17,7 +18,24 @@ from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.job import Job, load_config, prepare
 from hybridrec.training.layouts import feature_ids
 from hybridrec.training.run_dir import require_run_dir
+from hybridrec.training.sequence_baselines import ranking_metrics
 from hybridrec.training.sequence_eval import evaluate_sequences
+
+
+def metric_names(job: Job) -> set[str]:
+    """The metrics `evaluate` gives for the job's run (what `checkpoint.keep_best` names)."""
+    if not job.sequences:
+        return {"auc", "logloss", "ne", "calibration"}
+    sequence = job.config.model.sequence
+    names = set()
+    if sequence.retrieval:
+        base = ranking_metrics(np.zeros(1))
+        names |= {
+            f"{k}{suffix}" for k in base for suffix in ("", "_history_kept", "_history_excluded")
+        }
+    if sequence.ranking:
+        names |= {"auc", "ne"}
+    return names
 
 
 def evaluate(
@@ -135,7 +153,9 @@ def evaluate_checkpoint(
     if dataset is not None and not own_data:
         check_same_features(trained.data.path, config.data.path, run_dir)
     job = prepare(config, distributed=distributed)
-    checkpoints = RunCheckpoints(run_dir, keep=job.config.checkpoint.keep)
+    checkpoints = RunCheckpoints(
+        run_dir, keep=job.config.checkpoint.keep, keep_best=job.config.checkpoint.keep_best
+    )
     try:
         step = checkpoints.resolve_step(step, "evaluate")
         state = checkpoints.restore_dense(step, job.new_state())

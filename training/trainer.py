@@ -36,7 +36,7 @@ from hybridrec.common.progress import Progress
 from hybridrec.embedding_store.remote import ServerSet
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.defaults import choose_decay
-from hybridrec.training.evaluate import evaluate
+from hybridrec.training.evaluate import evaluate, metric_names
 from hybridrec.training.job import Job, prepare
 from hybridrec.training.meters import CompileMeter, IntervalMeter, StoreMeter, device_memory
 from hybridrec.training.profiling import StepProfiler
@@ -121,8 +121,16 @@ class Trainer:
             if self.job.is_chief:
                 clear_run_dir(self.run_dir, self.job.config.data.path)
             self.job.barrier("run-dir-cleared")
-        self.checkpoints = RunCheckpoints(self.run_dir, keep=config.checkpoint.keep)
+        self.checkpoints = RunCheckpoints(
+            self.run_dir, keep=config.checkpoint.keep, keep_best=config.checkpoint.keep_best
+        )
         self.checkpoints.check_start(resume=resume)  # before the start-up lines, not after
+        best = config.checkpoint.keep_best
+        if best and best not in metric_names(self.job):
+            shown = ", ".join(sorted(metric_names(self.job)))
+            raise UserError(
+                f"checkpoint.keep_best = {best!r} is not a metric of this run ({shown})"
+            )
         if follow is None:
             self.source: EpochSource | StreamSource = EpochSource(self.job)
         else:
@@ -319,6 +327,9 @@ class Trainer:
             progress_name="evaluate" if final and self.progress else None,
         )
         self.log.write("eval", step, **self.eval_results)
+        if self.job.is_chief and self.checkpoints.record_eval(step, self.eval_results):
+            metric = self.config.checkpoint.keep_best
+            self.log.write("best", step, **{metric: self.eval_results[metric]})
 
     def _due_by_clock(self) -> tuple[bool, bool]:
         """(checkpoint due, publish due) by the follow options' seconds."""
@@ -360,6 +371,9 @@ class Trainer:
         job.barrier(f"checkpoint-embeddings-{step}")
         if job.is_chief:
             self.checkpoints.commit(step)
+        if self.checkpoints.keep_best:  # old dense steps, but the best (every process)
+            job.barrier(f"checkpoint-commit-{step}")
+            self.checkpoints.prune_dense()
         self.saved_step = step
 
     def _publish(self) -> None:

@@ -113,3 +113,13 @@ def add_tls_flags(parser: argparse.ArgumentParser, *, cert_help: str, ca_help: s
     parser.add_argument("--tls-cert", metavar="PEM", help=cert_help)
     parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert (PEM)")
     parser.add_argument("--tls-ca", metavar="PEM", help=ca_help)
+
+
+def checkpoint_step(text: str) -> int | str:
+    """--step's value: a checkpoint step, or "best" (the kept best, checkpoint.keep_best)."""
+    if text == "best":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"--step {text!r} is neither a step number nor 'best'") from None

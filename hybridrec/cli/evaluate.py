@@ -20,7 +20,11 @@ def main(argv: list[str]) -> int:
         prog="hybridrec evaluate", description="Evaluate a run's checkpoint on a data split."
     )
     parser.add_argument("--run", required=True, help="run directory written by `hybridrec train`")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest complete)")
+    parser.add_argument(
+        "--step",
+        type=_flags.checkpoint_step,
+        help="checkpoint step, or best (checkpoint.keep_best); default: the newest complete",
+    )
     parser.add_argument("--split", help="data split (default: the run's eval split)")
     parser.add_argument(
         "--data",

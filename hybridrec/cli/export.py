@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from hybridrec.cli import _flags
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline.metadata import METADATA_FILE, SUCCESS_FILE
 from hybridrec.serving import MANIFEST_FILE
@@ -27,7 +28,11 @@ def main(argv: list[str]) -> int:
         required=True,
         help="export directory of its own, e.g. exports/RUN_NAME (versions go in OUT/<n>)",
     )
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest complete)")
+    parser.add_argument(
+        "--step",
+        type=_flags.checkpoint_step,
+        help="checkpoint step, or best (checkpoint.keep_best); default: the newest complete",
+    )
     parser.add_argument(
         "--precision",
         choices=("fp32", "fp16", "int8"),
