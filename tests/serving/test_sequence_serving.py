@@ -11,6 +11,7 @@ a 4xx naming its input, and the server keeps serving.
 from __future__ import annotations
 
 import json
+import shutil
 import types
 
 import numpy as np
@@ -220,6 +221,24 @@ def test_a_kept_history_computes_only_its_new_events(run, client):
     assert cached[0] == fresh[0]  # the same items
     np.testing.assert_allclose(cached[1]["data"], fresh[1]["data"], rtol=1e-5, atol=1e-5)
     assert client.get("/v2/models/export/stats").json()["histories"]["cached_users"] >= 1
+
+
+def test_a_delta_export_serves_what_a_full_one_does(run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run.root / "run", copy)
+    export_run(copy, tmp_path / "export", quiet=True)  # version 1: the run's step
+    config = load_config(None, ["data.max_steps=45"], copy)  # its config, further
+    Trainer(config, copy, resume=True, quiet=True).fit()
+    delta = export_run(copy, tmp_path / "export", delta_from=1, quiet=True)
+    assert delta["kind"] == "delta" and delta["base_version"] == 1
+    full = export_run(copy, tmp_path / "full", quiet=True)
+    served, reference = (
+        ServedSequenceModel(p, max_batch=64) for p in (delta["path"], full["path"])
+    )
+    queries = served.encode(run.users)[0]
+    np.testing.assert_array_equal(queries, reference.encode(run.users)[0])
+    items, _ = served.top_k(queries, 10, run.users)
+    np.testing.assert_array_equal(items, reference.top_k(queries, 10, run.users)[0])
 
 
 BAD = [
