@@ -39,6 +39,37 @@ def load_config(
     return job_lib.load_config(preset, list(overrides), Path(run_dir) if run_dir else None)
 
 
+def make_trainer(
+    config: TrainConfig,
+    *,
+    run_dir: str | Path,
+    data: str | Path | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    quiet: bool = False,
+    distributed: dict[str, Any] | None = None,
+    tower: type | None = None,
+    servers: Any = None,
+) -> Trainer:
+    """The `Trainer` that `train` runs, for a caller that needs it before it runs (`hybridrec
+    train` installs its signal handlers by the job's process count). `servers`: embedding
+    servers as the command line resolved them (default: `embedding.servers`)."""
+    if tower is not None:
+        model = dataclasses.replace(config.model, tower=f"{tower.__module__}:{tower.__qualname__}")
+        config = dataclasses.replace(config, model=model)
+    if data is not None:
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, path=str(data)))
+    return Trainer(
+        config,
+        run_dir,
+        resume=resume,
+        overwrite=overwrite,
+        quiet=quiet,
+        distributed=distributed,
+        servers=servers,
+    )
+
+
 def train(
     config: TrainConfig,
     *,
@@ -56,18 +87,15 @@ def train(
     after its current step, with a checkpoint. `tower`: a user's tower class (the tower
     contract, model/custom.py), saved in the run's config as its import path, so that
     `evaluate`, `export` and `--resume` find it where this process did."""
-    if tower is not None:
-        model = dataclasses.replace(config.model, tower=f"{tower.__module__}:{tower.__qualname__}")
-        config = dataclasses.replace(config, model=model)
-    if data is not None:
-        config = dataclasses.replace(config, data=dataclasses.replace(config.data, path=str(data)))
-    trainer = Trainer(
+    trainer = make_trainer(
         config,
-        run_dir,
+        run_dir=run_dir,
+        data=data,
         resume=resume,
         overwrite=overwrite,
         quiet=quiet,
         distributed=distributed,
+        tower=tower,
     )
     if trainer.is_chief and not quiet:
         for choice in trainer.job.choices:

@@ -16,12 +16,12 @@ from hybridrec.cli import _flags, _train_follow
 from hybridrec.cli._chatter import VERBOSE_ENV, native_output_filtered, quiet_native_logging
 from hybridrec.cli._compilation_cache import use_compilation_cache
 from hybridrec.cli._embedding_servers import embedding_servers
+from hybridrec.training.api import make_trainer
 from hybridrec.training.evaluate import describe
 from hybridrec.training.job import load_config
 from hybridrec.training.profiling import format_summary
 from hybridrec.training.run_dir import require_run_dir
 from hybridrec.training.run_log import run_name
-from hybridrec.training.trainer import Trainer
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -123,9 +123,9 @@ def _train(
             for address in servers.addresses
         ]
         print(f"embedding servers from {servers.source}: {', '.join(shown)}")
-    trainer = Trainer(
+    trainer = make_trainer(  # the Python API's trainer: one path for both
         config,
-        run_dir,
+        run_dir=run_dir,
         resume=args.resume,
         overwrite=args.overwrite,
         distributed=distributed,
