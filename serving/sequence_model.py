@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from hybridrec.pipeline import hashing
 from hybridrec.serving import _format
+from hybridrec.serving.catalogue import ExactCatalogue
 from hybridrec.serving.export_sequences import (
     CATALOGUE_FILE,
     EXTEND_FILE,
@@ -33,8 +34,7 @@ from hybridrec.serving.export_sequences import (
 )
 from hybridrec.serving.model import DefaultRows, batch_buckets, load_array, open_tables
 
-CHUNK = 1 << 17  # catalogue rows scored at once
-FIRST_CHUNK = 4096  # the first chunk's rows: every row's top-k of them is sorted
+CHUNK = 1 << 17  # catalogue rows looked up at once (to build the scan's rows)
 ITEM_PREFIX = 1  # the item table's prefix in every event spec (`EventSpec.tables`)
 MIN_CANDIDATES = 8  # candidate lists are padded to a power of two from here
 
@@ -125,7 +125,7 @@ class ServedSequenceModel:
         self._extend = _module(extend) if extend.exists() else None
         self.cache_shape = tuple(features.get("cache_shape") or ())
         self.outputs = len(self.action_types) if self._ranker else 1
-        self.scan = self._scan_rows()
+        self.scan = ExactCatalogue(self.catalogue, self._scan_rows())
         self.max_batch = max_batch
         # from one history up: a single user's request is the common case, and a history's
         # forward pass costs as much as its padded batch's
@@ -313,45 +313,8 @@ class ServedSequenceModel:
         self, queries: np.ndarray, k: int, exclude: list[np.ndarray] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(items [n, k] uint64, scores [n, k] float32): the best `k` catalogue items per
-        query by score (ties: catalogue order), leaving out each row's `exclude` items (a
-        row with fewer than k items left ends with scores of -inf).
-
-        Every item is scored, chunk by chunk (one BLAS call a chunk, which threads
-        itself: chunks on threads of their own were slower on the 2-core VM); a chunk's items that beat a row's k-th best so far (its threshold) are
-        merged into the row's top-k, so after the first small chunk only a few items a
-        chunk are sorted."""
-        n = len(queries)
-        size = len(self.catalogue)
-        k = min(k, size)
-        masked = _positions(self.catalogue, exclude or [])
-        best_scores = np.full((n, k), -np.inf, np.float32)
-        best_index = np.full((n, k), size, np.int64)  # after every item: no item yet
-        transposed = np.ascontiguousarray(queries.T, np.float32)  # items @ queries.T
-        first = min(max(FIRST_CHUNK, k), size)
-        threshold = np.full(n, -np.inf, np.float32)
-        _merge(best_scores, best_index, *self._candidates(0, first, transposed, threshold, masked))
-        bounds = [*range(first, size, CHUNK), size]
-        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
-            threshold = best_scores[:, -1]
-            found = self._candidates(start, stop, transposed, threshold, masked)
-            _merge(best_scores, best_index, *found)
-        found = best_index < size
-        items = self.catalogue[np.where(found, best_index, 0)]
-        return np.where(found, items, 0), best_scores
-
-    def _candidates(self, start, stop, transposed, threshold, masked):
-        """(catalogue index, row, score) of the items of [start, stop) above their row's
-        threshold: the lowest threshold first (one contiguous comparison), then each row's."""
-        n = transposed.shape[1]
-        scores = self.scan[start:stop] @ transposed  # [items, rows]
-        rows, at = masked
-        inside = (at >= start) & (at < stop)
-        scores[at[inside] - start, rows[inside]] = -np.inf
-        flat = scores.reshape(-1)
-        above = np.flatnonzero(flat > threshold.min())
-        above = above[flat[above] > threshold[above % n]]
-        item, row = np.divmod(above, n)
-        return item + start, row, flat[above]
+        query, exactly (`serving.catalogue.ExactCatalogue.top_k`)."""
+        return self.scan.top_k(queries, k, exclude)
 
     def score_candidates(
         self, histories: list[np.ndarray], candidates: np.ndarray
@@ -445,22 +408,6 @@ class ServedSequenceModel:
         self._defaults.close()
 
 
-def _merge(best_scores, best_index, items, rows, scores) -> None:
-    """Merges candidates (catalogue index, row, score) into each row's top-k (sorted by
-    score, then catalogue order)."""
-    if not len(rows):
-        return
-    k = best_scores.shape[1]
-    by_row = np.argsort(rows, kind="stable")
-    items, rows, scores = items[by_row], rows[by_row], scores[by_row]
-    for part in np.split(np.arange(len(rows)), np.flatnonzero(np.diff(rows)) + 1):
-        row = rows[part[0]]
-        merged = np.concatenate([best_scores[row], scores[part]])
-        index = np.concatenate([best_index[row], items[part]])
-        order = np.lexsort((index, -merged))[:k]
-        best_scores[row], best_index[row] = merged[order], index[order]
-
-
 def _module(path: Path):
     try:
         exported = jax.export.deserialize(bytearray(path.read_bytes()))
@@ -477,14 +424,3 @@ def _read_names(path: Path):
     except (OSError, KeyError, ValueError) as error:
         raise _format.ExportError(f"{path}: unreadable item names ({error})") from None
     return ids, names
-
-
-def _positions(catalogue: np.ndarray, exclude: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(row, catalogue position) of every excluded item that is in the catalogue."""
-    if not exclude:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    rows = np.repeat(np.arange(len(exclude)), [len(e) for e in exclude])
-    items = np.concatenate(exclude).astype(np.uint64) if len(rows) else np.zeros(0, np.uint64)
-    position = np.minimum(np.searchsorted(catalogue, items), max(len(catalogue) - 1, 0))
-    hit = catalogue[position] == items if len(catalogue) else np.zeros(len(items), bool)
-    return rows[hit], position[hit]

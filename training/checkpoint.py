@@ -227,6 +227,11 @@ class RunCheckpoints:
         then keeps the newest `keep` checkpoints: positions here, dense state through Orbax,
         embedding snapshots through the store (with the groups their chains read)."""
         atomic_write_text(self.root / LAST_FILE, json.dumps({"step": int(step)}))
+        self.prune()
+
+    def prune(self) -> None:
+        """Keeps the newest `keep` checkpoints and the best one: positions here, embedding
+        snapshots through the store (process 0 only; the dense state: `prune_dense`)."""
         protected = {f"{step:010d}" for step in self.protected()}
         positions = sorted((self.root / "positions").glob("*"))
         for old in positions[: -self.keep] if self.keep > 0 else []:

@@ -327,9 +327,20 @@ class Trainer:
             progress_name="evaluate" if final and self.progress else None,
         )
         self.log.write("eval", step, **self.eval_results)
-        if self.job.is_chief and self.checkpoints.record_eval(step, self.eval_results):
-            metric = self.config.checkpoint.keep_best
+        if self.checkpoints.keep_best:
+            self._keep_best(step)
+
+    def _keep_best(self, step: int) -> None:
+        """Records `step` as the best checkpoint if its metric is; the previous best, no
+        longer protected, then goes (every process: Orbax coordinates the dense deletes)."""
+        job, metric = self.job, self.config.checkpoint.keep_best
+        better = job.is_chief and self.checkpoints.record_eval(step, self.eval_results)
+        if better:
             self.log.write("best", step, **{metric: self.eval_results[metric]})
+        job.barrier(f"best-checkpoint-{step}")
+        if job.is_chief:
+            self.checkpoints.prune()
+        self.checkpoints.prune_dense()
 
     def _due_by_clock(self) -> tuple[bool, bool]:
         """(checkpoint due, publish due) by the follow options' seconds."""

@@ -227,7 +227,7 @@ def test_a_delta_export_serves_what_a_full_one_does(run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(run.root / "run", copy)
     export_run(copy, tmp_path / "export", quiet=True)  # version 1: the run's step
-    config = load_config(None, ["data.max_steps=45"], copy)  # its config, further
+    config = load_config(None, ["data.max_steps=36"], copy)  # its config, further
     Trainer(config, copy, resume=True, quiet=True).fit()
     delta = export_run(copy, tmp_path / "export", delta_from=1, quiet=True)
     assert delta["kind"] == "delta" and delta["base_version"] == 1

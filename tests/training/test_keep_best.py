@@ -23,7 +23,7 @@ def test_the_best_checkpoint_is_kept_and_named_best(events, tmp_path, cli):
 
     keys = [
         *SMALL,
-        "data.max_steps=60",
+        "data.max_steps=40",
         "checkpoint.every_steps=10",
         "eval.every_steps=10",
         "checkpoint.keep=1",
@@ -41,7 +41,7 @@ def test_the_best_checkpoint_is_kept_and_named_best(events, tmp_path, cli):
     best = checkpoints.best()
     assert best["step"] == best_step and best["value"] == pytest.approx(evals[best_step])
     complete = checkpoints.complete_steps()
-    assert complete == sorted({best_step, 60})  # the newest and the best, nothing else
+    assert complete == sorted({best_step, 40})  # the newest and the best, nothing else
     checkpoints.close()
     tested = json.loads(cli("evaluate", "--run", str(run), "--step", "best", "--json").stdout)
     assert tested["step"] == best_step
