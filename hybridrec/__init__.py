@@ -7,14 +7,16 @@ work lives in the stage packages below it, in the order of the data flow:
 all standing on `common` (config loading, user-facing errors, progress lines).
 
 From Python: `hybridrec.load_config`, `hybridrec.train`, `hybridrec.evaluate` and
-`hybridrec.export` are the calls behind the commands (`training/api.py`).
+`hybridrec.export` are the calls behind the commands (`training/api.py`);
+`hybridrec.load_model(export)` is what `hybridrec serve` serves (`predict_rows(rows)` of a
+click-log run, `recommend(histories, k)` of a sequence run).
 """
 
 __version__ = "0.2.0"
 
 # The Python API (training.api, serving.export): imported on first use, so that the
 # command line starts without loading the training code.
-__all__ = ["UserError", "evaluate", "export", "load_config", "train"]
+__all__ = ["UserError", "evaluate", "export", "load_config", "load_model", "train"]
 
 
 def __getattr__(name: str):
@@ -26,6 +28,10 @@ def __getattr__(name: str):
         from hybridrec.serving.export import export_run
 
         return export_run
+    if name == "load_model":
+        from hybridrec.serving.load import load_model
+
+        return load_model
     if name == "UserError":
         from hybridrec.common.errors import UserError
 

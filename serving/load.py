@@ -25,3 +25,9 @@ def load_export(path: str | Path, *, max_batch: int, checksums: bool = True) -> 
     from hybridrec.serving.model import ServedModel
 
     return ServedModel(path, max_batch=max_batch, checksums=checksums)
+
+
+def load_model(path: str | Path, *, max_batch: int = 256) -> Any:
+    """`hybridrec.load_model`: the export at `path` (its newest version), checked, ready to
+    answer in process what `hybridrec serve` answers over HTTP."""
+    return load_export(path, max_batch=max_batch)

@@ -297,6 +297,16 @@ class ServedModel:
         probabilities = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         return probabilities.astype(np.float32, copy=False), unseen
 
+    def predict_rows(self, lines: Sequence[bytes | str]) -> np.ndarray:
+        """Click probabilities [n] float32 of raw rows in the dataset's layout (label column
+        optional), as `serve` answers a `rows` request.
+
+        Raises:
+            pipeline.RowError: a row the Beam job would reject (its index and reason).
+        """
+        ids, dense = self.encode_rows(lines)
+        return self.predict(ids, dense)[0]
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"rows_scored": self.rows_scored, "unseen_ids": dict(self.unseen)}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -308,6 +309,27 @@ class ServedSequenceModel:
                 values[:, index].copy(),
                 query[index].copy(),
             )
+
+    def recommend(
+        self, histories: Sequence[Sequence[str | bytes]], k: int = 10, *, exclude_history=None
+    ) -> list[list[tuple[str, float]]]:
+        """Each history's top-`k` next items as (raw item id, score), best first, as `serve`
+        answers a retrieval request: histories of raw item ids, oldest first (none empty);
+        `exclude_history` default: as the run was evaluated."""
+        if not histories or any(not len(history) for history in histories):
+            raise ValueError("every history needs at least one item")
+        exclude = self.exclude_history if exclude_history is None else exclude_history
+        ids = [
+            self.item_ids([i.encode() if isinstance(i, str) else i for i in h]) for h in histories
+        ]
+        queries, _, _ = self.encode(ids)
+        items, scores = self.top_k(queries, k, ids if exclude else None)
+        names = self.item_names(items)
+        width = items.shape[1]
+        return [
+            list(zip(names[row * width : (row + 1) * width], scores[row].tolist(), strict=True))
+            for row in range(len(histories))
+        ]
 
     def top_k(
         self, queries: np.ndarray, k: int, exclude: list[np.ndarray] | None = None

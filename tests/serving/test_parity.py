@@ -134,3 +134,13 @@ def test_demo_score_serves_rows_over_http(exported, trained, reference):
     scores = demo_score(exported, lines)
     assert len(scores) == 5
     assert np.max(np.abs(np.asarray(scores, np.float32) - reference.probabilities[:5])) <= TOLERANCE
+
+
+def test_the_python_api_predicts_raw_rows_as_evaluate(exported, trained, reference):
+    import hybridrec
+
+    model = hybridrec.load_model(exported)
+    lines = _eval_lines(trained, reference)[:64]
+    probabilities = model.predict_rows(lines)
+    assert np.max(np.abs(probabilities - reference.probabilities[:64])) <= TOLERANCE
+    model.close()

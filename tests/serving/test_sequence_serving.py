@@ -118,6 +118,21 @@ def test_served_top_k_equals_scoring_every_item_with_evaluates_queries(run, excl
     assert len(truncated) == sum(len(h) > 16 for h in run.users) > 0  # max_length 16
 
 
+def test_recommend_answers_raw_ids_as_the_server(run):
+    import hybridrec
+
+    model = hybridrec.load_model(run.fp32)
+    histories = [model.item_names(h) for h in run.users[:4]]
+    answers = model.recommend(histories, k=5)
+    expected = reference_top_k(run, 5, exclude=True)[:4]
+    assert [[item for item, _ in row] for row in answers] == [
+        model.item_names(row) for row in expected
+    ]
+    assert all(a[1] >= b[1] for row in answers for a, b in zip(row, row[1:], strict=False))
+    with pytest.raises(ValueError, match="at least one item"):
+        model.recommend([[]])
+
+
 def test_int8_rows_keep_recall_at_100(run):
     fp32 = ServedSequenceModel(run.fp32, max_batch=64)
     int8 = ServedSequenceModel(run.int8, max_batch=64)
