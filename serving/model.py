@@ -106,7 +106,46 @@ def open_tables(path: Path, names: list[str], checksums: bool) -> dict[str, Any]
     return tables
 
 
-class ServedModel:
+class ServedVersion:
+    """What every loaded export version has: its directory, checked manifest (name,
+    version, precision) and features.json, read once.
+
+    Args:
+        path: an export version directory, or a base directory (its newest version).
+        checksums: check every file's sha256 against the manifest first.
+    """
+
+    def __init__(self, path: str | Path, *, checksums: bool = True):
+        self.path = _format.resolve(path)
+        self.manifest = _format.read_manifest(self.path, checksums=checksums)
+        self.name = self.manifest["name"]
+        self.version = int(self.manifest["version"])
+        self.precision = self.manifest["precision"]
+        self.features_path = self.path / _format.FEATURES_FILE
+        try:
+            self.features = json.loads(self.features_path.read_text())
+        except (OSError, ValueError) as error:
+            raise _format.ExportError(f"{self.features_path}: unreadable ({error})") from None
+
+
+def load_module(path: Path) -> Any:
+    """A serialized jax.export module, jitted; an ExportError names a file that is not one."""
+    try:
+        exported = jax.export.deserialize(bytearray(path.read_bytes()))
+    except Exception as error:  # noqa: BLE001 - any decoding failure names the file
+        raise _format.ExportError(f"{path}: not a jax.export module ({error})") from None
+    return jax.jit(exported.call)
+
+
+def pad_rows(array: np.ndarray, size: int, value: float = 0) -> np.ndarray:
+    """`array` with rows of `value` appended up to `size` rows (a compiled batch shape)."""
+    if len(array) >= size:
+        return array
+    padding = np.full((size - len(array), *array.shape[1:]), value, array.dtype)
+    return np.concatenate([array, padding])
+
+
+class ServedModel(ServedVersion):
     """One export version of a click-log run, ready to score.
 
     Args:
@@ -119,16 +158,11 @@ class ServedModel:
     kind = "clicks"
 
     def __init__(self, path: str | Path, *, max_batch: int = 256, checksums: bool = True):
-        self.path = _format.resolve(path)
-        self.manifest = _format.read_manifest(self.path, checksums=checksums)
-        self.name = self.manifest["name"]
-        self.version = int(self.manifest["version"])
-        self.precision = self.manifest["precision"]
-        features_path = self.path / _format.FEATURES_FILE
+        super().__init__(path, checksums=checksums)
+        features_path = self.features_path
         try:
-            self.features = json.loads(features_path.read_text())
             self.spec = spec_from_json(self.features["spec"])
-        except (OSError, ValueError, KeyError) as error:
+        except (ValueError, KeyError) as error:
             raise _format.ExportError(f"{features_path}: unreadable ({error})") from None
         self.encoder = RowEncoder(self.spec)
         self.feature_names = [feature.name for feature in self.spec.categorical]
@@ -158,12 +192,7 @@ class ServedModel:
         # a run trained with embedding.id_map: its mapping travels with the export
         kind = self.features.get("id_map_kind")
         self.id_map = read_id_map(self.path / _format.ID_MAP_DIR, kind) if kind else None
-        model_path = self.path / _format.MODEL_FILE
-        try:
-            exported = jax.export.deserialize(bytearray(model_path.read_bytes()))
-        except Exception as error:  # noqa: BLE001 - any decoding failure names the file
-            raise _format.ExportError(f"{model_path}: not a jax.export module ({error})") from None
-        self._tower = jax.jit(exported.call)
+        self._tower = load_module(self.path / _format.MODEL_FILE)
         self.max_batch = max_batch
         self.buckets = batch_buckets(max_batch)
         self._lock = threading.Lock()
@@ -266,11 +295,7 @@ class ServedModel:
     def _run_tower(self, embeddings: np.ndarray, dense: np.ndarray) -> np.ndarray:
         n = len(embeddings)
         bucket = next(b for b in self.buckets if b >= n)
-        if bucket != n:
-            embeddings = np.concatenate(
-                [embeddings, np.zeros((bucket - n, *embeddings.shape[1:]), np.float32)]
-            )
-            dense = np.concatenate([dense, np.zeros((bucket - n, dense.shape[1]), np.float32)])
+        embeddings, dense = pad_rows(embeddings, bucket), pad_rows(dense, bucket)
         return np.asarray(self._tower(embeddings, dense))[:n]
 
     def predict(self, ids: Ids, dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

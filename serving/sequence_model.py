@@ -15,13 +15,11 @@ A history longer than the tower's `max_length` keeps its most recent events, as
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 import pyarrow.parquet as pq
 from hybridrec.pipeline import hashing
@@ -33,7 +31,15 @@ from hybridrec.serving.export_sequences import (
     ITEM_NAMES_FILE,
     RANKING_FILE,
 )
-from hybridrec.serving.model import DefaultRows, batch_buckets, load_array, open_tables
+from hybridrec.serving.model import (
+    DefaultRows,
+    ServedVersion,
+    batch_buckets,
+    load_array,
+    load_module,
+    open_tables,
+    pad_rows,
+)
 
 CHUNK = 1 << 17  # catalogue rows looked up at once (to build the scan's rows)
 ITEM_PREFIX = 1  # the item table's prefix in every event spec (`EventSpec.tables`)
@@ -84,7 +90,7 @@ class SequenceAnswer:
     computed_events: int = 0  # events the tower ran on (cached ones are not)
 
 
-class ServedSequenceModel:
+class ServedSequenceModel(ServedVersion):
     """One export version of a sequence run.
 
     Args:
@@ -96,14 +102,9 @@ class ServedSequenceModel:
     kind = "sequences"
 
     def __init__(self, path: str | Path, *, max_batch: int = 64, checksums: bool = True):
-        self.path = _format.resolve(path)
-        self.manifest = _format.read_manifest(self.path, checksums=checksums)
-        self.name = self.manifest["name"]
-        self.version = int(self.manifest["version"])
-        self.precision = self.manifest["precision"]
-        features_path = self.path / _format.FEATURES_FILE
+        super().__init__(path, checksums=checksums)
+        features, features_path = self.features, self.features_path
         try:
-            features = json.loads(features_path.read_text())
             self.max_length = int(features["max_length"])
             self.similarity = features["similarity"]
             self.dim = int(features["embedding_dim"])
@@ -112,18 +113,17 @@ class ServedSequenceModel:
             self.prefix_bits = int(features["spec"]["prefix_bits"])
             default_rows = features["default_rows"]
             self.table_name = features["feature_tables"]["item"]
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except (ValueError, KeyError, TypeError) as error:
             raise _format.ExportError(f"{features_path}: unreadable ({error})") from None
-        self.features = features
         self.table = open_tables(self.path, [self.table_name], checksums)[self.table_name]
         self._defaults = DefaultRows(default_rows)
         self.catalogue = np.asarray(load_array(self.path / CATALOGUE_FILE, np.uint64, 1))
         self._name_ids, self._names = _read_names(self.path / ITEM_NAMES_FILE)
-        self._encoder = _module(self.path / _format.MODEL_FILE)
+        self._encoder = load_module(self.path / _format.MODEL_FILE)
         ranking = self.path / RANKING_FILE
-        self._ranker = _module(ranking) if ranking.exists() else None
+        self._ranker = load_module(ranking) if ranking.exists() else None
         extend = self.path / EXTEND_FILE
-        self._extend = _module(extend) if extend.exists() else None
+        self._extend = load_module(extend) if extend.exists() else None
         self.cache_shape = tuple(features.get("cache_shape") or ())
         self.outputs = len(self.action_types) if self._ranker else 1
         self.scan = ExactCatalogue(self.catalogue, self._scan_rows())
@@ -194,9 +194,7 @@ class ServedSequenceModel:
     def _encode_rows(self, rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         n = len(rows)
         bucket = next(b for b in self.buckets if b >= n)
-        if bucket != n:
-            rows = np.concatenate([rows, np.zeros((bucket - n, *rows.shape[1:]), np.float32)])
-            lengths = np.concatenate([lengths, np.ones(bucket - n, np.int32)])
+        rows, lengths = pad_rows(rows, bucket), pad_rows(lengths, bucket, 1)
         return np.asarray(self._encoder(rows, lengths))[:n]
 
     def _history_rows(self, histories: list[np.ndarray]):
@@ -287,13 +285,8 @@ class ServedSequenceModel:
         for index, (_, cache) in enumerate(part):
             if cache is not None:
                 keys[:, index], values[:, index] = cache.keys, cache.values
-        pad = bucket - len(part)
         query, keys, values = self._extend(
-            rows,
-            np.concatenate([prefix, np.zeros(pad, np.int32)]),
-            np.concatenate([count, np.ones(pad, np.int32)]),
-            keys,
-            values,
+            rows, pad_rows(prefix, bucket), pad_rows(count, bucket, 1), keys, values
         )
         query, keys, values = (np.asarray(a) for a in (query, keys, values))
         missed = np.bincount(np.repeat(np.arange(len(part)), count)[~found], minlength=len(part))
@@ -363,11 +356,10 @@ class ServedSequenceModel:
         for start in range(0, n, self.max_batch):
             stop = min(start + self.max_batch, n)
             bucket = next(b for b in self.buckets if b >= stop - start)
-            pad = bucket - (stop - start)
             logits = self._ranker(
-                np.concatenate([rows[start:stop], np.zeros((pad, *rows.shape[1:]), np.float32)]),
-                np.concatenate([lengths[start:stop], np.ones(pad, np.int32)]),
-                np.concatenate([padded[start:stop], np.zeros((pad, width, self.dim), np.float32)]),
+                pad_rows(rows[start:stop], bucket),
+                pad_rows(lengths[start:stop], bucket, 1),
+                pad_rows(padded[start:stop], bucket),
             )
             out.append(np.asarray(logits)[: stop - start, :count])
         logits = np.concatenate(out).astype(np.float64)
@@ -428,14 +420,6 @@ class ServedSequenceModel:
 
     def close(self) -> None:
         self._defaults.close()
-
-
-def _module(path: Path):
-    try:
-        exported = jax.export.deserialize(bytearray(path.read_bytes()))
-    except Exception as error:  # noqa: BLE001 - any decoding failure names the file
-        raise _format.ExportError(f"{path}: not a jax.export module ({error})") from None
-    return jax.jit(exported.call)
 
 
 def _read_names(path: Path):

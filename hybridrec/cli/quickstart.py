@@ -92,18 +92,7 @@ def main(argv: list[str]) -> int:
     begin = _stage("train (hybrid loop: async embedding store, synchronous dense step on the mesh)")
     run_dir = out / "run"
     overrides = [*args.overrides, f"seed={args.seed}"]
-    train.main(
-        [
-            "--data",
-            str(data),
-            "--run-dir",
-            str(run_dir),
-            "--config",
-            args.config,
-            "--overwrite",
-            *[item for override in overrides for item in ("--set", override)],
-        ],
-    )
+    _train(data, run_dir, args.config, overrides)
     timings["train"] = time.perf_counter() - begin
 
     begin = _stage("evaluate the final checkpoint")

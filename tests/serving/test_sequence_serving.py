@@ -16,9 +16,7 @@ import types
 
 import numpy as np
 import pytest
-from hybridrec.pipeline.config import PreprocessConfig
-from hybridrec.pipeline.event_job import run_event_preprocess
-from hybridrec.pipeline.synthetic_events import EventLogConfig, generate_events, spec_text
+from hybridrec.pipeline.synthetic_events import EventLogConfig
 from hybridrec.serving.export import export_run
 from hybridrec.serving.sequence_model import ServedSequenceModel
 from hybridrec.serving.server import ServeOptions, create_app
@@ -28,6 +26,8 @@ from hybridrec.training.sequence_eval import query_outputs
 from hybridrec.training.sequences import Histories
 from hybridrec.training.trainer import Trainer
 from starlette.testclient import TestClient
+
+from tests.training.test_sequence_training import events_dataset
 
 SMALL = [
     "model.sequence.max_length=16",
@@ -47,13 +47,7 @@ def run(tmp_path_factory):
     validation split (outputs, targets, histories, ranking logits)."""
     root = tmp_path_factory.mktemp("sequence_serving")
     config = EventLogConfig(users=800, items=300, topics=8, mean_events=14, seed=5)
-    generate_events(root / "events.csv", root / "items.csv", config, quiet=True)
-    (root / "events.toml").write_text(spec_text("items.csv"))
-    data = root / "data"
-    settings = PreprocessConfig(
-        inputs=[str(root / "events.csv")], output=str(data), spec=str(root / "events.toml")
-    )
-    run_event_preprocess(settings, quiet=True, beam_args=["--direct_running_mode=in_memory"])
+    data = events_dataset(root, config)
     config = load_config("sasrec", [f"data.path={json.dumps(str(data))}", *SMALL])
     trainer = Trainer(config, root / "run", quiet=True)
     trainer.fit()

@@ -5,29 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hybridrec.pipeline.config import PreprocessConfig
-from hybridrec.pipeline.event_job import run_event_preprocess
 from hybridrec.pipeline.synthetic_events import (
     EventLogConfig,
-    generate_events,
     oracle_hit_rate,
-    spec_text,
 )
 from hybridrec.training.sequence_baselines import evaluate_baselines, ranking_metrics, read_split
+
+from tests.training.test_sequence_training import events_dataset
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("baselines")
     config = EventLogConfig(users=1500, items=400, topics=10, mean_events=15, seed=5)
-    generate_events(root / "events.csv", root / "items.csv", config, quiet=True)
-    (root / "events.toml").write_text(spec_text("items.csv"))
-    out = root / "data"
-    settings = PreprocessConfig(
-        inputs=[str(root / "events.csv")], output=str(out), spec=str(root / "events.toml")
-    )
-    run_event_preprocess(settings, quiet=True, beam_args=["--direct_running_mode=in_memory"])
-    return out, config
+    return events_dataset(tmp_path_factory.mktemp("baselines"), config), config
 
 
 def brute_force(data, exclude_history: bool) -> tuple[np.ndarray, np.ndarray]:

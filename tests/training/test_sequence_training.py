@@ -34,10 +34,10 @@ def sets(*keys: str) -> list[str]:
     return [item for key in (*SMALL, *keys) for item in ("--set", key)]
 
 
-def events_dataset(root):
-    """A generated event log of 1,500 users, preprocessed: the dataset's directory."""
+def events_dataset(root, config: EventLogConfig | None = None):
+    """A generated event log (default: 1,500 users), preprocessed: the dataset's directory."""
     root.mkdir(parents=True, exist_ok=True)
-    config = EventLogConfig(users=1500, items=400, topics=10, mean_events=15, seed=7)
+    config = config or EventLogConfig(users=1500, items=400, topics=10, mean_events=15, seed=7)
     generate_events(root / "events.csv", root / "items.csv", config, quiet=True)
     (root / "events.toml").write_text(spec_text("items.csv"))
     out = root / "data"
