@@ -35,6 +35,7 @@ class KeptHistories:
         self._users: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._caches: OrderedDict[bytes, Any] = OrderedDict()
         self._cached_bytes = 0
+        self._kept_events = 0  # events held over all users (stats without a pass over them)
         self._lock = threading.Lock()
         self.events_appended = 0
         self.evicted_users = 0
@@ -52,8 +53,10 @@ class KeptHistories:
                 old = self._users.pop(user, None)
                 joined = new if old is None else np.concatenate([old, new])
                 self._users[user] = joined[-self.max_events :].copy()
+                self._kept_events += len(self._users[user]) - (0 if old is None else len(old))
             while len(self._users) > self.max_users:
-                user, _ = self._users.popitem(last=False)
+                user, dropped = self._users.popitem(last=False)
+                self._kept_events -= len(dropped)
                 self._drop_cache(user)
                 self.evicted_users += 1
             self.events_appended += len(users)
@@ -101,7 +104,7 @@ class KeptHistories:
                 "cache_bytes": self._cached_bytes,
                 "dropped_caches": self.dropped_caches,
                 "kept_users": len(self._users),
-                "kept_events": int(sum(len(v) for v in self._users.values())),
+                "kept_events": self._kept_events,
                 "events_appended": self.events_appended,
                 "evicted_users": self.evicted_users,
                 "max_events_per_user": self.max_events,

@@ -201,6 +201,7 @@ def test_kept_histories_answer_as_the_explicit_ones(run, client):
     events = {"inputs": [tensor("users", names), tensor("items", [history[0]] * 60)]}
     stats = client.post("/v2/models/export/events", json=events).json()
     assert stats["kept_users"] == 50 and stats["evicted_users"] == 11  # alice, then 10
+    assert stats["kept_events"] == 50  # one event each: the count follows evictions
     gone = client.post("/v2/models/export/infer", json=by_user)
     assert gone.status_code == 404 and "alice" in gone.json()["error"]
 
