@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from hybridrec.common import config as config_lib
 from hybridrec.common.errors import UserError
 from hybridrec.common.progress import Progress
@@ -29,7 +30,7 @@ from hybridrec.pipeline.hashing import hash_scheme
 from hybridrec.pipeline.id_map import ARRAYS_FILE, MAP_FILE
 from hybridrec.pipeline.metadata import EventMetadata, read_dataset
 from hybridrec.serving import _format, delta
-from hybridrec.serving.export_sequences import write_sequence_parts
+from hybridrec.serving.export_sequences import with_reference_attention, write_sequence_parts
 from hybridrec.serving.quantize import encode_table
 from hybridrec.training import RunCheckpoints, load_config, plan_tables, require_run_dir
 
@@ -136,10 +137,12 @@ def export_run(
     progress = None if quiet else Progress("export", total=len(plan.tables) + 1, unit="parts")
     temporary, final = _format.new_version_dir(out)
     try:
+        restored = with_reference_attention(config) if sequences else config
+        graphdef, params = _restore_params(run_dir, restored, metadata, step)
         if sequences:
-            features = write_sequence_parts(temporary, run_dir, config, metadata, step)
+            model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
+            features = write_sequence_parts(temporary, model, config, metadata)
         else:
-            graphdef, params = _restore_params(run_dir, config, metadata, step)
             tower = export_tower(
                 graphdef,
                 params,

@@ -34,13 +34,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from flax import nnx
-from hybridrec.model import abstract_train_state, make_mesh
 from hybridrec.model.config import SequenceConfig
 from hybridrec.model.sequence import extend_history
 from hybridrec.model.sequence_step import scored
 from hybridrec.pipeline.metadata import EventMetadata
 from hybridrec.serving._format import MODEL_FILE
-from hybridrec.training import RunCheckpoints
 from hybridrec.training.sequences import Catalogue, Histories
 
 RANKING_FILE = "ranking.stablehlo"
@@ -49,27 +47,11 @@ CATALOGUE_FILE = "catalogue.npy"
 ITEM_NAMES_FILE = "item_names.parquet"
 
 
-def restore_sequence_model(run_dir: Path, config: Any, step: int) -> nnx.Module:
-    """The run's sequence tower at `step` on one device, its attention in jax.numpy (an
-    export runs on CPU and CUDA hosts alike)."""
+def with_reference_attention(config: Any) -> Any:
+    """The run's config with its attention in jax.numpy: an export runs on CPU and CUDA hosts
+    alike, whatever kernel the run trained with (the parameters are the same)."""
     sequence = dataclasses.replace(config.model.sequence, attention="reference")
-    config = dataclasses.replace(
-        config,
-        model=dataclasses.replace(config.model, sequence=sequence),
-        mesh=dataclasses.replace(config.mesh, shape=(1,) * len(config.mesh.shape)),
-    )
-    mesh = make_mesh(config.mesh, devices=jax.devices()[:1])
-    abstract = abstract_train_state(
-        config.model, config.optimizer, mesh, num_dense=0, num_features=1,
-        embedding_dim=config.embedding.dim,
-    )  # fmt: skip
-    checkpoints = RunCheckpoints(run_dir, keep=config.checkpoint.keep)
-    try:
-        state = checkpoints.restore_dense(step, abstract)
-    finally:
-        checkpoints.close()
-    params = jax.tree.map(jnp.asarray, jax.device_get(state.params))
-    return nnx.merge(state.graphdef, params)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, sequence=sequence))
 
 
 def _last_outputs(model: nnx.Module, rows: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -139,11 +121,10 @@ def export_ranker(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes:
     return bytes(exported.serialize())
 
 
-def write_sequence_parts(directory: Path, run_dir: Path, config: Any, metadata, step: int):
-    """Writes the modules, the catalogue and the item names into `directory`; returns the
-    features.json entries of a sequence export."""
+def write_sequence_parts(directory: Path, model: nnx.Module, config: Any, metadata) -> dict:
+    """Writes the modules of the restored tower `model`, the catalogue and the item names
+    into `directory`; returns the features.json entries of a sequence export."""
     sequence = config.model.sequence
-    model = restore_sequence_model(run_dir, config, step)
     (directory / MODEL_FILE).write_bytes(export_encoder(model, sequence, config.embedding.dim))
     cached = hasattr(getattr(model, "tower", model), "extend")
     if cached:
