@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Iterable, Sequence
 
 import apache_beam as beam
@@ -36,7 +35,7 @@ from hybridrec.pipeline import (
     _chunks,
     _event_inputs,
     _event_output,
-    _header,
+    _event_read,
     _launch,
     _output,
     _parquet,
@@ -45,11 +44,7 @@ from hybridrec.pipeline import (
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._event_output import ITEMS
 from hybridrec.pipeline._event_parse import EventParser
-from hybridrec.pipeline._histories import (
-    Events,
-    build_bucket,
-    prune_chunk,
-)
+from hybridrec.pipeline._histories import Events, build_bucket, prune_chunk
 from hybridrec.pipeline.config import PreprocessConfig
 from hybridrec.pipeline.event_spec import EventSpec, load_event_spec, parse_width
 from hybridrec.pipeline.event_stats import EventStats
@@ -121,30 +116,15 @@ class _ParseEventsFn(beam.DoFn):
         self.parser = EventParser(self.spec)
 
     def process(self, chunk: _chunks.Chunk):
-        stats = EventStats()
-        parts, rejected = [], []
-        for first_line, block in self._blocks(chunk):
-            stats.lines += block.lines_read
-            stats.events += len(block)
-            for line, reason, detail, text in block.rejected:
-                stats.rejected_by_reason[reason] = stats.rejected_by_reason.get(reason, 0) + 1
-                where = "row" if chunk.format == "parquet" else "line"
-                record = {"file": chunk.path, where: first_line + line, "reason": reason}
-                rejected.append({**record, "detail": detail, "text": text})
-            if block.time_format:
-                stats.time_formats.setdefault(block.time_format, chunk.path)
-            for kind, count in zip(*np.unique(block.actions, return_counts=True), strict=True):
-                stats.actions[int(kind)] = stats.actions.get(int(kind), 0) + int(count)
-            parts.append((first_line, block))
-        stats.chunk_lines.append((chunk.file_index, chunk.chunk_index, stats.lines))
-        events = self._events(chunk, parts)
-        if len(events):
-            stats.time_min, stats.time_max = int(events.times.min()), int(events.times.max())
-        pruned = prune_chunk(events, self.spec)
+        progress = _event_read.progress_file(self.progress_dir, chunk)
+        read = _event_read.read_chunk_events(chunk, self.spec, self.parser, self.block_bytes, progress)  # fmt: skip
+        stats, rejected = read.stats, read.rejected
+        pruned = prune_chunk(read.events, self.spec)
         stats.duplicates = pruned.duplicates
-        names = self._names(parts, pruned)  # of the users cut to the limit: maybe capped
+        # the raw ids of the users cut to the limit: maybe capped
+        names = read.user_names(set(pruned.users[pruned.over_limit].tolist()))
         written = self._write(chunk, pruned, names)
-        item_buckets = self._write_item_names(chunk, parts)
+        item_buckets = self._write_item_names(chunk, read)
         if rejected:
             path = FileSystems.join(self.temp_dir, "rejected", f"chunk-{chunk.key}.jsonl")
             with FileSystems.create(path) as handle:
@@ -153,73 +133,6 @@ class _ParseEventsFn(beam.DoFn):
         self.events_read.inc(stats.events)
         self.rows_rejected.inc(len(rejected))
         yield _ALL, ChunkDone(chunk, stats, written, item_buckets)
-
-    def _blocks(self, chunk: _chunks.Chunk):
-        """(chunk-local index of the block's first line, EventBlock) of each block."""
-        where = _event_inputs.Where(chunk)
-        progress = (
-            os.path.join(self.progress_dir, f"chunk-{chunk.key}.json")
-            if self.progress_dir
-            else None
-        )
-        line, seen = 0, ""
-        if chunk.format == "parquet":
-            batches = _event_inputs.event_batches(chunk, self.spec, max(1, self.block_bytes // 256))
-            for batch in batches:
-                block = self.parser.parse_batch(batch, lambda row, at=line: where(at + row), seen)
-                seen = seen or block.time_format
-                yield line, block
-                line += batch.num_rows
-                consumed = chunk.data_bytes * line // max(chunk.rows, 1)
-                if progress:
-                    _chunks.write_progress(progress, consumed, line, len(block.rejected))
-            return
-        position = [0]
-        for data in _chunks.read_blocks(chunk, self.block_bytes, position):
-            if line == 0 and chunk.chunk_index == 0:
-                data = _header.strip_bom(data)
-                if self.spec.header:
-                    data = _header.strip_header(data, self.spec, chunk.path)
-                    line = 1
-            block = self.parser.parse_text(data, lambda at, first=line: where(first + at), seen)
-            seen = seen or block.time_format
-            yield line, block
-            line += block.lines_read
-            if progress:
-                done = position[0] - (0 if chunk.compressed else chunk.start)
-                _chunks.write_progress(progress, done, line, 0)
-
-    def _events(self, chunk: _chunks.Chunk, parts) -> Events:
-        blocks = [
-            Events(
-                users=block.users,
-                items=block.items,
-                times=block.times,
-                actions=block.actions,
-                sides=block.sides,
-                files=np.full(len(block), chunk.file_index, np.int32),
-                chunks=np.full(len(block), chunk.chunk_index, np.int32),
-                lines=block.lines + first_line,
-                positions=block.positions,
-            )
-            for first_line, block in parts
-        ]
-        return Events.concat(blocks, [f.name for f in self.spec.event_features])
-
-    def _names(self, parts, pruned) -> dict[int, str]:
-        """Raw ids of the users the chunk cut to its limit."""
-        wanted = set(pruned.users[pruned.over_limit].tolist())
-        names: dict[int, str] = {}
-        for _, block in parts:
-            if not wanted:
-                break
-            hits = np.flatnonzero(np.isin(block.users, list(wanted)))
-            for row in hits:
-                user = int(block.users[row])
-                if user in wanted:
-                    names[user] = block.user_cells.text(int(row))
-                    wanted.discard(user)
-        return names
 
     def _write(self, chunk, pruned, names) -> tuple[int, ...]:
         """The chunk's kept events and its users' counts, one Arrow file each per bucket."""
@@ -237,21 +150,9 @@ class _ParseEventsFn(beam.DoFn):
             written.append(int(bucket))
         return tuple(written)
 
-    def _write_item_names(self, chunk, parts) -> tuple[int, ...]:
+    def _write_item_names(self, chunk, read: _event_read.ChunkEvents) -> tuple[int, ...]:
         """The raw id of each item at its first occurrence in the chunk, by item bucket."""
-        items = [block.items for _, block in parts]
-        if not sum(len(ids) for ids in items):
-            return ()
-        firsts = [np.unique(ids, return_index=True)[1] for ids in items]
-        ids = np.concatenate([ids[first] for ids, first in zip(items, firsts, strict=True)])
-        names = pa.concat_arrays(
-            [
-                block.item_cells.take(first).to_arrow()
-                for (_, block), first in zip(parts, firsts, strict=True)
-            ]
-        )
-        ids, first = np.unique(ids, return_index=True)  # blocks are in input order
-        names = names.take(pa.array(first))
+        ids, names = read.item_names()
         item_bucket = bucket_of(ids, self.buckets)
         written = []
         for bucket in np.unique(item_bucket):

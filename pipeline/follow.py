@@ -45,6 +45,7 @@ from hybridrec.common.files import atomic_write_text, fsync_directory
 from hybridrec.pipeline import _chunks, manifest, metadata
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._parse import BlockParser
+from hybridrec.pipeline.event_follow import EventFiles
 from hybridrec.pipeline.rows import spec_from_json
 from hybridrec.pipeline.runners import make_pipeline
 from hybridrec.pipeline.spec import FeatureSpec
@@ -68,6 +69,7 @@ class FollowConfig:
     max_files_per_run: int = 16  # files in one bounded Beam run
     block_mb: float = 16.0  # MB of text parsed per batch
     compression: str = "zstd"  # Parquet codec of the shards
+    snapshot_every: int = 50  # event logs: files between snapshots of the users' state
 
     def __post_init__(self):
         object.__setattr__(self, "inputs", tuple(str(path) for path in self.inputs))
@@ -78,6 +80,8 @@ class FollowConfig:
         for name in ("poll_interval", "settle_seconds", "grow_timeout"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.snapshot_every < 1:
+            raise UserError(f"snapshot-every must be >= 1, got {self.snapshot_every}")
         if self.max_files_per_run < 1:
             raise UserError(f"max-files-per-run must be >= 1, got {self.max_files_per_run}")
 
@@ -256,22 +260,46 @@ def process_file(
     return {"rows": rows, "rejected": len(rejected), "rejected_by_reason": reasons}
 
 
-def _run_beam(
-    work: list[tuple[int, str]], spec: FeatureSpec, temp_dir: str, config: FollowConfig, beam_args
-) -> None:
+class ClickFiles:
+    """The click-log side of `follow`: each file parsed into its shard by the Beam step."""
+
+    kind = "clicks"
+
+    def __init__(self, out: Path, reference: str, *, block_bytes: int, compression: str):
+        self.spec = open_stream_dataset(out, reference)
+        self.block_bytes, self.compression = block_bytes, compression
+
+    def dofn(self, temp_dir: str) -> beam.DoFn:
+        return _ProcessFileFn(self.spec, temp_dir, self.block_bytes, self.compression)
+
+    def recover(self, entries: list[manifest.ManifestEntry]) -> None:
+        """Nothing kept across files."""
+
+    def prepare(self, seq: int, temp: Path, result: dict) -> dict:
+        return result  # the Beam step wrote the shard
+
+    def committed(self) -> None:
+        """Nothing kept across files."""
+
+    def close(self) -> None:
+        """Nothing kept across files."""
+
+
+def _files(config: FollowConfig):
+    """The handler of the reference's kind: click-log shards, or event histories."""
+    out, block_bytes = Path(config.output), int(config.block_mb * 2**20)
+    if metadata.read_dataset(config.reference).kind == "events":
+        return EventFiles(out, config.reference, block_bytes=block_bytes, compression=config.compression, snapshot_every=config.snapshot_every)  # fmt: skip
+    return ClickFiles(out, config.reference, block_bytes=block_bytes, compression=config.compression)  # fmt: skip
+
+
+def _run_beam(work: list[tuple[int, str]], dofn: beam.DoFn, beam_args) -> None:
     options = PipelineOptions(
         list(beam_args)
         or ["--runner=DirectRunner", "--direct_running_mode=in_memory", "--direct_num_workers=1"]
     )
     with make_pipeline(options) as pipeline:
-        _ = (
-            pipeline
-            | "ListNewFiles" >> beam.Create(work)
-            | "ProcessFiles"
-            >> beam.ParDo(
-                _ProcessFileFn(spec, temp_dir, int(config.block_mb * 2**20), config.compression)
-            )
-        )
+        _ = pipeline | "ListNewFiles" >> beam.Create(work) | "ProcessFiles" >> beam.ParDo(dofn)
 
 
 # ---- commits -------------------------------------------------------------------------------
@@ -311,6 +339,7 @@ def _commit(out: Path, seq: int, source: str, temp: Path, result: dict) -> manif
         fsync_directory(out / manifest.SHARDS_DIR)
         entry.update(kind="shard", shard=name, rows=result["rows"],
                      rejected=result["rejected"], rejected_by_reason=result["rejected_by_reason"])  # fmt: skip
+        entry.update(result.get("fields", {}))
     manifest.append(out, entry)
     shutil.rmtree(temp, ignore_errors=True)
     return manifest.entry_from_dict(entry)
@@ -320,9 +349,14 @@ def _recover(out: Path) -> list[manifest.ManifestEntry]:
     """After a kill: truncate a torn manifest line, drop uncommitted leftovers."""
     committed = manifest.repair(out)
     shutil.rmtree(out / TEMP_DIR, ignore_errors=True)
-    for folder in (manifest.SHARDS_DIR, manifest.DEAD_LETTER_DIR, manifest.REJECTED_DIR):
+    for folder in (
+        manifest.SHARDS_DIR,
+        manifest.DEAD_LETTER_DIR,
+        manifest.REJECTED_DIR,
+        manifest.ITEMS_DIR,
+    ):
         for leftover in (out / folder).glob("*"):
-            # part-NNNNNN.parquet, rejected-NNNNNN.jsonl, NNNNNN-NAME[.reason.txt]
+            # part-NNNNNN.parquet, rejected-NNNNNN.jsonl, items-NNNNNN.parquet, NNNNNN-NAME[.reason.txt]
             stem = leftover.name.split(".")[0]
             digits = stem.split("-")[0] if folder == manifest.DEAD_LETTER_DIR else stem[-6:]
             if digits.isdigit() and int(digits) >= committed:
@@ -339,6 +373,9 @@ class FollowSummary:
     rejected_rows: int = 0  # rows rejected inside accepted files
     dead_letters: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (file, reason)
     seconds: float = 0.0
+    kind: str = "clicks"  # or "events": an event log's stream
+    events: int = 0  # event logs: new events in the shards
+    targets: int = 0  # event logs: of them, the next-item targets (a new user's first is not)
 
 
 def follow(
@@ -363,10 +400,11 @@ def follow(
     """
     stop = stop or threading.Event()
     out = Path(config.output)
-    spec = open_stream_dataset(out, config.reference)
+    files = _files(config)
     entries = _recover(out)
+    files.recover(entries)
     watcher = FileWatcher(config, {entry.source for entry in entries})
-    seq, summary = len(entries), FollowSummary()
+    seq, summary = len(entries), FollowSummary(kind=files.kind)
     started = last_new = time.monotonic()
     temp_dir = out / TEMP_DIR
     while not stop.is_set():
@@ -374,11 +412,14 @@ def follow(
         ready, overdue = watcher.poll(now)
         work = [(seq + i, path) for i, path in enumerate(ready[: config.max_files_per_run])]
         if work:
-            _run_beam(work, spec, str(temp_dir), config, beam_args)
+            _run_beam(work, files.dofn(str(temp_dir)), beam_args)
         results = [(s, p, _read_result(temp_dir / f"{s:06d}")) for s, p in work]
         results += [(seq + len(work) + i, p, {"error": reason}) for i, (p, reason) in enumerate(overdue)]  # fmt: skip
         for number, path, result in results:
-            entry = _commit(out, number, path, temp_dir / f"{number:06d}", result)
+            temp = temp_dir / f"{number:06d}"
+            result = files.prepare(number, temp, result)
+            entry = _commit(out, number, path, temp, result)
+            files.committed()
             watcher.taken(path)
             _count(summary, entry, result, quiet)
             if on_commit:
@@ -390,6 +431,7 @@ def follow(
         if max_idle and time.monotonic() - last_new >= max_idle:
             break
         stop.wait(config.poll_interval)
+    files.close()
     summary.seconds = time.monotonic() - started
     return summary
 
@@ -407,6 +449,10 @@ def _count(summary: FollowSummary, entry: manifest.ManifestEntry, result: dict, 
         summary.rows += entry.rows
         summary.rejected_rows += result.get("rejected", 0)
         line = f"[follow] {entry.shard} <- {entry.source}: {entry.rows:,} rows"
+        if "events" in entry.raw:
+            summary.events += entry.raw["events"]
+            summary.targets += entry.raw["targets"]
+            line += f" ({entry.raw['events']:,} events of {entry.raw['users']:,} users, {entry.raw['new_users']:,} new)"  # fmt: skip
         if result.get("rejected"):
             line += f", {result['rejected']:,} rejected ({entry.raw.get('rejected_file')})"
     else:

@@ -9,6 +9,9 @@ A stream dataset directory holds:
     shards/part-NNNNNN.parquet one micro-batch shard per accepted input file
     rejected/rejected-NNNNNN.jsonl   rejected rows of a shard's file, with reasons
     dead_letter/NNNNNN-NAME    copies of files that could not be read, and NAME.reason.txt
+    items/items-NNNNNN.parquet event streams: raw ids of the items a shard's file brought
+                               first (the line's `items_file`)
+    state/state-NNNNNN.arrow   event streams: each user's kept events after N lines
 
 Each line is committed atomically: its files are complete on disk (written, fsynced,
 renamed) before the line is appended in one `write` and fsynced, so a line names only
@@ -33,6 +36,7 @@ MANIFEST_FILE = "manifest.jsonl"
 SHARDS_DIR = "shards"
 DEAD_LETTER_DIR = "dead_letter"
 REJECTED_DIR = "rejected"
+ITEMS_DIR = "items"  # event streams: the raw ids of the items each file brought first
 
 
 @dataclasses.dataclass(frozen=True)

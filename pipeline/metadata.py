@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from hybridrec.common.errors import UserError
+from hybridrec.pipeline import manifest
 
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
@@ -94,6 +95,8 @@ class EventMetadata(_Splits):
         """(item ids [n] uint64 ascending, their raw ids [n] large_binary): how each item
         was written in the input (its first occurrence), for serving raw ids."""
         files = (self.raw.get("item_names") or {}).get("files")
+        if files is not None and "stream" in self.raw:  # and the items each file brought first
+            files = [*files, *(e.raw["items_file"] for e in manifest.read_shards(self.root) if "items_file" in e.raw)]  # fmt: skip
         if files is None:
             raise UserError(
                 f"{self.root}: this dataset has no item names (written by an older "

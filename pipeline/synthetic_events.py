@@ -304,3 +304,26 @@ path = "{items_path}"
 id = "item_id"
 features = ["category", "brand"]
 """.replace("'", '"')
+
+
+def split_by_time(
+    events: str | Path, reference: str | Path, stream_paths: list[Path], *, fraction: float
+) -> list[int]:
+    """Cuts a generated event log (as `generate_events` writes it) in time order: its first
+    `fraction` of events into `reference`, the rest in equal parts into `stream_paths`
+    (each with the header), as a stream's files would arrive. Returns the events per part
+    (the reference's first)."""
+    opener = gzip.open if str(events).endswith(".gz") else open
+    with opener(events, "rb") as handle:
+        data = handle.read()
+    lines = data.split(b"\n")
+    header, rows = lines[0], [line for line in lines[1:] if line]
+    times = np.array([int(row.split(b",")[2]) for row in rows], np.int64)
+    rows = [rows[i] for i in np.argsort(times, kind="stable")]
+    cut = int(len(rows) * fraction)
+    bounds = np.linspace(cut, len(rows), len(stream_paths) + 1).astype(np.int64)
+    parts = [(Path(reference), 0, cut)]
+    parts += [(Path(p), int(a), int(b)) for p, a, b in zip(stream_paths, bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+    for path, start, stop in parts:
+        path.write_bytes(b"\n".join([header, *rows[start:stop]]) + b"\n")
+    return [stop - start for _, start, stop in parts]

@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="--follow: most new files in one bounded Beam run")  # fmt: skip
     stream.add_argument("--max-idle", type=float, default=0.0,
                         help="--follow: stop after this many seconds without a new file (0: run until SIGTERM)")  # fmt: skip
+    stream.add_argument("--snapshot-every", type=int, default=50, metavar="FILES",
+                        help="--follow on event logs: files between snapshots of the users' kept histories (a restart replays the shards after the newest)")  # fmt: skip
     runner = parser.add_argument_group("runner")
     runner.add_argument("--runner", default="direct",
                         help=f"Beam runner: {', '.join(runners.RUNNER_NAMES)} (any case, 'Runner' suffix optional) or a fully qualified class name")  # fmt: skip
@@ -204,6 +206,7 @@ def _follow(args: argparse.Namespace, beam_args: list[str]) -> int:
         max_files_per_run=args.max_files_per_run,
         block_mb=args.block_mb,
         compression=args.compression,
+        snapshot_every=args.snapshot_every,
     )
     stop = threading.Event()
     for signal_number in (signal.SIGTERM, signal.SIGINT):
@@ -219,8 +222,14 @@ def _follow(args: argparse.Namespace, beam_args: list[str]) -> int:
         f"followed for {summary.seconds:.1f}s: {summary.files} files -> {summary.rows:,} rows "
         f"({summary.rows / max(summary.seconds, 1e-9):,.0f} rows/s), {summary.rejected_rows:,} "
         f"rows rejected, {len(summary.dead_letters)} dead letters"
+        + (
+            f"; {summary.events:,} events, {summary.targets:,} new targets for their users"
+            if summary.kind == "events"
+            else ""
+        )
     )
     for source, reason in summary.dead_letters:
         print(f"  dead letter {source}: {reason}")
-    print(f"  output:   {args.output}/ (manifest.jsonl, shards/, rejected/, dead_letter/)")
+    folders = "shards/, rejected/, dead_letter/" + (", items/, state/" if summary.kind == "events" else "")  # fmt: skip
+    print(f"  output:   {args.output}/ (manifest.jsonl, {folders})")
     return 0
