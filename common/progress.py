@@ -95,6 +95,10 @@ class Progress:
         parts.append(f"elapsed {_format_duration(self.elapsed)}")
         return "  ".join(parts)
 
+    def note(self, text: str) -> None:
+        """Prints one line of its own (an event between progress lines)."""
+        self._print(f"[{self.name}] {text}", final=True)
+
     def _print(self, text: str, *, final: bool) -> None:
         if self._tty and not final:
             self.stream.write("\r" + text + "\x1b[K")

@@ -141,7 +141,9 @@ def export_run(
         graphdef, params = _restore_params(run_dir, restored, metadata, step)
         if sequences:
             model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
-            features = write_sequence_parts(temporary, model, config, metadata)
+            features = write_sequence_parts(
+                temporary, model, config, metadata, _trained_shards(checkpoints, step, metadata)
+            )
         else:
             tower = export_tower(
                 graphdef,
@@ -240,6 +242,14 @@ def _write_tables(temporary, checkpoints, plan, step, base, dim, precision, prog
         if progress:
             progress.update(1)
     return summaries, base
+
+
+def _trained_shards(checkpoints: RunCheckpoints, step: int, metadata) -> int | None:
+    """A stream run's shards trained (wholly or partly) by `step`; None for a batch run."""
+    if "stream" not in metadata.raw:
+        return None
+    position = checkpoints.read_position(step, 0, 1)["stream"]
+    return int(position["shard"]) + (int(position["offset"]) > 0)
 
 
 def _features(config: Any, metadata: Any, plan: Any) -> dict[str, Any]:

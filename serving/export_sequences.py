@@ -39,7 +39,7 @@ from hybridrec.model.sequence import extend_history
 from hybridrec.model.sequence_step import scored
 from hybridrec.pipeline.metadata import EventMetadata
 from hybridrec.serving._format import MODEL_FILE
-from hybridrec.training.sequences import Catalogue, Histories
+from hybridrec.training.sequences import Catalogue
 
 RANKING_FILE = "ranking.stablehlo"
 EXTEND_FILE = "extend.stablehlo"
@@ -121,9 +121,12 @@ def export_ranker(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes:
     return bytes(exported.serialize())
 
 
-def write_sequence_parts(directory: Path, model: nnx.Module, config: Any, metadata) -> dict:
+def write_sequence_parts(
+    directory: Path, model: nnx.Module, config: Any, metadata, shards: int | None = None
+) -> dict:
     """Writes the modules of the restored tower `model`, the catalogue and the item names
-    into `directory`; returns the features.json entries of a sequence export."""
+    into `directory`; returns the features.json entries of a sequence export. A stream
+    run's catalogue holds its reference's items and those of the `shards` it trained."""
     sequence = config.model.sequence
     (directory / MODEL_FILE).write_bytes(export_encoder(model, sequence, config.embedding.dim))
     cached = hasattr(getattr(model, "tower", model), "extend")
@@ -131,7 +134,7 @@ def write_sequence_parts(directory: Path, model: nnx.Module, config: Any, metada
         (directory / EXTEND_FILE).write_bytes(export_extend(model, sequence, config.embedding.dim))
     if sequence.ranking:
         (directory / RANKING_FILE).write_bytes(export_ranker(model, sequence, config.embedding.dim))
-    catalogue = Catalogue.of(Histories.read(metadata, config.data.train_split))
+    catalogue = Catalogue.of_run(metadata, config.data.train_split, shards)
     np.save(directory / CATALOGUE_FILE, catalogue.items)
     ids, names = metadata.item_names()
     pq.write_table(pa.table({"item": ids, "name": names}), directory / ITEM_NAMES_FILE)

@@ -349,7 +349,7 @@ def prepare(
     metadata = read_dataset(config.data.path)
     process_count = jax.process_count()
     if metadata.kind == "events":
-        return _prepare_sequences(config, metadata, servers=servers)
+        return _prepare_sequences(config, metadata, servers=servers, follow=follow)
     addresses = tuple(servers.addresses if servers else config.embedding.servers)
     towers = config.model.towers
     if config.model.layout == "towers":
@@ -438,9 +438,17 @@ def _check_tower(config: TrainConfig, metadata: DatasetMetadata | EventMetadata)
 
 
 def _prepare_sequences(
-    config: TrainConfig, metadata: EventMetadata, *, servers: ServerSet | None
+    config: TrainConfig, metadata: EventMetadata, *, servers: ServerSet | None, follow: bool
 ) -> Job:
-    """`prepare` for a dataset of user histories (a sequence tower over packed rows)."""
+    """`prepare` for a dataset of user histories (a sequence tower over packed rows); a
+    stream of them (`follow`) starts from its reference's catalogue."""
+    streamed = "stream" in metadata.raw
+    if streamed != follow:
+        raise UserError(
+            f"{metadata.root} is a stream of user histories: train it with `train --follow {metadata.root}`"
+            if streamed
+            else f"{metadata.root} holds user histories, not a stream: `preprocess --follow --stats {metadata.root}` makes one"
+        )  # fmt: skip
     process_count = jax.process_count()
     addresses = tuple(servers.addresses if servers else config.embedding.servers)
     if process_count > 1 and addresses:
@@ -458,8 +466,11 @@ def _prepare_sequences(
         "data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size, mesh
     )
     _check_tower(config, metadata)
-    histories = Histories.read(metadata, config.data.train_split)
-    catalogue = Catalogue.of(histories)
+    histories = None if streamed else Histories.read(metadata, config.data.train_split)
+    if streamed:
+        catalogue = Catalogue.of_run(metadata, config.data.train_split, shards=0)
+    else:
+        catalogue = Catalogue.of(histories)
     tables = plan_tables(config.embedding, metadata.categorical)
     host_only = "sequence runs look up the histories' item rows from the host store"
     devices = plan_devices(config, metadata, mesh, tables, host_only=host_only)
@@ -473,7 +484,9 @@ def _prepare_sequences(
         **_server_fields(addresses, servers),
         choices=(
             *choices,
-            f"items: {len(catalogue):,} in the training split's {len(histories):,} histories",
+            f"items: {len(catalogue):,} in the training split's {len(histories):,} histories"
+            if histories is not None
+            else f"items: {len(catalogue):,} in the reference's training split, then each shard's",
             *devices.lines,
         ),
         devices=devices,

@@ -1,7 +1,9 @@
 """`hybridrec plot RUN_DIR`: PNG training curves from a run's metrics.jsonl.
 
 Writes `RUN_DIR/plots/curves.png`: training loss, eval AUC, samples/s and measured
-staleness (mean and max per log interval, with the configured bound).
+staleness (mean and max per log interval, with the configured bound); for a run that
+followed an event stream also `RUN_DIR/plots/windows.png`, each window's metrics as
+evaluated before training on it.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from hybridrec.common.errors import UserError
 from hybridrec.training.run_log import read_records, run_name
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draws the curves of `run_dir`; returns the PNG path."""
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
+    """Draws the curves of `run_dir`; returns the PNGs written (the curves, and an event
+    stream run's windows, `plot_windows`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,6 +30,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             f"--run-dir {run_dir}` makes one"
         )
     records = list(read_records(run_dir))
+    windows = plot_windows(run_dir, records)
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     if not train:
@@ -72,6 +76,37 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     stale_axis.legend(loc="lower right")
     figure.suptitle(f"{run_name(run_dir)}: training curves")
     out = Path(out) if out else run_dir / "plots" / "curves.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+    return [out] if windows is None else [out, windows]
+
+
+def plot_windows(run_dir: Path, records: list[dict]) -> Path | None:
+    """An event stream run's windows (each file evaluated before it was trained on):
+    HR@10 and NDCG@10 (AUC for ranking) per window, in `RUN_DIR/plots/windows.png`; None
+    for runs without windows. A window evaluated twice (a resumed run) shows its last."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    windows = {r["window"]: r for r in records if r.get("kind") == "window"}
+    if not windows:
+        return None
+    order = sorted(windows)
+    metrics = [k for k in ("hr@10", "ndcg@10", "auc") if any(k in windows[w] for w in order)]
+    figure, axis = plt.subplots(figsize=(8, 4), constrained_layout=True)
+    marker = "o" if len(order) < 40 else None
+    for name in metrics:
+        axis.plot(order, [windows[w].get(name) for w in order], marker=marker, label=name)
+    axis.set(
+        title=f"{run_name(run_dir)}: each window evaluated before training on it",
+        xlabel="window (stream shard)",
+        ylabel="metric",
+    )
+    axis.set_ylim(bottom=0)
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axis.legend(loc="upper left")
+    out = run_dir / "plots" / "windows.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=100)
     plt.close(figure)

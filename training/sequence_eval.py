@@ -114,14 +114,17 @@ def evaluate_sequences(
     eval_step,
     catalogue,
     *,
-    split: str,
+    split: str = "",
+    histories: Histories | None = None,
     max_batches: int = 0,
     progress_name: str | None = None,
 ) -> dict[str, float]:
-    """Ranking metrics of `state` with `store`'s rows on `split` (see the module's doc)."""
+    """Ranking metrics of `state` with `store`'s rows on `split` (or on `histories`: a
+    stream's window), see the module's doc."""
     config = job.config
     similarity = config.model.sequence.similarity
-    histories = Histories.read(job.metadata, split)
+    if histories is None:
+        histories = Histories.read(job.metadata, split)
     progress = Progress(progress_name, total=1, unit="batches") if progress_name else None
     queries, targets, history, position, ranking, actions = query_outputs(
         job, state, store, eval_step, histories, max_batches=max_batches, progress=progress

@@ -29,7 +29,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from hybridrec.common.errors import UserError
 from hybridrec.model import make_global_batch
-from hybridrec.pipeline.metadata import ITEM_FEATURE, EventMetadata
+from hybridrec.pipeline import read_shards
+from hybridrec.pipeline.metadata import ITEM_FEATURE, EventMetadata, read_dataset
 from hybridrec.training.input import DataPosition
 
 
@@ -47,9 +48,12 @@ class Histories:
         files = metadata.split_files(split)
         if not files:
             raise UserError(f"{metadata.root}: split {split!r} has no files")
-        columns = ["items", "first_target"]
-        if (metadata.raw.get("spec") or {}).get("action_types"):
-            columns.append("actions")
+        return cls.read_files(files, actions=bool((metadata.raw.get("spec") or {}).get("action_types")))  # fmt: skip
+
+    @classmethod
+    def read_files(cls, files, *, actions: bool) -> Histories:
+        """The histories of Parquet files of rows (a split's, or a stream's shards)."""
+        columns = ["items", "first_target"] + (["actions"] if actions else [])
         tables = []
         for path in files:
             try:
@@ -65,9 +69,24 @@ class Histories:
             return values.astype(dtype, copy=False), offsets - offsets[0]
 
         items, offsets = flat("items", np.uint64)
-        actions = flat("actions", np.int8)[0] if "actions" in columns else None
+        action_ids = flat("actions", np.int8)[0] if actions else None
         first = table.column("first_target").to_numpy().astype(np.int64)
-        return cls(items, offsets, first, actions)
+        return cls(items, offsets, first, action_ids)
+
+    @staticmethod
+    def concat(parts: list[Histories]) -> Histories:
+        sizes = [len(part.items) for part in parts]
+        shifts = np.cumsum([0, *sizes[:-1]])
+        offsets = [part.offsets[:-1] + shift for part, shift in zip(parts, shifts, strict=True)]
+        actions = None
+        if parts and parts[0].actions is not None:
+            actions = np.concatenate([part.actions for part in parts])
+        return Histories(
+            np.concatenate([part.items for part in parts]),
+            np.concatenate([*offsets, [sum(sizes)]]).astype(np.int64),
+            np.concatenate([part.first_target for part in parts]),
+            actions,
+        )
 
     def __len__(self) -> int:
         return len(self.first_target)
@@ -89,6 +108,29 @@ class Catalogue:
     def of(cls, histories: Histories) -> Catalogue:
         items, counts = np.unique(histories.items, return_counts=True)
         return cls(items, counts.astype(np.int64))
+
+    @classmethod
+    def of_run(cls, metadata: EventMetadata, split: str, shards: int | None = None) -> Catalogue:
+        """A run's catalogue: its training split's items; for a stream dataset, its
+        reference's and those of its first `shards` committed shards (None: all)."""
+        if "stream" not in metadata.raw:
+            return cls.of(Histories.read(metadata, split))
+        reference = read_dataset(metadata.raw["stream"]["reference"])
+        catalogue = cls.of(Histories.read(reference, split))
+        entries = read_shards(metadata.root)[:shards]
+        files = [metadata.root / entry.shard for entry in entries if entry.rows]
+        if files:
+            catalogue = catalogue.merged(Histories.read_files(files, actions=False).items)
+        return catalogue
+
+    def merged(self, items: np.ndarray) -> Catalogue:
+        """The catalogue with `items` (each occurrence counted) added."""
+        if not len(items):
+            return self
+        every = np.concatenate([self.items, items])
+        unique, inverse = np.unique(every, return_inverse=True)
+        weights = np.concatenate([self.counts, np.ones(len(items), np.int64)])
+        return Catalogue(unique, np.bincount(inverse, weights=weights).astype(np.int64))
 
     def __len__(self) -> int:
         return len(self.items)
@@ -303,53 +345,79 @@ class SequenceReader:
             index += 1
 
     def _batch(self, order, rows, offsets, *, epoch, index, position) -> SequenceBatch:
-        pieces, histories, length = self.pieces, self.histories, self.length
-        start, sizes = pieces.start[order], pieces.sizes[order]
-        history = pieces.history[order]
-        source = _ranges(histories.offsets[history] + start, sizes)  # input item of a position
-        dest = _ranges(rows * length + offsets, sizes)
-        segment = np.repeat(np.arange(len(order)), sizes)
-        shape = (self.rows, length)
-        inputs = histories.items[source]
-        targets = histories.items[source + 1]
-        step_position = _ranges(np.zeros(len(order), np.int64), sizes)
-        trained = start.repeat(sizes) + step_position + 1 >= histories.first_target[history].repeat(
-            sizes
-        )
-        negatives, logq = np.zeros(0, np.uint64), np.zeros(0, np.float32)
+        pieces = self.pieces
+        rng = None
         if self.negatives is not None:
             rng = np.random.default_rng([self.seed, epoch, index, 1])
-            negatives, logq = self.negatives.draw(rng, targets[trained])
-        ids, inverse = np.unique(np.concatenate([inputs, targets, negatives]), return_inverse=True)
-        inverse = inverse.astype(np.int32)
-        count = len(inputs)
-        arrays = {
-            "inputs": np.zeros(shape, np.int32),
-            "targets": np.zeros(shape, np.int32),
-            "segments": np.full(shape, -1, np.int32),
-            "positions": np.zeros(shape, np.int32),
-            "weights": np.zeros(shape, np.float32),
-            "actions": np.zeros(shape, np.int32),  # the next event's action type (0: none)
-        }
-        for key, values in (
-            ("inputs", inverse[:count]),
-            ("targets", inverse[count : 2 * count]),
-            ("segments", segment),
-            ("positions", step_position),
-            ("weights", trained),
-            ("actions", 0 if histories.actions is None else histories.actions[source + 1]),
-        ):
-            arrays[key].reshape(-1)[dest] = values
-        return SequenceBatch(
-            ids={ITEM_FEATURE.name: ids},
-            arrays=arrays,
-            negatives=inverse[2 * count :],
-            negative_logq=logq,
+        return packed_batch(
+            self.histories,
+            Pieces(pieces.history[order], pieces.start[order], pieces.stop[order]),
+            rows,
+            offsets,
+            shape=(self.rows, self.length),
+            negatives=self.negatives,
+            rng=rng,
             position=position,
-            histories=history,
-            starts=start,
-            tokens=count,
         )
+
+
+def packed_batch(
+    histories: Histories,
+    pieces: Pieces,
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    *,
+    shape: tuple[int, int],
+    negatives: Negatives | None,
+    rng: np.random.Generator | None,
+    position: Any,
+) -> SequenceBatch:
+    """The batch of `pieces` placed at (`rows`, `offsets`) of a [rows, length] batch, with
+    negatives drawn by `rng` (training) or none (evaluation)."""
+    length = shape[1]
+    start, sizes, history = pieces.start, pieces.sizes, pieces.history
+    source = _ranges(histories.offsets[history] + start, sizes)  # input item of a position
+    dest = _ranges(rows * length + offsets, sizes)
+    segment = np.repeat(np.arange(len(history)), sizes)
+    inputs = histories.items[source]
+    targets = histories.items[source + 1]
+    step_position = _ranges(np.zeros(len(history), np.int64), sizes)
+    trained = start.repeat(sizes) + step_position + 1 >= histories.first_target[history].repeat(
+        sizes
+    )
+    drawn, logq = np.zeros(0, np.uint64), np.zeros(0, np.float32)
+    if negatives is not None:
+        drawn, logq = negatives.draw(rng, targets[trained])
+    ids, inverse = np.unique(np.concatenate([inputs, targets, drawn]), return_inverse=True)
+    inverse = inverse.astype(np.int32)
+    count = len(inputs)
+    arrays = {
+        "inputs": np.zeros(shape, np.int32),
+        "targets": np.zeros(shape, np.int32),
+        "segments": np.full(shape, -1, np.int32),
+        "positions": np.zeros(shape, np.int32),
+        "weights": np.zeros(shape, np.float32),
+        "actions": np.zeros(shape, np.int32),  # the next event's action type (0: none)
+    }
+    for key, values in (
+        ("inputs", inverse[:count]),
+        ("targets", inverse[count : 2 * count]),
+        ("segments", segment),
+        ("positions", step_position),
+        ("weights", trained),
+        ("actions", 0 if histories.actions is None else histories.actions[source + 1]),
+    ):
+        arrays[key].reshape(-1)[dest] = values
+    return SequenceBatch(
+        ids={ITEM_FEATURE.name: ids},
+        arrays=arrays,
+        negatives=inverse[2 * count :],
+        negative_logq=logq,
+        position=position,
+        histories=history,
+        starts=start,
+        tokens=count,
+    )
 
 
 def padded_rows(count: int) -> int:

@@ -34,12 +34,14 @@ class Segment:
     rows: slice = dataclasses.field(
         default_factory=lambda: slice(None)
     )  # this process's rows of each batch
+    windows: tuple[int, ...] = ()  # shards to evaluate before training it (event streams)
 
 
 class EpochSource:
     """Epochs of a dataset's train split (or `data.max_steps` batches of it)."""
 
     kind = "epochs"
+    windows = False
 
     def __init__(self, job: Job):
         config = job.config
@@ -125,6 +127,7 @@ class StreamSource:
 
     kind = "stream"
     evaluates = False  # a stream has no eval split: exports are evaluated by serving
+    windows = False  # nor windows (an event stream's are: training.sequence_stream)
     last_step = None
 
     def __init__(

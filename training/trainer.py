@@ -42,6 +42,8 @@ from hybridrec.training.meters import CompileMeter, IntervalMeter, StoreMeter, d
 from hybridrec.training.profiling import StepProfiler
 from hybridrec.training.run_dir import clear_run_dir
 from hybridrec.training.run_log import RunLog
+from hybridrec.training.sequence_eval import evaluate_sequences
+from hybridrec.training.sequence_stream import SequenceStreamSource
 from hybridrec.training.sources import EpochSource, Segment, StreamSource
 
 SUMMARY_FILE = "summary.json"
@@ -132,9 +134,10 @@ class Trainer:
                 f"checkpoint.keep_best = {best!r} is not a metric of this run ({shown})"
             )
         if follow is None:
-            self.source: EpochSource | StreamSource = EpochSource(self.job)
+            self.source: EpochSource | StreamSource | SequenceStreamSource = EpochSource(self.job)
         else:
-            self.source = StreamSource(
+            stream = SequenceStreamSource if self.job.sequences else StreamSource
+            self.source = stream(
                 self.job,
                 flush_after=follow.flush_after,
                 poll_interval=follow.poll_interval,
@@ -218,7 +221,7 @@ class Trainer:
             self.progress = Progress(
                 "train" if self.follow is None else "train --follow",
                 total=total,
-                unit="samples" if self.follow is None else "rows",
+                unit="samples" if self.follow is None else "events" if source.windows else "rows",
                 interval=config.log.progress_interval,
             )
             self.progress.count = source.trained()
@@ -231,7 +234,7 @@ class Trainer:
             self.run_dir, profile_from, config.log.profile_steps, next_step=self.step + 1
         )
         self.train_step = job.train_step()
-        self.eval_step = job.eval_step() if source.evaluates else None
+        self.eval_step = job.eval_step() if source.evaluates or source.windows else None
         try:
             for segment in source.segments(self.step, stop):
                 if segment is None:  # idle: what is due by the clock
@@ -261,6 +264,9 @@ class Trainer:
     def _train(self, segment: Segment, stop: threading.Event) -> None:
         """Trains the segment's batches through one HybridLoop (fewer if `stop` is set)."""
         config, last = self.config, self.source.last_step
+        with self.meter.paused():
+            for window in segment.windows:  # evaluated before any of it is trained
+                self._evaluate_window(window)
         self.loop = self.job.hybrid_loop(
             segment.batches,
             state=self.state,
@@ -329,6 +335,20 @@ class Trainer:
         self.log.write("eval", step, **self.eval_results)
         if self.checkpoints.keep_best:
             self._keep_best(step)
+
+    def _evaluate_window(self, index: int) -> None:
+        """An event stream's shard, evaluated before it is trained (window T -> T + 1)."""
+        entry, histories = self.source.window(index)
+        if not len(histories):
+            return
+        results = evaluate_sequences(
+            self.job, self.state, self.store, self.eval_step, self.source.catalogue,
+            histories=histories,
+        )  # fmt: skip
+        self.log.write("window", self.step, window=index, source=entry.source, **results)
+        if self.progress:
+            shown = ", ".join(f"{k} {results[k]:.4f}" for k in ("hr@10", "ndcg@10", "auc") if k in results)  # fmt: skip
+            self.progress.note(f"window {index} ({entry.source}): {shown} over {int(results['queries']):,} events before training")  # fmt: skip
 
     def _keep_best(self, step: int) -> None:
         """Records `step` as the best checkpoint if its metric is; the previous best, no

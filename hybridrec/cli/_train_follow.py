@@ -92,7 +92,7 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
         )
     summary = trainer.fit(stop)
     print(
-        f"follow training stopped: {summary['rows_trained']:,} rows in {summary['steps']} steps "
+        f"follow training stopped: {summary['rows_trained']:,} {summary.get('unit', 'rows')} in {summary['steps']} steps "
         f"from {summary['position']['shard']} complete shards of {summary['shards_seen']}; "
         f"checkpoint step {summary['checkpoint_step']} in {run_dir}/checkpoints; exports in "
         f"{export_dir}",

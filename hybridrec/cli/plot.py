@@ -16,5 +16,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir", help="run directory written by `hybridrec train`")
     parser.add_argument("--out", help="PNG path (default RUN_DIR/plots/curves.png)")
     args = parser.parse_args(argv)
-    print(f"{run_name(args.run_dir)}: wrote {plot_run(args.run_dir, args.out)}")
+    written = plot_run(args.run_dir, args.out)
+    print(f"{run_name(args.run_dir)}: wrote {' and '.join(map(str, written))}")
     return 0
