@@ -27,7 +27,12 @@ from hybridrec.common.progress import Progress
 from hybridrec.model import StreamingMetrics
 from hybridrec.model.sequence_step import count_above
 from hybridrec.training.sequence_baselines import ranking_metrics
-from hybridrec.training.sequences import Histories, SequenceLayout, SequenceReader
+from hybridrec.training.sequences import (
+    Histories,
+    SequenceLayout,
+    SequenceReader,
+    stream_pieces,
+)
 
 CHUNK = 65536  # catalogue rows per lookup and comparison
 QUERY_BLOCK = 4096  # queries per comparison
@@ -52,13 +57,18 @@ def _rows(store, job, ids: np.ndarray) -> np.ndarray:
     return lookup.embeddings[:, 0]
 
 
-def query_outputs(job, state, store, eval_step, histories: Histories, *, max_batches, progress):
+def query_outputs(
+    job, state, store, eval_step, histories: Histories, *, max_batches, progress, every_target=False
+):
     """(outputs [Q, D], target ids [Q], history index [Q], the query's position in its
     history [Q], ranking logits [Q, A] or None, the target's action [Q]) of every query of
-    `histories` (the first `max_batches` batches; 0: all)."""
+    `histories` (the first `max_batches` batches; 0: all): the targets among each
+    history's most recent max_length positions, or `every_target` (a stream's window)."""
     config = job.config
     rows = config.data.eval_batch_size or config.data.batch_size
-    reader = SequenceReader(histories, rows=rows, length=config.model.sequence.max_length)
+    length = config.model.sequence.max_length
+    pieces = stream_pieces(histories, length) if every_target else None
+    reader = SequenceReader(histories, rows=rows, length=length, pieces=pieces)
     layout = SequenceLayout(job.mesh, ranking=config.model.sequence.ranking)
     total = reader.batches_per_epoch
     if max_batches:
@@ -123,12 +133,14 @@ def evaluate_sequences(
     stream's window), see the module's doc."""
     config = job.config
     similarity = config.model.sequence.similarity
+    window = histories is not None
     if histories is None:
         histories = Histories.read(job.metadata, split)
     progress = Progress(progress_name, total=1, unit="batches") if progress_name else None
     queries, targets, history, position, ranking, actions = query_outputs(
-        job, state, store, eval_step, histories, max_batches=max_batches, progress=progress
-    )
+        job, state, store, eval_step, histories, max_batches=max_batches, progress=progress,
+        every_target=window,
+    )  # fmt: skip
     if progress:
         progress.close()
     result = {"queries": float(len(queries))}

@@ -37,24 +37,12 @@ from hybridrec.training.sequences import (
     Pieces,
     SequenceBatch,
     packed_batch,
+    stream_pieces,
 )
 from hybridrec.training.sources import Segment
 from hybridrec.training.stream import StreamPosition
 
 MAX_SEGMENT = 64  # batches planned at once
-
-
-def stream_pieces(histories: Histories, length: int) -> Pieces:
-    """Pieces covering every trained position of each history once, cut from its end,
-    oldest first within a history; the first piece may start before `first_target` (its
-    earlier positions are context, not trained)."""
-    positions = histories.lengths - 1
-    first = np.maximum(histories.first_target - 1, 0)  # the first trained position
-    counts = -(-np.maximum(positions - first, 0) // length)
-    history = np.repeat(np.arange(len(histories)), counts)
-    local = np.arange(len(history)) - np.repeat(np.cumsum(counts) - counts, counts)
-    stop = positions[history] - (counts[history] - 1 - local) * length
-    return Pieces(history, np.maximum(stop - length, 0), stop)
 
 
 @dataclasses.dataclass(frozen=True)

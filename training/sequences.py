@@ -173,6 +173,19 @@ def cut_pieces(histories: Histories, length: int, *, split: bool) -> Pieces:
     return Pieces(pieces.history[keep], pieces.start[keep], pieces.stop[keep])
 
 
+def stream_pieces(histories: Histories, length: int) -> Pieces:
+    """Pieces covering every trained position of each history once, cut from its end,
+    oldest first within a history; the first piece may start before `first_target` (its
+    earlier positions are context, not trained)."""
+    positions = histories.lengths - 1
+    first = np.maximum(histories.first_target - 1, 0)  # the first trained position
+    counts = -(-np.maximum(positions - first, 0) // length)
+    history = np.repeat(np.arange(len(histories)), counts)
+    local = np.arange(len(history)) - np.repeat(np.cumsum(counts) - counts, counts)
+    stop = positions[history] - (counts[history] - 1 - local) * length
+    return Pieces(history, np.maximum(stop - length, 0), stop)
+
+
 def pack(
     sizes: np.ndarray, rows: int, length: int
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -287,6 +300,7 @@ class SequenceReader:
         rows, length: the batch's rows and positions per row.
         split_long: cut histories longer than a row into pieces (else keep the most recent).
         negatives: the training negatives (None: evaluation).
+        pieces: the pieces to read instead (`stream_pieces`: every target of a window).
     """
 
     def __init__(
@@ -298,11 +312,14 @@ class SequenceReader:
         seed: int = 0,
         split_long: bool = True,
         negatives: Negatives | None = None,
+        pieces: Pieces | None = None,
     ):
         self.histories, self.rows, self.length = histories, rows, length
         self.seed, self.negatives = seed, negatives
         self.train = negatives is not None
-        self.pieces = cut_pieces(histories, length, split=split_long and self.train)
+        if pieces is None:
+            pieces = cut_pieces(histories, length, split=split_long and self.train)
+        self.pieces = pieces
         if not len(self.pieces.history):
             raise UserError("no history has a position to train or evaluate")
         self._plans: dict[int, list] = {}
