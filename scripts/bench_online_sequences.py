@@ -11,7 +11,8 @@ seconds, and measures per file the time from its rename until the server answers
 retrieval request with a version whose export trained every event of it
 (`published.jsonl` maps versions to the shards they cover).
 
-With the kills (default; `--no-kills` runs without): the follower gets a kill -9 a third
+The stream starts from a batch SASRec run on the reference (`--batch-epochs`, 10; 0:
+from a new model). With the kills (default; `--no-kills` runs without): the follower gets a kill -9 a third
 of the way, the trainer at half, the server at two thirds; each is restarted at once (the
 trainer with --resume).
 
@@ -23,7 +24,8 @@ rejected) and the targets of its shard against the positions the final checkpoin
     python scripts/bench_online_sequences.py --users 20000 --files 30 --no-kills
 
 Last line: one JSON object (freshness_p50_s, freshness_p99_s, events_lost,
-events_duplicated, window_hr@10_mean, ...).
+events_duplicated, window_hr@10_mean, window_popularity_hr@10_mean: the prequential
+popularity baseline on the same windows, ...).
 """
 
 from __future__ import annotations
@@ -116,6 +118,43 @@ def published(run_dir: Path) -> dict[int, int]:
     return {r["version"]: r["shards_complete"] for r in map(json.loads, lines)}
 
 
+def popularity_windows(reference: Path, stream: Path, k: int = 10) -> list[float]:
+    """Per shard, HR@k of the prequential popularity baseline: each new event's item ranked
+    by its count among the reference's training rows and the earlier shards' new events
+    (ties by item id; the user's history kept, as the window records' `hr@10_history_kept`)."""
+    from hybridrec.pipeline import read_shards
+    from hybridrec.pipeline.metadata import read_dataset
+    from hybridrec.training.sequences import Catalogue, Histories
+
+    catalogue = Catalogue.of(Histories.read(read_dataset(reference), "train"))
+    rates = []
+    for entry in read_shards(stream):
+        if not entry.rows:
+            continue
+        rows = Histories.read_files([stream / entry.shard], actions=False)
+        first = np.maximum(rows.first_target, 1)
+        starts, stops = rows.offsets[:-1] + first, rows.offsets[1:]
+        targets = rows.items[np.concatenate([np.arange(a, b) for a, b in zip(starts, stops, strict=True)])]  # fmt: skip
+        rates.append(float(np.mean(popularity_ranks(catalogue, targets) < k)))
+        catalogue = catalogue.merged(targets)
+    return rates
+
+
+def popularity_ranks(catalogue, targets: np.ndarray) -> np.ndarray:
+    """Per target, the catalogue items ranked above it: a higher count, or the same count
+    and a smaller id (an item not in the catalogue ranks last)."""
+    order = np.lexsort((catalogue.items, catalogue.counts))  # count, then id, ascending
+    counts, items = catalogue.counts[order], catalogue.items[order]
+    where = np.minimum(np.searchsorted(catalogue.items, targets), len(catalogue) - 1)
+    count = np.where(catalogue.items[where] == targets, catalogue.counts[where], 0)
+    ranks = len(counts) - np.searchsorted(counts, count, side="right")
+    for value in np.unique(count[count > 0]):
+        low, high = np.searchsorted(counts, value, "left"), np.searchsorted(counts, value, "right")
+        mine = count == value
+        ranks[mine] += np.searchsorted(items[low:high], targets[mine])
+    return ranks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--users", type=int, default=8000)
@@ -126,6 +165,8 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=4.0, help="seconds between files")
     parser.add_argument("--publish-every", type=float, default=5.0)
     parser.add_argument("--no-kills", action="store_true", help="no kill -9 of any process")
+    parser.add_argument("--batch-epochs", type=int, default=10,
+                        help="epochs of a batch run on the reference the stream starts from (--init-from); 0: a new model")  # fmt: skip
     parser.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
     parser.add_argument("--set", action="append", default=[], help="training override (repeatable)")  # fmt: skip
     args = parser.parse_args()
@@ -147,16 +188,24 @@ def main() -> None:
     probe = [line.split(",")[1] for line in (raw / "reference.csv").read_text().splitlines()[1:21]]
 
     stream, run_dir, export = work / "stream", work / "run", work / "export"
+    model = ["--set", "model.sequence.max_length=50", "--set", "data.batch_size=64"]
+    model += [item for key in args.set for item in ("--set", key)]
+    start = []
+    if args.batch_epochs:
+        print(f"== a batch run on the reference: {args.batch_epochs} epochs", flush=True)
+        batch_started = time.time()
+        run("train", "--data", str(work / "reference"), "--run-dir", str(work / "batch"),
+            "--config", "sasrec", *model, "--set", f"data.epochs={args.batch_epochs}", "--quiet")  # fmt: skip
+        batch_s = time.time() - batch_started
+        start = ["--init-from", str(work / "batch")]
     follower_args = [
         "preprocess", "--follow", "--input", str(inputs / "*.csv"), "--output", str(stream),
         "--stats", str(work / "reference"), "--poll-interval", "0.2", "--settle-seconds", "0.2",
     ]  # fmt: skip
-    sets = [item for key in args.set for item in ("--set", key)]
     trainer_args = [
-        "train", "--follow", str(stream), "--run-dir", str(run_dir), "--config", "sasrec",
-        "--set", "model.sequence.max_length=50", "--set", "data.batch_size=64", *sets,
+        "train", "--follow", str(stream), "--run-dir", str(run_dir), "--config", "sasrec", *model,
         "--publish-every", str(args.publish_every), "--checkpoint-every", "10",
-        "--export", str(export), "--flush-after", "0.5",
+        "--export", str(export), "--flush-after", "0.5", *start,
     ]  # fmt: skip
     logs = {name: (work / f"{name}.log").open("a") for name in ("follower", "trainer")}
     follower = hybridrec(*follower_args, stderr=logs["follower"], stdout=logs["follower"])
@@ -233,6 +282,8 @@ def main() -> None:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     windows = {r["window"]: r for r in records if r["kind"] == "window"}
     hr = [windows[w]["hr@10"] for w in sorted(windows)]
+    kept = [windows[w].get("hr@10_history_kept", windows[w]["hr@10"]) for w in sorted(windows)]
+    popular = popularity_windows(work / "reference", stream)
     result = {
         "freshness_p50_s": round(float(np.percentile(freshness, 50)), 2),
         "freshness_p99_s": round(float(np.percentile(freshness, 99)), 2),
@@ -243,7 +294,11 @@ def main() -> None:
         "events_trained": int(saved["rows"]),
         "window_hr@10_mean": round(float(np.mean(hr)), 4) if hr else None,
         "window_hr@10_first_last": [round(hr[0], 4), round(hr[-1], 4)] if hr else None,
+        "window_hr@10_history_kept_mean": round(float(np.mean(kept)), 4) if kept else None,
+        "window_popularity_hr@10_mean": round(float(np.mean(popular)), 4) if popular else None,
         "windows_evaluated": len(windows),
+        "batch_epochs": args.batch_epochs,
+        "batch_train_s": round(batch_s, 1) if args.batch_epochs else None,
         "reference_events": counts[0],
         "stream_events": int(sum(counts[1:])),
         "files": args.files,
@@ -254,6 +309,8 @@ def main() -> None:
         "restart_s": restarts,
     }
     print(f"   freshness per file (s): {[round(f, 1) for f in freshness]}")
+    print(f"   window HR@10 (history kept) per file: {[round(h, 3) for h in kept]}")
+    print(f"   popularity HR@10 per file:           {[round(h, 3) for h in popular]}")
     print(json.dumps(result))
 
 

@@ -112,7 +112,7 @@ def dense_figures(job, store, repeats: int) -> dict:
     plain matmul's FLOP/s of about the step's FLOPs."""
     import jax
     import jax.numpy as jnp
-    from hybridrec.training.sequences import SequenceLayout
+    from hybridrec.training.layouts import SequenceLayout
 
     reader, _ = job.reader(job.config.data.train_split, batch_size=0, train=True)
     batch = next(reader.batches(num_batches=1))

@@ -50,11 +50,10 @@ from hybridrec.training.device_plan import plan_devices
 from hybridrec.training.device_rows import DevicePlan, DeviceRows
 from hybridrec.training.hybrid import HybridLoop
 from hybridrec.training.input import Batch, ParquetReader
-from hybridrec.training.layouts import FlatLayout, TowerLayout
+from hybridrec.training.layouts import FlatLayout, SequenceLayout, TowerLayout
 from hybridrec.training.sequences import (
     Catalogue,
     Histories,
-    SequenceLayout,
     SequenceReader,
     packed_reader,
 )
@@ -444,11 +443,8 @@ def _prepare_sequences(
     stream of them (`follow`) starts from its reference's catalogue."""
     streamed = "stream" in metadata.raw
     if streamed != follow:
-        raise UserError(
-            f"{metadata.root} is a stream of user histories: train it with `train --follow {metadata.root}`"
-            if streamed
-            else f"{metadata.root} holds user histories, not a stream: `preprocess --follow --stats {metadata.root}` makes one"
-        )  # fmt: skip
+        fix = "train it with `train --follow`" if streamed else "not a stream (`preprocess --follow --stats` makes one of it)"  # fmt: skip
+        raise UserError(f"{metadata.root} {'is a stream of' if streamed else 'holds'} user histories: {fix}")  # fmt: skip
     process_count = jax.process_count()
     addresses = tuple(servers.addresses if servers else config.embedding.servers)
     if process_count > 1 and addresses:
@@ -467,10 +463,7 @@ def _prepare_sequences(
     )
     _check_tower(config, metadata)
     histories = None if streamed else Histories.read(metadata, config.data.train_split)
-    if streamed:
-        catalogue = Catalogue.of_run(metadata, config.data.train_split, shards=0)
-    else:
-        catalogue = Catalogue.of(histories)
+    catalogue = Catalogue.of(histories) if histories is not None else Catalogue.of_run(metadata, config.data.train_split, 0)  # fmt: skip
     tables = plan_tables(config.embedding, metadata.categorical)
     host_only = "sequence runs look up the histories' item rows from the host store"
     devices = plan_devices(config, metadata, mesh, tables, host_only=host_only)
@@ -484,9 +477,7 @@ def _prepare_sequences(
         **_server_fields(addresses, servers),
         choices=(
             *choices,
-            f"items: {len(catalogue):,} in the training split's {len(histories):,} histories"
-            if histories is not None
-            else f"items: {len(catalogue):,} in the reference's training split, then each shard's",
+            f"items: {len(catalogue):,} in the training split" + (" of the reference" * streamed),
             *devices.lines,
         ),
         devices=devices,

@@ -7,6 +7,8 @@ gradients back to the rows the store updates.
     TowerLayout   tower-parallel DMT (`model.layout = "towers"`, `model/tower_parallel.py`):
                   tower t's devices hold tower t's features for the whole global batch and
                   run its Tower Module; a process looks up only its towers' features
+    SequenceLayout  packed user histories (`training.sequences`): the batch's distinct
+                  items' rows replicated, the packed rows split over the data axis
 
 The training loop (`training.hybrid.HybridLoop`), evaluation and the placement runs all go
 through these.
@@ -21,7 +23,9 @@ import jax
 import numpy as np
 from hybridrec.common.errors import ConfigError
 from hybridrec.model import local_rows, make_global_batch, tower_parallel
+from hybridrec.pipeline.metadata import ITEM_FEATURE
 from hybridrec.training.input import Batch
+from hybridrec.training.sequences import SequenceBatch
 
 
 def feature_ids(
@@ -134,3 +138,54 @@ class TowerLayout:
         """[rows, features of the held towers, dim], in `features` order."""
         per_tower = tower_parallel.local_tower_grads(embedding_grads, self.towers)
         return np.concatenate([per_tower[tower] for tower in self.held], axis=1)
+
+
+def padded_rows(count: int) -> int:
+    """Distinct rows a batch's step takes: the next power of two (at least 256), so that a
+    run compiles a handful of shapes, not one per batch."""
+    return max(256, 1 << max(count - 1, 0).bit_length())
+
+
+class SequenceLayout:
+    """The flat layout of a sequence batch: every process reads and looks up the whole
+    global batch, the rows of its distinct items replicated on every device, and each
+    process puts its share of the packed rows on its devices (the positions are split over
+    the data axis). The step's row gradients are summed over every device of every
+    process, so each process's store (a replica, or shared servers) gets the whole
+    batch's update from it: nothing is gathered (the `FlatLayout` above
+    for histories)."""
+
+    features = [ITEM_FEATURE.name]
+    rows = slice(None)  # the ids looked up: the whole batch's
+
+    def __init__(self, mesh: Any, *, ranking: bool = False):
+        self.mesh = mesh
+        self.ranking = ranking  # the step reads the next events' actions
+
+    def own(self, array: np.ndarray) -> np.ndarray:
+        """This process's rows of a [rows, ...] batch array."""
+        share = array.shape[0] // jax.process_count()
+        return array[jax.process_index() * share : (jax.process_index() + 1) * share]
+
+    def device_batch(
+        self, batch: SequenceBatch, embeddings: np.ndarray, *, train: bool = True, extra=None
+    ) -> dict:
+        """embeddings: [U, 1, D] rows of `batch.ids` -> the step's batch (rows padded to
+        `padded_rows(U)` with zeros, which no index points at)."""
+        count, _, dim = embeddings.shape
+        rows = np.zeros((padded_rows(count), dim), np.float32)
+        rows[:count] = embeddings[:, 0]
+        shared = {"rows": rows}
+        if train:
+            shared |= {"negatives": batch.negatives, "negative_logq": batch.negative_logq}
+        if train:
+            keys = [key for key in batch.arrays if key != "actions" or self.ranking]
+        else:
+            keys = ["inputs", "segments", "positions", "targets"]
+        arrays = {key: self.own(batch.arrays[key]) for key in keys}
+        return make_global_batch(arrays, self.mesh, replicated=shared)
+
+    def gradients(self, row_grads: jax.Array) -> np.ndarray:
+        """[U_padded, D] replicated -> host [U_padded, 1, D] (the loop applies the first U,
+        the rows its lookup holds; the padding's are zero)."""
+        return np.asarray(jax.device_get(row_grads))[:, None, :]

@@ -26,10 +26,10 @@ import numpy as np
 from hybridrec.common.progress import Progress
 from hybridrec.model import StreamingMetrics
 from hybridrec.model.sequence_step import count_above
+from hybridrec.training.layouts import SequenceLayout
 from hybridrec.training.sequence_baselines import ranking_metrics
 from hybridrec.training.sequences import (
     Histories,
-    SequenceLayout,
     SequenceReader,
     stream_pieces,
 )

@@ -37,6 +37,7 @@ from hybridrec.embedding_store.remote import ServerSet
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.defaults import choose_decay
 from hybridrec.training.evaluate import evaluate, metric_names
+from hybridrec.training.follow import FollowOptions, InitialModel, stream_source
 from hybridrec.training.job import Job, prepare
 from hybridrec.training.meters import CompileMeter, IntervalMeter, StoreMeter, device_memory
 from hybridrec.training.profiling import StepProfiler
@@ -53,17 +54,6 @@ PUBLISHED_FILE = "published.jsonl"  # one line per published export: step, versi
 def is_due(step: int, every: int, last: int | None) -> bool:
     """True at every `every`-th step (0 = never) and at the last step (if there is one)."""
     return step == last or (every > 0 and step % every == 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class FollowOptions:
-    """`hybridrec train --follow`: train a stream dataset's shards as they arrive."""
-
-    checkpoint_every: float = 30.0  # seconds between checkpoints (while there is training)
-    publish_every: float = 0.0  # seconds between published exports (0: only at the end)
-    flush_after: float = 1.0  # seconds without a new shard before a partial batch is trained
-    poll_interval: float = 0.5  # seconds between looks at the manifest when idle
-    max_idle: float = 0.0  # also stop after this many seconds without a new shard (0: never)
 
 
 class Trainer:
@@ -136,13 +126,7 @@ class Trainer:
         if follow is None:
             self.source: EpochSource | StreamSource | SequenceStreamSource = EpochSource(self.job)
         else:
-            stream = SequenceStreamSource if self.job.sequences else StreamSource
-            self.source = stream(
-                self.job,
-                flush_after=follow.flush_after,
-                poll_interval=follow.poll_interval,
-                max_idle=follow.max_idle,
-            )
+            self.source = stream_source(self.job, follow)
         # the dense rate's "auto" decay needs the run's length, which the source knows; the
         # run's config.json keeps "auto", so that a run resumed with more steps decays to
         # its new end instead of training on at the rate's floor
@@ -175,6 +159,13 @@ class Trainer:
         self._given_store = store
         self.store = None
         self.loop = None
+        self.init = None
+        if follow is not None and follow.init_from is not None and not resume:
+            self.init = InitialModel(self.job, follow.init_from, follow.init_step)
+            self.job = dataclasses.replace(
+                self.job,
+                choices=(*self.job.choices, f"initial model: {follow.init_from}, step {self.init.step}"),
+            )  # fmt: skip
 
     @property
     def is_chief(self) -> bool:
@@ -196,10 +187,15 @@ class Trainer:
             saved = self.checkpoints.read_position(
                 resume_step, job.process_index, job.process_count
             )
+        elif self.init is not None:
+            self.state = self.init.restore_dense(self.state)
         self.seconds = source.restore(saved)
         if self._given_store is not None and resume_step is not None:
             raise UserError("a given embedding store cannot resume a run: let the trainer open it")
-        self.store = self._given_store or job.open_store(self.checkpoints, resume_step)
+        if self._given_store is None and resume_step is None and self.init is not None:
+            self.store = self.init.open_store(job)
+        else:
+            self.store = self._given_store or job.open_store(self.checkpoints, resume_step)
         self.device_rows = job.device_rows(
             self.store
         )  # id -> row maps of the tables on the devices

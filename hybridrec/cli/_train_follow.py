@@ -13,6 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
+from hybridrec.cli._flags import checkpoint_step
 from hybridrec.common.errors import UserError
 from hybridrec.training.job import load_config
 
@@ -38,6 +39,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                        help="--follow: without a new shard this long, train the rows short of a batch")  # fmt: skip
     group.add_argument("--max-idle", type=float, default=0.0, metavar="SECONDS",
                        help="--follow: stop after this long without a new shard (0: run until SIGTERM)")  # fmt: skip
+    group.add_argument("--init-from", metavar="RUN_DIR", type=Path,
+                       help="--follow: start from this run's checkpoint (e.g. a batch run on the stream's reference data) instead of a new model")  # fmt: skip
+    group.add_argument("--init-step", type=checkpoint_step, metavar="STEP",
+                       help="--init-from: its checkpoint step, or 'best' (default: its newest)")  # fmt: skip
 
 
 def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) -> int:
@@ -45,7 +50,8 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
     from hybridrec.cli._embedding_servers import embedding_servers
     from hybridrec.serving.delta import delta_base, prune_versions
     from hybridrec.serving.export import export_run
-    from hybridrec.training.trainer import FollowOptions, Trainer
+    from hybridrec.training.follow import FollowOptions
+    from hybridrec.training.trainer import Trainer
 
     if args.data:
         raise UserError("--follow DATA replaces --data; give one of them")
@@ -73,6 +79,8 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
             publish_every=args.publish_every,
             flush_after=args.flush_after,
             max_idle=args.max_idle,
+            init_from=args.init_from,
+            init_step=args.init_step,
         ),
         publish=publish,
         resume=args.resume,
@@ -84,6 +92,8 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signal_number, lambda *_: stop.set())
     if not args.quiet:
+        for choice in trainer.job.choices:
+            print(choice, flush=True)
         print(
             f"training on {args.follow} as shards arrive (batch {trainer.config.data.batch_size}); "
             f"exports to {export_dir}; SIGTERM to stop",

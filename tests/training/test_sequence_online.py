@@ -138,3 +138,42 @@ def test_a_follow_run_of_the_wrong_stream_kind_ends_with_one_line(tmp_path, stre
     assert "user histories" in wrong
     batch = _fails("train", "--data", str(stream), "--run-dir", str(tmp_path / "b"), "--config", "sasrec")  # fmt: skip
     assert "--follow" in batch and str(stream) in batch
+
+
+def test_init_from_a_batch_run_on_the_reference_starts_the_stream_from_its_model(
+    tmp_path, stream_inputs, cli
+):
+    reference, staged = stream_inputs
+    stream = tmp_path / "stream"
+    inputs = tmp_path / "in"
+    for path in staged[:2]:
+        copy = tmp_path / path.name
+        copy.write_bytes(path.read_bytes())
+        arrive(copy, inputs)
+    follow(
+        FollowConfig(
+            inputs=[str(inputs / "*.csv")],
+            output=str(stream),
+            reference=str(reference),
+            settle_seconds=0.0,
+        ),  # fmt: skip
+        max_idle=0.1,
+        quiet=True,
+    )
+    batch = tmp_path / "batch"
+    model = sets("data.batch_size=8", "data.token_budget=0")
+    cli("train", "--data", str(reference), "--run-dir", str(batch), "--config", "sasrec", *model, *sets("data.epochs=3"), "--quiet")  # fmt: skip
+
+    def first_window(run_dir, *extra) -> tuple[dict, str]:
+        out = cli("train", "--follow", str(stream), "--run-dir", str(run_dir), "--config", "sasrec", *model, "--max-idle", "0.5", *extra).stdout  # fmt: skip
+        records = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return next(r for r in map(json.loads, records) if r["kind"] == "window"), out
+
+    fresh, _ = first_window(tmp_path / "fresh")
+    started, out = first_window(tmp_path / "started", "--init-from", str(batch))
+    assert f"initial model: {batch}, step " in out
+    # the batch run's model (dense state and item rows) ranks the first file's events far
+    # better than a new one
+    assert started["hr@10"] > fresh["hr@10"] + 0.05, (started, fresh)
+    wrong = _fails("train", "--follow", str(stream), "--run-dir", str(tmp_path / "x"), "--config", "sasrec", "--init-from", str(tmp_path / "nothing"))  # fmt: skip
+    assert "nothing" in wrong and "does not exist" in wrong
