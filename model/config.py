@@ -164,6 +164,10 @@ class SequenceConfig:
     # (0 = max_length)
     buckets: int = 32
     max_distance: int = 0
+    # HSTU's time-gap bias: buckets per head of the log-scaled seconds between two events
+    # (half an octave each: 64 reach 2^32 s); the tower then reads each event's time.
+    # -1 = auto: 64 for HSTU on a dataset with times, else 0 (none)
+    time_buckets: int = -1
     # HSTU's attention: "auto" (the Pallas kernel on GPUs, else jax.numpy), "pallas",
     # "reference"
     attention: Literal["auto", "pallas", "reference"] = "auto"
@@ -195,6 +199,10 @@ class SequenceConfig:
             raise ValueError(f"sequence.dropout must be within [0, 1), got {self.dropout}")
         if self.buckets < 1 or self.max_distance < 0:
             raise ValueError("sequence.buckets must be >= 1 and max_distance >= 0")
+        if self.time_buckets < -1:
+            raise ValueError(
+                f"sequence.time_buckets must be >= 0 (-1: auto), got {self.time_buckets}"
+            )
         if not self.temperature > 0:
             raise ValueError(f"sequence.temperature must be > 0, got {self.temperature}")
         if self.negatives < 1:
@@ -211,6 +219,11 @@ class SequenceConfig:
     @property
     def ranking(self) -> bool:
         return self.objective in ("ranking", "both")
+
+    @property
+    def reads_times(self) -> bool:
+        """The tower is called with each position's event time (`times=`)."""
+        return self.time_buckets > 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

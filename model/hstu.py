@@ -7,7 +7,8 @@ One block, with x: [batch, length, dim] and a row packing several histories (seg
     x          = x + linear(layer_norm(attended) * u)          # the gated output
 
 The attention is pointwise (SiLU of each score over a fixed norm, no softmax) with a learned
-bias per head and distance bucket (`hstu_attention.py`), causal within each history.
+bias per head and distance bucket and, with `time_buckets`, per head and bucket of the
+time gap between the two events (`hstu_attention.py`), causal within each history.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class HSTUBlock(nnx.Module):
         dtype,
         rngs: nnx.Rngs,
         implementation: str = "auto",
+        time_buckets: int = 0,
     ):
         self.heads, self.head_dim = heads, head_dim
         self.max_distance, self.implementation = max_distance, implementation
@@ -45,9 +47,14 @@ class HSTUBlock(nnx.Module):
         )
         self.out = linear(heads * head_dim, dim, ("mlp", None), dtype=dtype, rngs=rngs)
         self.relative_bias = nnx.Param(jnp.zeros((heads, buckets), jnp.float32))
+        self.time_bias = nnx.Param(jnp.zeros((heads, time_buckets), jnp.float32)) if time_buckets else None  # fmt: skip
 
-    def __call__(self, x: jax.Array, segments: jax.Array) -> jax.Array:
-        """x: [batch, length, dim]; segments: [batch, length] int32 (negative: padding)."""
+    def _time_bias(self):
+        return None if self.time_bias is None else self.time_bias[...]
+
+    def __call__(self, x: jax.Array, segments: jax.Array, times=None) -> jax.Array:
+        """x: [batch, length, dim]; segments: [batch, length] int32 (negative: padding);
+        times: [batch, length] int32 event times in seconds (with the time bias)."""
         u, v, q, k = self._uvqk(x)
         attended = hstu_attention(
             q,
@@ -59,16 +66,19 @@ class HSTUBlock(nnx.Module):
             inv_norm=1.0 / self.max_distance,
             max_distance=self.max_distance,
             implementation=self.implementation,
+            times=times,
+            time_bias=self._time_bias(),
         )
         return self._gated(x, attended, u)
 
-    def extend(self, x, positions, key_count, cache_k, cache_v, prefix):
+    def extend(self, x, positions, key_count, cache_k, cache_v, prefix, times=None):
         """The block at a history's new positions, over its cached keys and values.
 
         x: [batch, n, dim] at `positions` [batch, n] = prefix + 0..n-1; cache_k, cache_v:
         [batch, L, heads, head_dim] of the first `prefix` [batch] positions; key_count
-        [batch]: positions that exist after this step. Returns (x, the caches with the new
-        positions' keys and values)."""
+        [batch]: positions that exist after this step; times [batch, L]: every position's
+        event time (with the time bias). Returns (x, the caches with the new positions'
+        keys and values)."""
         u, v, q, k = self._uvqk(x)
         cache_k = place_positions(cache_k, k, prefix)
         cache_v = place_positions(cache_v, v, prefix)
@@ -82,6 +92,9 @@ class HSTUBlock(nnx.Module):
             alpha=self.head_dim**-0.5,
             inv_norm=1.0 / self.max_distance,
             max_distance=self.max_distance,
+            q_times=None if times is None else jnp.take_along_axis(times, positions, axis=1),
+            k_times=times,
+            time_bias=self._time_bias(),
         )
         return self._gated(x, attended, u), cache_k, cache_v
 
@@ -113,6 +126,7 @@ class HSTUEncoder(nnx.Module):
         dtype=jnp.float32,
         rngs: nnx.Rngs,
         implementation: str = "auto",
+        time_buckets: int = 0,
     ):
         self.num_blocks = blocks
         for index in range(blocks):
@@ -125,21 +139,24 @@ class HSTUEncoder(nnx.Module):
                 dtype=dtype,
                 rngs=rngs,
                 implementation=implementation,
+                time_buckets=time_buckets,
             )
             setattr(self, f"block_{index}", block)
         self.norm_out = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
-    def __call__(self, x: jax.Array, segments: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segments: jax.Array, times=None) -> jax.Array:
         for index in range(self.num_blocks):
-            x = getattr(self, f"block_{index}")(x, segments)
+            x = getattr(self, f"block_{index}")(x, segments, times)
         return self.norm_out(x)
 
-    def extend(self, x, positions, key_count, cache_k, cache_v, prefix):
+    def extend(self, x, positions, key_count, cache_k, cache_v, prefix, times=None):
         """`HSTUBlock.extend` through every block; caches [blocks, batch, L, heads, dim]."""
         keys, values = [], []
         for index in range(self.num_blocks):
             block = getattr(self, f"block_{index}")
-            x, k, v = block.extend(x, positions, key_count, cache_k[index], cache_v[index], prefix)
+            x, k, v = block.extend(
+                x, positions, key_count, cache_k[index], cache_v[index], prefix, times
+            )
             keys.append(k)
             values.append(v)
         return self.norm_out(x), jnp.stack(keys), jnp.stack(values)

@@ -49,6 +49,21 @@ def relative_bucket(distance, buckets: int, max_distance: int):
     return jnp.minimum(jnp.where(distance < exact, distance, far), buckets - 1)
 
 
+def time_bucket(gap, buckets: int):
+    """The time-bias bucket of each gap in seconds (>= 0): half an octave each,
+    floor(2 log2(1 + gap)), the last bucket holding every longer gap."""
+    gap = jnp.maximum(jnp.asarray(gap, jnp.float32), 0.0)
+    return jnp.minimum((2.0 * jnp.log2(1.0 + gap)).astype(jnp.int32), buckets - 1)
+
+
+def _time_bias(time_bias, query_times, key_times):
+    """[batch, heads, n, L] the bias of each (query, key) pair's gap, from time_bias
+    [heads, time buckets], query_times [batch, n] and key_times [batch, L]."""
+    gap = query_times[:, :, None] - key_times[:, None, :]
+    buckets = time_bucket(gap, time_bias.shape[1])  # [batch, n, L]
+    return jnp.moveaxis(time_bias[:, buckets], 0, 1).astype(jnp.float32)
+
+
 def live_pairs(segments):
     """[batch, length, length] bool: pair (i, j) shares a segment, j <= i, not padding."""
     length = segments.shape[1]
@@ -58,8 +73,9 @@ def live_pairs(segments):
 
 
 def hstu_attention_reference(
-    q, k, v, segments, bias, *, alpha: float, inv_norm: float, max_distance: int
-):
+    q, k, v, segments, bias, *, alpha: float, inv_norm: float, max_distance: int,
+    times=None, time_bias=None,
+):  # fmt: skip
     """The attention in plain jax.numpy (it holds the [batch, heads, length, length] scores).
 
     Args:
@@ -69,6 +85,9 @@ def hstu_attention_reference(
         alpha: scale of q . k.
         inv_norm: scale of the weighted sum (HSTU: 1 / the longest history).
         max_distance: the distance the last bias bucket starts at (`relative_bucket`).
+        times: [batch, length] int32 each position's event time in seconds, with
+            time_bias [heads, time buckets]: the bias of the gap t_i - t_j (`time_bucket`)
+            is added to each pair's score; None: no time bias.
     Returns:
         [batch, length, heads, dim] in q's dtype.
     """
@@ -78,6 +97,8 @@ def hstu_attention_reference(
     buckets = relative_bucket(distance, bias.shape[1], max_distance)
     scores = jnp.einsum("bihd,bjhd->bhij", q, k, preferred_element_type=jnp.float32)
     scores = scores * alpha + bias[:, buckets][None].astype(jnp.float32)
+    if time_bias is not None:
+        scores = scores + _time_bias(time_bias, times, times)
     live = live_pairs(segments)[:, None]
     weights = jnp.where(live, jax.nn.silu(scores), 0.0) * inv_norm
     out = jnp.einsum(
@@ -87,8 +108,9 @@ def hstu_attention_reference(
 
 
 def hstu_attention_cached(
-    q, k, v, q_positions, key_count, bias, *, alpha: float, inv_norm: float, max_distance: int
-):
+    q, k, v, q_positions, key_count, bias, *, alpha: float, inv_norm: float, max_distance: int,
+    q_times=None, k_times=None, time_bias=None,
+):  # fmt: skip
     """The attention of a history's new positions over all of its keys (a served history
     extended by its new events, the earlier keys and values cached).
 
@@ -97,6 +119,7 @@ def hstu_attention_cached(
         k, v: [batch, L, heads, dim] the keys and values of positions 0..L-1, of which the
             first `key_count` [batch] exist.
         bias, alpha, inv_norm, max_distance: as `hstu_attention_reference`.
+        q_times [batch, n], k_times [batch, L], time_bias: the time bias, if any.
     Returns:
         [batch, n, heads, dim]: what the reference computes at those positions for one
         history of `key_count` events.
@@ -106,6 +129,8 @@ def hstu_attention_cached(
     buckets = relative_bucket(distance, bias.shape[1], max_distance)
     scores = jnp.einsum("bihd,bjhd->bhij", q, k, preferred_element_type=jnp.float32)
     scores = scores * alpha + jnp.moveaxis(bias[:, buckets], 0, 1).astype(jnp.float32)
+    if time_bias is not None:
+        scores = scores + _time_bias(time_bias, q_times, k_times)
     live = (keys <= q_positions[:, :, None]) & (keys < key_count[:, None, None])
     weights = jnp.where(live[:, None], jax.nn.silu(scores), 0.0) * inv_norm
     out = jnp.einsum(
@@ -344,14 +369,22 @@ def hstu_attention(
     block_q: int = 64,
     block_k: int = 64,
     block_backward: int = 64,
+    times=None,
+    time_bias=None,
 ):
     """HSTU attention by `implementation` ('auto', 'pallas' or 'reference'); the
-    arguments are `hstu_attention_reference`'s."""
+    arguments are `hstu_attention_reference`'s. The kernel has no time bias yet: with
+    one, 'auto' takes the reference and 'pallas' is refused."""
+    if time_bias is not None:
+        if implementation == "pallas":
+            raise ValueError("the Pallas HSTU kernel has no time bias: set sequence.attention = 'auto' or 'reference', or sequence.time_buckets = 0")  # fmt: skip
+        implementation = "reference"
     chosen = resolve_implementation(implementation, q.dtype, q.shape[-1])
     if chosen == "reference":
         return hstu_attention_reference(
-            q, k, v, segments, bias, alpha=alpha, inv_norm=inv_norm, max_distance=max_distance
-        )
+            q, k, v, segments, bias, alpha=alpha, inv_norm=inv_norm, max_distance=max_distance,
+            times=times, time_bias=time_bias,
+        )  # fmt: skip
     return hstu_attention_pallas(
         q,
         k,

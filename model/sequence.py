@@ -14,7 +14,11 @@ segment and never looks ahead: the mask is block-diagonal and causal.
     SASRec   (Kang & McAuley 2018) learned absolute positions, pre-norm blocks of causal
              softmax self-attention and a two-layer feed-forward network
     HSTU     (Zhai et al. 2024) learned absolute positions, then HSTU blocks (pointwise SiLU
-             attention with a relative-position bias and a gated output, `model.hstu`)
+             attention with a relative-position bias, a time-gap bias when
+             `sequence.time_buckets` > 0, and a gated output, `model.hstu`)
+
+A tower that reads times (`sequence.reads_times`) is also given `times=` [R, L] int32:
+each position's event time in seconds (any origin within a history: only gaps count).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def cached_live(positions: jax.Array, key_count: jax.Array, length: int) -> jax.
     return (keys <= positions[:, :, None]) & (keys < key_count[:, None, None])
 
 
-def extend_history(tower, x, positions, count, cache_k, cache_v):
+def extend_history(tower, x, positions, count, cache_k, cache_v, times=None):
     """A tower's outputs at a history's new events, its earlier ones cached.
 
     Args:
@@ -69,11 +73,14 @@ def extend_history(tower, x, positions, count, cache_k, cache_v):
         count: [b] how many of the n are events (the rest padding).
         cache_k, cache_v: [blocks, b, L, heads, head_dim], the keys and values of each
             block at positions 0..prefix-1 (`tower.cache_shape()`); L the longest history.
+        times: [b, L] every position's event time, for a tower that reads times.
     Returns:
         (outputs [b, n, D], the caches with the new events' keys and values): the outputs
         equal the full forward pass's over the whole history at those positions.
     """
-    return tower.extend(x, positions, count, cache_k, cache_v)
+    if times is None:
+        return tower.extend(x, positions, count, cache_k, cache_v)
+    return tower.extend(x, positions, count, cache_k, cache_v, times=times)
 
 
 class SASRecBlock(nnx.Module):
@@ -123,6 +130,8 @@ class SASRec(nnx.Module):
     """SASRec over packed rows: `tower(x, segments, positions, rng=None) -> [R, L, D]`."""
 
     def __init__(self, config: SequenceConfig, *, dim: int, dtype, rngs: nnx.Rngs):
+        if config.reads_times:
+            raise ValueError("sequence.time_buckets is HSTU's time-gap bias; SASRec reads no times (set it to 0)")  # fmt: skip
         self.rate, self.num_blocks = config.dropout, config.blocks
         head_dim = config.head_dim or max(dim // config.heads, 1)
         self.positions = _Positions(dim, config.max_length, rngs=rngs)
@@ -176,20 +185,21 @@ class HSTU(nnx.Module):
             dtype=dtype if dtype is not None else jnp.float32,
             rngs=rngs,
             implementation=config.attention,
+            time_buckets=max(config.time_buckets, 0),
         )
 
-    def __call__(self, x, segments, positions, rng=None) -> jax.Array:
+    def __call__(self, x, segments, positions, rng=None, *, times=None) -> jax.Array:
         x = self.positions(x, positions, self.rate, rng)
-        return self.encoder(x, jnp.where(segments >= 0, segments, -1))
+        return self.encoder(x, jnp.where(segments >= 0, segments, -1), times)
 
     def cache_shape(self) -> tuple[int, int, int]:
         block = self.encoder.block_0
         return self.encoder.num_blocks, block.heads, block.head_dim
 
-    def extend(self, x, positions, count, cache_k, cache_v):
+    def extend(self, x, positions, count, cache_k, cache_v, *, times=None):
         prefix = positions[:, 0]
         x = self.positions(x, positions, 0.0, None)
-        return self.encoder.extend(x, positions, prefix + count, cache_k, cache_v, prefix)
+        return self.encoder.extend(x, positions, prefix + count, cache_k, cache_v, prefix, times)
 
 
 class RankingHead(nnx.Module):
@@ -212,8 +222,8 @@ class Ranked(nnx.Module):
     def __init__(self, tower: nnx.Module, head: RankingHead):
         self.tower, self.head = tower, head
 
-    def __call__(self, x, segments, positions, rng=None) -> jax.Array:
-        return self.tower(x, segments, positions, rng)
+    def __call__(self, x, segments, positions, rng=None, **context) -> jax.Array:
+        return self.tower(x, segments, positions, rng, **context)
 
     def rank(self, outputs: jax.Array, items: jax.Array) -> jax.Array:
         return self.head(outputs, items)

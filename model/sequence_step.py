@@ -5,6 +5,7 @@ store like any embedding), and everything else as indices into them:
 
     inputs, targets        [R, L] int32   the item at each position and the one after it
     segments, positions    [R, L] int32   packing (`model.sequence`); segments < 0: padding
+    times                  [R, L] int32   each input event's time (towers that read times)
     weights                [R, L] f32     1 where the position is trained (a next item exists)
     negatives              [N] int32      sampled items, shared by every position
     negative_logq          [N] f32        log(N q(item)), q the sampling probability
@@ -42,12 +43,18 @@ def scored(vectors: jax.Array, config: SequenceConfig) -> jax.Array:
     return vectors
 
 
+def call_tower(tower, rows: jax.Array, batch: Mapping[str, jax.Array], rng=None) -> jax.Array:
+    """The tower's output at every position, [R, L, D] (with the batch's `times` when it
+    carries them: a tower that reads times)."""
+    context = {"times": batch["times"]} if "times" in batch else {}
+    return tower(rows[batch["inputs"]], batch["segments"], batch["positions"], rng, **context)
+
+
 def encode(
     graphdef: nnx.GraphDef, params: Any, rows: jax.Array, batch: Mapping[str, jax.Array], rng=None
 ) -> jax.Array:
     """The tower's output at every position, [R, L, D]."""
-    tower = nnx.merge(graphdef, params)
-    return tower(rows[batch["inputs"]], batch["segments"], batch["positions"], rng)
+    return call_tower(nnx.merge(graphdef, params), rows, batch, rng)
 
 
 def retrieval_loss(
@@ -99,7 +106,7 @@ def _ranking(config, model, outputs, rows, batch) -> jax.Array:
 def sequence_loss(config, graphdef, params, rows, batch, rng=None):
     """The objective's loss (`config.objective`) and its parts."""
     model = nnx.merge(graphdef, params)
-    outputs = model(rows[batch["inputs"]], batch["segments"], batch["positions"], rng)
+    outputs = call_tower(model, rows, batch, rng)
     parts = {}
     if config.retrieval:
         parts["retrieval_loss"], parts["trained_positions"] = _retrieval(
@@ -133,7 +140,7 @@ def make_sequence_train_step(
         new_state, metrics = apply_dense_gradients(state, loss, param_grads)
         return new_state, {**metrics, **parts}, row_grads
 
-    keys = PER_POSITION + (("actions",) if config.ranking else ())
+    keys = PER_POSITION + (("actions",) if config.ranking else ()) + (("times",) if config.reads_times else ())  # fmt: skip
     replicated = sharding_lib.replicated(mesh)
     batch_shardings = {key: sharding_lib.batch_sharding(mesh, 2) for key in keys}
     batch_shardings |= {key: replicated for key in SHARED}
@@ -156,11 +163,12 @@ def make_sequence_eval_step(
     position as scores compare it, and with the ranking objective "ranking": [R, L, A]
     the head's logits of each position's next item} (no dropout)."""
     keys = ("rows", "inputs", "segments", "positions") + (("targets",) if config.ranking else ())
+    keys += ("times",) if config.reads_times else ()
 
     def eval_step(state: TrainState, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         model = nnx.merge(state.graphdef, state.params)
         rows = batch["rows"]
-        outputs = model(rows[batch["inputs"]], batch["segments"], batch["positions"], None)
+        outputs = call_tower(model, rows, batch)
         out = {"outputs": scored(outputs, config)}
         if config.ranking:
             out["ranking"] = model.rank(outputs, rows[batch["targets"]])

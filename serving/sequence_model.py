@@ -53,13 +53,15 @@ class CachedHistory:
 
     version: int  # the export version that computed it
     items: np.ndarray  # [c] uint64: the events cached, oldest first
+    times: np.ndarray | None  # [c] int64 their times (a model that reads times), else None
     keys: np.ndarray  # [blocks, L, heads, head_dim] float32 (positions >= c: unused)
     values: np.ndarray
     query: np.ndarray  # [D] float32
 
     @property
     def nbytes(self) -> int:
-        return self.items.nbytes + self.keys.nbytes + self.values.nbytes + self.query.nbytes
+        times = 0 if self.times is None else self.times.nbytes
+        return self.items.nbytes + times + self.keys.nbytes + self.values.nbytes + self.query.nbytes
 
 
 @dataclasses.dataclass
@@ -72,6 +74,7 @@ class SequenceQuery:
     candidates: np.ndarray | None = None  # [n, C] item ids
     # kept histories: per user, its cache (None: none yet), to extend and give back
     cached: list[CachedHistory | None] | None = None
+    times: list[np.ndarray] | None = None  # per user: each event's time, seconds (int64)
 
     @property
     def rows(self) -> int:
@@ -125,6 +128,7 @@ class ServedSequenceModel(ServedVersion):
         extend = self.path / EXTEND_FILE
         self._extend = load_module(extend) if extend.exists() else None
         self.cache_shape = tuple(features.get("cache_shape") or ())
+        self.reads_times = bool(features.get("times", False))
         self.outputs = len(self.action_types) if self._ranker else 1
         self.scan = ExactCatalogue(self.catalogue, self._scan_rows())
         self.max_batch = max_batch
@@ -135,9 +139,9 @@ class ServedSequenceModel(ServedVersion):
         self.histories_encoded = 0
         self.unseen_items = 0
         for bucket in self.buckets:  # compile every shape now, not on a request
-            self._encode_rows(
-                np.zeros((bucket, self.max_length, self.dim), np.float32), np.ones(bucket, np.int32)
-            )
+            rows = np.zeros((bucket, self.max_length, self.dim), np.float32)
+            times = np.zeros((bucket, self.max_length), np.int32) if self.reads_times else None
+            self._encode_rows(rows, np.ones(bucket, np.int32), times)
 
     # ------------------------------------------------------------------ ids and names
 
@@ -191,11 +195,31 @@ class ServedSequenceModel(ServedVersion):
 
     # ------------------------------------------------------------------ forward
 
-    def _encode_rows(self, rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def _encode_rows(self, rows: np.ndarray, lengths: np.ndarray, times=None) -> np.ndarray:
         n = len(rows)
         bucket = next(b for b in self.buckets if b >= n)
         rows, lengths = pad_rows(rows, bucket), pad_rows(lengths, bucket, 1)
-        return np.asarray(self._encoder(rows, lengths))[:n]
+        extra = () if times is None else (pad_rows(times, bucket),)
+        return np.asarray(self._encoder(rows, lengths, *extra))[:n]
+
+    def _times(self, histories: list[np.ndarray], times, width: int) -> np.ndarray | None:
+        """[n, width] int32 seconds since each history's first kept event (the tower's
+        times), or None for a model that reads none."""
+        if not self.reads_times:
+            return None
+        self._check_times(histories, times)
+        out = np.zeros((len(histories), width), np.int32)
+        for row, stamps in enumerate(times):
+            kept = np.asarray(stamps[-self.max_length :], np.int64)
+            out[row, : len(kept)] = np.clip(kept - kept[0], 0, np.iinfo(np.int32).max)
+        return out
+
+    def _check_times(self, histories: list[np.ndarray], times) -> None:
+        if times is None or any(t is None for t in times):
+            raise ValueError("this model reads each event's time: give times (seconds) with the histories")  # fmt: skip
+        for row, (history, stamps) in enumerate(zip(histories, times, strict=True)):
+            if len(stamps) != len(history):
+                raise ValueError(f"history {row}: {len(history)} items but {len(stamps)} times")
 
     def _history_rows(self, histories: list[np.ndarray]):
         """(rows [n, L, D], lengths [n] int32, truncated rows, per row the items that got
@@ -215,19 +239,25 @@ class ServedSequenceModel(ServedVersion):
             self.histories_encoded += len(kept)
         return rows, lengths, truncated, unseen
 
-    def encode(self, histories: list[np.ndarray]) -> tuple[np.ndarray, list[int], int]:
-        """Histories (item ids, oldest first; none empty) -> (queries [n, D], truncated rows,
-        per row the items that got their initial row)."""
+    def encode(self, histories: list[np.ndarray], times=None) -> tuple[np.ndarray, list[int], int]:
+        """Histories (item ids, oldest first; none empty; with each event's time for a
+        model that reads times) -> (queries [n, D], truncated rows, per row the items that
+        got their initial row)."""
+        stamps = self._times(histories, times, self.max_length)
         rows, lengths, truncated, unseen = self._history_rows(histories)
         parts = [
-            self._encode_rows(rows[start : start + self.max_batch], lengths[start : start + self.max_batch])
+            self._encode_rows(
+                rows[start : start + self.max_batch],
+                lengths[start : start + self.max_batch],
+                None if stamps is None else stamps[start : start + self.max_batch],
+            )
             for start in range(0, len(rows), self.max_batch)
-        ]  # fmt: skip
+        ]
         queries = np.concatenate(parts) if parts else np.zeros((0, self.dim), np.float32)
         return queries, truncated, unseen
 
     def encode_kept(
-        self, histories: list[np.ndarray], cached: list[CachedHistory | None]
+        self, histories: list[np.ndarray], cached: list[CachedHistory | None], times=None
     ) -> tuple[np.ndarray, list[int], np.ndarray, list[CachedHistory | None], int]:
         """`encode` for kept histories: a history whose cache holds its first events runs the
         tower on its new events only, and each gets its cache back (None where the model
@@ -239,6 +269,8 @@ class ServedSequenceModel(ServedVersion):
         unseen = np.zeros(n, np.int64)
         computed = np.zeros(n, np.int64)
         caches: list[CachedHistory | None] = [None] * n
+        if self.reads_times:
+            self._check_times(histories, times)
         extend, full = [], []
         for row, history in enumerate(histories):
             if self._extend is None or len(history) > self.max_length:
@@ -250,23 +282,25 @@ class ServedSequenceModel(ServedVersion):
                 and cache.version == self.version
                 and len(cache.items) <= len(history)
                 and np.array_equal(history[: len(cache.items)], cache.items)
-            )
+                and (cache.times is None or np.array_equal(times[row][: len(cache.items)], cache.times))
+            )  # fmt: skip
             if usable and len(cache.items) == len(history):  # nothing new: the cached query
                 queries[row], caches[row] = cache.query, cache
             else:
                 extend.append((row, cache if usable else None))
         for start in range(0, len(extend), self.max_batch):
             part = extend[start : start + self.max_batch]
-            self._extend_rows(histories, part, queries, unseen, caches, computed)
+            self._extend_rows(histories, times, part, queries, unseen, caches, computed)
         truncated = []
         if full:
-            encoded, truncated, full_unseen = self.encode([histories[row] for row in full])
+            picked = None if times is None else [times[row] for row in full]
+            encoded, truncated, full_unseen = self.encode([histories[row] for row in full], picked)
             queries[full], unseen[full] = encoded, full_unseen
             truncated = [full[i] for i in truncated]
             computed[full] = [min(len(histories[row]), self.max_length) for row in full]
         return queries, truncated, unseen, caches, computed
 
-    def _extend_rows(self, histories, part, queries, unseen, caches, computed) -> None:
+    def _extend_rows(self, histories, times, part, queries, unseen, caches, computed) -> None:
         """Runs extend.stablehlo on rows [(row, usable cache | None)], filling the outputs."""
         prefix = np.array([len(c.items) if c else 0 for _, c in part], np.int32)
         count = np.array([len(histories[row]) for row, _ in part], np.int32) - prefix
@@ -285,8 +319,12 @@ class ServedSequenceModel(ServedVersion):
         for index, (_, cache) in enumerate(part):
             if cache is not None:
                 keys[:, index], values[:, index] = cache.keys, cache.values
+        extra = ()
+        if self.reads_times:  # every position's time: the cached events' and the new ones'
+            stamps = self._times([histories[row] for row, _ in part], [times[row] for row, _ in part], self.max_length)  # fmt: skip
+            extra = (pad_rows(stamps, bucket),)
         query, keys, values = self._extend(
-            rows, pad_rows(prefix, bucket), pad_rows(count, bucket, 1), keys, values
+            rows, pad_rows(prefix, bucket), pad_rows(count, bucket, 1), keys, values, *extra
         )
         query, keys, values = (np.asarray(a) for a in (query, keys, values))
         missed = np.bincount(np.repeat(np.arange(len(part)), count)[~found], minlength=len(part))
@@ -298,24 +336,32 @@ class ServedSequenceModel(ServedVersion):
             caches[row] = CachedHistory(
                 self.version,
                 histories[row].copy(),
+                None if times is None else np.asarray(times[row], np.int64).copy(),
                 keys[:, index].copy(),
                 values[:, index].copy(),
                 query[index].copy(),
             )
 
     def recommend(
-        self, histories: Sequence[Sequence[str | bytes]], k: int = 10, *, exclude_history=None
+        self,
+        histories: Sequence[Sequence[str | bytes]],
+        k: int = 10,
+        *,
+        exclude_history=None,
+        times: Sequence[Sequence[int]] | None = None,
     ) -> list[list[tuple[str, float]]]:
         """Each history's top-`k` next items as (raw item id, score), best first, as `serve`
-        answers a retrieval request: histories of raw item ids, oldest first (none empty);
-        `exclude_history` default: as the run was evaluated."""
+        answers a retrieval request: histories of raw item ids, oldest first (none empty),
+        with each event's time in seconds for a model that reads times (HSTU's time-gap
+        bias); `exclude_history` default: as the run was evaluated."""
         if not histories or any(not len(history) for history in histories):
             raise ValueError("every history needs at least one item")
         exclude = self.exclude_history if exclude_history is None else exclude_history
         ids = [
             self.item_ids([i.encode() if isinstance(i, str) else i for i in h]) for h in histories
         ]
-        queries, _, _ = self.encode(ids)
+        stamps = None if times is None else [np.asarray(t, np.int64) for t in times]
+        queries, _, _ = self.encode(ids, stamps)
         items, scores = self.top_k(queries, k, ids if exclude else None)
         names = self.item_names(items)
         width = items.shape[1]
@@ -332,7 +378,7 @@ class ServedSequenceModel(ServedVersion):
         return self.scan.top_k(queries, k, exclude)
 
     def score_candidates(
-        self, histories: list[np.ndarray], candidates: np.ndarray
+        self, histories: list[np.ndarray], candidates: np.ndarray, times=None
     ) -> tuple[np.ndarray, list[int], int]:
         """(scores [n, C, A], truncated rows, unseen candidates) of candidate item ids
         [n, C] after each history: the ranking head's probability per action type, or
@@ -344,9 +390,10 @@ class ServedSequenceModel(ServedVersion):
             self.unseen_items += unseen
         candidate_rows = flat.reshape(n, count, self.dim)
         if self._ranker is None:
-            queries, truncated, seen_unseen = self.encode(histories)
+            queries, truncated, seen_unseen = self.encode(histories, times)
             scores = np.einsum("nd,ncd->nc", queries, self._scored(candidate_rows))
             return scores[..., None].astype(np.float32), truncated, unseen + int(seen_unseen.sum())
+        stamps = self._times(histories, times, self.max_length)
         rows, lengths, truncated, history_unseen = self._history_rows(histories)
         unseen += int(history_unseen.sum())
         width = max(MIN_CANDIDATES, 1 << (count - 1).bit_length())
@@ -356,10 +403,12 @@ class ServedSequenceModel(ServedVersion):
         for start in range(0, n, self.max_batch):
             stop = min(start + self.max_batch, n)
             bucket = next(b for b in self.buckets if b >= stop - start)
+            extra = () if stamps is None else (pad_rows(stamps[start:stop], bucket),)
             logits = self._ranker(
                 pad_rows(rows[start:stop], bucket),
                 pad_rows(lengths[start:stop], bucket, 1),
                 pad_rows(padded[start:stop], bucket),
+                *extra,
             )
             out.append(np.asarray(logits)[: stop - start, :count])
         logits = np.concatenate(out).astype(np.float64)
@@ -376,11 +425,14 @@ class ServedSequenceModel(ServedVersion):
             histories = [h for i in retrieval for h in queries[i].histories]
             cached = [c for i in retrieval for c in (queries[i].cached or [None] * queries[i].rows)]
             kept = [queries[i].cached is not None for i in retrieval for _ in queries[i].histories]
+            times = None
+            if self.reads_times:
+                times = [t for i in retrieval for t in (queries[i].times or [None] * queries[i].rows)]  # fmt: skip
             if any(kept):
-                encoded, truncated, unseen, caches, computed = self.encode_kept(histories, cached)
+                encoded, truncated, unseen, caches, computed = self.encode_kept(histories, cached, times)  # fmt: skip
                 caches = [c if k else None for c, k in zip(caches, kept, strict=True)]
             else:
-                encoded, truncated, unseen = self.encode(histories)
+                encoded, truncated, unseen = self.encode(histories, times)
                 caches = [None] * len(histories)
                 computed = np.array([min(len(h), self.max_length) for h in histories])
             exclude = [
@@ -406,7 +458,9 @@ class ServedSequenceModel(ServedVersion):
                 start = stop
         for i, query in enumerate(queries):
             if query.candidates is not None:
-                scores, truncated, unseen = self.score_candidates(query.histories, query.candidates)
+                scores, truncated, unseen = self.score_candidates(
+                    query.histories, query.candidates, query.times if self.reads_times else None
+                )
                 answers[i] = SequenceAnswer(scores, None, truncated, unseen)
         return answers
 

@@ -7,6 +7,9 @@ An infer request names its users' histories as raw item ids, oldest first:
 
     history     BYTES [total]      every user's recent items, user after user
     lengths     INT64 [n]          items per user (absent: `history` is one user's)
+    times       INT64 [total]      each event of `history`'s time in seconds: needed by a
+                                   model that reads times (HSTU's time-gap bias, metadata
+                                   parameter "times"), ignored by others
     users       BYTES [n]          users whose kept events come first (`--keep-histories`);
                                    with `history` and `lengths`, the request's events follow
                                    theirs (a length may then be 0)
@@ -22,8 +25,8 @@ one retrieval score (A = 1). `parameters.truncated` lists the users whose histor
 to the model's `max_length` most recent items; `parameters.unseen_items` counts the items
 never trained (scored from their initial rows).
 
-An events request is `users` BYTES [m] and `items` BYTES [m]: event i is user i's, in
-order. Every bad request is a 4xx with `{"error": ...}` naming the input or parameter.
+An events request is `users` BYTES [m] and `items` BYTES [m] (and `times` INT64 [m]):
+event i is user i's, in order. Every bad request is a 4xx with `{"error": ...}` naming the input or parameter.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ import json
 from typing import Any
 
 import numpy as np
+from hybridrec.serving.histories import NO_TIME
 from hybridrec.serving.protocol import ProtocolError, decode_inputs, parse_body
 from hybridrec.serving.sequence_model import SequenceQuery, ServedSequenceModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-INPUTS = ("history", "lengths", "users", "candidates")
+INPUTS = ("history", "lengths", "times", "users", "candidates")
 DEFAULT_K = 10
 
 
@@ -50,6 +54,7 @@ def metadata(model: ServedSequenceModel, histories: Any) -> dict[str, Any]:
         "inputs": [
             {"name": "history", "datatype": "BYTES", "shape": [-1]},
             {"name": "lengths", "datatype": "INT64", "shape": [-1]},
+            {"name": "times", "datatype": "INT64", "shape": [-1]},
             {"name": "users", "datatype": "BYTES", "shape": [-1]},
             {"name": "candidates", "datatype": "BYTES", "shape": [-1, -1]},
         ],
@@ -66,6 +71,7 @@ def metadata(model: ServedSequenceModel, histories: Any) -> dict[str, Any]:
             "similarity": model.similarity,
             "actions": model.action_types if model.outputs > 1 else [],
             "exclude_history": model.exclude_history,
+            "times": model.reads_times,
             "keeps_histories": histories is not None,
         },
     }
@@ -101,14 +107,20 @@ def parse_query(
     if "history" not in inputs and "users" not in inputs:
         raise ProtocolError("send the users' events as 'history' (and 'lengths'), or 'users'")
     kept: list[np.ndarray] | None = None
+    kept_times: list[np.ndarray] = []
     users: list[bytes] = []
     if "users" in inputs:
         shape, users = _bytes_input(inputs, "users", 1)
-        kept = _kept(users, histories, new_events="history" in inputs)
+        kept, kept_times = _kept(users, histories, new_events="history" in inputs)
     new: list[np.ndarray] | None = None
+    new_times = None
     if "history" in inputs:
         _, items = _bytes_input(inputs, "history", 1)
         new = _split(model.item_ids(items), inputs.get("lengths"), len(items))
+        if "times" in inputs:
+            new_times = _split(_times_input(inputs, len(items)), inputs.get("lengths"), len(items))
+    elif "times" in inputs:
+        raise ProtocolError("input 'times' goes with 'history': one time per item")
     if kept is not None and new is not None and len(kept) != len(new):
         raise ProtocolError(f"'users' names {len(kept)} users but 'lengths' {len(new)}")
     if kept is None:
@@ -117,6 +129,7 @@ def parse_query(
         user_histories = kept
     else:
         user_histories = [np.concatenate([k, n]) for k, n in zip(kept, new, strict=True)]
+    times = _user_times(users, kept, kept_times, new, new_times) if model.reads_times else None
     if len(user_histories) > max_rows:
         raise ProtocolError(f"{len(user_histories)} users exceed the limit of {max_rows}", 413)
     for row, history in enumerate(user_histories):
@@ -133,7 +146,7 @@ def parse_query(
                 f"list a user), got {shape}"
             )
         candidates = model.item_ids(names).reshape(shape)
-        return SequenceQuery(user_histories, candidates=candidates), users
+        return SequenceQuery(user_histories, candidates=candidates, times=times), users
     k = _parameter(parsed, "k", DEFAULT_K)
     catalogue = len(model.catalogue)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= catalogue:
@@ -142,18 +155,51 @@ def parse_query(
             "items"
         )
     cached = [histories.cache(user) for user in users] if kept is not None else None
-    return SequenceQuery(user_histories, k=k, exclude_history=exclude, cached=cached), users
+    query = SequenceQuery(user_histories, k=k, exclude_history=exclude, cached=cached, times=times)
+    return query, users
 
 
-def _kept(users: list[bytes], histories: Any, *, new_events: bool) -> list[np.ndarray]:
+def _times_input(inputs: dict, count: int) -> np.ndarray:
+    datatype, shape, values = inputs["times"]
+    if datatype not in ("INT64", "UINT64", "INT32") or list(shape) != [count]:
+        raise ProtocolError(
+            f"input 'times' must be INT64 [{count}] (seconds, one per item of 'history'), got "
+            f"{datatype} {shape}"
+        )
+    return values.astype(np.int64)
+
+
+def _user_times(users, kept, kept_times, new, new_times) -> list[np.ndarray]:
+    """Each user's event times, kept ones first, for a model that reads times (a 400
+    naming what lacks them otherwise)."""
+    need = "this model reads each event's time (HSTU's time-gap bias)"
+    if new is not None and new_times is None:
+        raise ProtocolError(f"input 'times' is missing: {need}; send one per item of 'history'")
+    out = []
+    for row in range(len(kept if kept is not None else new)):
+        parts = []
+        if kept is not None:
+            stamps = kept_times[row]
+            if (stamps == NO_TIME).any():
+                shown = users[row].decode("utf-8", "backslashreplace")
+                raise ProtocolError(f"input 'users': user {shown!r} has kept events without times; {need} (append events with 'times')")  # fmt: skip
+            parts.append(stamps)
+        if new is not None:
+            parts.append(new_times[row])
+        out.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+    return out
+
+
+def _kept(users: list[bytes], histories: Any, *, new_events: bool):
+    """(each user's kept item ids, their times)."""
     if histories is None:
         raise ProtocolError(
             "input 'users': this server keeps no histories (start it with `hybridrec serve "
             "--keep-histories N`); send the users' events as 'history' and 'lengths'"
         )
-    out = []
+    out, times = [], []
     for user in users:
-        found = histories.get(user)
+        found = histories.events(user)
         if found is None and not new_events:
             shown = user.decode("utf-8", "backslashreplace")
             raise ProtocolError(
@@ -161,8 +207,9 @@ def _kept(users: list[bytes], histories: Any, *, new_events: bool) -> list[np.nd
                 "POST .../events, or send them as 'history')",
                 404,
             )
-        out.append(found if found is not None else np.zeros(0, np.uint64))
-    return out
+        out.append(found[0] if found is not None else np.zeros(0, np.uint64))
+        times.append(found[1] if found is not None else np.zeros(0, np.int64))
+    return out, times
 
 
 def _split(ids: np.ndarray, lengths: Any, total: int) -> list[np.ndarray]:
@@ -233,8 +280,10 @@ async def append_events(service, request: Request, model: ServedSequenceModel) -
     body = await service.read_body(request)
     parsed, binary = parse_body(body, request.headers)
     inputs = decode_inputs(parsed, binary)
-    if set(inputs) != {"users", "items"}:
-        raise ProtocolError(f"inputs {sorted(inputs)}: an events request is 'users' and 'items'")
+    if set(inputs) not in ({"users", "items"}, {"users", "items", "times"}):
+        raise ProtocolError(
+            f"inputs {sorted(inputs)}: an events request is 'users' and 'items' (and 'times')"
+        )
     (count,), users = _bytes_input(inputs, "users", 1)
     shape, items = _bytes_input(inputs, "items", 1)
     if shape[0] != count:
@@ -242,5 +291,6 @@ async def append_events(service, request: Request, model: ServedSequenceModel) -
     for name, values in (("users", users), ("items", items)):
         if any(not value for value in values):
             raise ProtocolError(f"input {name!r}: an event has an empty id")
-    touched = service.histories.append(users, model.item_ids(items))
+    times = _times_input(inputs, count) if "times" in inputs else None
+    touched = service.histories.append(users, model.item_ids(items), times)
     return JSONResponse({"events": count, "users": touched, **service.histories.stats()})

@@ -214,6 +214,7 @@ def resolve_auto(
 # sequence runs (event-log datasets): the "auto" values
 AUTO_SEQUENCE_TOWER = "hstu"
 AUTO_SEQUENCE_TOKENS = 8192  # data.batch_size = 0: rows of max_length holding about this many
+AUTO_TIME_BUCKETS = 64  # HSTU's time-gap bias: half-octave buckets up to 2^32 s
 AUTO_SEQUENCE_DIM = 64  # embedding.dim = 0 (SASRec's and HSTU's published widths: 50 to 64)
 
 
@@ -258,6 +259,7 @@ def resolve_sequence_auto(
         )
     if sequence.ranking and not sequence.actions:
         sequence = dataclasses.replace(sequence, actions=len(action_types))
+    sequence, time_reason = _time_buckets(sequence, tower, metadata)
     dim = config.embedding.dim or AUTO_SEQUENCE_DIM
     dim_reason = f"embedding.dim = {dim}" + (
         " as configured" if config.embedding.dim else " (auto)"
@@ -285,8 +287,30 @@ def resolve_sequence_auto(
         f"batch: {rows} rows of {sequence.max_length} positions ({rows_reason})",
         f"embedding dim: {dim_reason}",
         f"embedding learning rate: {rate_reason}",
+        *time_reason,
         *split_reason,
     )
+
+
+def _time_buckets(sequence, tower: str, metadata: EventMetadata):
+    """`sequence.time_buckets` resolved (-1, auto: HSTU's time-gap bias on a dataset with
+    event times, unless its attention is the Pallas kernel, which has none)."""
+    has_times = bool((metadata.raw.get("spec") or {}).get("time"))
+    buckets = sequence.time_buckets
+    if buckets > 0 and not has_times:
+        raise UserError(
+            f"model.sequence.time_buckets = {buckets} biases attention by the time between "
+            f"events, but {metadata.root} has no times (its spec has no time column)"
+        )
+    if buckets != -1:
+        return sequence, ((f"time-gap bias: {buckets} buckets as configured",) if buckets else ())
+    if tower == "hstu" and has_times and sequence.attention != "pallas":
+        buckets, reason = AUTO_TIME_BUCKETS, "HSTU on a dataset with event times"
+    else:
+        buckets = 0
+        reason = "the tower is not HSTU" if tower != "hstu" else "the dataset has no times" if not has_times else "the Pallas kernel has none"  # fmt: skip
+    line = f"time-gap bias: {buckets} buckets (model.sequence.time_buckets = -1, auto: {reason})"
+    return dataclasses.replace(sequence, time_buckets=buckets), (line,) if tower == "hstu" else ()
 
 
 def check_batch_size(name: str, size: int, mesh) -> None:

@@ -462,7 +462,8 @@ def _prepare_sequences(
         "data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size, mesh
     )
     _check_tower(config, metadata)
-    histories = None if streamed else Histories.read(metadata, config.data.train_split)
+    times = config.model.sequence.reads_times
+    histories = None if streamed else Histories.read(metadata, config.data.train_split, times=times)
     catalogue = Catalogue.of(histories) if histories is not None else Catalogue.of_run(metadata, config.data.train_split, 0)  # fmt: skip
     tables = plan_tables(config.embedding, metadata.categorical)
     host_only = "sequence runs look up the histories' item rows from the host store"

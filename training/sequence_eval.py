@@ -135,7 +135,7 @@ def evaluate_sequences(
     similarity = config.model.sequence.similarity
     window = histories is not None
     if histories is None:
-        histories = Histories.read(job.metadata, split)
+        histories = Histories.read(job.metadata, split, times=config.model.sequence.reads_times)
     progress = Progress(progress_name, total=1, unit="batches") if progress_name else None
     queries, targets, history, position, ranking, actions = query_outputs(
         job, state, store, eval_step, histories, max_batches=max_batches, progress=progress,

@@ -82,6 +82,7 @@ class SequenceStreamSource:
         self.rows, self.length = config.data.batch_size, config.model.sequence.max_length
         self.seed = config.seed
         self.actions = bool(job.metadata.raw["spec"].get("action_types"))
+        self.times = config.model.sequence.reads_times
         self.flush_after, self.poll_interval, self.max_idle = flush_after, poll_interval, max_idle
         self.shards: list[ManifestEntry] = []
         self._loaded: dict[int, tuple[Histories, Pieces]] = {}
@@ -104,7 +105,9 @@ class SequenceStreamSource:
         if index not in self._loaded:
             entry = self.shards[index]
             if entry.rows:
-                histories = Histories.read_files([self.root / entry.shard], actions=self.actions)
+                histories = Histories.read_files(
+                    [self.root / entry.shard], actions=self.actions, times=self.times
+                )
             else:
                 empty = np.zeros(0, np.int64)
                 histories = Histories(np.zeros(0, np.uint64), np.zeros(1, np.int64), empty)

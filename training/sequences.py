@@ -40,18 +40,21 @@ class Histories:
     offsets: np.ndarray  # [histories + 1] int64
     first_target: np.ndarray  # [histories] int64
     actions: np.ndarray | None = None  # [tokens] int8 action type 1..n (0: none), if any
+    times: np.ndarray | None = None  # [tokens] int64 seconds, when the tower reads times
 
     @classmethod
-    def read(cls, metadata: EventMetadata, split: str) -> Histories:
+    def read(cls, metadata: EventMetadata, split: str, *, times: bool = False) -> Histories:
         files = metadata.split_files(split)
         if not files:
             raise UserError(f"{metadata.root}: split {split!r} has no files")
-        return cls.read_files(files, actions=bool((metadata.raw.get("spec") or {}).get("action_types")))  # fmt: skip
+        actions = bool((metadata.raw.get("spec") or {}).get("action_types"))
+        return cls.read_files(files, actions=actions, times=times)
 
     @classmethod
-    def read_files(cls, files, *, actions: bool) -> Histories:
+    def read_files(cls, files, *, actions: bool, times: bool = False) -> Histories:
         """The histories of Parquet files of rows (a split's, or a stream's shards)."""
         columns = ["items", "first_target"] + (["actions"] if actions else [])
+        columns += ["times"] if times else []
         tables = []
         for path in files:
             try:
@@ -68,22 +71,27 @@ class Histories:
 
         items, offsets = flat("items", np.uint64)
         action_ids = flat("actions", np.int8)[0] if actions else None
+        stamps = flat("times", np.int64)[0] if times else None
         first = table.column("first_target").to_numpy().astype(np.int64)
-        return cls(items, offsets, first, action_ids)
+        return cls(items, offsets, first, action_ids, stamps)
 
     @staticmethod
     def concat(parts: list[Histories]) -> Histories:
         sizes = [len(part.items) for part in parts]
         shifts = np.cumsum([0, *sizes[:-1]])
         offsets = [part.offsets[:-1] + shift for part, shift in zip(parts, shifts, strict=True)]
-        actions = None
-        if parts and parts[0].actions is not None:
-            actions = np.concatenate([part.actions for part in parts])
+
+        def joined(name: str):
+            if not parts or getattr(parts[0], name) is None:
+                return None
+            return np.concatenate([getattr(part, name) for part in parts])
+
         return Histories(
             np.concatenate([part.items for part in parts]),
             np.concatenate([*offsets, [sum(sizes)]]).astype(np.int64),
             np.concatenate([part.first_target for part in parts]),
-            actions,
+            joined("actions"),
+            joined("times"),
         )
 
     def __len__(self) -> int:
@@ -414,6 +422,11 @@ def packed_batch(
         "weights": np.zeros(shape, np.float32),
         "actions": np.zeros(shape, np.int32),  # the next event's action type (0: none)
     }
+    if histories.times is not None:  # seconds since the piece's first event
+        first = np.repeat(histories.times[histories.offsets[history] + start], sizes)
+        gaps = np.clip(histories.times[source] - first, 0, np.iinfo(np.int32).max)
+        arrays["times"] = np.zeros(shape, np.int32)
+        arrays["times"].reshape(-1)[dest] = gaps
     for key, values in (
         ("inputs", inverse[:count]),
         ("targets", inverse[count : 2 * count]),
@@ -450,7 +463,7 @@ def packed_reader(
     if train:
         negatives = Negatives(catalogue, sequence.negatives, sequence.negatives_from)
     return SequenceReader(
-        histories or Histories.read(metadata, split),
+        histories or Histories.read(metadata, split, times=sequence.reads_times),
         rows=data.batch_size if train else data.eval_batch_size or data.batch_size,
         length=sequence.max_length,
         seed=config.seed,
