@@ -17,6 +17,7 @@ from hybridrec.model.hstu_attention import (
     live_pairs,
     relative_bucket,
     resolve_implementation,
+    time_bucket,
 )
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -236,3 +237,41 @@ def test_kernel_lowers_to_triton_for_a_hopper_gpu():
     else:
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("triton") >= 2  # the forward and the backward kernel
+
+
+def test_time_bias_adds_each_pairs_gap_bucket_to_its_score():
+    # a brute-force loop over the pairs against the reference, with times in seconds
+    q, k, v, segments, bias, _ = inputs(2, 24, 2, 8, "short", seed=3)
+    rng = np.random.default_rng(5)
+    times = jnp.asarray(np.cumsum(rng.integers(0, 10_000, size=(2, 24)), axis=1), jnp.int32)
+    time_bias = jnp.asarray(rng.normal(size=(2, 20)), jnp.float32)
+    got = hstu_attention_reference(
+        q, k, v, segments, bias, alpha=0.5, inv_norm=0.1, max_distance=16,
+        times=times, time_bias=time_bias,
+    )  # fmt: skip
+    q, k, v, segments, bias, times, time_bias = map(
+        np.asarray, (q, k, v, segments, bias, times, time_bias)
+    )
+    expected = np.zeros_like(q)
+    for b in range(2):
+        for i in range(24):
+            for j in range(i + 1):
+                if segments[b, i] < 0 or segments[b, i] != segments[b, j]:
+                    continue
+                bucket = min(int(2 * np.log2(1 + times[b, i] - times[b, j])), 19)
+                distance = int(relative_bucket(i - j, bias.shape[1], 16))
+                for h in range(2):
+                    score = 0.5 * q[b, i, h] @ k[b, j, h] + bias[h, distance] + time_bias[h, bucket]
+                    expected[b, i, h] += 0.1 * score / (1 + np.exp(-score)) * v[b, j, h]
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-5)
+    assert int(time_bucket(jnp.asarray(0), 8)) == 0 and int(time_bucket(jnp.asarray(10**9), 8)) == 7
+
+
+def test_the_kernel_has_no_time_bias_auto_takes_the_reference():
+    q, k, v, segments, bias, _ = inputs(1, 32, 1, 8, "one")
+    times, time_bias = jnp.arange(32)[None] * 60, jnp.ones((1, 8))
+    kwargs = dict(alpha=1.0, inv_norm=1.0, max_distance=16, times=times, time_bias=time_bias)
+    with pytest.raises(ValueError, match="no time bias"):
+        hstu_attention(q, k, v, segments, bias, implementation="pallas", **kwargs)
+    auto = hstu_attention(q, k, v, segments, bias, implementation="auto", **kwargs)
+    np.testing.assert_array_equal(auto, hstu_attention_reference(q, k, v, segments, bias, **kwargs))

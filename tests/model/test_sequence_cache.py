@@ -79,3 +79,30 @@ def test_rows_with_different_prefixes_in_one_batch():
     out, _, _ = extend_history(model, new, positions, jnp.array([2, 1]), k, v)
     np.testing.assert_allclose(out[0, 1], expected[0], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(out[1, 0], expected[1], rtol=2e-5, atol=2e-5)
+
+
+def test_extend_with_the_time_gap_bias_equals_the_full_forward_pass():
+    config = SequenceConfig(
+        max_length=LENGTH, blocks=2, heads=2, dropout=0.0, attention="reference", time_buckets=16
+    )
+    model = build_sequence_tower("hstu", config, dim=DIM, dtype=None, rngs=nnx.Rngs(4))
+    # the time bias is not zero: the outputs depend on the times
+    for block in (model.encoder.block_0, model.encoder.block_1):
+        block.time_bias[...] = jax.random.normal(jax.random.key(2), block.time_bias.shape)
+    x = jax.random.normal(jax.random.key(0), (1, LENGTH, DIM))
+    times = jnp.asarray(np.cumsum(np.arange(LENGTH) ** 3)[None], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(LENGTH), (1, LENGTH))
+    segments = jnp.where(positions < 11, 0, -1)
+    expected = model(x, segments, positions, times=times)[:, :11]
+    other = model(x, segments, positions, times=times * 0)[:, :11]
+    assert float(jnp.abs(expected - other).max()) > 1e-3
+    first, k, v = extend_history(
+        model, x[:, :7], positions[:, :7], jnp.array([7]), *empty(model, 1), times
+    )
+    second, _, _ = extend_history(
+        model, x[:, 7:11], 7 + positions[:, :4], jnp.array([4]), k, v, times
+    )
+    np.testing.assert_allclose(first, expected[:, :7], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(second, expected[:, 7:11], rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="HSTU's time-gap bias"):
+        build_sequence_tower("sasrec", config, dim=DIM, dtype=None, rngs=nnx.Rngs(4))
