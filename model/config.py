@@ -168,6 +168,9 @@ class SequenceConfig:
     # (half an octave each: 64 reach 2^32 s); the tower then reads each event's time.
     # -1 = auto: 64 for HSTU on a dataset with times, else 0 (none)
     time_buckets: int = -1
+    # each event's action type as an input (a learned embedding a type added to its item's
+    # row), SASRec and HSTU: the number of types; -1 = auto: the dataset's, 0 = none
+    action_inputs: int = -1
     # HSTU's attention: "auto" (the Pallas kernel on GPUs, else jax.numpy), "pallas",
     # "reference"
     attention: Literal["auto", "pallas", "reference"] = "auto"
@@ -199,6 +202,8 @@ class SequenceConfig:
             raise ValueError(f"sequence.dropout must be within [0, 1), got {self.dropout}")
         if self.buckets < 1 or self.max_distance < 0:
             raise ValueError("sequence.buckets must be >= 1 and max_distance >= 0")
+        if self.action_inputs < -1:
+            raise ValueError(f"sequence.action_inputs must be >= 0 (-1: auto), got {self.action_inputs}")  # fmt: skip
         if self.time_buckets < -1:
             raise ValueError(
                 f"sequence.time_buckets must be >= 0 (-1: auto), got {self.time_buckets}"
@@ -224,6 +229,12 @@ class SequenceConfig:
     def reads_times(self) -> bool:
         """The tower is called with each position's event time (`times=`)."""
         return self.time_buckets > 0
+
+    @property
+    def context(self) -> tuple[str, ...]:
+        """What the tower reads of each event besides its item, as keywords: `times`
+        (seconds), `actions` (type ids 1..A, 0: none)."""
+        return ("times",) * self.reads_times + ("actions",) * (self.action_inputs > 0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

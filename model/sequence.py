@@ -17,8 +17,10 @@ segment and never looks ahead: the mask is block-diagonal and causal.
              attention with a relative-position bias, a time-gap bias when
              `sequence.time_buckets` > 0, and a gated output, `model.hstu`)
 
-A tower that reads times (`sequence.reads_times`) is also given `times=` [R, L] int32:
-each position's event time in seconds (any origin within a history: only gaps count).
+A tower is also given, as keywords, what it reads of each event besides its item
+(`SequenceConfig.context`): `times=` [R, L] int32, each position's event time in seconds
+(any origin within a history: only gaps count), and `actions=` [R, L] int32, its action
+type (1..A, 0: none), a learned row a type added to the item's.
 """
 
 from __future__ import annotations
@@ -45,15 +47,20 @@ def _norm(dim: int, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
 
 
 class _Positions(nnx.Module):
-    """Learned absolute positions, added to the scaled item rows, then dropout."""
+    """Learned absolute positions (and, with action types, a learned row per type),
+    added to the scaled item rows, then dropout."""
 
-    def __init__(self, dim: int, max_length: int, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, max_length: int, *, rngs: nnx.Rngs, action_types: int = 0):
         init = nnx.initializers.normal(stddev=0.02)
         self.table = nnx.Param(init(rngs.params(), (max_length, dim), jnp.float32))
         self.scale = dim**0.5
+        shape = (action_types + 1, dim)  # row 0: no action
+        self.actions = nnx.Param(init(rngs.params(), shape, jnp.float32)) if action_types else None
 
-    def __call__(self, x, positions, rate: float, rng) -> jax.Array:
+    def __call__(self, x, positions, rate: float, rng, actions=None) -> jax.Array:
         x = x * self.scale + self.table[...][positions].astype(x.dtype)
+        if actions is not None:  # each event's action type, a learned row each
+            x = x + self.actions[...][actions].astype(x.dtype)
         return dropout(x, rate, rng)
 
 
@@ -63,7 +70,12 @@ def cached_live(positions: jax.Array, key_count: jax.Array, length: int) -> jax.
     return (keys <= positions[:, :, None]) & (keys < key_count[:, None, None])
 
 
-def extend_history(tower, x, positions, count, cache_k, cache_v, times=None):
+def _at(values, positions):
+    """[b, L] per-position values (None: none) at `positions` [b, n]."""
+    return None if values is None else jnp.take_along_axis(values, positions, axis=1)
+
+
+def extend_history(tower, x, positions, count, cache_k, cache_v, **context):
     """A tower's outputs at a history's new events, its earlier ones cached.
 
     Args:
@@ -73,14 +85,13 @@ def extend_history(tower, x, positions, count, cache_k, cache_v, times=None):
         count: [b] how many of the n are events (the rest padding).
         cache_k, cache_v: [blocks, b, L, heads, head_dim], the keys and values of each
             block at positions 0..prefix-1 (`tower.cache_shape()`); L the longest history.
-        times: [b, L] every position's event time, for a tower that reads times.
+        context: what the tower reads of each event (`SequenceConfig.context`), each
+            [b, L]: every position's (cached and new), e.g. `times=`, `actions=`.
     Returns:
         (outputs [b, n, D], the caches with the new events' keys and values): the outputs
         equal the full forward pass's over the whole history at those positions.
     """
-    if times is None:
-        return tower.extend(x, positions, count, cache_k, cache_v)
-    return tower.extend(x, positions, count, cache_k, cache_v, times=times)
+    return tower.extend(x, positions, count, cache_k, cache_v, **context)
 
 
 class SASRecBlock(nnx.Module):
@@ -134,17 +145,19 @@ class SASRec(nnx.Module):
             raise ValueError("sequence.time_buckets is HSTU's time-gap bias; SASRec reads no times (set it to 0)")  # fmt: skip
         self.rate, self.num_blocks = config.dropout, config.blocks
         head_dim = config.head_dim or max(dim // config.heads, 1)
-        self.positions = _Positions(dim, config.max_length, rngs=rngs)
+        self.positions = _Positions(
+            dim, config.max_length, rngs=rngs, action_types=max(config.action_inputs, 0)
+        )
         for index in range(config.blocks):
             block = SASRecBlock(dim, heads=config.heads, head_dim=head_dim, dtype=dtype, rngs=rngs)
             setattr(self, f"block_{index}", block)
         self.norm_out = _norm(dim, dtype, rngs)
 
-    def __call__(self, x, segments, positions, rng=None) -> jax.Array:
+    def __call__(self, x, segments, positions, rng=None, *, actions=None) -> jax.Array:
         keys = [None] * (self.num_blocks + 1)
         if rng is not None:
             keys = list(jax.random.split(rng, self.num_blocks + 1))
-        x = self.positions(x, positions, self.rate, keys[0])
+        x = self.positions(x, positions, self.rate, keys[0], actions)
         live = live_pairs(segments)[:, None]  # [R, 1, L, L]
         for index in range(self.num_blocks):
             x = getattr(self, f"block_{index}")(x, live, self.rate, keys[index + 1])
@@ -154,11 +167,11 @@ class SASRec(nnx.Module):
         """(blocks, heads, head dim) of the keys and values `extend` caches per position."""
         return self.num_blocks, self.block_0.heads, self.block_0.head_dim
 
-    def extend(self, x, positions, count, cache_k, cache_v):
+    def extend(self, x, positions, count, cache_k, cache_v, *, actions=None):
         """The outputs at a history's new events from the cached keys and values of its
         earlier ones (`extend_history`'s arguments)."""
         prefix = positions[:, 0]
-        x = self.positions(x, positions, 0.0, None)
+        x = self.positions(x, positions, 0.0, None, _at(actions, positions))
         live = cached_live(positions, prefix + count, cache_k.shape[2])[:, None]
         keys, values = [], []
         for index in range(self.num_blocks):
@@ -174,7 +187,9 @@ class HSTU(nnx.Module):
 
     def __init__(self, config: SequenceConfig, *, dim: int, dtype, rngs: nnx.Rngs):
         self.rate = config.dropout
-        self.positions = _Positions(dim, config.max_length, rngs=rngs)
+        self.positions = _Positions(
+            dim, config.max_length, rngs=rngs, action_types=max(config.action_inputs, 0)
+        )
         self.encoder = HSTUEncoder(
             dim,
             blocks=config.blocks,
@@ -188,17 +203,17 @@ class HSTU(nnx.Module):
             time_buckets=max(config.time_buckets, 0),
         )
 
-    def __call__(self, x, segments, positions, rng=None, *, times=None) -> jax.Array:
-        x = self.positions(x, positions, self.rate, rng)
+    def __call__(self, x, segments, positions, rng=None, *, times=None, actions=None) -> jax.Array:  # fmt: skip
+        x = self.positions(x, positions, self.rate, rng, actions)
         return self.encoder(x, jnp.where(segments >= 0, segments, -1), times)
 
     def cache_shape(self) -> tuple[int, int, int]:
         block = self.encoder.block_0
         return self.encoder.num_blocks, block.heads, block.head_dim
 
-    def extend(self, x, positions, count, cache_k, cache_v, *, times=None):
+    def extend(self, x, positions, count, cache_k, cache_v, *, times=None, actions=None):
         prefix = positions[:, 0]
-        x = self.positions(x, positions, 0.0, None)
+        x = self.positions(x, positions, 0.0, None, _at(actions, positions))
         return self.encoder.extend(x, positions, prefix + count, cache_k, cache_v, prefix, times)
 
 

@@ -5,7 +5,8 @@ store like any embedding), and everything else as indices into them:
 
     inputs, targets        [R, L] int32   the item at each position and the one after it
     segments, positions    [R, L] int32   packing (`model.sequence`); segments < 0: padding
-    times                  [R, L] int32   each input event's time (towers that read times)
+    times, event_actions   [R, L] int32   each input event's time and action type (towers
+                                          that read them); `actions`: the next event's
     weights                [R, L] f32     1 where the position is trained (a next item exists)
     negatives              [N] int32      sampled items, shared by every position
     negative_logq          [N] f32        log(N q(item)), q the sampling probability
@@ -43,10 +44,19 @@ def scored(vectors: jax.Array, config: SequenceConfig) -> jax.Array:
     return vectors
 
 
+# the batch's arrays of what a tower reads of each event -> its keywords
+CONTEXT_KEYS = {"times": "times", "event_actions": "actions"}
+
+
+def context_keys(config: SequenceConfig) -> tuple[str, ...]:
+    """The batch keys of what the tower reads of each event (`config.context`)."""
+    return tuple(key for key, name in CONTEXT_KEYS.items() if name in config.context)
+
+
 def call_tower(tower, rows: jax.Array, batch: Mapping[str, jax.Array], rng=None) -> jax.Array:
-    """The tower's output at every position, [R, L, D] (with the batch's `times` when it
-    carries them: a tower that reads times)."""
-    context = {"times": batch["times"]} if "times" in batch else {}
+    """The tower's output at every position, [R, L, D] (with what the batch carries of
+    each event: times, action types, for a tower that reads them)."""
+    context = {name: batch[key] for key, name in CONTEXT_KEYS.items() if key in batch}
     return tower(rows[batch["inputs"]], batch["segments"], batch["positions"], rng, **context)
 
 
@@ -140,7 +150,7 @@ def make_sequence_train_step(
         new_state, metrics = apply_dense_gradients(state, loss, param_grads)
         return new_state, {**metrics, **parts}, row_grads
 
-    keys = PER_POSITION + (("actions",) if config.ranking else ()) + (("times",) if config.reads_times else ())  # fmt: skip
+    keys = PER_POSITION + (("actions",) if config.ranking else ()) + context_keys(config)
     replicated = sharding_lib.replicated(mesh)
     batch_shardings = {key: sharding_lib.batch_sharding(mesh, 2) for key in keys}
     batch_shardings |= {key: replicated for key in SHARED}
@@ -163,7 +173,7 @@ def make_sequence_eval_step(
     position as scores compare it, and with the ranking objective "ranking": [R, L, A]
     the head's logits of each position's next item} (no dropout)."""
     keys = ("rows", "inputs", "segments", "positions") + (("targets",) if config.ranking else ())
-    keys += ("times",) if config.reads_times else ()
+    keys += context_keys(config)
 
     def eval_step(state: TrainState, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         model = nnx.merge(state.graphdef, state.params)

@@ -74,9 +74,15 @@ class Server:
         self.host, self.port = line.split("http://", 1)[1].split()[0].rsplit(":", 1)
         self.name = json.loads(next(export.glob("*/manifest.json")).read_text())["name"]
 
-    def retrieve(self, history: list[str], k: int = 10) -> tuple[int, list[str]]:
-        tensor = {"name": "history", "datatype": "BYTES", "shape": [len(history)], "data": history}
-        body = json.dumps({"inputs": [tensor], "parameters": {"k": k}})
+    def retrieve(self, events: list[list[str]], k: int = 10) -> tuple[int, list[str]]:
+        """Top-k after `events` [(item, time, action)] (a model ignores what it does not read)."""
+        items, times, actions = zip(*events, strict=True)
+        inputs = [
+            {"name": "history", "datatype": "BYTES", "shape": [len(items)], "data": list(items)},
+            {"name": "times", "datatype": "INT64", "shape": [len(times)], "data": [int(t) for t in times]},
+            {"name": "actions", "datatype": "BYTES", "shape": [len(actions)], "data": list(actions)},
+        ]  # fmt: skip
+        body = json.dumps({"inputs": inputs, "parameters": {"k": k}})
         connection = http.client.HTTPConnection(self.host, int(self.port), timeout=60)
         connection.request("POST", f"/v2/models/{self.name}/infer", body, {"Content-Type": "application/json"})  # fmt: skip
         response = connection.getresponse()
@@ -185,7 +191,8 @@ def main() -> None:
     print(f"== {sum(counts):,} events: {counts[0]:,} in the reference, {args.files} files of ~{counts[1]:,}", flush=True)  # fmt: skip
     run("preprocess", "--input", str(raw / "reference.csv"), "--spec", str(raw / "events.toml"),
         "--output", str(work / "reference"), "--quiet")  # fmt: skip
-    probe = [line.split(",")[1] for line in (raw / "reference.csv").read_text().splitlines()[1:21]]
+    lines = (raw / "reference.csv").read_text().splitlines()[1:21]
+    probe = [line.split(",")[1:4] for line in lines]  # item, time, action
 
     stream, run_dir, export = work / "stream", work / "run", work / "export"
     model = ["--set", "model.sequence.max_length=50", "--set", "data.batch_size=64"]

@@ -82,6 +82,8 @@ def trained_exports(args) -> tuple[Path, Path, Path]:
             "eval.every_steps=0",
             "embedding.capacity=4000000",
             "log.every_steps=50",
+            # requests carry items only, as measured before action types were inputs
+            "model.sequence.action_inputs=0",
         ],
     )
     trainer = Trainer(config, run, overwrite=True)

@@ -5,6 +5,11 @@ chosen on validation HR@10, its test metrics, mean and spread over seeds.
     python scripts/quality_sequences.py --data-dir ../shared/data/sequential_amazon_yelp \
         --datasets toys sports --towers sasrec hstu --seeds 0 1 2
 
+`--datasets generated` adds the generator's event log (`hybridrec generate --events`, with
+times, actions and item features; `--users`). A tower may carry config keys after `+`:
+`--towers hstu hstu+model.sequence.time_buckets=0` compares HSTU with and without its
+time-gap bias.
+
 Each run is `hybridrec train --config TOWER` with an evaluation of the validation split and
 a checkpoint every `--eval-every` steps (all kept), then `hybridrec evaluate --split test
 --step BEST`. The last line is one JSON object: `hr10_<dataset>_<tower>`,
@@ -66,7 +71,19 @@ def preprocess(name: str, source: Path, work: Path, max_length: int) -> Path:
     return out
 
 
+def generated(work: Path, users: int) -> Path:
+    """The generator's event log at `users` users, preprocessed with its own spec."""
+    out = work / "data" / f"generated_{users}"
+    if (out / "_SUCCESS").exists():
+        return out
+    raw = work / f"raw_generated_{users}"
+    hybridrec("generate", "--events", "-o", str(raw), "--users", str(users), "--seed", "1")
+    hybridrec("preprocess", "-i", str(raw / "events.csv"), "--spec", str(raw / "events.toml"), "-o", str(out))  # fmt: skip
+    return out
+
+
 def train_and_test(data: Path, run: Path, tower: str, seed: int, args) -> dict:
+    tower, *extra = tower.split("+")
     keys = [
         f"seed={seed}",
         f"data.epochs={args.epochs}",
@@ -77,6 +94,7 @@ def train_and_test(data: Path, run: Path, tower: str, seed: int, args) -> dict:
         "checkpoint.keep=1000",
         "log.every_steps=200",
         *args.set,
+        *extra,
     ]
     started = time.time()
     hybridrec(
@@ -113,7 +131,7 @@ def main() -> None:
         "--data-dir", type=Path, default=Path("../shared/data/sequential_amazon_yelp")
     )
     parser.add_argument("--work", type=Path, default=Path("/tmp/hybridrec-seq-quality"))
-    parser.add_argument("--datasets", nargs="+", default=["toys", "sports"], choices=sorted(FILES))
+    parser.add_argument("--datasets", nargs="+", default=["toys", "sports"], choices=[*sorted(FILES), "generated"])  # fmt: skip
     parser.add_argument("--towers", nargs="+", default=["sasrec", "hstu"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=100)
@@ -121,13 +139,17 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=2000)
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--set", action="append", default=[], help="more config keys, k=v")
+    parser.add_argument("--users", type=int, default=20000, help="--datasets generated: users")
     args = parser.parse_args()
     runs, result = [], {}
     for name in args.datasets:
-        source = args.data_dir / FILES[name]
-        if not source.exists():
-            sys.exit(f"{source}: not found (--data-dir)")
-        data = preprocess(name, source, args.work, args.max_length)
+        if name == "generated":
+            data = generated(args.work, args.users)
+        else:
+            source = args.data_dir / FILES[name]
+            if not source.exists():
+                sys.exit(f"{source}: not found (--data-dir)")
+            data = preprocess(name, source, args.work, args.max_length)
         for tower in args.towers:
             figures = []
             for seed in args.seeds:
@@ -148,8 +170,12 @@ def main() -> None:
                 result[f"{short}_{name}_{tower}"] = round(statistics.mean(values), 4)
                 spread = statistics.stdev(values) if len(values) > 1 else 0.0
                 result[f"{short}_{name}_{tower}_std"] = round(spread, 4)
-            published = ", ".join(
-                f"{model} {hr:.4f}/{ndcg:.4f}" for model, (hr, ndcg) in PUBLISHED[name].items()
+            published = (
+                ", ".join(
+                    f"{model} {hr:.4f}/{ndcg:.4f}"
+                    for model, (hr, ndcg) in PUBLISHED.get(name, {}).items()
+                )
+                or "none"
             )
             print(
                 f"{name} {tower}: test HR@10 {result[f'hr10_{name}_{tower}']:.4f} ± "

@@ -71,13 +71,21 @@ def demo_score(
 
 
 def demo_top_k(
-    export_dir: str | Path, histories: Sequence[Sequence[str]], *, k: int = 5, timeout: float = 60.0
+    export_dir: str | Path,
+    histories: Sequence[Sequence[str]],
+    *,
+    k: int = 5,
+    times: Sequence[Sequence[int]] | None = None,
+    actions: Sequence[Sequence[str]] | None = None,
+    timeout: float = 60.0,
 ) -> list[list[tuple[str, float]]]:
     """Each history's top-`k` next items, as a client of a real `serve` process sees them.
 
     Args:
         export_dir: an export directory of a sequence run.
         histories: per user, raw item ids, oldest first.
+        times, actions: per user, each event's time (seconds) and action type name, sent
+            with the items (a model that reads them needs them; others ignore them).
 
     Returns:
         Per user, (raw item id, score) best first.
@@ -95,6 +103,10 @@ def demo_top_k(
         ],
         "parameters": {"k": k},
     }
+    for name, datatype, values in (("times", "INT64", times), ("actions", "BYTES", actions)):
+        if values is not None:
+            flat_values = [value for per_user in values for value in per_user]
+            body["inputs"].append({"name": name, "datatype": datatype, "shape": [len(flat_values)], "data": flat_values})  # fmt: skip
     with _running(export_dir, timeout) as post:
         answer = post(body)
     items, scores = (output["data"] for output in answer["outputs"])

@@ -19,9 +19,10 @@
 
 Both modules take the history as the training tower reads an evaluation history: its
 most recent `max_length` items at positions 0, 1, ...; the parameters are constants of the
-module and `b` (and `C`) are symbolic. A tower that reads times (HSTU's time-gap bias,
-features.json "times": true) takes one more argument, last: times [b, L] int32, each
-position's event time in seconds (any origin: the gaps count).
+module and `b` (and `C`) are symbolic. A tower that reads more of each event than its item
+(features.json "context": "times" for HSTU's time-gap bias, "actions" for action types as
+inputs) takes one more argument a name, last, in that order: [b, L] int32 each, every
+position's time in seconds since the history's first event, its action type id.
 """
 
 from __future__ import annotations
@@ -56,34 +57,38 @@ def with_reference_attention(config: Any) -> Any:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, sequence=sequence))
 
 
-def _last_outputs(model: nnx.Module, rows: jax.Array, lengths: jax.Array, times=None) -> jax.Array:  # fmt: skip
+def _last_outputs(model: nnx.Module, rows: jax.Array, lengths: jax.Array, context: dict) -> jax.Array:  # fmt: skip
     """The tower's output at each history's last event, [b, D] (unscored)."""
     length = rows.shape[1]
     positions = jnp.zeros(rows.shape[:2], jnp.int32) + jnp.arange(length, dtype=jnp.int32)
     segments = jnp.where(positions < lengths[:, None], 0, -1).astype(jnp.int32)
-    context = {} if times is None else {"times": times}
     outputs = model(rows, segments, positions, None, **context)
     last = jnp.clip(lengths - 1, 0, length - 1)[:, None, None]
     return jnp.take_along_axis(outputs, last, axis=1)[:, 0]
 
 
-def _times(config: SequenceConfig, batch, length) -> tuple:
-    """The times argument of a module whose tower reads them: [b, length] int32 seconds."""
-    return (jax.ShapeDtypeStruct((batch, length), jnp.int32),) if config.reads_times else ()
+def _context(config: SequenceConfig, batch, length) -> tuple:
+    """The context arguments of a module (what the tower reads of each event besides its
+    item, `SequenceConfig.context`): one [b, length] int32 array each, in that order."""
+    return tuple(jax.ShapeDtypeStruct((batch, length), jnp.int32) for _ in config.context)
+
+
+def _named(config: SequenceConfig, values: tuple) -> dict:
+    return dict(zip(config.context, values, strict=True))
 
 
 def export_encoder(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes:
-    """Serialized StableHLO: queries [b, D] float32 = f(rows [b, L, D], lengths [b] int32
-    [, times [b, L] int32])."""
+    """Serialized StableHLO: queries [b, D] float32 = f(rows [b, L, D], lengths [b] int32,
+    *context [b, L] int32)."""
 
-    def queries(rows, lengths, times=None):
-        return scored(_last_outputs(model, rows, lengths, times), config)
+    def queries(rows, lengths, *context):
+        return scored(_last_outputs(model, rows, lengths, _named(config, context)), config)
 
     (batch,) = jax.export.symbolic_shape("b")
     exported = jax.export.export(jax.jit(queries), platforms=("cpu", "cuda"))(
         jax.ShapeDtypeStruct((batch, config.max_length, dim), jnp.float32),
         jax.ShapeDtypeStruct((batch,), jnp.int32),
-        *_times(config, batch, config.max_length),
+        *_context(config, batch, config.max_length),
     )
     return bytes(exported.serialize())
 
@@ -94,10 +99,12 @@ def export_extend(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes:
     each row's last new event (position prefix + count - 1)."""
     blocks, heads, head_dim = model.cache_shape()
 
-    def extend(rows, prefix, count, keys, values, times=None):
+    def extend(rows, prefix, count, keys, values, *context):
         positions = prefix[:, None] + jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :]
         positions = jnp.minimum(positions, config.max_length - 1)  # padding past the end
-        outputs, keys, values = extend_history(model, rows, positions, count, keys, values, times)
+        outputs, keys, values = extend_history(
+            model, rows, positions, count, keys, values, **_named(config, context)
+        )
         last = jnp.clip(count - 1, 0, rows.shape[1] - 1)[:, None, None]
         query = jnp.take_along_axis(outputs, last, axis=1)[:, 0]
         return scored(query, config), keys, values
@@ -110,7 +117,7 @@ def export_extend(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes:
         jax.ShapeDtypeStruct((batch,), jnp.int32),
         cache,
         cache,
-        *_times(config, batch, config.max_length),
+        *_context(config, batch, config.max_length),
     )
     return bytes(exported.serialize())
 
@@ -119,8 +126,8 @@ def export_ranker(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes:
     """Serialized StableHLO: logits [b, C, A] = f(rows [b, L, D], lengths [b], candidates
     [b, C, D]): the ranking head's score of each candidate after the history."""
 
-    def logits(rows, lengths, candidates, times=None):
-        outputs = _last_outputs(model, rows, lengths, times)
+    def logits(rows, lengths, candidates, *context):
+        outputs = _last_outputs(model, rows, lengths, _named(config, context))
         outputs = jnp.broadcast_to(outputs[:, None], candidates.shape)
         return model.rank(outputs, candidates)
 
@@ -129,7 +136,7 @@ def export_ranker(model: nnx.Module, config: SequenceConfig, dim: int) -> bytes:
         jax.ShapeDtypeStruct((batch, config.max_length, dim), jnp.float32),
         jax.ShapeDtypeStruct((batch,), jnp.int32),
         jax.ShapeDtypeStruct((batch, count, dim), jnp.float32),
-        *_times(config, batch, config.max_length),
+        *_context(config, batch, config.max_length),
     )
     return bytes(exported.serialize())
 
@@ -166,6 +173,7 @@ def sequence_features(config: Any, metadata: EventMetadata) -> dict[str, Any]:
         "objective": sequence.objective,
         "action_types": list(metadata.raw["spec"].get("action_types") or []),
         "exclude_history": config.eval.exclude_history,
-        # the modules take each event's time (seconds) after their other arguments
-        "times": sequence.reads_times,
+        # what the modules take of each event after their other arguments, in this order:
+        # "times" (seconds since the history's first event), "actions" (type ids)
+        "context": list(sequence.context),
     }

@@ -17,12 +17,14 @@ from typing import Any
 
 import numpy as np
 
-NO_TIME = np.iinfo(np.int64).min  # an event appended without its time
+MISSING = np.iinfo(np.int64).min  # an event appended without this value
+CONTEXT = ("times", "actions")  # what is kept of each event besides its item
 
 
 class KeptHistories:
-    """user (raw id, bytes) -> item ids [<= max_events] uint64, oldest first, and their
-    times (seconds; `NO_TIME` for events appended without one).
+    """user (raw id, bytes) -> item ids [<= max_events] uint64, oldest first, and what
+    else was appended of them (`CONTEXT`: times in seconds, action type ids; `MISSING`
+    for events appended without).
 
     Args:
         max_events: events kept per user (the most recent).
@@ -36,7 +38,7 @@ class KeptHistories:
         self.max_users = max_users
         self.cache_bytes = cache_bytes
         self._users: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        self._times: dict[bytes, np.ndarray] = {}
+        self._context: dict[bytes, dict[str, np.ndarray]] = {}
         self._caches: OrderedDict[bytes, Any] = OrderedDict()
         self._cached_bytes = 0
         self._kept_events = 0  # events held over all users (stats without a pass over them)
@@ -45,27 +47,35 @@ class KeptHistories:
         self.evicted_users = 0
         self.dropped_caches = 0
 
-    def append(self, users: list[bytes], items: np.ndarray, times: np.ndarray | None = None) -> int:  # fmt: skip
-        """Appends event i (user `users[i]`, item `items[i]`, time `times[i]` in seconds if
+    def append(self, users: list[bytes], items: np.ndarray, context: dict | None = None) -> int:
+        """Appends event i (user `users[i]`, item `items[i]`, `context[name][i]` where
         given) in order; returns the number of distinct users touched."""
         order = {}
         for index, user in enumerate(users):
             order.setdefault(user, []).append(index)
-        stamps = np.full(len(users), NO_TIME, np.int64) if times is None else np.asarray(times, np.int64)  # fmt: skip
+        given = {
+            name: np.asarray((context or {})[name], np.int64)
+            if name in (context or {})
+            else np.full(len(users), MISSING, np.int64)
+            for name in CONTEXT
+        }
         with self._lock:
             for user, indices in order.items():
                 new = items[np.asarray(indices)]
                 old = self._users.pop(user, None)
                 joined = new if old is None else np.concatenate([old, new])
                 self._users[user] = joined[-self.max_events :].copy()
-                new_times = stamps[np.asarray(indices)]
-                old_times = self._times.get(user)
-                joined = new_times if old_times is None else np.concatenate([old_times, new_times])
-                self._times[user] = joined[-self.max_events :].copy()
+                kept = self._context.get(user, {})
+                self._context[user] = {
+                    name: np.concatenate([kept.get(name, values[:0]), values[np.asarray(indices)]])[
+                        -self.max_events :
+                    ]  # fmt: skip
+                    for name, values in given.items()
+                }
                 self._kept_events += len(self._users[user]) - (0 if old is None else len(old))
             while len(self._users) > self.max_users:
                 user, dropped = self._users.popitem(last=False)
-                self._times.pop(user, None)
+                self._context.pop(user, None)
                 self._kept_events -= len(dropped)
                 self._drop_cache(user)
                 self.evicted_users += 1
@@ -80,15 +90,15 @@ class KeptHistories:
                 self._users.move_to_end(user)
             return found
 
-    def events(self, user: bytes) -> tuple[np.ndarray, np.ndarray] | None:
-        """(item ids, times: `NO_TIME` where appended without) of the user's kept events,
-        read together (marked as recently used), or None."""
+    def events(self, user: bytes) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+        """(item ids, {name: values, `MISSING` where appended without}) of the user's kept
+        events, read together (marked as recently used), or None."""
         with self._lock:
             found = self._users.get(user)
             if found is None:
                 return None
             self._users.move_to_end(user)
-            return found, self._times[user]
+            return found, self._context[user]
 
     def cache(self, user: bytes) -> Any:
         """The user's cache (a `CachedHistory`), or None."""

@@ -14,7 +14,6 @@ A history longer than the tower's `max_length` keeps its most recent events, as
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,57 +39,16 @@ from hybridrec.serving.model import (
     open_tables,
     pad_rows,
 )
+from hybridrec.serving.sequence_query import (
+    CONTEXT,
+    CachedHistory,
+    SequenceAnswer,
+    SequenceQuery,
+)
 
 CHUNK = 1 << 17  # catalogue rows looked up at once (to build the scan's rows)
 ITEM_PREFIX = 1  # the item table's prefix in every event spec (`EventSpec.tables`)
 MIN_CANDIDATES = 8  # candidate lists are padded to a power of two from here
-
-
-@dataclasses.dataclass
-class CachedHistory:
-    """What a kept history's next request can reuse: the tower's keys and values at its
-    events (`extend.stablehlo`), and the query after them."""
-
-    version: int  # the export version that computed it
-    items: np.ndarray  # [c] uint64: the events cached, oldest first
-    times: np.ndarray | None  # [c] int64 their times (a model that reads times), else None
-    keys: np.ndarray  # [blocks, L, heads, head_dim] float32 (positions >= c: unused)
-    values: np.ndarray
-    query: np.ndarray  # [D] float32
-
-    @property
-    def nbytes(self) -> int:
-        times = 0 if self.times is None else self.times.nbytes
-        return self.items.nbytes + times + self.keys.nbytes + self.values.nbytes + self.query.nbytes
-
-
-@dataclasses.dataclass
-class SequenceQuery:
-    """One request's work: retrieval (`k` > 0) or ranking (`candidates`)."""
-
-    histories: list[np.ndarray]  # per user: item ids, oldest first
-    k: int = 0
-    exclude_history: bool = True
-    candidates: np.ndarray | None = None  # [n, C] item ids
-    # kept histories: per user, its cache (None: none yet), to extend and give back
-    cached: list[CachedHistory | None] | None = None
-    times: list[np.ndarray] | None = None  # per user: each event's time, seconds (int64)
-
-    @property
-    def rows(self) -> int:
-        return len(self.histories)
-
-
-@dataclasses.dataclass
-class SequenceAnswer:
-    """Retrieval: `items` [n, K] ids and `scores` [n, K]; ranking: `scores` [n, C, A]."""
-
-    scores: np.ndarray
-    items: np.ndarray | None
-    truncated: list[int]  # the rows whose history was cut to max_length
-    unseen: int  # items of the histories and candidates that got their initial row
-    caches: list[CachedHistory | None] | None = None  # kept histories: their new caches
-    computed_events: int = 0  # events the tower ran on (cached ones are not)
 
 
 class ServedSequenceModel(ServedVersion):
@@ -128,7 +86,7 @@ class ServedSequenceModel(ServedVersion):
         extend = self.path / EXTEND_FILE
         self._extend = load_module(extend) if extend.exists() else None
         self.cache_shape = tuple(features.get("cache_shape") or ())
-        self.reads_times = bool(features.get("times", False))
+        self.context = tuple(features.get("context") or ())
         self.outputs = len(self.action_types) if self._ranker else 1
         self.scan = ExactCatalogue(self.catalogue, self._scan_rows())
         self.max_batch = max_batch
@@ -140,8 +98,8 @@ class ServedSequenceModel(ServedVersion):
         self.unseen_items = 0
         for bucket in self.buckets:  # compile every shape now, not on a request
             rows = np.zeros((bucket, self.max_length, self.dim), np.float32)
-            times = np.zeros((bucket, self.max_length), np.int32) if self.reads_times else None
-            self._encode_rows(rows, np.ones(bucket, np.int32), times)
+            extra = tuple(np.zeros((bucket, self.max_length), np.int32) for _ in self.context)
+            self._encode_rows(rows, np.ones(bucket, np.int32), extra)
 
     # ------------------------------------------------------------------ ids and names
 
@@ -152,6 +110,17 @@ class ServedSequenceModel(ServedVersion):
         raw = hashing.hash_bytes_list(names)
         missing = np.array([not name for name in names], bool)
         return hashing.feature_ids(raw, missing, ITEM_PREFIX, self.prefix_bits)
+
+    def action_ids(self, names: Sequence[str | bytes]) -> np.ndarray:
+        """Action type names -> [n] int64 type ids (1..A, as the dataset numbers them)."""
+        index = {name: i + 1 for i, name in enumerate(self.action_types)}
+        out = np.zeros(len(names), np.int64)
+        for i, name in enumerate(names):
+            text = name.decode() if isinstance(name, bytes) else name
+            if text not in index:
+                raise ValueError(f"action type {text!r} is not one of {self.action_types}")
+            out[i] = index[text]
+        return out
 
     def item_names(self, ids: np.ndarray) -> list[str]:
         """Ids -> the raw ids they were hashed from (an id without a name: "#<id>")."""
@@ -195,31 +164,42 @@ class ServedSequenceModel(ServedVersion):
 
     # ------------------------------------------------------------------ forward
 
-    def _encode_rows(self, rows: np.ndarray, lengths: np.ndarray, times=None) -> np.ndarray:
+    def _encode_rows(self, rows: np.ndarray, lengths: np.ndarray, extra=()) -> np.ndarray:
         n = len(rows)
         bucket = next(b for b in self.buckets if b >= n)
         rows, lengths = pad_rows(rows, bucket), pad_rows(lengths, bucket, 1)
-        extra = () if times is None else (pad_rows(times, bucket),)
+        extra = tuple(pad_rows(values, bucket) for values in extra)
         return np.asarray(self._encoder(rows, lengths, *extra))[:n]
 
-    def _times(self, histories: list[np.ndarray], times, width: int) -> np.ndarray | None:
-        """[n, width] int32 seconds since each history's first kept event (the tower's
-        times), or None for a model that reads none."""
-        if not self.reads_times:
-            return None
-        self._check_times(histories, times)
-        out = np.zeros((len(histories), width), np.int32)
-        for row, stamps in enumerate(times):
-            kept = np.asarray(stamps[-self.max_length :], np.int64)
-            out[row, : len(kept)] = np.clip(kept - kept[0], 0, np.iinfo(np.int32).max)
-        return out
+    @property
+    def reads_times(self) -> bool:
+        return "times" in self.context
 
-    def _check_times(self, histories: list[np.ndarray], times) -> None:
-        if times is None or any(t is None for t in times):
-            raise ValueError("this model reads each event's time: give times (seconds) with the histories")  # fmt: skip
-        for row, (history, stamps) in enumerate(zip(histories, times, strict=True)):
-            if len(stamps) != len(history):
-                raise ValueError(f"history {row}: {len(history)} items but {len(stamps)} times")
+    def _context_rows(self, histories: list[np.ndarray], context, width: int) -> tuple:
+        """The modules' context arguments, one [n, width] int32 array a name in `CONTEXT`
+        order the model reads: times as seconds since each history's first kept event,
+        action types as their ids, each history's most recent max_length events."""
+        self.check_context(histories, context)
+        out = []
+        for name in self.context:
+            values = np.zeros((len(histories), width), np.int32)
+            for row, given in enumerate(context[name]):
+                kept = np.asarray(given[-self.max_length :], np.int64)
+                if name == "times":
+                    kept = np.clip(kept - kept[0], 0, np.iinfo(np.int32).max)
+                values[row, : len(kept)] = kept
+            out.append(values)
+        return tuple(out)
+
+    def check_context(self, histories: list[np.ndarray], context) -> None:
+        """A ValueError naming what the model reads and the histories lack."""
+        for name in self.context:
+            given = (context or {}).get(name)
+            if given is None or any(values is None for values in given):
+                raise ValueError(f"this model reads each event's {CONTEXT[name]}: give {name} with the histories")  # fmt: skip
+            for row, (history, values) in enumerate(zip(histories, given, strict=True)):
+                if len(values) != len(history):
+                    raise ValueError(f"history {row}: {len(history)} items but {len(values)} {name}")  # fmt: skip
 
     def _history_rows(self, histories: list[np.ndarray]):
         """(rows [n, L, D], lengths [n] int32, truncated rows, per row the items that got
@@ -239,17 +219,17 @@ class ServedSequenceModel(ServedVersion):
             self.histories_encoded += len(kept)
         return rows, lengths, truncated, unseen
 
-    def encode(self, histories: list[np.ndarray], times=None) -> tuple[np.ndarray, list[int], int]:
-        """Histories (item ids, oldest first; none empty; with each event's time for a
-        model that reads times) -> (queries [n, D], truncated rows, per row the items that
-        got their initial row)."""
-        stamps = self._times(histories, times, self.max_length)
+    def encode(self, histories: list[np.ndarray], context=None) -> tuple[np.ndarray, list[int], int]:  # fmt: skip
+        """Histories (item ids, oldest first; none empty; with the `context` the model reads
+        of each event: `SequenceQuery.context`) -> (queries [n, D], truncated rows, per row
+        the items that got their initial row)."""
+        extra = self._context_rows(histories, context, self.max_length)
         rows, lengths, truncated, unseen = self._history_rows(histories)
         parts = [
             self._encode_rows(
                 rows[start : start + self.max_batch],
                 lengths[start : start + self.max_batch],
-                None if stamps is None else stamps[start : start + self.max_batch],
+                tuple(values[start : start + self.max_batch] for values in extra),
             )
             for start in range(0, len(rows), self.max_batch)
         ]
@@ -257,7 +237,7 @@ class ServedSequenceModel(ServedVersion):
         return queries, truncated, unseen
 
     def encode_kept(
-        self, histories: list[np.ndarray], cached: list[CachedHistory | None], times=None
+        self, histories: list[np.ndarray], cached: list[CachedHistory | None], context=None
     ) -> tuple[np.ndarray, list[int], np.ndarray, list[CachedHistory | None], int]:
         """`encode` for kept histories: a history whose cache holds its first events runs the
         tower on its new events only, and each gets its cache back (None where the model
@@ -269,8 +249,7 @@ class ServedSequenceModel(ServedVersion):
         unseen = np.zeros(n, np.int64)
         computed = np.zeros(n, np.int64)
         caches: list[CachedHistory | None] = [None] * n
-        if self.reads_times:
-            self._check_times(histories, times)
+        self.check_context(histories, context)
         extend, full = [], []
         for row, history in enumerate(histories):
             if self._extend is None or len(history) > self.max_length:
@@ -282,25 +261,28 @@ class ServedSequenceModel(ServedVersion):
                 and cache.version == self.version
                 and len(cache.items) <= len(history)
                 and np.array_equal(history[: len(cache.items)], cache.items)
-                and (cache.times is None or np.array_equal(times[row][: len(cache.items)], cache.times))
-            )  # fmt: skip
+                and all(
+                    np.array_equal(context[name][row][: len(cache.items)], cache.context[name])
+                    for name in self.context
+                )
+            )
             if usable and len(cache.items) == len(history):  # nothing new: the cached query
                 queries[row], caches[row] = cache.query, cache
             else:
                 extend.append((row, cache if usable else None))
         for start in range(0, len(extend), self.max_batch):
             part = extend[start : start + self.max_batch]
-            self._extend_rows(histories, times, part, queries, unseen, caches, computed)
+            self._extend_rows(histories, context, part, queries, unseen, caches, computed)
         truncated = []
         if full:
-            picked = None if times is None else [times[row] for row in full]
+            picked = {name: [context[name][row] for row in full] for name in self.context}
             encoded, truncated, full_unseen = self.encode([histories[row] for row in full], picked)
             queries[full], unseen[full] = encoded, full_unseen
             truncated = [full[i] for i in truncated]
             computed[full] = [min(len(histories[row]), self.max_length) for row in full]
         return queries, truncated, unseen, caches, computed
 
-    def _extend_rows(self, histories, times, part, queries, unseen, caches, computed) -> None:
+    def _extend_rows(self, histories, context, part, queries, unseen, caches, computed) -> None:
         """Runs extend.stablehlo on rows [(row, usable cache | None)], filling the outputs."""
         prefix = np.array([len(c.items) if c else 0 for _, c in part], np.int32)
         count = np.array([len(histories[row]) for row, _ in part], np.int32) - prefix
@@ -319,10 +301,10 @@ class ServedSequenceModel(ServedVersion):
         for index, (_, cache) in enumerate(part):
             if cache is not None:
                 keys[:, index], values[:, index] = cache.keys, cache.values
-        extra = ()
-        if self.reads_times:  # every position's time: the cached events' and the new ones'
-            stamps = self._times([histories[row] for row, _ in part], [times[row] for row, _ in part], self.max_length)  # fmt: skip
-            extra = (pad_rows(stamps, bucket),)
+        rows_of = [row for row, _ in part]  # every position's context: cached and new events
+        mine = {name: [context[name][row] for row in rows_of] for name in self.context}
+        extra = self._context_rows([histories[row] for row in rows_of], mine, self.max_length)
+        extra = tuple(pad_rows(values, bucket) for values in extra)
         query, keys, values = self._extend(
             rows, pad_rows(prefix, bucket), pad_rows(count, bucket, 1), keys, values, *extra
         )
@@ -336,7 +318,7 @@ class ServedSequenceModel(ServedVersion):
             caches[row] = CachedHistory(
                 self.version,
                 histories[row].copy(),
-                None if times is None else np.asarray(times[row], np.int64).copy(),
+                {name: np.asarray(context[name][row], np.int64).copy() for name in self.context},
                 keys[:, index].copy(),
                 values[:, index].copy(),
                 query[index].copy(),
@@ -349,19 +331,24 @@ class ServedSequenceModel(ServedVersion):
         *,
         exclude_history=None,
         times: Sequence[Sequence[int]] | None = None,
+        actions: Sequence[Sequence[str]] | None = None,
     ) -> list[list[tuple[str, float]]]:
         """Each history's top-`k` next items as (raw item id, score), best first, as `serve`
         answers a retrieval request: histories of raw item ids, oldest first (none empty),
-        with each event's time in seconds for a model that reads times (HSTU's time-gap
-        bias); `exclude_history` default: as the run was evaluated."""
+        with each event's time in seconds and action type name for a model that reads them
+        (`context`); `exclude_history` default: as the run was evaluated."""
         if not histories or any(not len(history) for history in histories):
             raise ValueError("every history needs at least one item")
         exclude = self.exclude_history if exclude_history is None else exclude_history
         ids = [
             self.item_ids([i.encode() if isinstance(i, str) else i for i in h]) for h in histories
         ]
-        stamps = None if times is None else [np.asarray(t, np.int64) for t in times]
-        queries, _, _ = self.encode(ids, stamps)
+        context = {}
+        if times is not None:
+            context["times"] = [np.asarray(t, np.int64) for t in times]
+        if actions is not None:
+            context["actions"] = [self.action_ids(names) for names in actions]
+        queries, _, _ = self.encode(ids, context)
         items, scores = self.top_k(queries, k, ids if exclude else None)
         names = self.item_names(items)
         width = items.shape[1]
@@ -378,7 +365,7 @@ class ServedSequenceModel(ServedVersion):
         return self.scan.top_k(queries, k, exclude)
 
     def score_candidates(
-        self, histories: list[np.ndarray], candidates: np.ndarray, times=None
+        self, histories: list[np.ndarray], candidates: np.ndarray, context=None
     ) -> tuple[np.ndarray, list[int], int]:
         """(scores [n, C, A], truncated rows, unseen candidates) of candidate item ids
         [n, C] after each history: the ranking head's probability per action type, or
@@ -390,10 +377,10 @@ class ServedSequenceModel(ServedVersion):
             self.unseen_items += unseen
         candidate_rows = flat.reshape(n, count, self.dim)
         if self._ranker is None:
-            queries, truncated, seen_unseen = self.encode(histories, times)
+            queries, truncated, seen_unseen = self.encode(histories, context)
             scores = np.einsum("nd,ncd->nc", queries, self._scored(candidate_rows))
             return scores[..., None].astype(np.float32), truncated, unseen + int(seen_unseen.sum())
-        stamps = self._times(histories, times, self.max_length)
+        extra = self._context_rows(histories, context, self.max_length)
         rows, lengths, truncated, history_unseen = self._history_rows(histories)
         unseen += int(history_unseen.sum())
         width = max(MIN_CANDIDATES, 1 << (count - 1).bit_length())
@@ -403,12 +390,11 @@ class ServedSequenceModel(ServedVersion):
         for start in range(0, n, self.max_batch):
             stop = min(start + self.max_batch, n)
             bucket = next(b for b in self.buckets if b >= stop - start)
-            extra = () if stamps is None else (pad_rows(stamps[start:stop], bucket),)
             logits = self._ranker(
                 pad_rows(rows[start:stop], bucket),
                 pad_rows(lengths[start:stop], bucket, 1),
                 pad_rows(padded[start:stop], bucket),
-                *extra,
+                *(pad_rows(values[start:stop], bucket) for values in extra),
             )
             out.append(np.asarray(logits)[: stop - start, :count])
         logits = np.concatenate(out).astype(np.float64)
@@ -425,14 +411,19 @@ class ServedSequenceModel(ServedVersion):
             histories = [h for i in retrieval for h in queries[i].histories]
             cached = [c for i in retrieval for c in (queries[i].cached or [None] * queries[i].rows)]
             kept = [queries[i].cached is not None for i in retrieval for _ in queries[i].histories]
-            times = None
-            if self.reads_times:
-                times = [t for i in retrieval for t in (queries[i].times or [None] * queries[i].rows)]  # fmt: skip
+            context = {
+                name: [
+                    v
+                    for i in retrieval
+                    for v in (queries[i].context or {}).get(name) or [None] * queries[i].rows
+                ]  # fmt: skip
+                for name in self.context
+            }
             if any(kept):
-                encoded, truncated, unseen, caches, computed = self.encode_kept(histories, cached, times)  # fmt: skip
+                encoded, truncated, unseen, caches, computed = self.encode_kept(histories, cached, context)  # fmt: skip
                 caches = [c if k else None for c, k in zip(caches, kept, strict=True)]
             else:
-                encoded, truncated, unseen = self.encode(histories, times)
+                encoded, truncated, unseen = self.encode(histories, context)
                 caches = [None] * len(histories)
                 computed = np.array([min(len(h), self.max_length) for h in histories])
             exclude = [
@@ -459,7 +450,7 @@ class ServedSequenceModel(ServedVersion):
         for i, query in enumerate(queries):
             if query.candidates is not None:
                 scores, truncated, unseen = self.score_candidates(
-                    query.histories, query.candidates, query.times if self.reads_times else None
+                    query.histories, query.candidates, query.context
                 )
                 answers[i] = SequenceAnswer(scores, None, truncated, unseen)
         return answers

@@ -7,9 +7,10 @@ An infer request names its users' histories as raw item ids, oldest first:
 
     history     BYTES [total]      every user's recent items, user after user
     lengths     INT64 [n]          items per user (absent: `history` is one user's)
-    times       INT64 [total]      each event of `history`'s time in seconds: needed by a
-                                   model that reads times (HSTU's time-gap bias, metadata
-                                   parameter "times"), ignored by others
+    times       INT64 [total]      each event of `history`'s time in seconds, and its
+    actions     BYTES [total]      action type: needed by a model that reads them (the
+                                   metadata's parameter "context": HSTU's time-gap bias,
+                                   action types as inputs), ignored by others
     users       BYTES [n]          users whose kept events come first (`--keep-histories`);
                                    with `history` and `lengths`, the request's events follow
                                    theirs (a length may then be 0)
@@ -25,8 +26,8 @@ one retrieval score (A = 1). `parameters.truncated` lists the users whose histor
 to the model's `max_length` most recent items; `parameters.unseen_items` counts the items
 never trained (scored from their initial rows).
 
-An events request is `users` BYTES [m] and `items` BYTES [m] (and `times` INT64 [m]):
-event i is user i's, in order. Every bad request is a 4xx with `{"error": ...}` naming the input or parameter.
+An events request is `users` BYTES [m] and `items` BYTES [m] (and `times` INT64 [m],
+`actions` BYTES [m]): event i is user i's, in order. Every bad request is a 4xx with `{"error": ...}` naming the input or parameter.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ import json
 from typing import Any
 
 import numpy as np
-from hybridrec.serving.histories import NO_TIME
+from hybridrec.serving.histories import MISSING
 from hybridrec.serving.protocol import ProtocolError, decode_inputs, parse_body
-from hybridrec.serving.sequence_model import SequenceQuery, ServedSequenceModel
+from hybridrec.serving.sequence_model import ServedSequenceModel
+from hybridrec.serving.sequence_query import CONTEXT, SequenceQuery
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-INPUTS = ("history", "lengths", "times", "users", "candidates")
+INPUTS = ("history", "lengths", "times", "actions", "users", "candidates")
 DEFAULT_K = 10
 
 
@@ -55,6 +57,7 @@ def metadata(model: ServedSequenceModel, histories: Any) -> dict[str, Any]:
             {"name": "history", "datatype": "BYTES", "shape": [-1]},
             {"name": "lengths", "datatype": "INT64", "shape": [-1]},
             {"name": "times", "datatype": "INT64", "shape": [-1]},
+            {"name": "actions", "datatype": "BYTES", "shape": [-1]},
             {"name": "users", "datatype": "BYTES", "shape": [-1]},
             {"name": "candidates", "datatype": "BYTES", "shape": [-1, -1]},
         ],
@@ -71,7 +74,7 @@ def metadata(model: ServedSequenceModel, histories: Any) -> dict[str, Any]:
             "similarity": model.similarity,
             "actions": model.action_types if model.outputs > 1 else [],
             "exclude_history": model.exclude_history,
-            "times": model.reads_times,
+            "context": list(model.context),
             "keeps_histories": histories is not None,
         },
     }
@@ -107,20 +110,22 @@ def parse_query(
     if "history" not in inputs and "users" not in inputs:
         raise ProtocolError("send the users' events as 'history' (and 'lengths'), or 'users'")
     kept: list[np.ndarray] | None = None
-    kept_times: list[np.ndarray] = []
+    kept_context: list[dict] = []
     users: list[bytes] = []
     if "users" in inputs:
         shape, users = _bytes_input(inputs, "users", 1)
-        kept, kept_times = _kept(users, histories, new_events="history" in inputs)
+        kept, kept_context = _kept(users, histories, new_events="history" in inputs)
     new: list[np.ndarray] | None = None
-    new_times = None
+    new_context = {}
     if "history" in inputs:
         _, items = _bytes_input(inputs, "history", 1)
         new = _split(model.item_ids(items), inputs.get("lengths"), len(items))
-        if "times" in inputs:
-            new_times = _split(_times_input(inputs, len(items)), inputs.get("lengths"), len(items))
-    elif "times" in inputs:
-        raise ProtocolError("input 'times' goes with 'history': one time per item")
+        new_context = {
+            name: _split(values, inputs.get("lengths"), len(items))
+            for name, values in event_context(model, inputs, len(items), "history").items()
+        }
+    elif set(CONTEXT) & set(inputs):
+        raise ProtocolError("inputs 'times' and 'actions' go with 'history': one per item")
     if kept is not None and new is not None and len(kept) != len(new):
         raise ProtocolError(f"'users' names {len(kept)} users but 'lengths' {len(new)}")
     if kept is None:
@@ -129,7 +134,7 @@ def parse_query(
         user_histories = kept
     else:
         user_histories = [np.concatenate([k, n]) for k, n in zip(kept, new, strict=True)]
-    times = _user_times(users, kept, kept_times, new, new_times) if model.reads_times else None
+    context = _user_context(model, users, kept, kept_context, new, new_context)
     if len(user_histories) > max_rows:
         raise ProtocolError(f"{len(user_histories)} users exceed the limit of {max_rows}", 413)
     for row, history in enumerate(user_histories):
@@ -146,7 +151,7 @@ def parse_query(
                 f"list a user), got {shape}"
             )
         candidates = model.item_ids(names).reshape(shape)
-        return SequenceQuery(user_histories, candidates=candidates, times=times), users
+        return SequenceQuery(user_histories, candidates=candidates, context=context), users
     k = _parameter(parsed, "k", DEFAULT_K)
     catalogue = len(model.catalogue)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= catalogue:
@@ -155,43 +160,61 @@ def parse_query(
             "items"
         )
     cached = [histories.cache(user) for user in users] if kept is not None else None
-    query = SequenceQuery(user_histories, k=k, exclude_history=exclude, cached=cached, times=times)
+    query = SequenceQuery(
+        user_histories, k=k, exclude_history=exclude, cached=cached, context=context
+    )
     return query, users
 
 
-def _times_input(inputs: dict, count: int) -> np.ndarray:
-    datatype, shape, values = inputs["times"]
-    if datatype not in ("INT64", "UINT64", "INT32") or list(shape) != [count]:
-        raise ProtocolError(
-            f"input 'times' must be INT64 [{count}] (seconds, one per item of 'history'), got "
-            f"{datatype} {shape}"
-        )
-    return values.astype(np.int64)
-
-
-def _user_times(users, kept, kept_times, new, new_times) -> list[np.ndarray]:
-    """Each user's event times, kept ones first, for a model that reads times (a 400
-    naming what lacks them otherwise)."""
-    need = "this model reads each event's time (HSTU's time-gap bias)"
-    if new is not None and new_times is None:
-        raise ProtocolError(f"input 'times' is missing: {need}; send one per item of 'history'")
-    out = []
-    for row in range(len(kept if kept is not None else new)):
-        parts = []
-        if kept is not None:
-            stamps = kept_times[row]
-            if (stamps == NO_TIME).any():
-                shown = users[row].decode("utf-8", "backslashreplace")
-                raise ProtocolError(f"input 'users': user {shown!r} has kept events without times; {need} (append events with 'times')")  # fmt: skip
-            parts.append(stamps)
-        if new is not None:
-            parts.append(new_times[row])
-        out.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+def event_context(model: ServedSequenceModel, inputs: dict, count: int, what: str) -> dict:
+    """The request's `times` (INT64 seconds) and `actions` (BYTES type names), one per item
+    of input `what`, as int64 arrays: those given (a model ignores what it does not read)."""
+    out = {}
+    if "times" in inputs:
+        datatype, shape, values = inputs["times"]
+        if datatype not in ("INT64", "UINT64", "INT32") or list(shape) != [count]:
+            raise ProtocolError(
+                f"input 'times' must be INT64 [{count}] (seconds, one per item of {what!r}), "
+                f"got {datatype} {shape}"
+            )
+        out["times"] = values.astype(np.int64)
+    if "actions" in inputs:
+        shape, names = _bytes_input(inputs, "actions", 1)
+        if shape != [count]:
+            raise ProtocolError(f"input 'actions' must be BYTES [{count}] (one per item of {what!r}), got {shape}")  # fmt: skip
+        try:
+            out["actions"] = model.action_ids(names) if model.action_types else np.zeros(count, np.int64)  # fmt: skip
+        except ValueError as error:
+            raise ProtocolError(f"input 'actions': {error}") from None
     return out
 
 
+def _user_context(model, users, kept, kept_context, new, new_context) -> dict | None:
+    """Per name the model reads of each event (`model.context`), each user's values, kept
+    events first; a 400 naming what lacks them."""
+    out = {}
+    for name in model.context:
+        need = f"this model reads each event's {CONTEXT[name]}"
+        if new is not None and name not in new_context:
+            raise ProtocolError(f"input {name!r} is missing: {need}; send one per item of 'history'")  # fmt: skip
+        values = []
+        for row in range(len(kept if kept is not None else new)):
+            parts = []
+            if kept is not None:
+                stored = kept_context[row].get(name, np.zeros(0, np.int64))  # as long as kept
+                if (stored == MISSING).any():
+                    shown = users[row].decode("utf-8", "backslashreplace")
+                    raise ProtocolError(f"input 'users': user {shown!r} has kept events without {name}; {need} (append events with {name!r})")  # fmt: skip
+                parts.append(stored)
+            if new is not None:
+                parts.append(new_context[name][row])
+            values.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+        out[name] = values
+    return out or None
+
+
 def _kept(users: list[bytes], histories: Any, *, new_events: bool):
-    """(each user's kept item ids, their times)."""
+    """(each user's kept item ids, {name: their values} of what else was kept)."""
     if histories is None:
         raise ProtocolError(
             "input 'users': this server keeps no histories (start it with `hybridrec serve "
@@ -208,7 +231,7 @@ def _kept(users: list[bytes], histories: Any, *, new_events: bool):
                 404,
             )
         out.append(found[0] if found is not None else np.zeros(0, np.uint64))
-        times.append(found[1] if found is not None else np.zeros(0, np.int64))
+        times.append(found[1] if found is not None else {})
     return out, times
 
 
@@ -280,9 +303,10 @@ async def append_events(service, request: Request, model: ServedSequenceModel) -
     body = await service.read_body(request)
     parsed, binary = parse_body(body, request.headers)
     inputs = decode_inputs(parsed, binary)
-    if set(inputs) not in ({"users", "items"}, {"users", "items", "times"}):
+    if not {"users", "items"} <= set(inputs) <= {"users", "items", *CONTEXT}:
         raise ProtocolError(
-            f"inputs {sorted(inputs)}: an events request is 'users' and 'items' (and 'times')"
+            f"inputs {sorted(inputs)}: an events request is 'users' and 'items' (and 'times', "
+            "'actions')"
         )
     (count,), users = _bytes_input(inputs, "users", 1)
     shape, items = _bytes_input(inputs, "items", 1)
@@ -291,6 +315,6 @@ async def append_events(service, request: Request, model: ServedSequenceModel) -
     for name, values in (("users", users), ("items", items)):
         if any(not value for value in values):
             raise ProtocolError(f"input {name!r}: an event has an empty id")
-    times = _times_input(inputs, count) if "times" in inputs else None
-    touched = service.histories.append(users, model.item_ids(items), times)
+    context = event_context(model, inputs, count, "items")
+    touched = service.histories.append(users, model.item_ids(items), context)
     return JSONResponse({"events": count, "users": touched, **service.histories.stats()})

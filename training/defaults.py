@@ -260,6 +260,7 @@ def resolve_sequence_auto(
     if sequence.ranking and not sequence.actions:
         sequence = dataclasses.replace(sequence, actions=len(action_types))
     sequence, time_reason = _time_buckets(sequence, tower, metadata)
+    sequence, action_reason = _action_inputs(sequence, tower, action_types, metadata)
     dim = config.embedding.dim or AUTO_SEQUENCE_DIM
     dim_reason = f"embedding.dim = {dim}" + (
         " as configured" if config.embedding.dim else " (auto)"
@@ -288,8 +289,30 @@ def resolve_sequence_auto(
         f"embedding dim: {dim_reason}",
         f"embedding learning rate: {rate_reason}",
         *time_reason,
+        *action_reason,
         *split_reason,
     )
+
+
+def _action_inputs(sequence, tower: str, action_types: list, metadata: EventMetadata):
+    """`sequence.action_inputs` resolved (-1, auto: the dataset's action types as inputs
+    of SASRec and HSTU)."""
+    wanted = sequence.action_inputs
+    if wanted > 0 and wanted != len(action_types):
+        have = f"{len(action_types)} ({', '.join(action_types)})" if action_types else "none (its spec has no [action] table)"  # fmt: skip
+        raise UserError(
+            f"model.sequence.action_inputs = {wanted}: {metadata.root} has {have} action types"
+        )
+    if wanted != -1:
+        return sequence, ((f"action inputs: {wanted} types as configured",) if wanted else ())
+    builtin = tower in ("sasrec", "hstu")
+    count = len(action_types) if builtin else 0
+    if count:
+        line = f"action inputs: the {count} action types ({', '.join(action_types)}) as inputs"
+    else:
+        line = "action inputs: none" + (" (the dataset has no action types)" if builtin else "")
+    auto = " (model.sequence.action_inputs = -1, auto)"
+    return dataclasses.replace(sequence, action_inputs=count), ((line + auto,) if builtin else ())
 
 
 def _time_buckets(sequence, tower: str, metadata: EventMetadata):

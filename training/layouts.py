@@ -182,7 +182,7 @@ class SequenceLayout:
             keys = [key for key in batch.arrays if key != "actions" or self.ranking]
         else:
             keys = ["inputs", "segments", "positions", "targets"]
-            keys += ["times"] if "times" in batch.arrays else []
+            keys += [key for key in ("times", "event_actions") if key in batch.arrays]
         arrays = {key: self.own(batch.arrays[key]) for key in keys}
         return make_global_batch(arrays, self.mesh, replicated=shared)
 

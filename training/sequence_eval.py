@@ -68,7 +68,8 @@ def query_outputs(
     rows = config.data.eval_batch_size or config.data.batch_size
     length = config.model.sequence.max_length
     pieces = stream_pieces(histories, length) if every_target else None
-    reader = SequenceReader(histories, rows=rows, length=length, pieces=pieces)
+    context = config.model.sequence.context
+    reader = SequenceReader(histories, rows=rows, length=length, pieces=pieces, context=context)
     layout = SequenceLayout(job.mesh, ranking=config.model.sequence.ranking)
     total = reader.batches_per_epoch
     if max_batches:

@@ -212,6 +212,7 @@ class SequenceStreamSource:
             yield packed_batch(
                 histories, pieces, plan.rows, plan.offsets,
                 shape=(self.rows, self.length), negatives=self._negatives, rng=rng, position=after,
+                context=self.job.config.model.sequence.context,
             )  # fmt: skip
 
     def _part(self, shard: int, first: int, count: int) -> tuple[Histories, Pieces]:

@@ -307,6 +307,7 @@ class SequenceReader:
         split_long: cut histories longer than a row into pieces (else keep the most recent).
         negatives: the training negatives (None: evaluation).
         pieces: the pieces to read instead (`stream_pieces`: every target of a window).
+        context: what the tower reads of each event (`SequenceConfig.context`).
     """
 
     def __init__(
@@ -319,13 +320,14 @@ class SequenceReader:
         split_long: bool = True,
         negatives: Negatives | None = None,
         pieces: Pieces | None = None,
+        context: tuple[str, ...] = (),
     ):
         self.histories, self.rows, self.length = histories, rows, length
         self.seed, self.negatives = seed, negatives
         self.train = negatives is not None
         if pieces is None:
             pieces = cut_pieces(histories, length, split=split_long and self.train)
-        self.pieces = pieces
+        self.pieces, self.context = pieces, context
         if not len(self.pieces.history):
             raise UserError("no history has a position to train or evaluate")
         self._plans: dict[int, list] = {}
@@ -381,6 +383,7 @@ class SequenceReader:
             negatives=self.negatives,
             rng=rng,
             position=position,
+            context=self.context,
         )
 
 
@@ -394,9 +397,12 @@ def packed_batch(
     negatives: Negatives | None,
     rng: np.random.Generator | None,
     position: Any,
+    context: tuple[str, ...] = (),
 ) -> SequenceBatch:
     """The batch of `pieces` placed at (`rows`, `offsets`) of a [rows, length] batch, with
-    negatives drawn by `rng` (training) or none (evaluation)."""
+    negatives drawn by `rng` (training) or none (evaluation), and the `context` the tower
+    reads of each event: `times` (seconds since the piece's first event), `actions` (the
+    input event's type, as `event_actions`)."""
     length = shape[1]
     start, sizes, history = pieces.start, pieces.sizes, pieces.history
     source = _ranges(histories.offsets[history] + start, sizes)  # input item of a position
@@ -422,11 +428,14 @@ def packed_batch(
         "weights": np.zeros(shape, np.float32),
         "actions": np.zeros(shape, np.int32),  # the next event's action type (0: none)
     }
-    if histories.times is not None:  # seconds since the piece's first event
+    if "times" in context:
         first = np.repeat(histories.times[histories.offsets[history] + start], sizes)
         gaps = np.clip(histories.times[source] - first, 0, np.iinfo(np.int32).max)
         arrays["times"] = np.zeros(shape, np.int32)
         arrays["times"].reshape(-1)[dest] = gaps
+    if "actions" in context:
+        arrays["event_actions"] = np.zeros(shape, np.int32)
+        arrays["event_actions"].reshape(-1)[dest] = histories.actions[source]
     for key, values in (
         ("inputs", inverse[:count]),
         ("targets", inverse[count : 2 * count]),
@@ -469,4 +478,5 @@ def packed_reader(
         seed=config.seed,
         split_long=sequence.long_histories == "split",
         negatives=negatives,
+        context=sequence.context,
     )

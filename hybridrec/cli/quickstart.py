@@ -131,18 +131,19 @@ def _train(data: Path, run_dir: Path, config: str, overrides: list[str]) -> None
     )
 
 
-def _histories_of(events: Path, users: int) -> dict[str, list[str]]:
-    """The first `users` users of a generated event log and their items, oldest first."""
+def _histories_of(events: Path, users: int) -> dict[str, list[tuple[int, str, str]]]:
+    """The first `users` users of a generated event log and their (time, item, action)
+    events, oldest first."""
     import pyarrow.csv as csv
 
     table = csv.read_csv(events).to_pydict()
-    out: dict[str, list[tuple[int, str]]] = {}
-    for user, item, when in zip(
-        table["user_id"], table["item_id"], table["timestamp"], strict=True
+    out: dict[str, list[tuple[int, str, str]]] = {}
+    for user, item, when, action in zip(
+        table["user_id"], table["item_id"], table["timestamp"], table["action"], strict=True
     ):
         if user in out or len(out) < users:
-            out.setdefault(user, []).append((when, item))
-    return {user: [item for _, item in sorted(events)] for user, events in out.items()}
+            out.setdefault(user, []).append((when, item, action))
+    return {user: sorted(events) for user, events in out.items()}
 
 
 def _sequences(args: argparse.Namespace) -> int:
@@ -181,9 +182,16 @@ def _sequences(args: argparse.Namespace) -> int:
     exported = out / "export"
     export.main(["--run", str(run_dir), "--out", str(exported)])
     histories = _histories_of(raw / "events.csv", 3)
-    answers = demo_top_k(exported, list(histories.values()), k=5)
+    events = list(histories.values())
+    answers = demo_top_k(
+        exported,
+        [[item for _, item, _ in history] for history in events],
+        k=5,
+        times=[[when for when, _, _ in history] for history in events],
+        actions=[[action for _, _, action in history] for history in events],
+    )
     for (user, history), top in zip(histories.items(), answers, strict=True):
-        recent = " ".join(history[-5:])
+        recent = " ".join(f"{item} ({action})" for _, item, action in history[-5:])
         items = ", ".join(f"{item} ({score:.2f})" for item, score in top)
         print(f"  {user}: last items {recent}\n      top-5 next: {items}")
     timings["export+serve"] = time.perf_counter() - begin

@@ -81,6 +81,29 @@ def test_rows_with_different_prefixes_in_one_batch():
     np.testing.assert_allclose(out[1, 0], expected[1], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["sasrec", "hstu"])
+def test_extend_with_action_inputs_equals_the_full_forward_pass(name):
+    config = SequenceConfig(
+        max_length=LENGTH, blocks=2, heads=2, dropout=0.0, attention="reference", action_inputs=3
+    )
+    model = build_sequence_tower(name, config, dim=DIM, dtype=None, rngs=nnx.Rngs(4))
+    x = jax.random.normal(jax.random.key(0), (1, LENGTH, DIM))
+    actions = jnp.asarray(np.arange(LENGTH)[None] % 4, jnp.int32)  # 0: none, 1..3
+    positions = jnp.broadcast_to(jnp.arange(LENGTH), (1, LENGTH))
+    segments = jnp.where(positions < 11, 0, -1)
+    expected = model(x, segments, positions, actions=actions)[:, :11]
+    other = model(x, segments, positions, actions=(actions + 1) % 4)[:, :11]
+    assert float(jnp.abs(expected - other).max()) > 1e-3
+    first, k, v = extend_history(
+        model, x[:, :7], positions[:, :7], jnp.array([7]), *empty(model, 1), actions=actions
+    )
+    second, _, _ = extend_history(
+        model, x[:, 7:11], 7 + positions[:, :4], jnp.array([4]), k, v, actions=actions
+    )
+    np.testing.assert_allclose(first, expected[:, :7], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(second, expected[:, 7:11], rtol=2e-5, atol=2e-5)
+
+
 def test_extend_with_the_time_gap_bias_equals_the_full_forward_pass():
     config = SequenceConfig(
         max_length=LENGTH, blocks=2, heads=2, dropout=0.0, attention="reference", time_buckets=16
@@ -97,10 +120,10 @@ def test_extend_with_the_time_gap_bias_equals_the_full_forward_pass():
     other = model(x, segments, positions, times=times * 0)[:, :11]
     assert float(jnp.abs(expected - other).max()) > 1e-3
     first, k, v = extend_history(
-        model, x[:, :7], positions[:, :7], jnp.array([7]), *empty(model, 1), times
+        model, x[:, :7], positions[:, :7], jnp.array([7]), *empty(model, 1), times=times
     )
     second, _, _ = extend_history(
-        model, x[:, 7:11], 7 + positions[:, :4], jnp.array([4]), k, v, times
+        model, x[:, 7:11], 7 + positions[:, :4], jnp.array([4]), k, v, times=times
     )
     np.testing.assert_allclose(first, expected[:, :7], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(second, expected[:, 7:11], rtol=2e-5, atol=2e-5)

@@ -33,6 +33,7 @@ SMALL = [
     "model.sequence.max_length=16",
     "model.sequence.negatives=64",
     "model.sequence.objective=both",
+    "model.sequence.action_inputs=0",  # requests of items only (tests/serving/test_sequence_context.py: more)
     "data.token_budget=1024",
     "data.max_steps=30",
     "optimizer.learning_rate=0.003",

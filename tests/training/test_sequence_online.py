@@ -122,7 +122,7 @@ def test_kill_9_then_resume_trains_every_event_once_and_evaluates_each_window(
     new_items = pq.read_table(stream / shards[0].raw["items_file"]).column("item").to_pylist()
     assert set(new_items) <= catalogue
     history = [brought[0].decode()]
-    (top,) = served.recommend([history], k=5)
+    (top,) = served.recommend([history], k=5, actions=[["view"]])  # SASRec reads action types
     assert len(top) == 5 and all(isinstance(name, str) for name, _ in top)
 
 
