@@ -83,6 +83,7 @@ def generated(work: Path, users: int) -> Path:
 
 
 def train_and_test(data: Path, run: Path, tower: str, seed: int, args) -> dict:
+    name = tower
     tower, *extra = tower.split("+")
     keys = [
         f"seed={seed}",
@@ -116,7 +117,7 @@ def train_and_test(data: Path, run: Path, tower: str, seed: int, args) -> dict:
         .splitlines()[-1]
     )
     return {
-        "tower": tower,
+        "tower": name,
         "seed": seed,
         "best_step": best["step"],
         "valid_hr10": best["hr@10"],
