@@ -136,10 +136,10 @@ def keep_last(starts: np.ndarray, lengths: np.ndarray, limit: int) -> np.ndarray
     """Indices (into the sorted events) of each run's last `limit` events, in order."""
     kept = np.minimum(lengths, limit)
     first = starts + lengths - kept
-    return _ranges(first, kept)
+    return ranges(first, kept)
 
 
-def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The concatenation of range(first, first + count) for each pair."""
     counts = counts.astype(np.int64)
     total = int(counts.sum())
@@ -207,7 +207,7 @@ class Examples:
         return Examples(
             users=users,
             offsets=offsets.astype(np.int32),
-            events=_ranges(firsts, counts) if events is None else events,
+            events=ranges(firsts, counts) if events is None else events,
             first_target=np.broadcast_to(np.asarray(first_target, np.int32), len(counts)).copy(),
         )
 
@@ -263,7 +263,7 @@ def time_windows(starts, lengths, users, times, boundaries, spec: EventSpec):
                 None,
                 (history + targets)[present],
                 history[present],
-                events=_ranges(firsts, pairs),
+                events=ranges(firsts, pairs),
             )
         before = end
     return splits
@@ -351,7 +351,7 @@ def build_bucket(
         ((int(totals[i]), names.get(int(known[i]), f"id {int(known[i])}")) for i in capped),
         reverse=True,
     )[:NAMED_CAPPED_USERS]
-    ordered = events.take(index[_ranges(starts[enough], lengths[enough])])  # the one copy
+    ordered = events.take(index[ranges(starts[enough], lengths[enough])])  # the one copy
     starts, lengths = user_runs(ordered.users)
     run_users, total = run_users[enough], total[enough]
     if item_features is not None:

@@ -21,17 +21,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from hybridrec.common.files import fsync_directory
+from hybridrec.pipeline._histories import ranges
 
 STATE_DIR = "state"
 _DTYPES = {"items": np.uint64, "times": np.int64, "actions": np.int8}
-
-
-def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    counts = counts.astype(np.int64)
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    return np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(total)
 
 
 class UserState:
@@ -58,7 +51,7 @@ class UserState:
         where = np.minimum(np.searchsorted(self.users, users), max(len(self.users) - 1, 0))
         found = (self.users[where] == users) if len(self.users) else np.zeros(len(users), bool)
         lengths = np.where(found, self.length[where] if len(self.users) else 0, 0)
-        index = _ranges(np.where(found, self.start[where] if len(self.users) else 0, 0), lengths)
+        index = ranges(np.where(found, self.start[where] if len(self.users) else 0, 0), lengths)
         return lengths, {name: column[index] for name, column in self.data.items()}
 
     def set(self, users: np.ndarray, lengths: np.ndarray, columns: dict[str, np.ndarray]) -> None:
@@ -66,7 +59,7 @@ class UserState:
         users = np.asarray(users, np.uint64)
         kept = np.minimum(lengths, self.keep)
         offsets = np.cumsum(lengths) - lengths
-        index = _ranges(offsets + lengths - kept, kept)
+        index = ranges(offsets + lengths - kept, kept)
         total = len(index)
         self._reserve(total)
         for name, column in self.data.items():
@@ -102,7 +95,7 @@ class UserState:
                 self.data[name] = grown
 
     def _compact(self) -> None:
-        index = _ranges(self.start, self.length)
+        index = ranges(self.start, self.length)
         capacity = max(len(index) * 2, 1024)
         for name, column in self.data.items():
             packed = np.zeros(capacity, column.dtype)
@@ -114,7 +107,7 @@ class UserState:
     # ---- snapshots -------------------------------------------------------------------
 
     def to_table(self) -> pa.Table:
-        index = _ranges(self.start, self.length)
+        index = ranges(self.start, self.length)
         offsets = pa.array(np.concatenate([[0], np.cumsum(self.length)]).astype(np.int64))
         columns = {"user": pa.array(self.users, pa.uint64())}
         for name, column in self.data.items():
@@ -155,7 +148,7 @@ class UserState:
         items = lists["items"]
         offsets = items.offsets.to_numpy().astype(np.int64)
         lengths = np.diff(offsets)[rows]
-        index = _ranges(offsets[rows], lengths)
+        index = ranges(offsets[rows], lengths)
         columns = {}
         for name, dtype in self.columns.items():
             if name in lists:

@@ -39,7 +39,7 @@ from hybridrec.common.files import atomic_write_text, fsync_directory
 from hybridrec.pipeline import _chunks, _event_inputs, _event_read, manifest, metadata
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._event_parse import EventParser
-from hybridrec.pipeline._histories import Events, keep_last, user_runs
+from hybridrec.pipeline._histories import Events, keep_last, ranges, user_runs
 from hybridrec.pipeline._user_state import STATE_DIR, UserState, read_rows, snapshots
 from hybridrec.pipeline.event_spec import EventSpec
 
@@ -223,7 +223,7 @@ def stream_rows(state: UserState, events: Events, spec: EventSpec) -> tuple[pa.T
     pool = Events.concat([hist_events, new], list(events.sides))
     firsts = np.stack([hist_offsets[present], len(hist_events) + starts], axis=1).reshape(-1)
     counts = np.stack([row_hist, new_lengths], axis=1).reshape(-1)
-    index = _event_ranges(firsts, counts)
+    index = ranges(firsts, counts)
     lengths = row_hist + new_lengths
     late = 0
     if spec.time and len(new):
@@ -241,13 +241,6 @@ def stream_rows(state: UserState, events: Events, spec: EventSpec) -> tuple[pa.T
         "late_events": late,
         "capped_users_count": capped,
     }
-
-
-def _event_ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    total = int(counts.sum())
-    if not total:
-        return np.zeros(0, np.int64)
-    return np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(total)
 
 
 def _column(events: Events, name: str) -> np.ndarray:
@@ -315,9 +308,9 @@ class EventFiles:
         self.lines = len(entries)
         ids, _ = metadata.read_dataset(self.out).item_names()
         self.known_items = ids
-        if not taken or self.lines - taken[-1][0] >= self.snapshot_every:
+        self.snapshot_lines = taken[-1][0] if taken else -1
+        if self.lines - self.snapshot_lines >= self.snapshot_every or not taken:
             self._snapshot()
-        self.snapshot_lines = self.lines
 
     def prepare(self, seq: int, temp: Path, result: dict) -> dict:
         """Writes the file's shard (and new item names) under `temp`; returns what the
@@ -332,15 +325,16 @@ class EventFiles:
         ids = names.column("item").to_numpy()
         new = ~np.isin(ids, self.known_items)
         fields: dict[str, Any] = dict(counts)
+        moves = {}
         if new.any():
             name = f"{manifest.ITEMS_DIR}/items-{seq:06d}.parquet"
-            (self.out / manifest.ITEMS_DIR).mkdir(exist_ok=True)
-            pq.write_table(names.filter(pa.array(new)), self.out / name)
+            pq.write_table(names.filter(pa.array(new)), temp / "items.parquet")
+            moves[str(temp / "items.parquet")] = name  # committed with the line
             self.known_items = np.union1d(self.known_items, ids[new])
             fields |= {"items_file": name, "new_items": int(new.sum())}
         if result.get("capped_users"):
             fields["capped_users"] = result["capped_users"]
-        return {**result, "rows": table.num_rows, "fields": fields}
+        return {**result, "rows": table.num_rows, "fields": fields, "moves": moves}
 
     def committed(self) -> None:
         self.lines += 1

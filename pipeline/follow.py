@@ -330,6 +330,12 @@ def _commit(out: Path, seq: int, source: str, temp: Path, result: dict) -> manif
         atomic_write_text(copy.with_name(copy.name + ".reason.txt"), result["error"] + "\n")
         entry.update(kind="dead_letter", reason=result["error"], copy=str(copy.relative_to(out)))
     else:
+        for source_path, target in result.get("moves", {}).items():  # fsynced, renamed
+            (out / target).parent.mkdir(exist_ok=True)
+            with open(source_path, "rb") as handle:
+                os.fsync(handle.fileno())
+            os.replace(source_path, out / target)
+            fsync_directory((out / target).parent)
         name = manifest.shard_name(seq)
         (out / manifest.SHARDS_DIR).mkdir(exist_ok=True)
         shard = temp / "train" / "chunk-00000-00000.parquet"

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 MISSING = np.iinfo(np.int64).min  # an event appended without this value
-CONTEXT = ("times", "actions")  # what is kept of each event besides its item
+KEPT = ("times", "actions")  # what is kept of each event besides its item
 
 
 class KeptHistories:
     """user (raw id, bytes) -> item ids [<= max_events] uint64, oldest first, and what
-    else was appended of them (`CONTEXT`: times in seconds, action type ids; `MISSING`
+    else was appended of them (`KEPT`: times in seconds, action type ids; `MISSING`
     for events appended without).
 
     Args:
@@ -57,7 +57,7 @@ class KeptHistories:
             name: np.asarray((context or {})[name], np.int64)
             if name in (context or {})
             else np.full(len(users), MISSING, np.int64)
-            for name in CONTEXT
+            for name in KEPT
         }
         with self._lock:
             for user, indices in order.items():

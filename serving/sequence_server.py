@@ -220,7 +220,7 @@ def _kept(users: list[bytes], histories: Any, *, new_events: bool):
             "input 'users': this server keeps no histories (start it with `hybridrec serve "
             "--keep-histories N`); send the users' events as 'history' and 'lengths'"
         )
-    out, times = [], []
+    out, kept_context = [], []
     for user in users:
         found = histories.events(user)
         if found is None and not new_events:
@@ -231,8 +231,8 @@ def _kept(users: list[bytes], histories: Any, *, new_events: bool):
                 404,
             )
         out.append(found[0] if found is not None else np.zeros(0, np.uint64))
-        times.append(found[1] if found is not None else {})
-    return out, times
+        kept_context.append(found[1] if found is not None else {})
+    return out, kept_context
 
 
 def _split(ids: np.ndarray, lengths: Any, total: int) -> list[np.ndarray]:

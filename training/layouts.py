@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from hybridrec.common.errors import ConfigError
 from hybridrec.model import local_rows, make_global_batch, tower_parallel
+from hybridrec.model.sequence_step import CONTEXT_KEYS
 from hybridrec.pipeline.metadata import ITEM_FEATURE
 from hybridrec.training.input import Batch
 from hybridrec.training.sequences import SequenceBatch
@@ -178,11 +179,10 @@ class SequenceLayout:
         shared = {"rows": rows}
         if train:
             shared |= {"negatives": batch.negatives, "negative_logq": batch.negative_logq}
-        if train:
             keys = [key for key in batch.arrays if key != "actions" or self.ranking]
         else:
             keys = ["inputs", "segments", "positions", "targets"]
-            keys += [key for key in ("times", "event_actions") if key in batch.arrays]
+            keys += [key for key in CONTEXT_KEYS if key in batch.arrays]
         arrays = {key: self.own(batch.arrays[key]) for key in keys}
         return make_global_batch(arrays, self.mesh, replicated=shared)
 

@@ -195,7 +195,8 @@ class SequenceStreamSource:
     def _batches(self, plans: list[_Plan]) -> Iterator[SequenceBatch]:
         for plan in plans:
             parts = [self._part(shard, first, count) for shard, first, count in plan.parts]
-            self._catalogue_to(max(shard for shard, _, _ in plan.parts) + 1)
+            # the shards begun by the batch's end: what a checkpoint after it restores
+            self._catalogue_to(plan.after.shard + (plan.after.offset > 0))
             histories = Histories.concat([h for h, _ in parts])
             shift = np.cumsum([0, *(len(h) for h, _ in parts[:-1])])
             pieces = Pieces(
@@ -223,7 +224,7 @@ class SequenceStreamSource:
         """Adds the items of shards [catalogued, shards) to the catalogue (negatives)."""
         if shards <= self._catalogued:
             return
-        items = [self.shard(i)[0].items for i in range(self._catalogued, shards)]
+        items = [self.shard(i)[0].targets() for i in range(self._catalogued, shards)]
         self.catalogue = self.catalogue.merged(np.concatenate(items))
         self._catalogued = shards
         sequence = self.job.config.model.sequence

@@ -101,6 +101,12 @@ class Histories:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def targets(self) -> np.ndarray:
+        """The item ids at the histories' target positions (from `first_target` on): a
+        stream row's new events, each once however often its user's history repeats."""
+        first = np.minimum(np.maximum(self.first_target, 1), self.lengths)
+        return self.items[_ranges(self.offsets[:-1] + first, self.lengths - first)]
+
 
 @dataclasses.dataclass(frozen=True)
 class Catalogue:
@@ -125,8 +131,8 @@ class Catalogue:
         catalogue = cls.of(Histories.read(reference, split))
         entries = read_shards(metadata.root)[:shards]
         files = [metadata.root / entry.shard for entry in entries if entry.rows]
-        if files:
-            catalogue = catalogue.merged(Histories.read_files(files, actions=False).items)
+        if files:  # each stream event once: the rows' targets (their histories repeat)
+            catalogue = catalogue.merged(Histories.read_files(files, actions=False).targets())
         return catalogue
 
     def merged(self, items: np.ndarray) -> Catalogue:

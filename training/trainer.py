@@ -45,6 +45,7 @@ from hybridrec.training.run_dir import clear_run_dir
 from hybridrec.training.run_log import RunLog
 from hybridrec.training.sequence_eval import evaluate_sequences
 from hybridrec.training.sequence_stream import SequenceStreamSource
+from hybridrec.training.sequences import stream_pieces
 from hybridrec.training.sources import EpochSource, Segment, StreamSource
 
 SUMMARY_FILE = "summary.json"
@@ -160,7 +161,8 @@ class Trainer:
         self.store = None
         self.loop = None
         self.init = None
-        if follow is not None and follow.init_from is not None and not resume:
+        started = resume and self.checkpoints.latest_step() is not None
+        if follow is not None and follow.init_from is not None and not started:
             self.init = InitialModel(self.job, follow.init_from, follow.init_step)
             self.job = dataclasses.replace(
                 self.job,
@@ -335,8 +337,8 @@ class Trainer:
     def _evaluate_window(self, index: int) -> None:
         """An event stream's shard, evaluated before it is trained (window T -> T + 1)."""
         entry, histories = self.source.window(index)
-        if not len(histories):
-            return
+        if not len(stream_pieces(histories, self.config.model.sequence.max_length).history):
+            return  # no target: a file of new users' first events only
         results = evaluate_sequences(
             self.job, self.state, self.store, self.eval_step, self.source.catalogue,
             histories=histories,

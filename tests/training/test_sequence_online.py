@@ -177,3 +177,33 @@ def test_init_from_a_batch_run_on_the_reference_starts_the_stream_from_its_model
     assert started["hr@10"] > fresh["hr@10"] + 0.05, (started, fresh)
     wrong = _fails("train", "--follow", str(stream), "--run-dir", str(tmp_path / "x"), "--config", "sasrec", "--init-from", str(tmp_path / "nothing"))  # fmt: skip
     assert "nothing" in wrong and "does not exist" in wrong
+
+
+def test_a_file_of_new_users_first_events_has_no_target_and_the_run_goes_on(
+    tmp_path, stream_inputs, cli
+):
+    reference, staged = stream_inputs
+    inputs, stream = tmp_path / "in", tmp_path / "stream"
+    first = tmp_path / staged[0].name
+    first.write_bytes(staged[0].read_bytes())
+    header, line = staged[1].read_text().splitlines()[:2]
+    user, item, stamp, *rest = line.split(",")
+    newbies = [",".join([f"newbie-{i}", item, stamp, *rest]) for i in range(5)]
+    (tmp_path / "newbies.csv").write_text("\n".join([header, *newbies]) + "\n")
+    second = tmp_path / staged[1].name
+    second.write_bytes(staged[1].read_bytes())
+    config = FollowConfig(
+        inputs=[str(inputs / "*.csv")], output=str(stream), reference=str(reference), settle_seconds=0.0
+    )  # fmt: skip
+    for path in (first, tmp_path / "newbies.csv", second):  # in this order: 3 shards
+        arrive(path, inputs)
+        follow(config, max_idle=0.1, quiet=True)
+    shards = read_shards(stream)
+    assert [entry.raw["targets"] for entry in shards][1] == 0 and shards[1].rows == 5
+    run_dir = tmp_path / "run"
+    cli("train", "--follow", str(stream), "--run-dir", str(run_dir), "--config", "sasrec", *sets("data.batch_size=8", "data.token_budget=0"), "--max-idle", "0.5", "--quiet")  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rows_trained"] == sum(entry.raw["targets"] for entry in shards)
+    records = (run_dir / "metrics.jsonl").read_text().splitlines()
+    windows = sorted(r["window"] for r in map(json.loads, records) if r["kind"] == "window")
+    assert windows == [0, 2]  # the file without a target is not a window
