@@ -39,7 +39,14 @@ from hybridrec.common.files import atomic_write_text, fsync_directory
 from hybridrec.pipeline import _chunks, _event_inputs, _event_read, manifest, metadata
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._event_parse import EventParser
-from hybridrec.pipeline._histories import Events, keep_last, ranges, user_runs
+from hybridrec.pipeline._histories import (
+    Events,
+    Examples,
+    example_table,
+    keep_last,
+    ranges,
+    user_runs,
+)
 from hybridrec.pipeline._user_state import STATE_DIR, UserState, read_rows, snapshots
 from hybridrec.pipeline.event_spec import EventSpec
 
@@ -230,7 +237,8 @@ def stream_rows(state: UserState, events: Events, spec: EventSpec) -> tuple[pa.T
         last = np.where(row_hist > 0, pool.times[np.maximum(hist_offsets[present] + row_hist - 1, 0)], np.iinfo(np.int64).min)  # fmt: skip
         late = int((new.times < np.repeat(last, new_lengths)).sum())
     first_target = np.maximum(row_hist, 1)
-    table = _row_table(row_users, lengths, first_target, pool, index, spec)
+    rows = Examples.of(row_users, None, lengths, first_target.astype(np.int32), events=index)
+    table = example_table(rows, pool, spec)  # the event job's example form
     state.set(row_users, lengths, {name: _column(pool, name)[index] for name in state.columns})
     return table, {
         "events": len(new),
@@ -245,24 +253,6 @@ def stream_rows(state: UserState, events: Events, spec: EventSpec) -> tuple[pa.T
 
 def _column(events: Events, name: str) -> np.ndarray:
     return events.sides[name] if name in events.sides else getattr(events, name)
-
-
-def _row_table(users, lengths, first_target, pool: Events, index, spec: EventSpec) -> pa.Table:
-    """Rows in the event job's example form (`pipeline._histories.example_table`)."""
-    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-
-    def lists(values: np.ndarray) -> pa.Array:
-        return pa.ListArray.from_arrays(offsets, pa.array(values[index]))
-
-    columns = {"user": pa.array(users, pa.uint64()), "items": lists(pool.items)}
-    if spec.time:
-        columns["times"] = lists(pool.times)
-    if spec.action is not None:
-        columns["actions"] = lists(pool.actions)
-    for name, _ in spec.side_features:
-        columns[name] = lists(pool.sides[name])
-    columns["first_target"] = pa.array(first_target.astype(np.int32), pa.int32())
-    return pa.table(columns)
 
 
 class EventFiles:

@@ -16,12 +16,8 @@ from hybridrec.training.sequences import Histories, stream_pieces
 
 from tests.pipeline.test_event_follow import arrive, event_stream_inputs
 from tests.training.test_cli_errors import _fails
+from tests.training.test_online import _position
 from tests.training.test_sequence_training import sets
-
-
-def _position(run_dir, step: int) -> dict:
-    path = run_dir / "checkpoints" / "positions" / f"{step:010d}" / "process_0.json"
-    return json.loads(path.read_text())
 
 
 def test_stream_pieces_cover_every_target_once_newest_positions_whole():
