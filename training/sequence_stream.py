@@ -172,10 +172,12 @@ class SequenceStreamSource:
             if self.refresh() > known:
                 known, last_new = len(self.shards), time.monotonic()
             idle = time.monotonic() - last_new
+            # stopping for --max-idle trains the last, partial batch first
+            flush = idle >= self.flush_after or bool(self.max_idle and idle >= self.max_idle)
             plans, position, newest = [], self.position, -1
             while len(plans) < MAX_SEGMENT:
                 plan = self._plan(position)
-                if plan is None or not (plan.full or idle >= self.flush_after):
+                if plan is None or not (plan.full or flush):
                     break
                 last = max(shard for shard, _, _ in plan.parts)
                 if plans and last > max(newest, self.evaluated):

@@ -178,7 +178,8 @@ class StreamSource:
                 known, last_new = len(self.reader.shards), time.monotonic()
             idle = time.monotonic() - last_new
             available = self.reader.available(self.position)
-            flush = idle >= self.flush_after
+            # stopping for --max-idle trains the rows short of a batch first
+            flush = idle >= self.flush_after or bool(self.max_idle and idle >= self.max_idle)
             sizes = batch_sizes(available, self.batch_size, self.divisor, flush=flush)
             if sizes and not stop.is_set():
                 yield Segment(self.reader.batches(self.position, sizes), len(sizes))
