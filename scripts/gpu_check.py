@@ -56,7 +56,8 @@ NEEDED = {
     "httpx": "httpx",
     "tritonclient.http": "tritonclient[http]",
     "cryptography": "cryptography",
-    "hybridrec.embedding_store._native": "hybridrec (its C extension)",
+    "hybridrec.embedding_store._native": "hybridrec (its C extensions)",
+    "hybridrec.serving._scan": "hybridrec (its C extensions)",
 }
 TESTS = [
     "tests/model",

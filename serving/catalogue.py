@@ -1,29 +1,68 @@
 """Exact top-K over a catalogue: every item scored, the best K kept per query.
 
 The rows are held as one [C, D] float32 matrix, already in the form scores compare (an
-int8 export's dequantized, L2-normalized for cosine similarity). A batch of queries is
-scored chunk by chunk with one BLAS call each (`rows @ queries.T`, the layout BLAS is
-fastest at for a few queries); a chunk's items above a query's k-th best so far are
-merged into its top-K, so after a first small chunk only a few items a chunk are sorted.
-Ties are ordered by catalogue order, so the result is deterministic.
+int8 export's dequantized, L2-normalized for cosine similarity). Ties are ordered by
+catalogue order, so the result is deterministic.
+
+With the native kernel built (`serving/_scan.c`) and a CPU with AVX-512 VNNI, the rows are
+also held as 8-bit codes with per-row bounds on their error, a quarter of the bytes a scan
+reads. The scan has two stages: every item's score is bounded from its codes with integer
+dot products (the queries rounded to int8, that rounding bounded too), on every core, and
+only the items whose upper bound reaches the k-th best lower bound (a few hundred a query)
+are scored from the float32 rows. The bounds are rigorous, so the result is the exact
+top-K of the float32 rows, as the one-stage scan finds it.
+
+Elsewhere a batch of queries is scored chunk by chunk with one BLAS call each
+(`rows @ queries.T`); a chunk's items above a query's k-th best so far are merged into its
+top-K.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
+
+
+def _load_native():
+    """The compiled first stage (a C module that imports nothing of this package), or None
+    in a source tree without the built extension (see setup.py) or with HYBRIDREC_NATIVE=0."""
+    if os.environ.get("HYBRIDREC_NATIVE", "1") == "0":
+        return None
+    try:
+        return importlib.import_module("hybridrec.serving._scan")
+    except ImportError:
+        return None
+
+
+_scan = _load_native()
 
 CHUNK = 1 << 17  # catalogue rows scored at once
 FIRST_CHUNK = 4096  # the first chunk's rows: every query's top-k of them is sorted
+CODE_CHUNK = 1 << 16  # rows quantized at once when the codes are built
+_LEVELS = 255
+_CANDIDATE = np.dtype([("row", "<i8"), ("query", "<i4"), ("upper", "<f4")])
+_THREADS = max(1, min(os.cpu_count() or 1, 8))
+_pool: ThreadPoolExecutor | None = None
 
 
 class ExactCatalogue:
     """The items [C] uint64 (ascending) and their rows [C, D] float32, as scores use them."""
 
-    def __init__(self, items: np.ndarray, rows: np.ndarray):
+    def __init__(self, items: np.ndarray, rows: np.ndarray, *, native: bool | None = None):
+        """`native`: the two-stage scan (None: where the kernel is built and the CPU has
+        AVX-512 VNNI; its portable kernel is slower than the one-stage BLAS scan)."""
         if len(items) != len(rows):
             raise ValueError(f"{len(items)} items but {len(rows)} rows")
+        if native and _scan is None:
+            raise RuntimeError("the native scan (hybridrec.serving._scan) is not built")
         self.items = items
-        self.rows = rows
+        self.rows = np.ascontiguousarray(rows, np.float32)
+        if native is None:
+            native = _scan is not None and _scan.kernel() == "avx512-vnni"
+        self.codes = BoundedCodes(self.rows) if native else None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -37,10 +76,34 @@ class ExactCatalogue:
 
         One BLAS call a chunk, which threads itself (chunks on threads of their own were
         slower on the 2-core VM, docs/benchmarks.md)."""
+        masked = _positions(self.items, exclude or [])
+        queries = np.ascontiguousarray(queries, np.float32)
+        if self.codes is not None and len(self.items) and k > 0:
+            return self._two_stage(queries, min(k, len(self.items)), masked)
+        return self._one_stage(queries, k, masked)
+
+    def _two_stage(self, queries, k, masked):
+        n, size = len(queries), len(self.items)
+        rows, query = self.codes.candidates(queries, k, masked)
+        scores = np.einsum("md,md->m", self.rows[rows], queries[query])
+        order = np.lexsort((rows, -scores, query))
+        rows, query, scores = rows[order], query[order], scores[order]
+        rank = np.arange(len(query)) - np.searchsorted(query, query)
+        kept = rank < k
+        best_scores = np.full((n, k), -np.inf, np.float32)
+        best_index = np.full((n, k), size, np.int64)
+        best_scores[query[kept], rank[kept]] = scores[kept]
+        best_index[query[kept], rank[kept]] = rows[kept]
+        return self._items_of(best_index), best_scores
+
+    def _items_of(self, best_index):
+        found = best_index < len(self.items)
+        return np.where(found, self.items[np.where(found, best_index, 0)], 0)
+
+    def _one_stage(self, queries, k, masked):
         n = len(queries)
         size = len(self.items)
         k = min(k, size)
-        masked = _positions(self.items, exclude or [])
         best_scores = np.full((n, k), -np.inf, np.float32)
         best_index = np.full((n, k), size, np.int64)  # after every item: no item yet
         transposed = np.ascontiguousarray(queries.T, np.float32)  # items @ queries.T
@@ -52,9 +115,7 @@ class ExactCatalogue:
             threshold = best_scores[:, -1]
             found = self._candidates(start, stop, transposed, threshold, masked)
             _merge(best_scores, best_index, *found)
-        found = best_index < size
-        items = self.items[np.where(found, best_index, 0)]
-        return np.where(found, items, 0), best_scores
+        return self._items_of(best_index), best_scores
 
     def _candidates(self, start, stop, transposed, threshold, masked):
         """(catalogue index, row, score) of the items of [start, stop) above their row's
@@ -96,3 +157,112 @@ def _positions(catalogue: np.ndarray, exclude: list[np.ndarray]) -> tuple[np.nda
     position = np.minimum(np.searchsorted(catalogue, items), max(len(catalogue) - 1, 0))
     hit = catalogue[position] == items if len(catalogue) else np.zeros(len(items), bool)
     return rows[hit], position[hit]
+
+
+class BoundedCodes:
+    """A catalogue's rows [C, D] as 8-bit codes in blocks for the native scan, with the
+    terms that bound each score computed from them (serving/_scan.c): row i is about
+    `scale[i] * codes + offset[i]`, within `error[i]` of each value; `rounding[i]` covers
+    float rounding in either stage, `spread[i]` the rounding of the queries to int8.
+
+    `portable`: the portable integer kernel even where AVX-512 VNNI is there (the same
+    integers, slower)."""
+
+    def __init__(self, rows: np.ndarray, *, portable: bool = False):
+        size, dim = rows.shape
+        block, group = _scan.BLOCK, _scan.GROUP
+        self.size, self.dim, self.portable = size, dim, portable
+        self.blocks, self.groups = -(-size // block), -(-dim // group)
+        padded = self.blocks * block
+        codes = np.zeros((padded, self.groups * group), np.uint8)
+        self.terms = np.zeros((5, padded), np.float32)  # scale, offset, error, rounding, spread
+        rounding = (dim + 8) * 2.0**-23  # a D-term float32 dot product's, with room to spare
+        for start in range(0, size, CODE_CHUNK):
+            part = rows[start : start + CODE_CHUNK].astype(np.float64)
+            stop = start + len(part)
+            low, high = part.min(axis=1), part.max(axis=1)
+            scale = ((high - low) / _LEVELS).astype(np.float32)
+            scale[scale == 0] = 1.0  # a constant row: every code 0
+            offset = low.astype(np.float32)
+            scale64 = scale.astype(np.float64)[:, None]
+            offset64 = offset.astype(np.float64)[:, None]
+            level = np.clip(np.rint((part - offset64) / scale64), 0, _LEVELS)
+            codes[start:stop, :dim] = level
+            error = np.abs(part - (level * scale64 + offset64)).max(axis=1)
+            largest = np.abs(part).max(axis=1)
+            magnitude = rounding * (_LEVELS * scale + np.abs(offset) + largest)
+            spread = scale * np.abs(level - 128).sum(axis=1)
+            terms = np.stack([scale, offset, *_up([error, magnitude, spread])])
+            self.terms[:, start:stop] = terms
+        # [blocks, groups, block, group]: a row's four dimensions side by side
+        shape = (self.blocks, block, self.groups, group)
+        self.codes = np.ascontiguousarray(codes.reshape(shape).transpose(0, 2, 1, 3))
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.terms.nbytes
+
+    def _queries(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes [n, groups * 4], terms [n, 7]): each query as `step * codes + rho`."""
+        q = queries.astype(np.float64)
+        step = (np.abs(q).max(axis=1) / 127).astype(np.float32)
+        step[step == 0] = 1.0
+        step64 = step.astype(np.float64)[:, None]
+        levels = np.clip(np.rint(q / step64), -127, 127)
+        rho = q - levels * step64  # exact: a float32 times a small integer, in float64
+        codes = np.zeros((len(q), self.groups * _scan.GROUP), np.int8)
+        codes[:, : self.dim] = levels
+        absolute = np.abs(q).sum(axis=1)
+        magnitude = step64[:, 0] * np.abs(levels).sum(axis=1) + 128 * np.abs(rho.sum(axis=1))
+        terms = np.stack(
+            [
+                step,
+                128 * rho.sum(axis=1),
+                q.sum(axis=1),
+                *_up([absolute, magnitude + absolute, np.abs(rho).max(axis=1)]),
+                np.zeros(len(q)),
+            ],
+            axis=1,
+        )
+        return codes, np.ascontiguousarray(terms, np.float32)
+
+    def candidates(self, queries, k, masked) -> tuple[np.ndarray, np.ndarray]:
+        """(row [m], query [m]): every (row, query) whose upper bound reaches the query's
+        k-th best lower bound, the excluded left out, sorted by query; the row ranges of
+        the catalogue scanned on threads of their own."""
+        n = len(queries)
+        codes, terms = self._queries(queries)
+        query_of, position = masked
+        order = np.lexsort((position, query_of))
+        excluded = np.ascontiguousarray(position[order], np.int64)
+        starts = np.searchsorted(query_of[order], np.arange(n + 1)).astype(np.int64)
+        parts = max(1, min(_THREADS, self.blocks // 16))
+        bounds = np.linspace(0, self.blocks, parts + 1).astype(int)
+        heaps = [np.full((n, k), -np.inf, np.float32) for _ in range(parts)]
+
+        def scan(part: int) -> bytes:
+            return _scan.scan(
+                self.codes, self.terms, codes, terms, heaps[part], excluded, starts,
+                self.groups, k, int(bounds[part]), int(bounds[part + 1]), self.size,
+                self.portable,
+            )  # fmt: skip
+
+        found = list(_threads().map(scan, range(parts))) if parts > 1 else [scan(0)]
+        records = np.frombuffer(b"".join(found), _CANDIDATE)
+        lowers = np.concatenate(heaps, axis=1)
+        threshold = np.partition(lowers, lowers.shape[1] - k, axis=1)[:, -k]
+        kept = records[records["upper"] >= threshold[records["query"]]]
+        kept = kept[np.argsort(kept["query"], kind="stable")]
+        return kept["row"].astype(np.int64), kept["query"].astype(np.int64)
+
+
+def _up(values: list[np.ndarray]) -> list[np.ndarray]:
+    """Non-negative float64 terms as float32, rounded up with room to spare."""
+    return [(np.asarray(v, np.float64) * (1 + 2.0**-20)).astype(np.float32) for v in values]
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="catalogue-scan")
+    return _pool

@@ -1,6 +1,7 @@
 """The exact top-K over a catalogue against sorting every score in numpy: random rows,
 rows with ties (catalogue order decides), excluded items, k above what is left, and
-catalogues smaller and larger than a chunk."""
+catalogues smaller and larger than a chunk; the one-stage BLAS scan and the two-stage scan
+(8-bit codes with a bound on their error, then the candidates scored from the rows)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import pytest
 from hybridrec.serving import catalogue as catalogue_lib
 from hybridrec.serving.catalogue import ExactCatalogue
 
+SCANS = [False, True]  # the one-stage numpy scan, the native two-stage scan
+
 
 def reference(items, rows, queries, k, exclude):
-    scores = queries @ rows.T
+    scores = queries.astype(np.float64) @ rows.T.astype(np.float64)
     for row, excluded in enumerate(exclude or []):
         scores[row, np.isin(items, excluded)] = -np.inf
     order = np.lexsort((np.broadcast_to(np.arange(len(items)), scores.shape), -scores), axis=1)
@@ -19,8 +22,24 @@ def reference(items, rows, queries, k, exclude):
     return items[order], np.take_along_axis(scores, order, axis=1)
 
 
+def assert_top_k(got, want, rows, items, queries):
+    """The same items in the same order, but for items whose exact scores are within float32
+    rounding of each other (either order is right); scores within rounding."""
+    (got_items, got_scores), (want_items, want_scores) = got, want
+    scale = np.abs(queries).sum(axis=1, keepdims=True) * np.abs(rows).max() + 1e-30
+    np.testing.assert_allclose(got_scores, want_scores, rtol=0, atol=1e-5 * scale.max())
+    position = {int(item): i for i, item in enumerate(items)}
+    for q, (got_row, want_row) in enumerate(zip(got_items, want_items, strict=True)):
+        if np.array_equal(got_row, want_row):
+            continue
+        exact = np.array([queries[q].astype(np.float64) @ rows[position[int(i)]] for i in got_row])
+        np.testing.assert_allclose(exact, want_scores[q], rtol=0, atol=1e-5 * scale[q, 0])
+        assert len(set(got_row.tolist())) == len(got_row)
+
+
+@pytest.mark.parametrize("native", SCANS, ids=["one-stage", "two-stage"])
 @pytest.mark.parametrize("size", [50, 5000, 300_000])
-def test_top_k_equals_sorting_every_score(size, monkeypatch):
+def test_top_k_equals_sorting_every_score(size, native, monkeypatch):
     monkeypatch.setattr(catalogue_lib, "CHUNK", 65536)  # several chunks at 300k
     rng = np.random.default_rng(size)
     items = np.sort(rng.choice(np.arange(1, 10 * size, dtype=np.uint64), size, replace=False))
@@ -29,17 +48,64 @@ def test_top_k_equals_sorting_every_score(size, monkeypatch):
     queries = rng.standard_normal((5, 16)).astype(np.float32)
     queries[1] = 0.0  # every score equal: catalogue order alone
     exclude = [items[rng.integers(size, size=9)] for _ in range(5)]
-    scan = ExactCatalogue(items, rows)
+    scan = ExactCatalogue(items, rows, native=native)
     for k in (1, 10, min(100, size - 10)):  # at most 9 excluded: k items are left
         for excluded in (None, exclude):
-            got_items, got_scores = scan.top_k(queries, k, excluded)
-            want_items, want_scores = reference(items, rows, queries, k, excluded)
-            np.testing.assert_array_equal(got_items, want_items)
-            np.testing.assert_array_equal(got_scores, want_scores.astype(np.float32))
+            got = scan.top_k(queries, k, excluded)
+            assert_top_k(got, reference(items, rows, queries, k, excluded), rows, items, queries)
 
 
-def test_k_beyond_what_is_left_ends_in_minus_infinity():
+@pytest.mark.parametrize("native", SCANS, ids=["one-stage", "two-stage"])
+def test_k_beyond_what_is_left_ends_in_minus_infinity(native):
     items = np.arange(1, 6, dtype=np.uint64)
-    scan = ExactCatalogue(items, np.eye(5, dtype=np.float32))
+    scan = ExactCatalogue(items, np.eye(5, dtype=np.float32), native=native)
     found, scores = scan.top_k(np.ones((1, 5), np.float32), 5, [items[:2]])
     assert list(found[0, :3]) == [3, 4, 5] and np.isneginf(scores[0, 3:]).all()
+
+
+def test_two_stage_holds_where_codes_are_coarse():
+    """Rows the 8-bit codes fit badly (a large common offset under small differences, one
+    huge value among small ones, constant rows, cosine-normalized rows), dimensions that
+    are no multiple of anything, 70 queries (past one bit each of the scan's mask): the
+    bound keeps every item of the exact top-K among the candidates."""
+    rng = np.random.default_rng(7)
+    size, dim = 20_011, 37
+    rows = rng.standard_normal((size, dim)).astype(np.float32)
+    rows[:5000] = 1000.0 + 1e-3 * rows[:5000]  # offset 1000, differences of 1e-3
+    rows[5000:10000, 3] *= 1e4  # one value dwarfs the row's others
+    rows[10000:10100] = 0.25  # constant rows
+    rows[10100:] /= np.linalg.norm(rows[10100:], axis=1, keepdims=True)
+    items = np.arange(1, size + 1, dtype=np.uint64)
+    queries = rng.standard_normal((70, dim)).astype(np.float32)
+    queries[::3] *= 1e-3
+    exclude = [items[rng.integers(size, size=rng.integers(0, 300))] for _ in range(70)]
+    scan = ExactCatalogue(items, rows, native=True)
+    assert scan.codes.nbytes < rows.nbytes / 2
+    for k in (1, 100, 2000):
+        got = scan.top_k(queries, k, exclude)
+        assert_top_k(got, reference(items, rows, queries, k, exclude), rows, items, queries)
+
+
+def test_two_stage_scores_few_items_exactly():
+    """Most items are ruled out by their bound: a thousand-item top-100 of a 300k catalogue
+    scores a few hundred items a query from the rows, not all of them."""
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((300_000, 64)).astype(np.float32)
+    scan = ExactCatalogue(np.arange(1, 300_001, dtype=np.uint64), rows, native=True)
+    queries = rng.standard_normal((8, 64)).astype(np.float32)
+    nothing = np.zeros(0, np.int64)
+    rows_scored, query = scan.codes.candidates(queries, 100, (nothing, nothing))
+    assert len(rows_scored) < 8 * 1000 and np.bincount(query).min() >= 100
+
+
+def test_the_kernels_compute_the_same_integers():
+    """AVX-512 VNNI's kernel (where the CPU has it) and the portable one: the same
+    candidates for a dimension no multiple of 4 and an odd number of queries."""
+    rng = np.random.default_rng(11)
+    rows = rng.standard_normal((10_007, 50)).astype(np.float32)
+    queries = rng.standard_normal((9, 50)).astype(np.float32)
+    excluded = (np.repeat(np.arange(9), 20), rng.integers(10_007, size=180))
+    fast = catalogue_lib.BoundedCodes(rows).candidates(queries, 50, excluded)
+    portable = catalogue_lib.BoundedCodes(rows, portable=True).candidates(queries, 50, excluded)
+    for got, want in zip(fast, portable, strict=True):
+        np.testing.assert_array_equal(got, want)
