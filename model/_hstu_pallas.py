@@ -22,6 +22,11 @@ kernel: each query block sums its pairs' score gradients for the buckets its til
 (one bucket for far tiles, a few near the diagonal) into a partial vector, and the partial
 vectors of the blocks are added up outside.
 
+With event times, each pair's score also gets a learned bias per head and bucket of its
+time gap t_i - t_j (`time_bucket`): the kernels read each row's times, compute the buckets
+of a tile's pairs and gather from the head's [time buckets] table; the backward kernel
+reduces that table's gradient per bucket as it does the relative bias's.
+
 `hstu_attention.py` holds the jax.numpy reference these kernels are tested against and the
 custom gradient that joins them.
 """
@@ -46,11 +51,46 @@ def _live(q_segments, k_segments, q_positions, k_positions):
     )
 
 
-def _tile(q, k, distance_bias_ref, q_positions, k_positions, alpha):
-    """Scores of a tile (float32) and the clipped distances of its pairs."""
+def time_bucket(gap, buckets: int):
+    """The time-bias bucket of each gap in seconds (>= 0): half an octave each,
+    floor(2 log2(1 + gap)), the last bucket holding every longer gap."""
+    gap = jnp.maximum(jnp.asarray(gap).astype(jnp.float32), 0.0)
+    return jnp.minimum((2.0 * jnp.log2(1.0 + gap)).astype(jnp.int32), buckets - 1)
+
+
+def _tile(q, k, distance_bias_ref, q_positions, k_positions, alpha, time=None):
+    """Scores of a tile (float32), the clipped distances of its pairs and, with `time`
+    ((q_times, k_times, time_bias_ref, buckets)), their time buckets (else None)."""
     distance = jnp.maximum(q_positions[:, None] - k_positions[None, :], 0)
     scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * alpha
-    return scores + distance_bias_ref[distance], distance
+    scores = scores + distance_bias_ref[distance]
+    if time is None:
+        return scores, distance, None
+    q_times, k_times, time_bias_ref, buckets = time
+    gap_buckets = time_bucket(q_times[:, None] - k_times[None, :], buckets)
+    return scores + time_bias_ref[gap_buckets], distance, gap_buckets
+
+
+def _split_refs(refs, time_buckets: int):
+    """(times_ref, time_bias_ref, the other refs): the time refs come first after the
+    fixed ones when the kernel has a time bias (else None, None)."""
+    if time_buckets:
+        return refs[0], refs[1], refs[2:]
+    return None, None, refs
+
+
+def _add_buckets(dbias, dscores, tile_buckets, live, buckets: int):
+    """dbias [padded buckets] plus each bucket's sum of the tile's score gradients, over
+    the buckets [first, last] the tile's live pairs reach."""
+    bucket_ids = jnp.arange(dbias.shape[-1])
+
+    def add_bucket(bucket, dbias):
+        total = jnp.sum(jnp.sum(jnp.where(tile_buckets == bucket, dscores, 0.0), axis=1), axis=0)
+        return dbias + jnp.where(bucket_ids == bucket, total, 0.0)
+
+    first = jnp.min(jnp.min(jnp.where(live, tile_buckets, buckets), axis=1), axis=0)
+    last = jnp.max(jnp.max(jnp.where(live, tile_buckets, -1), axis=1), axis=0)
+    return lax.fori_loop(first, last + 1, add_bucket, dbias)
 
 
 def _forward_kernel(
@@ -58,16 +98,15 @@ def _forward_kernel(
     kv_hi_ref,
     segments_ref,
     distance_bias_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    out_ref,
-    *,
+    *refs,
     block_q: int,
     block_k: int,
     alpha: float,
     inv_norm: float,
+    time_buckets: int,
 ):
+    """refs: [times_ref, time_bias_ref,] q_ref, k_ref, v_ref, out_ref."""
+    times_ref, time_bias_ref, (q_ref, k_ref, v_ref, out_ref) = _split_refs(refs, time_buckets)
     q_block = pl.program_id(2)
     q_rows = pl.ds(q_block * block_q, block_q)
     q = q_ref[...]
@@ -78,7 +117,10 @@ def _forward_kernel(
         k_rows = pl.ds(k_block * block_k, block_k)
         k, v = k_ref[k_rows, :], v_ref[k_rows, :]
         k_positions = k_block * block_k + jnp.arange(block_k)
-        scores, _ = _tile(q, k, distance_bias_ref, q_positions, k_positions, alpha)
+        time = None
+        if time_buckets:
+            time = (times_ref[q_rows], times_ref[k_rows], time_bias_ref, time_buckets)
+        scores, _, _ = _tile(q, k, distance_bias_ref, q_positions, k_positions, alpha, time)
         live = _live(q_segments, segments_ref[k_rows], q_positions, k_positions)
         weights = jnp.where(live, scores * jax.nn.sigmoid(scores), 0.0)
         return total + jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
@@ -96,26 +138,29 @@ def _backward_kernel(
     segments_ref,
     distance_bias_ref,
     distance_bucket_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    dout_ref,
-    dq_ref,
-    dk_ref,
-    dv_ref,
-    dbias_ref,
-    *,
+    *refs,
     block: int,
     alpha: float,
     inv_norm: float,
     buckets: int,
+    time_buckets: int,
 ):
     """Program j: dk, dv of key block j (over the query blocks that reach it), dq and the
-    bias gradient's partial sums of query block j (over the key blocks it reaches)."""
+    biases' gradient partial sums of query block j (over the key blocks it reaches).
+    refs: [times_ref, time_bias_ref,] q_ref, k_ref, v_ref, dout_ref, dq_ref, dk_ref,
+    dv_ref, dbias_ref[, dtime_ref]."""
+    times_ref, time_bias_ref, refs = _split_refs(refs, time_buckets)
+    q_ref, k_ref, v_ref, dout_ref, dq_ref, dk_ref, dv_ref, dbias_ref = refs[:8]
+    dtime_ref = refs[8] if time_buckets else None
     j = pl.program_id(2)
     rows = pl.ds(j * block, block)
     positions = j * block + jnp.arange(block)
     segments = segments_ref[rows]
+
+    def time_of(q_rows, k_rows):
+        if not time_buckets:
+            return None
+        return times_ref[q_rows], times_ref[k_rows], time_bias_ref, time_buckets
 
     def score_gradient(scores, live, q_dout, v):
         """d loss / d scores of a tile, and its attention weights."""
@@ -133,7 +178,8 @@ def _backward_kernel(
         q_rows = pl.ds(q_block * block, block)
         q, q_dout = q_ref[q_rows, :], dout_ref[q_rows, :]
         q_positions = q_block * block + jnp.arange(block)
-        scores, _ = _tile(q, k, distance_bias_ref, q_positions, positions, alpha)
+        time = time_of(q_rows, rows)
+        scores, _, _ = _tile(q, k, distance_bias_ref, q_positions, positions, alpha, time)
         live = _live(segments_ref[q_rows], segments, q_positions, positions)
         dscores, weights = score_gradient(scores, live, q_dout, v)
         dv = dv + jnp.dot(
@@ -147,36 +193,36 @@ def _backward_kernel(
     dk_ref[...] = (dk * alpha).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
-    # dq and the bias gradient of query block j
+    # dq and the biases' gradients of query block j
     q, q_dout = q_ref[rows, :], dout_ref[rows, :]
-    bucket_ids = jnp.arange(dbias_ref.shape[-1])
-
-    def add_bucket(bucket, carry):
-        dbias, dscores, tile_buckets = carry
-        total = jnp.sum(jnp.sum(jnp.where(tile_buckets == bucket, dscores, 0.0), axis=1), axis=0)
-        return dbias + jnp.where(bucket_ids == bucket, total, 0.0), dscores, tile_buckets
 
     def visit_keys(k_block, carry):
-        dq, dbias = carry
+        dq, dbias, dtime = carry
         k_rows = pl.ds(k_block * block, block)
         k, v = k_ref[k_rows, :], v_ref[k_rows, :]
         k_positions = k_block * block + jnp.arange(block)
-        scores, distance = _tile(q, k, distance_bias_ref, positions, k_positions, alpha)
+        time = time_of(rows, k_rows)
+        scores, distance, gap_buckets = _tile(
+            q, k, distance_bias_ref, positions, k_positions, alpha, time
+        )
         live = _live(segments, segments_ref[k_rows], positions, k_positions)
         dscores, _ = score_gradient(scores, live, q_dout, v)
         dq = dq + jnp.dot(dscores.astype(k.dtype), k, preferred_element_type=jnp.float32)
-        # the tile's live pairs reach buckets [first, last]: one for far tiles
+        # the tile's live pairs reach a range of buckets: one for far tiles
         tile_buckets = distance_bucket_ref[distance]
-        first = jnp.min(jnp.min(jnp.where(live, tile_buckets, buckets), axis=1), axis=0)
-        last = jnp.max(jnp.max(jnp.where(live, tile_buckets, -1), axis=1), axis=0)
-        dbias, _, _ = lax.fori_loop(first, last + 1, add_bucket, (dbias, dscores, tile_buckets))
-        return dq, dbias
+        dbias = _add_buckets(dbias, dscores, tile_buckets, live, buckets)
+        if time_buckets:
+            dtime = _add_buckets(dtime, dscores, gap_buckets, live, time_buckets)
+        return dq, dbias, dtime
 
     dq = jnp.zeros(dq_ref.shape, jnp.float32)
     dbias = jnp.zeros(dbias_ref.shape, jnp.float32)
-    dq, dbias = lax.fori_loop(kv_lo_ref[j], kv_hi_ref[j], visit_keys, (dq, dbias))
+    dtime = jnp.zeros(dtime_ref.shape if time_buckets else (1,), jnp.float32)
+    dq, dbias, dtime = lax.fori_loop(kv_lo_ref[j], kv_hi_ref[j], visit_keys, (dq, dbias, dtime))
     dq_ref[...] = (dq * alpha).astype(dq_ref.dtype)
     dbias_ref[...] = dbias
+    if time_buckets:
+        dtime_ref[...] = dtime
 
 
 def _row_spec(length, width):
@@ -199,17 +245,48 @@ def _compiler_params(block_q, block_k, head_dim):
     return plgpu.CompilerParams(num_warps=warps, num_stages=2)
 
 
+def _time_inputs(times, time_bias, length):
+    """([in specs], [arrays]) of the time bias (none without it): each row's times
+    [batch, length] int32 and each head's table [heads, buckets rounded up to a power of
+    two] float32."""
+    if time_bias is None:
+        return [], []
+    padded = pl.next_power_of_2(time_bias.shape[1])
+    table = jnp.pad(time_bias.astype(jnp.float32), ((0, 0), (0, padded - time_bias.shape[1])))
+    return [_per_row(length), _per_head(padded)], [times.astype(jnp.int32), table]
+
+
 def forward(
-    q, k, v, segments, distance_bias, kv_bounds, *, block_q, block_k, alpha, inv_norm, interpret
+    q,
+    k,
+    v,
+    segments,
+    distance_bias,
+    kv_bounds,
+    *,
+    block_q,
+    block_k,
+    alpha,
+    inv_norm,
+    interpret,
+    times=None,
+    time_bias=None,
 ):
     """q, k, v: [batch, length, heads, dim] (dim a power of two); segments: [batch, length]
     int32; distance_bias: [heads, length] float32; kv_bounds: ([batch, q_blocks] int32) x 2,
-    the key blocks each query block visits. Returns [batch, length, heads, dim]."""
+    the key blocks each query block visits; times [batch, length] and time_bias [heads,
+    time buckets]: the time bias, if any. Returns [batch, length, heads, dim]."""
     batch, length, heads, dim = q.shape
     kv_lo, kv_hi = kv_bounds
     blocks = kv_lo.shape[1]
+    time_specs, time_arrays = _time_inputs(times, time_bias, length)
     kernel = functools.partial(
-        _forward_kernel, block_q=block_q, block_k=block_k, alpha=alpha, inv_norm=inv_norm
+        _forward_kernel,
+        block_q=block_q,
+        block_k=block_k,
+        alpha=alpha,
+        inv_norm=inv_norm,
+        time_buckets=0 if time_bias is None else time_bias.shape[1],
     )
     return pl.pallas_call(
         kernel,
@@ -219,6 +296,7 @@ def forward(
             _per_row(blocks),
             _per_row(length),
             _per_head(length),
+            *time_specs,
             pl.BlockSpec((None, block_q, None, dim), lambda b, h, i: (b, i, h, 0)),
             _row_spec(length, dim),
             _row_spec(length, dim),
@@ -228,7 +306,7 @@ def forward(
         compiler_params=_compiler_params(block_q, block_k, dim),
         interpret=interpret,
         name="hstu_attention_forward",
-    )(kv_lo, kv_hi, segments, distance_bias, q, k, v)
+    )(kv_lo, kv_hi, segments, distance_bias, *time_arrays, q, k, v)
 
 
 def backward(
@@ -247,18 +325,30 @@ def backward(
     alpha,
     inv_norm,
     interpret,
+    times=None,
+    time_bias=None,
 ):
     """The gradients of `forward` (square blocks of `block` rows): dq, dk, dv like q and
-    the bias gradient's partial sums, [batch, heads, blocks, buckets rounded up to a power
-    of two] float32 (summed over batch and blocks by the caller)."""
+    the biases' gradient partial sums, [batch, heads, blocks, buckets rounded up to a
+    power of two] float32 each (summed over batch and blocks by the caller): the relative
+    bias's, then the time bias's when there is one."""
     batch, length, heads, dim = q.shape
     blocks = length // block
-    padded_buckets = pl.next_power_of_2(buckets)
+    time_specs, time_arrays = _time_inputs(times, time_bias, length)
+    time_buckets = 0 if time_bias is None else time_bias.shape[1]
     kernel = functools.partial(
-        _backward_kernel, block=block, alpha=alpha, inv_norm=inv_norm, buckets=buckets
+        _backward_kernel,
+        block=block,
+        alpha=alpha,
+        inv_norm=inv_norm,
+        buckets=buckets,
+        time_buckets=time_buckets,
     )
     block_spec = pl.BlockSpec((None, block, None, dim), lambda b, h, i: (b, i, h, 0))
     bounds_width = kv_bounds[0].shape[1]
+    partial_widths = [pl.next_power_of_2(buckets)]
+    if time_buckets:
+        partial_widths.append(pl.next_power_of_2(time_buckets))
     return pl.pallas_call(
         kernel,
         grid=(batch, heads, blocks),
@@ -267,21 +357,39 @@ def backward(
             _per_row(length),
             _per_head(length),
             pl.BlockSpec((length,), lambda b, h, i: (0,)),
+            *time_specs,
             *[_row_spec(length, dim)] * 4,
         ],
         out_specs=[
             block_spec,
             block_spec,
             block_spec,
-            pl.BlockSpec((None, None, None, padded_buckets), lambda b, h, i: (b, h, i, 0)),
+            *[
+                pl.BlockSpec((None, None, None, width), lambda b, h, i: (b, h, i, 0))
+                for width in partial_widths
+            ],
         ],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct((batch, heads, blocks, padded_buckets), jnp.float32),
+            *[
+                jax.ShapeDtypeStruct((batch, heads, blocks, width), jnp.float32)
+                for width in partial_widths
+            ],
         ],
         compiler_params=_compiler_params(block, block, dim),
         interpret=interpret,
         name="hstu_attention_backward",
-    )(*kv_bounds, *q_bounds, segments, distance_bias, distance_bucket, q, k, v, dout)
+    )(
+        *kv_bounds,
+        *q_bounds,
+        segments,
+        distance_bias,
+        distance_bucket,
+        *time_arrays,
+        q,
+        k,
+        v,
+        dout,
+    )

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from hybridrec.model import _hstu_pallas
+from hybridrec.model._hstu_pallas import time_bucket
 from jax.experimental import pallas as pl
 
 IMPLEMENTATIONS = ("auto", "pallas", "reference")
@@ -47,13 +48,6 @@ def relative_bucket(distance, buckets: int, max_distance: int):
     scaled = scaled / math.log(max_distance / exact) * (buckets - exact)
     far = exact + scaled.astype(jnp.int32)
     return jnp.minimum(jnp.where(distance < exact, distance, far), buckets - 1)
-
-
-def time_bucket(gap, buckets: int):
-    """The time-bias bucket of each gap in seconds (>= 0): half an octave each,
-    floor(2 log2(1 + gap)), the last bucket holding every longer gap."""
-    gap = jnp.maximum(jnp.asarray(gap, jnp.float32), 0.0)
-    return jnp.minimum((2.0 * jnp.log2(1.0 + gap)).astype(jnp.int32), buckets - 1)
 
 
 def _time_bias(time_bias, query_times, key_times):
@@ -185,13 +179,15 @@ def _check_blocks(length: int, *blocks: int) -> None:
             )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
 def _kernel_attention(
-    q, k, v, segments, bias, alpha, inv_norm, max_distance, block_q, block_k, block, interpret
-):
+    q, k, v, segments, bias, times, time_bias, alpha, inv_norm, max_distance, block_q,
+    block_k, block, interpret,
+):  # fmt: skip
     out, _ = _kernel_forward(
-        q, k, v, segments, bias, alpha, inv_norm, max_distance, block_q, block_k, block, interpret
-    )
+        q, k, v, segments, bias, times, time_bias, alpha, inv_norm, max_distance, block_q,
+        block_k, block, interpret,
+    )  # fmt: skip
     return out
 
 
@@ -201,8 +197,9 @@ def _distance_tables(bias, length, max_distance):
 
 
 def _kernel_forward(
-    q, k, v, segments, bias, alpha, inv_norm, max_distance, block_q, block_k, block, interpret
-):
+    q, k, v, segments, bias, times, time_bias, alpha, inv_norm, max_distance, block_q,
+    block_k, block, interpret,
+):  # fmt: skip
     distance_bias, _ = _distance_tables(bias, q.shape[1], max_distance)
     kv_bounds, _ = block_bounds(segments, block_q, block_k)
     out = _hstu_pallas.forward(
@@ -217,15 +214,17 @@ def _kernel_forward(
         alpha=alpha,
         inv_norm=inv_norm,
         interpret=interpret,
+        times=times,
+        time_bias=time_bias,
     )
-    return out, (q, k, v, segments, bias)
+    return out, (q, k, v, segments, bias, times, time_bias)
 
 
 def _kernel_backward(alpha, inv_norm, max_distance, block_q, block_k, block, interpret, res, dout):
-    q, k, v, segments, bias = res
+    q, k, v, segments, bias, times, time_bias = res
     distance_bias, distance_bucket = _distance_tables(bias, q.shape[1], max_distance)
     kv_bounds, q_bounds = block_bounds(segments, block, block)
-    dq, dk, dv, dbias = _hstu_pallas.backward(
+    dq, dk, dv, dbias, *dtime = _hstu_pallas.backward(
         q,
         k,
         v,
@@ -240,10 +239,15 @@ def _kernel_backward(alpha, inv_norm, max_distance, block_q, block_k, block, int
         alpha=alpha,
         inv_norm=inv_norm,
         interpret=interpret,
+        times=times,
+        time_bias=time_bias,
     )
     dbias = dbias.sum(axis=(0, 2))[:, : bias.shape[1]].astype(bias.dtype)
     dsegments = np.zeros(segments.shape, jax.dtypes.float0)
-    return dq, dk, dv, dsegments, dbias
+    if time_bias is None:
+        return dq, dk, dv, dsegments, dbias, None, None
+    dtime_bias = dtime[0].sum(axis=(0, 2))[:, : time_bias.shape[1]].astype(time_bias.dtype)
+    return dq, dk, dv, dsegments, dbias, np.zeros(times.shape, jax.dtypes.float0), dtime_bias
 
 
 _kernel_attention.defvjp(_kernel_forward, _kernel_backward)
@@ -263,6 +267,8 @@ def hstu_attention_pallas(
     block_k: int = 64,
     block_backward: int = 64,
     interpret: bool = False,
+    times=None,
+    time_bias=None,
 ):
     """The Pallas kernel (forward and backward) of `hstu_attention_reference`, same
     arguments; block_q / block_k tile the forward pass, block_backward (square) the
@@ -270,6 +276,10 @@ def hstu_attention_pallas(
     is no power of two >= 16 is zero-padded to one (the scores and outputs are unchanged)."""
     length, dim = q.shape[1], q.shape[3]
     _check_blocks(length, block_q, block_k, block_backward)
+    if time_bias is not None and times is None:
+        raise ValueError("a time bias needs each position's times")
+    if time_bias is not None:
+        times = jnp.asarray(times, jnp.int32)
     width = max(16, pl.next_power_of_2(dim))
     if width != dim:
         pad = ((0, 0), (0, 0), (0, 0), (0, width - dim))
@@ -281,6 +291,8 @@ def hstu_attention_pallas(
         v,
         segments,
         bias,
+        times if time_bias is not None else None,
+        time_bias,
         float(alpha),
         float(inv_norm),
         int(max_distance),
@@ -296,42 +308,50 @@ _probed: dict[tuple, str | None] = {}
 _said: set[str] = set()
 
 
-def kernel_problem(dtype, dim: int, backend: str | None = None) -> str | None:
-    """Why the kernel cannot run on `backend` (default: JAX's) for this dtype and width
-    (None: it compiles): a small forward and backward pass compiled once per (backend,
-    dtype, width)."""
+def kernel_problem(
+    dtype, dim: int, backend: str | None = None, time_buckets: int = 0
+) -> str | None:
+    """Why the kernel cannot run on `backend` (default: JAX's) for this dtype and width,
+    with a time bias of `time_buckets` if any (None: it compiles): a small forward and
+    backward pass compiled once per (backend, dtype, width, time bias or not)."""
     backend = backend or jax.default_backend()
-    key = (backend, jnp.dtype(dtype).name, dim)
+    key = (backend, jnp.dtype(dtype).name, dim, time_buckets > 0)
     if key not in _probed:
         if backend != "gpu":
             _probed[key] = f"the kernel is for GPUs, the backend is {backend}"
         else:
-            _probed[key] = _probe(dtype, dim)
+            _probed[key] = _probe(dtype, dim, time_buckets)
     return _probed[key]
 
 
-def _probe(dtype, dim: int) -> str | None:
+def _probe(dtype, dim: int, time_buckets: int) -> str | None:
     shape = (1, 128, 1, dim)
     q = jnp.ones(shape, dtype)
     segments = jnp.zeros((1, 128), jnp.int32)
     bias = jnp.zeros((1, 8), jnp.float32)
+    times = jnp.arange(128, dtype=jnp.int32)[None] * 60 if time_buckets else None
+    time_bias = jnp.zeros((1, time_buckets), jnp.float32) if time_buckets else None
 
-    def loss(q, bias):
+    def loss(q, bias, time_bias):
         out = hstu_attention_pallas(
-            q, q, q, segments, bias, alpha=1.0, inv_norm=1.0, max_distance=64
-        )
+            q, q, q, segments, bias, alpha=1.0, inv_norm=1.0, max_distance=64,
+            times=times, time_bias=time_bias,
+        )  # fmt: skip
         return out.astype(jnp.float32).sum()
 
     try:
-        jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(q, bias))
+        jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(q, bias, time_bias))
     except Exception as error:  # any compile or launch failure: fall back, saying why
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     return None
 
 
-def resolve_implementation(implementation: str, dtype, dim: int, backend: str | None = None) -> str:
+def resolve_implementation(
+    implementation: str, dtype, dim: int, backend: str | None = None, time_buckets: int = 0
+) -> str:
     """'pallas' or 'reference' for `implementation` ('auto' picks the kernel on a GPU when
-    it compiles, saying so in one line when it does not); backend: default JAX's."""
+    it compiles, with a time bias of `time_buckets` if any, saying so in one line when it
+    does not); backend: default JAX's."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"attention implementation {implementation!r}: expected one of {IMPLEMENTATIONS}"
@@ -341,7 +361,7 @@ def resolve_implementation(implementation: str, dtype, dim: int, backend: str | 
     backend = backend or jax.default_backend()
     if backend != "gpu":
         return "reference"
-    problem = kernel_problem(dtype, dim, backend)
+    problem = kernel_problem(dtype, dim, backend, time_buckets)
     if problem is None:
         return "pallas"
     if problem not in _said:  # one line per reason, not one per call
@@ -373,13 +393,9 @@ def hstu_attention(
     time_bias=None,
 ):
     """HSTU attention by `implementation` ('auto', 'pallas' or 'reference'); the
-    arguments are `hstu_attention_reference`'s. The kernel has no time bias yet: with
-    one, 'auto' takes the reference and 'pallas' is refused."""
-    if time_bias is not None:
-        if implementation == "pallas":
-            raise ValueError("the Pallas HSTU kernel has no time bias: set sequence.attention = 'auto' or 'reference', or sequence.time_buckets = 0")  # fmt: skip
-        implementation = "reference"
-    chosen = resolve_implementation(implementation, q.dtype, q.shape[-1])
+    arguments are `hstu_attention_reference`'s."""
+    time_buckets = 0 if time_bias is None else time_bias.shape[1]
+    chosen = resolve_implementation(implementation, q.dtype, q.shape[-1], None, time_buckets)
     if chosen == "reference":
         return hstu_attention_reference(
             q, k, v, segments, bias, alpha=alpha, inv_norm=inv_norm, max_distance=max_distance,
@@ -398,4 +414,6 @@ def hstu_attention(
         block_k=block_k,
         block_backward=block_backward,
         interpret=jax.default_backend() != "gpu",
+        times=times,
+        time_bias=time_bias,
     )

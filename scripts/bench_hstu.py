@@ -20,7 +20,8 @@ I ('reference' or 'pallas'): attention_ms_I_lL (forward and backward), attention
 (counting live pairs only), kernel_speedup_lL (reference time over the kernel's, at its best block size; --extra-blocks B
 adds attention_ms_pallas_bB_lL),
 kernel_max_error (the largest error of outputs and gradients relative to the reference's
-largest value); step_tokens_per_s_I, step_tflops_I, step_speedup; and an error_* key for a
+largest value); time_buckets (--time-buckets: every pair's score also biased by its time
+gap's bucket, as HSTU on data with times); step_tokens_per_s_I, step_tflops_I, step_speedup; and an error_* key for a
 measurement that failed (out of memory, say), the others still measured.
 """
 
@@ -72,22 +73,29 @@ def _segments(rows: int, length: int, history: int, rng) -> np.ndarray:
     return out
 
 
-def _attention_fn(implementation: str, args, block: int):
-    settings = dict(alpha=args.head_dim**-0.5, inv_norm=1.0 / 256, max_distance=256)
+def _times(rows: int, length: int, rng) -> np.ndarray:
+    """[rows, length] int32 event times: gaps of a second to a few weeks, log-uniform."""
+    gaps = np.exp(rng.uniform(0, 15, size=(rows, length))).astype(np.int64)
+    return (np.cumsum(gaps, axis=1) % 2**31).astype(np.int32)
 
-    def attend(q, k, v, segments, bias):
+
+def _attention_fn(implementation: str, args, block: int, times):
+    settings = dict(alpha=args.head_dim**-0.5, inv_norm=1.0 / 256, max_distance=256)
+    settings.update(times=times)
+    argnums = (0, 1, 2, 4, 5) if args.time_buckets else (0, 1, 2, 4)
+
+    def attend(q, k, v, segments, bias, time_bias):
         if implementation == "reference":
-            return hstu_attention_reference(q, k, v, segments, bias, **settings)
+            return hstu_attention_reference(q, k, v, segments, bias, time_bias=time_bias, **settings)  # fmt: skip
         return hstu_attention_pallas(
             q, k, v, segments, bias, **settings, interpret=args.interpret,
-            block_q=block, block_k=block, block_backward=block,
+            block_q=block, block_k=block, block_backward=block, time_bias=time_bias,
         )  # fmt: skip
 
-    def loss(q, k, v, segments, bias, weights):
-        return jnp.sum(attend(q, k, v, segments, bias).astype(jnp.float32) * weights)
+    def loss(q, k, v, segments, bias, time_bias, weights):
+        return jnp.sum(attend(q, k, v, segments, bias, time_bias).astype(jnp.float32) * weights)
 
-    grad = jax.grad(loss, argnums=(0, 1, 2, 4))
-    return jax.jit(attend), jax.jit(grad)
+    return jax.jit(attend), jax.jit(jax.grad(loss, argnums=argnums))
 
 
 def _max_error(expected, actual) -> float:
@@ -108,6 +116,10 @@ def bench_attention(args, summary: dict) -> None:
         weights = jnp.asarray(rng.normal(size=shape), jnp.float32)
         segments = jnp.asarray(_segments(rows, length, args.history, rng))
         bias = jnp.asarray(rng.normal(size=(args.heads, 32)) * 0.1, jnp.float32)
+        times, time_bias = None, None
+        if args.time_buckets:
+            times = jnp.asarray(_times(rows, length, rng))
+            time_bias = jnp.asarray(rng.normal(size=(args.heads, args.time_buckets)) * 0.1, jnp.float32)  # fmt: skip
         pairs = float(live_pairs(segments).sum())
         flops = 7 * 2 * pairs * args.heads * args.head_dim  # 2 products forward, 5 backward
         results = {}
@@ -116,14 +128,12 @@ def bench_attention(args, summary: dict) -> None:
             variants += [("pallas", block) for block in args.extra_blocks if length % block == 0]
         for implementation, block in variants:
             label = implementation if block == args.block else f"{implementation}_b{block}"
-            forward, grad = _attention_fn(implementation, args, block)
+            forward, grad = _attention_fn(implementation, args, block, times)
+            inputs = (q, k, v, segments, bias, time_bias)
             try:
-                compile_s, seconds = _timed(
-                    grad, q, k, v, segments, bias, weights, min_seconds=args.min_seconds
-                )
+                compile_s, seconds = _timed(grad, *inputs, weights, min_seconds=args.min_seconds)
                 if index == 0 and label == implementation:
-                    outputs = forward(q, k, v, segments, bias)
-                    results[implementation] = (outputs, grad(q, k, v, segments, bias, weights))
+                    results[implementation] = (forward(*inputs), grad(*inputs, weights))
             except Exception as error:  # out of memory, a kernel that fails: report, go on
                 traceback.print_exc()
                 message = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
@@ -162,6 +172,7 @@ def bench_step(args, summary: dict) -> None:
     x = jnp.asarray(rng.normal(size=(rows, args.step_length, args.step_dim)), dtype)
     target = jnp.asarray(rng.normal(size=x.shape), dtype)
     segments = jnp.asarray(_segments(rows, args.step_length, args.step_history, rng))
+    event_times = jnp.asarray(_times(rows, args.step_length, rng)) if args.time_buckets else None
     attended = float(live_pairs(segments).sum()) / segments.size
     flops = hstu_flops_per_token(
         args.step_dim, args.step_blocks, args.heads, args.head_dim, attended
@@ -170,6 +181,7 @@ def bench_step(args, summary: dict) -> None:
         model = HSTUEncoder(
             args.step_dim, blocks=args.step_blocks, heads=args.heads, head_dim=args.head_dim,
             dtype=dtype, rngs=nnx.Rngs(0), implementation=implementation,
+            time_buckets=args.time_buckets,
         )  # fmt: skip
         graphdef, params = nnx.split(model, nnx.Param)
         optimizer = optax.adam(1e-3)
@@ -179,7 +191,7 @@ def bench_step(args, summary: dict) -> None:
             params, opt_state = state
 
             def loss(params):
-                out = nnx.merge(graphdef, params)(x, segments)
+                out = nnx.merge(graphdef, params)(x, segments, event_times)
                 return jnp.mean((out.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
 
             value, grads = jax.value_and_grad(loss)(params)
@@ -248,12 +260,16 @@ def main(argv=None) -> None:
     parser.add_argument("--skip", nargs="*", default=[], choices=["attention", "step"])
     parser.add_argument("--min-seconds", type=float, default=1.0, help="timed per measurement")
     parser.add_argument("--interpret", action="store_true", help="the kernel interpreted (CPU)")
+    parser.add_argument(
+        "--time-buckets", type=int, default=0, help="HSTU's time-gap bias (0: none)"
+    )
     args = parser.parse_args(argv)
     for length in args.lengths + [args.step_length]:
         if length % args.block:
             parser.exit(2, f"bench_hstu: block {args.block} does not divide length {length}\n")
     device = jax.devices()[0]
     summary = {"platform": device.platform, "device_kind": device.device_kind}
+    summary["time_buckets"] = args.time_buckets
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
     if "attention" not in args.skip:
         bench_attention(args, summary)

@@ -9,7 +9,9 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
   bench_gpu  scripts/bench_gpu.py at batch 16384: criteo_dlrm and the MLPerf DLRM shape,
              the hybrid loop against the dense step alone, with a profile of the last steps;
   roundtrip  `hybridrec quickstart`: generate -> preprocess -> train -> evaluate -> export ->
-             serve.
+             serve;
+  hstu_time  scripts/bench_hstu.py at 4k tokens a row with HSTU's time-gap bias (64
+             buckets), in what the budget leaves.
 --rehearse runs each at a tiny size (the kernel in Pallas interpret mode) on the CPU.
 
     python scripts/gpu_check.py --out DIR [--rehearse] [--budget SECONDS] [--steps ...]
@@ -85,11 +87,13 @@ def _steps(
         bench = ["--rows", "12000", "--eval-fraction", "0.25", "--batches", "256"]
         bench += ["--samples", "12800", "--rounds", "1"]
         rows = "20000"
+        hstu_time = [*hstu, "--time-buckets", "8"]
     else:
         hstu, tests, workers = ["--min-seconds", "0.5", "--extra-blocks", "128"], TESTS, "8"
         bench = ["--rows", "1000000", "--batches", "16384", "--samples", "1000000"]
         bench += ["--rounds", "3", "--profile"]
         rows = "200000"
+        hstu_time = ["--min-seconds", "0.5", "--lengths", "4096", "--time-buckets", "64"]
     bench += ["--shapes", "criteo_dlrm", "mlperf", "--staleness", "4"]
     bench += ["--cache", str(work / "bench_gpu"), "--fresh"]
     tests = selected or tests
@@ -101,6 +105,8 @@ def _steps(
         ("tests", [*pytest, *tests], 180),
         ("bench_gpu", [python, "scripts/bench_gpu.py", *bench], 150),
         ("roundtrip", [python, "-m", "hybridrec", "quickstart", "--rows", rows, "--out", str(work / "quickstart")], 60),
+        # last, in what the budget leaves: the kernel with HSTU's time-gap bias
+        ("hstu_time", [python, "scripts/bench_hstu.py", *hstu_time], 40),
     ]  # fmt: skip
 
 
@@ -261,7 +267,7 @@ def main(argv=None) -> None:
             log = args.out / f"{name}.log"
             result = _run(command, log, cap, env)
             summary["steps"][name] = {**result, "cap_s": round(cap)}
-            if name in ("hstu", "bench_gpu"):
+            if name in ("hstu", "hstu_time", "bench_gpu"):
                 summary[name] = _last_json(log)
             elif name == "tests":
                 summary[name] = _test_results(log, args.out / "tests.xml")

@@ -31,11 +31,13 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     assert summary == json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["rehearse"] and summary["device"]["platform"] == "cpu"
     steps = summary["steps"]
-    assert list(steps) == ["hstu", "tests", "bench_gpu", "roundtrip"]
+    assert list(steps) == ["hstu", "tests", "bench_gpu", "roundtrip", "hstu_time"]
     assert all(step["rc"] == 0 and not step["timed_out"] for step in steps.values()), steps
     hstu = summary["hstu"]  # the kernel, interpreted, against the reference
     assert hstu["kernel_max_error"] < 0.05
     assert hstu["attention_ms_pallas_l64"] > 0 and hstu["step_tokens_per_s_pallas"] > 0
+    timed = summary["hstu_time"]  # the same with the time-gap bias
+    assert timed["time_buckets"] == 8 and timed["kernel_max_error"] < 0.05
     assert summary["tests"]["passed"] >= 2 and summary["tests"]["complete"]
     assert summary["tests"]["failures"] == summary["tests"]["errors"] == 0
     bench = summary["bench_gpu"]

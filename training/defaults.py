@@ -317,7 +317,7 @@ def _action_inputs(sequence, tower: str, action_types: list, metadata: EventMeta
 
 def _time_buckets(sequence, tower: str, metadata: EventMetadata):
     """`sequence.time_buckets` resolved (-1, auto: HSTU's time-gap bias on a dataset with
-    event times, unless its attention is the Pallas kernel, which has none)."""
+    event times)."""
     has_times = bool((metadata.raw.get("spec") or {}).get("time"))
     buckets = sequence.time_buckets
     if buckets > 0 and not has_times:
@@ -327,11 +327,11 @@ def _time_buckets(sequence, tower: str, metadata: EventMetadata):
         )
     if buckets != -1:
         return sequence, ((f"time-gap bias: {buckets} buckets as configured",) if buckets else ())
-    if tower == "hstu" and has_times and sequence.attention != "pallas":
+    if tower == "hstu" and has_times:
         buckets, reason = AUTO_TIME_BUCKETS, "HSTU on a dataset with event times"
     else:
         buckets = 0
-        reason = "the tower is not HSTU" if tower != "hstu" else "the dataset has no times" if not has_times else "the Pallas kernel has none"  # fmt: skip
+        reason = "the tower is not HSTU" if tower != "hstu" else "the dataset has no times"
     line = f"time-gap bias: {buckets} buckets (model.sequence.time_buckets = -1, auto: {reason})"
     return dataclasses.replace(sequence, time_buckets=buckets), (line,) if tower == "hstu" else ()
 

@@ -197,7 +197,7 @@ def test_a_kernel_that_does_not_compile_falls_back_in_one_line(monkeypatch, caps
 
     monkeypatch.setattr(module, "_probed", {})
     monkeypatch.setattr(module, "_said", set())
-    monkeypatch.setattr(module, "_probe", lambda dtype, dim: "CompileError: planted")
+    monkeypatch.setattr(module, "_probe", lambda dtype, dim, time_buckets: "CompileError: planted")
     for _ in range(3):
         assert resolve_implementation("auto", jnp.bfloat16, 48, backend="gpu") == "reference"
     lines = capsys.readouterr().err.strip().splitlines()
@@ -210,33 +210,42 @@ def test_a_kernel_that_does_not_compile_falls_back_in_one_line(monkeypatch, caps
 def test_kernel_lowers_to_triton_for_a_hopper_gpu():
     """The kernels (forward and backward, bfloat16) lower to Triton for an H100 on any
     host: a primitive the Triton lowering lacks fails here, not on the GPU."""
+    q = jnp.zeros((2, 1024, 2, 64), jnp.bfloat16)
+    segments = jnp.zeros((2, 1024), jnp.int32)
+    bias = jnp.zeros((2, 32), jnp.float32)
+    times = jnp.zeros((2, 1024), jnp.int32)
+
+    def loss(q, k, v, bias, time_bias):
+        out = hstu_attention_pallas(
+            q, k, v, segments, bias, alpha=0.1, inv_norm=1e-3, max_distance=512,
+            times=times, time_bias=time_bias,
+        )  # fmt: skip
+        return out.astype(jnp.float32).sum()
+
+    text = _cuda_text(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, q, q, bias, None))
+    assert text.count("triton") >= 2  # the forward and the backward kernel
+    # and with the time bias: its buckets (log2 of the gaps) and its table's gradient
+    time_bias = jnp.zeros((2, 64), jnp.float32)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    assert _cuda_text(grad.trace(q, q, q, bias, time_bias)).count("triton") >= 2
+
+
+def _cuda_text(traced) -> str:
+    """The lowering of `traced` for CUDA, as an H100 would get it."""
     try:
         from jax._src.pallas.triton import gpu_info
     except ImportError:  # older JAX lowers without asking for a device
         gpu_info = None
     from jax.experimental.pallas import triton as plgpu
 
-    q = jnp.zeros((2, 1024, 2, 64), jnp.bfloat16)
-    segments = jnp.zeros((2, 1024), jnp.int32)
-    bias = jnp.zeros((2, 32), jnp.float32)
-
-    def loss(q, k, v, bias):
-        out = hstu_attention_pallas(
-            q, k, v, segments, bias, alpha=0.1, inv_norm=1e-3, max_distance=512
-        )
-        return out.astype(jnp.float32).sum()
-
-    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, q, q, bias)
     if gpu_info is not None and hasattr(gpu_info, "get_gpu_info") and not ON_GPU:
         original = gpu_info.get_gpu_info
         gpu_info.get_gpu_info = lambda: plgpu.get_gpu_info_from_version(plgpu.GpuVersion.H100)
         try:
-            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+            return traced.lower(lowering_platforms=("cuda",)).as_text()
         finally:
             gpu_info.get_gpu_info = original
-    else:
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("triton") >= 2  # the forward and the backward kernel
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_time_bias_adds_each_pairs_gap_bucket_to_its_score():
@@ -267,11 +276,57 @@ def test_time_bias_adds_each_pairs_gap_bucket_to_its_score():
     assert int(time_bucket(jnp.asarray(0), 8)) == 0 and int(time_bucket(jnp.asarray(10**9), 8)) == 7
 
 
-def test_the_kernel_has_no_time_bias_auto_takes_the_reference():
+TIME_CASES = [
+    # length, heads, dim, layout, block_q, block_k, block_backward
+    (64, 1, 16, "one", 16, 32, 16),
+    (128, 2, 32, "short", 32, 16, 32),
+    (128, 1, 16, "padded", 64, 64, 64),
+]
+
+
+@pytest.mark.parametrize("length,heads,dim,layout,block_q,block_k,block_backward", TIME_CASES)
+def test_kernel_with_a_time_bias_matches_the_reference(
+    length, heads, dim, layout, block_q, block_k, block_backward
+):
+    """Times with gaps of seconds to months (every bucket of 40 reached, the last one
+    holding the longest), equal times in a row, 40 buckets (padded to 64 inside)."""
+    q, k, v, segments, bias, weights = inputs(2, length, heads, dim, layout, seed=4)
+    rng = np.random.default_rng(9)
+    gaps = np.exp(rng.uniform(0, 16, size=(2, length))).astype(np.int64)
+    gaps[:, ::5] = 0  # events at the same second
+    times = jnp.asarray(np.cumsum(gaps, axis=1) % 2**31, jnp.int32)
+    time_bias = jnp.asarray(rng.normal(size=(heads, 40)), jnp.float32)
+    settings = dict(alpha=0.25, inv_norm=1.0 / length, max_distance=length // 2, times=times)
+    blocks = dict(block_q=block_q, block_k=block_k, block_backward=block_backward)
+
+    def kernel(q, k, v, bias, time_bias):
+        return hstu_attention_pallas(
+            q, k, v, segments, bias, time_bias=time_bias, **settings, **blocks,
+            interpret=not ON_GPU,
+        )  # fmt: skip
+
+    def reference(q, k, v, bias, time_bias):
+        return hstu_attention_reference(q, k, v, segments, bias, time_bias=time_bias, **settings)
+
+    args = (q, k, v, bias, time_bias)
+    assert_close(kernel(*args), reference(*args), "output")
+    loss = lambda f: lambda *args: jnp.sum(f(*args) * weights)  # noqa: E731
+    expected = jax.grad(loss(reference), argnums=(0, 1, 2, 3, 4))(*args)
+    actual = jax.grad(loss(kernel), argnums=(0, 1, 2, 3, 4))(*args)
+    for name, a, e in zip(("dq", "dk", "dv", "dbias", "dtime_bias"), actual, expected, strict=True):  # fmt: skip
+        assert a.shape == e.shape
+        assert_close(a, e, name)
+    assert int((jnp.abs(actual[4]) > 0).sum()) >= 10  # many gap buckets got gradient
+
+
+def test_auto_with_a_time_bias_equals_the_reference():
     q, k, v, segments, bias, _ = inputs(1, 32, 1, 8, "one")
     times, time_bias = jnp.arange(32)[None] * 60, jnp.ones((1, 8))
     kwargs = dict(alpha=1.0, inv_norm=1.0, max_distance=16, times=times, time_bias=time_bias)
-    with pytest.raises(ValueError, match="no time bias"):
-        hstu_attention(q, k, v, segments, bias, implementation="pallas", **kwargs)
     auto = hstu_attention(q, k, v, segments, bias, implementation="auto", **kwargs)
-    np.testing.assert_array_equal(auto, hstu_attention_reference(q, k, v, segments, bias, **kwargs))
+    assert_close(auto, hstu_attention_reference(q, k, v, segments, bias, **kwargs), "auto")
+    with pytest.raises(ValueError, match="needs each position's times"):
+        hstu_attention_pallas(
+            q, k, v, segments, bias, alpha=1.0, inv_norm=1.0, max_distance=16,
+            block_q=16, block_k=16, block_backward=16, time_bias=time_bias, interpret=True,
+        )  # fmt: skip
