@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline import hashing
+from hybridrec.pipeline._histories import IdIndex
 from hybridrec.pipeline.config import PreprocessConfig
 from hybridrec.pipeline.event_job import run_event_preprocess
 from hybridrec.pipeline.event_spec import load_event_spec
@@ -353,3 +354,18 @@ def test_a_non_integer_token_in_user_per_line_names_line_and_token(tmp_path):
         UserError, match=r"seq.txt: line 2: token 3 \(item 2\) is 'x21', not an integer"
     ):
         run([tmp_path / "seq.txt"], tmp_path / "out", tmp_path / "seq.toml")
+
+
+def test_the_id_index_finds_what_a_binary_search_finds():
+    """The item join's hash index against searchsorted: random ids, ids that differ only in
+    a few high bits, absent ids, one id, none."""
+    rng = np.random.default_rng(4)
+    clustered = np.arange(5000, dtype=np.uint64) << np.uint64(40)  # same low bits
+    ids = np.unique(np.concatenate([rng.integers(0, 2**64 - 1, 20_000, np.uint64), clustered]))
+    queries = np.concatenate([ids[rng.integers(len(ids), size=50_000)], rng.integers(0, 2**64 - 1, 1000, np.uint64)])  # fmt: skip
+    position = np.minimum(np.searchsorted(ids, queries), len(ids) - 1)
+    expected = np.where(ids[position] == queries, position, -1)
+    np.testing.assert_array_equal(IdIndex(ids).find(queries), expected)
+    assert (expected[-1000:] == -1).all()
+    np.testing.assert_array_equal(IdIndex(ids[:1]).find(ids[:3]), [0, -1, -1])
+    np.testing.assert_array_equal(IdIndex(ids[:0]).find(ids[:3]), [-1, -1, -1])
