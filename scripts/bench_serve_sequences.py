@@ -3,14 +3,14 @@
 1. A generated event log whose training split holds about --items distinct items
    (popularity flattened, --zipf, so that nearly every item occurs), preprocessed, and
    SASRec (max_length --history) trained one epoch through the hybrid loop; exported at
-   fp32 and int8. Cached under --cache by its arguments.
+   fp32, fp16 and int8. Cached under --cache by its arguments.
 2. A real `hybridrec serve` process on a loopback port (--keep-histories): --clients
    closed-loop clients for --duration seconds, each request one user's history of
    --history raw item ids (drawn from the catalogue) asking for the top --k items, the
    history excluded: p50 / p99 latency and requests/s. The clients run on the same
    machine and count against it.
-3. Recall@k of the int8 export's top-k against the fp32 export's, on the validation
-   split's histories.
+3. Recall@k of the int8 and the fp16 exports' top-k against the fp32 export's, on the
+   validation split's histories.
 4. The kept-history cache: a user's query from its cached keys and values plus one new
    event, against computing the whole history (in process, one user a call, the tower's
    part only), and end to end over HTTP (a request naming the user after one appended
@@ -20,7 +20,7 @@
     python scripts/bench_serve_sequences.py --items 20000 --duration 5
 
 The last line is one JSON object: catalogue, p50_ms, p99_ms, requests_per_s, errors,
-recall_at_k_int8 (k = --k), cached_speedup (the tower's part), cached_request_p50_ms,
+recall_at_k_int8 and recall_at_k_fp16 (k = --k), cached_speedup (the tower's part), cached_request_p50_ms,
 full_request_p50_ms, cached_request_speedup.
 """
 
@@ -39,10 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import Server, load  # noqa: E402  the same server harness and load loop
 
 REPO = Path(__file__).resolve().parent.parent
+PRECISIONS = ("fp32", "fp16", "int8")
 
 
-def trained_exports(args) -> tuple[Path, Path, Path]:
-    """(data, fp32 export, int8 export), made once per set of arguments."""
+def trained_exports(args) -> tuple[Path, dict[str, Path]]:
+    """(data, {precision: export}) for fp32, fp16 and int8, made once per set of
+    arguments."""
     from hybridrec.pipeline.config import PreprocessConfig
     from hybridrec.pipeline.event_job import run_event_preprocess
     from hybridrec.pipeline.synthetic_events import EventLogConfig, generate_events, spec_text
@@ -54,9 +56,14 @@ def trained_exports(args) -> tuple[Path, Path, Path]:
     users = max(events // args.mean_events, 1)
     root = Path(args.cache) / f"serve_seq_i{args.items}_e{args.events_per_item}_h{args.history}"
     data, run = root / "data", root / "run"
-    fp32, int8 = root / "export_fp32", root / "export_int8"
-    if (int8 / "1" / "manifest.json").exists():
-        return data, fp32, int8
+    exports = {precision: root / f"export_{precision}" for precision in PRECISIONS}
+    if all((path / "1" / "manifest.json").exists() for path in exports.values()):
+        return data, exports
+    if (run / "summary.json").exists():  # trained before: the exports missing
+        for precision, path in exports.items():
+            if not (path / "1" / "manifest.json").exists():
+                export_run(run, path, precision=precision, name="sequences")
+        return data, exports
     if not (data / "_SUCCESS").exists():
         print(f"== generate {events:,} events of {users:,} users", file=sys.stderr, flush=True)
         raw = root / "raw"
@@ -89,9 +96,9 @@ def trained_exports(args) -> tuple[Path, Path, Path]:
     trainer = Trainer(config, run, overwrite=True)
     trainer.source.evaluates = False  # full ranking of a 1M catalogue is not the point here
     trainer.fit()
-    for out, precision in ((fp32, "fp32"), (int8, "int8")):
-        export_run(run, out, precision=precision, name="sequences")
-    return data, fp32, int8
+    for precision, path in exports.items():
+        export_run(run, path, precision=precision, name="sequences")
+    return data, exports
 
 
 def history_bodies(model, count: int, length: int, k: int, seed: int) -> list[bytes]:
@@ -105,8 +112,8 @@ def history_bodies(model, count: int, length: int, k: int, seed: int) -> list[by
     return bodies
 
 
-def recall_int8(data: Path, fp32, int8, k: int, users: int) -> float:
-    """Mean |top-k of int8 ∩ top-k of fp32| / k over validation histories."""
+def recall(data: Path, fp32, other, k: int, users: int) -> float:
+    """Mean |top-k of `other` ∩ top-k of fp32| / k over validation histories."""
     from hybridrec.pipeline.metadata import read_dataset
     from hybridrec.training.sequences import Histories
 
@@ -115,7 +122,7 @@ def recall_int8(data: Path, fp32, int8, k: int, users: int) -> float:
     queries = [histories.items[histories.offsets[h] : histories.offsets[h + 1] - 1] for h in chosen]
     queries = [q for q in queries if len(q)]
     exact, _ = fp32.top_k(fp32.encode(queries)[0], k, queries)
-    approximate, _ = int8.top_k(int8.encode(queries)[0], k, queries)
+    approximate, _ = other.top_k(other.encode(queries)[0], k, queries)
     found = [len(np.intersect1d(a, b)) for a, b in zip(exact, approximate, strict=True)]
     return float(np.mean(found) / k)
 
@@ -207,17 +214,20 @@ def main() -> None:
 
     from hybridrec.serving.sequence_model import ServedSequenceModel
 
-    data, fp32_dir, int8_dir = trained_exports(args)
+    data, exports = trained_exports(args)
+    fp32_dir = exports["fp32"]
     fp32 = ServedSequenceModel(fp32_dir, max_batch=64)
-    int8 = ServedSequenceModel(int8_dir, max_batch=64)
     catalogue = len(fp32.catalogue)
-    print(f"== catalogue of {catalogue:,} items; recall of int8", file=sys.stderr, flush=True)
-    recall = recall_int8(data, fp32, int8, args.k, args.recall_users)
-    del int8
+    print(f"== catalogue of {catalogue:,} items; recall of int8, fp16", file=sys.stderr, flush=True)  # fmt: skip
+    recalls = {}
+    for precision in ("int8", "fp16"):
+        other = ServedSequenceModel(exports[precision], max_batch=64)
+        recalls[precision] = recall(data, fp32, other, args.k, args.recall_users)
+        del other
     speedup = cached_speedup(fp32, args.history, 32, seed=3)
     print(
-        f"   recall@{args.k} int8 vs fp32 {recall:.4f}; cached history: the tower's part "
-        f"{speedup:.1f}x faster",
+        f"   recall@{args.k} against fp32: int8 {recalls['int8']:.4f}, fp16 "
+        f"{recalls['fp16']:.4f}; cached history: the tower's part {speedup:.1f}x faster",
         file=sys.stderr,
         flush=True,
     )
@@ -240,7 +250,8 @@ def main() -> None:
         "p99_ms": figures["p99_ms"],
         "requests_per_s": figures["rows_per_s"],
         "errors": figures["errors"],
-        "recall_at_k_int8": round(recall, 4),
+        "recall_at_k_int8": round(recalls["int8"], 4),
+        "recall_at_k_fp16": round(recalls["fp16"], 4),
         "cached_speedup": round(speedup, 2),
         "cached_request_p50_ms": round(cached_ms, 2),
         "full_request_p50_ms": round(full_ms, 2),
@@ -250,7 +261,7 @@ def main() -> None:
         f"[bench_serve_sequences] {catalogue:,} items, histories of {args.history}, top-"
         f"{args.k}, {args.clients} clients: p50 {summary['p50_ms']} ms, p99 "
         f"{summary['p99_ms']} ms, {summary['requests_per_s']} requests/s, recall int8 "
-        f"{summary['recall_at_k_int8']}, cached {summary['cached_speedup']}x (tower), "
+        f"{summary['recall_at_k_int8']}, fp16 {summary['recall_at_k_fp16']}, cached {summary['cached_speedup']}x (tower), "
         f"{summary['cached_request_speedup']}x (request)",
         file=sys.stderr,
         flush=True,
