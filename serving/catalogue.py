@@ -76,8 +76,11 @@ class ExactCatalogue:
 
         One BLAS call a chunk, which threads itself (chunks on threads of their own were
         slower on the 2-core VM, docs/benchmarks.md)."""
-        masked = _positions(self.items, exclude or [])
         queries = np.ascontiguousarray(queries, np.float32)
+        if not len(queries):
+            k = max(min(k, len(self.items)), 0)
+            return np.zeros((0, k), np.uint64), np.zeros((0, k), np.float32)
+        masked = _positions(self.items, exclude or [])
         if self.codes is not None and len(self.items) and k > 0:
             return self._two_stage(queries, min(k, len(self.items)), masked)
         return self._one_stage(queries, k, masked)

@@ -61,6 +61,8 @@ def test_k_beyond_what_is_left_ends_in_minus_infinity(native):
     scan = ExactCatalogue(items, np.eye(5, dtype=np.float32), native=native)
     found, scores = scan.top_k(np.ones((1, 5), np.float32), 5, [items[:2]])
     assert list(found[0, :3]) == [3, 4, 5] and np.isneginf(scores[0, 3:]).all()
+    found, scores = scan.top_k(np.zeros((0, 5), np.float32), 3)  # no queries
+    assert found.shape == scores.shape == (0, 3)
 
 
 def test_two_stage_holds_where_codes_are_coarse():
