@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -49,20 +50,41 @@ _pool: ThreadPoolExecutor | None = None
 
 
 class ExactCatalogue:
-    """The items [C] uint64 (ascending) and their rows [C, D] float32, as scores use them."""
+    """The items [C] uint64 (ascending) and their rows [C, D] float32, as scores use them:
+    given whole (`rows`), or read through a function of catalogue positions
+    (`read_rows(index [m]) -> [m, D]`, with `dim`). The two-stage scan reads them in chunks
+    at start-up to build its codes, then only its candidates' rows: it never holds the
+    float32 matrix. The one-stage scan holds it."""
 
-    def __init__(self, items: np.ndarray, rows: np.ndarray, *, native: bool | None = None):
+    def __init__(
+        self,
+        items: np.ndarray,
+        rows: np.ndarray | None = None,
+        *,
+        read_rows: Callable[[np.ndarray], np.ndarray] | None = None,
+        dim: int | None = None,
+        native: bool | None = None,
+    ):
         """`native`: the two-stage scan (None: where the kernel is built and the CPU has
         AVX-512 VNNI; its portable kernel is slower than the one-stage BLAS scan)."""
-        if len(items) != len(rows):
-            raise ValueError(f"{len(items)} items but {len(rows)} rows")
+        if (rows is None) == (read_rows is None):
+            raise ValueError("give the catalogue's rows or a read_rows function, not both")
+        if rows is not None:
+            if len(items) != len(rows):
+                raise ValueError(f"{len(items)} items but {len(rows)} rows")
+            rows = np.ascontiguousarray(rows, np.float32)
+            read_rows, dim = rows.__getitem__, rows.shape[1]
         if native and _scan is None:
             raise RuntimeError("the native scan (hybridrec.serving._scan) is not built")
-        self.items = items
-        self.rows = np.ascontiguousarray(rows, np.float32)
         if native is None:
             native = _scan is not None and _scan.kernel() == "avx512-vnni"
-        self.codes = BoundedCodes(self.rows) if native else None
+        self.items, self.read_rows, self.dim = items, read_rows, int(dim)
+        self.codes = BoundedCodes(len(items), self.dim, read_rows) if native else None
+        if not native and rows is None:
+            rows = np.empty((len(items), self.dim), np.float32)
+            for start in range(0, len(items), CODE_CHUNK):
+                rows[start : start + CODE_CHUNK] = read_rows(np.arange(start, min(start + CODE_CHUNK, len(items))))  # fmt: skip
+        self.rows = rows  # None for a two-stage scan given read_rows
 
     def __len__(self) -> int:
         return len(self.items)
@@ -88,7 +110,7 @@ class ExactCatalogue:
     def _two_stage(self, queries, k, masked):
         n, size = len(queries), len(self.items)
         rows, query = self.codes.candidates(queries, k, masked)
-        scores = np.einsum("md,md->m", self.rows[rows], queries[query])
+        scores = np.einsum("md,md->m", self.read_rows(rows), queries[query])
         order = np.lexsort((rows, -scores, query))
         rows, query, scores = rows[order], query[order], scores[order]
         rank = np.arange(len(query)) - np.searchsorted(query, query)
@@ -171,8 +193,15 @@ class BoundedCodes:
     `portable`: the portable integer kernel even where AVX-512 VNNI is there (the same
     integers, slower)."""
 
-    def __init__(self, rows: np.ndarray, *, portable: bool = False):
-        size, dim = rows.shape
+    def __init__(
+        self,
+        size: int,
+        dim: int,
+        read_rows: Callable[[np.ndarray], np.ndarray],
+        *,
+        portable: bool = False,
+    ):
+        """The codes of rows [size, dim] read chunk by chunk through `read_rows`."""
         block, group = _scan.BLOCK, _scan.GROUP
         self.size, self.dim, self.portable = size, dim, portable
         self.blocks, self.groups = -(-size // block), -(-dim // group)
@@ -181,8 +210,8 @@ class BoundedCodes:
         self.terms = np.zeros((5, padded), np.float32)  # scale, offset, error, rounding, spread
         rounding = (dim + 8) * 2.0**-23  # a D-term float32 dot product's, with room to spare
         for start in range(0, size, CODE_CHUNK):
-            part = rows[start : start + CODE_CHUNK].astype(np.float64)
-            stop = start + len(part)
+            stop = min(start + CODE_CHUNK, size)
+            part = np.asarray(read_rows(np.arange(start, stop)), np.float64)
             low, high = part.min(axis=1), part.max(axis=1)
             scale = ((high - low) / _LEVELS).astype(np.float32)
             scale[scale == 0] = 1.0  # a constant row: every code 0

@@ -46,7 +46,6 @@ from hybridrec.serving.sequence_query import (
     SequenceQuery,
 )
 
-CHUNK = 1 << 17  # catalogue rows looked up at once (to build the scan's rows)
 ITEM_PREFIX = 1  # the item table's prefix in every event spec (`EventSpec.tables`)
 MIN_CANDIDATES = 8  # candidate lists are padded to a power of two from here
 
@@ -88,7 +87,7 @@ class ServedSequenceModel(ServedVersion):
         self.cache_shape = tuple(features.get("cache_shape") or ())
         self.context = tuple(features.get("context") or ())
         self.outputs = len(self.action_types) if self._ranker else 1
-        self.scan = ExactCatalogue(self.catalogue, self._scan_rows())
+        self.scan = ExactCatalogue(self.catalogue, read_rows=self._scan_rows, dim=self.dim)
         self.max_batch = max_batch
         # from one history up: a single user's request is the common case, and a history's
         # forward pass costs as much as its padded batch's
@@ -154,13 +153,10 @@ class ServedSequenceModel(ServedVersion):
             return rows / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1e-6)
         return rows
 
-    def _scan_rows(self) -> np.ndarray:
-        """[C, D] float32: the catalogue's rows as scores compare them (dequantized)."""
-        out = np.empty((len(self.catalogue), self.dim), np.float32)
-        for start in range(0, len(self.catalogue), CHUNK):
-            ids = self.catalogue[start : start + CHUNK]
-            out[start : start + len(ids)] = self._scored(self.rows(ids)[0])
-        return out
+    def _scan_rows(self, index: np.ndarray) -> np.ndarray:
+        """[m, D] float32: the rows of the catalogue's items at `index` as scores compare
+        them (dequantized; normalized for cosine similarity)."""
+        return self._scored(self.rows(self.catalogue[index])[0])
 
     # ------------------------------------------------------------------ forward
 

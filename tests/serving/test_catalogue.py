@@ -107,7 +107,36 @@ def test_the_kernels_compute_the_same_integers():
     rows = rng.standard_normal((10_007, 50)).astype(np.float32)
     queries = rng.standard_normal((9, 50)).astype(np.float32)
     excluded = (np.repeat(np.arange(9), 20), rng.integers(10_007, size=180))
-    fast = catalogue_lib.BoundedCodes(rows).candidates(queries, 50, excluded)
-    portable = catalogue_lib.BoundedCodes(rows, portable=True).candidates(queries, 50, excluded)
+    shape = (len(rows), rows.shape[1], rows.__getitem__)
+    fast = catalogue_lib.BoundedCodes(*shape).candidates(queries, 50, excluded)
+    portable = catalogue_lib.BoundedCodes(*shape, portable=True).candidates(queries, 50, excluded)
     for got, want in zip(fast, portable, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("native", SCANS, ids=["one-stage", "two-stage"])
+def test_rows_read_through_a_function_give_the_same_answers(native):
+    """A catalogue whose rows are read by position (as a served model reads its table):
+    the same top-K as the one given the matrix; the two-stage scan asks only for chunks
+    at start-up and for its candidates after, never holding the matrix."""
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((20_000, 24)).astype(np.float32)
+    items = np.arange(1, 20_001, dtype=np.uint64)
+    asked = []
+
+    def read_rows(index):
+        asked.append(len(index))
+        return rows[index]
+
+    scan = ExactCatalogue(items, read_rows=read_rows, dim=24, native=native)
+    assert (scan.rows is None) == native
+    asked.clear()
+    queries = rng.standard_normal((6, 24)).astype(np.float32)
+    exclude = [items[rng.integers(20_000, size=30)] for _ in range(6)]
+    got = scan.top_k(queries, 50, exclude)
+    want = ExactCatalogue(items, rows, native=native).top_k(queries, 50, exclude)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert sum(asked) < (6 * 2000 if native else 1)  # candidates only; none for one stage
+    with pytest.raises(ValueError, match="not both"):
+        ExactCatalogue(items, rows, read_rows=read_rows, dim=24)
