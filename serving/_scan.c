@@ -287,6 +287,14 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
         check_length(&starts, "excluded_starts", (n + 1) * (Py_ssize_t)sizeof(int64_t), 0) ||
         check_length(&excluded, "excluded", excluded.len - excluded.len % 8, 0))
         goto done;
+    const int64_t *start_at = starts.buf;
+    for (Py_ssize_t j = 0; j <= n; j++) { /* each query's range of excluded rows, in order */
+        int64_t lowest = j ? start_at[j - 1] : 0;
+        if (start_at[j] < lowest || start_at[j] > excluded.len / 8) {
+            PyErr_SetString(PyExc_ValueError, "scan: excluded_starts out of order or range");
+            goto done;
+        }
+    }
     Scan s = {codes.buf, rows.buf, terms.buf, queries.buf, excluded.buf, starts.buf, heaps.buf,
               groups, padded, n, k, first_block, stop_block, rows_count,
               !portable && have_vnni()};
