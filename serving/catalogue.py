@@ -96,8 +96,9 @@ class ExactCatalogue:
         query by score (ties: catalogue order), leaving out each row's `exclude` items (a
         row with fewer than k items left ends with scores of -inf).
 
-        One BLAS call a chunk, which threads itself (chunks on threads of their own were
-        slower on the 2-core VM, docs/benchmarks.md)."""
+        The two-stage scan bounds every score on a thread per core, then scores its
+        candidates; the one-stage scan makes one BLAS call a chunk, which threads itself
+        (chunks on threads of their own were slower on the 2-core VM, docs/benchmarks.md)."""
         queries = np.ascontiguousarray(queries, np.float32)
         if not len(queries):
             k = max(min(k, len(self.items)), 0)
