@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from hybridrec.serving.quantize import quantize_rows
 
 
 def _load_native():
@@ -43,7 +44,7 @@ _scan = _load_native()
 CHUNK = 1 << 17  # catalogue rows scored at once
 FIRST_CHUNK = 4096  # the first chunk's rows: every query's top-k of them is sorted
 CODE_CHUNK = 1 << 16  # rows quantized at once when the codes are built
-_LEVELS = 255
+_LEVELS = 255  # the codes' largest value
 _CANDIDATE = np.dtype([("row", "<i8"), ("query", "<i4"), ("upper", "<f4")])
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
 _pool: ThreadPoolExecutor | None = None
@@ -212,16 +213,13 @@ class BoundedCodes:
         rounding = (dim + 8) * 2.0**-23  # a D-term float32 dot product's, with room to spare
         for start in range(0, size, CODE_CHUNK):
             stop = min(start + CODE_CHUNK, size)
-            part = np.asarray(read_rows(np.arange(start, stop)), np.float64)
-            low, high = part.min(axis=1), part.max(axis=1)
-            scale = ((high - low) / _LEVELS).astype(np.float32)
-            scale[scale == 0] = 1.0  # a constant row: every code 0
-            offset = low.astype(np.float32)
-            scale64 = scale.astype(np.float64)[:, None]
-            offset64 = offset.astype(np.float64)[:, None]
-            level = np.clip(np.rint((part - offset64) / scale64), 0, _LEVELS)
+            part = np.asarray(read_rows(np.arange(start, stop)), np.float32)
+            level, scale_offset = quantize_rows(part, np.float32)
             codes[start:stop, :dim] = level
-            error = np.abs(part - (level * scale64 + offset64)).max(axis=1)
+            scale, offset = scale_offset[:, 0], scale_offset[:, 1]
+            part, level = part.astype(np.float64), level.astype(np.float64)
+            approx = level * scale.astype(np.float64)[:, None] + offset.astype(np.float64)[:, None]
+            error = np.abs(part - approx).max(axis=1)  # measured: the bound holds as coded
             largest = np.abs(part).max(axis=1)
             magnitude = rounding * (_LEVELS * scale + np.abs(offset) + largest)
             spread = scale * np.abs(level - 128).sum(axis=1)
@@ -261,8 +259,8 @@ class BoundedCodes:
 
     def candidates(self, queries, k, masked) -> tuple[np.ndarray, np.ndarray]:
         """(row [m], query [m]): every (row, query) whose upper bound reaches the query's
-        k-th best lower bound, the excluded left out, sorted by query; the row ranges of
-        the catalogue scanned on threads of their own."""
+        k-th best lower bound, the excluded left out (in no particular order); the row
+        ranges of the catalogue scanned on threads of their own."""
         n = len(queries)
         codes, terms = self._queries(queries)
         query_of, position = masked
@@ -285,7 +283,6 @@ class BoundedCodes:
         lowers = np.concatenate(heaps, axis=1)
         threshold = np.partition(lowers, lowers.shape[1] - k, axis=1)[:, -k]
         kept = records[records["upper"] >= threshold[records["query"]]]
-        kept = kept[np.argsort(kept["query"], kind="stable")]
         return kept["row"].astype(np.int64), kept["query"].astype(np.int64)
 
 

@@ -13,24 +13,27 @@ import numpy as np
 _LEVELS = 255
 
 
-def quantize_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_rows(values: np.ndarray, scale_dtype=np.float16) -> tuple[np.ndarray, np.ndarray]:
     """Row-wise 8-bit codes of `values`.
 
     Args:
         values: [rows, dim] float32.
+        scale_dtype: the scale and bias's type (float16 in exports; the serving scan's
+            codes keep float32).
 
     Returns:
-        codes [rows, dim] uint8 and scale_bias [rows, 2] float16, such that
-        `dequantize_rows(codes, scale_bias)` is within scale / 2 (+ fp16 rounding) of values.
+        codes [rows, dim] uint8 and scale_bias [rows, 2] of `scale_dtype`, such that
+        `dequantize_rows(codes, scale_bias)` is within scale / 2 (+ the scale's rounding)
+        of values.
     """
     values = np.asarray(values, np.float32)
     if not len(values):
-        return np.zeros(values.shape, np.uint8), np.zeros((0, 2), np.float16)
+        return np.zeros(values.shape, np.uint8), np.zeros((0, 2), scale_dtype)
     low, high = values.min(axis=1), values.max(axis=1)
-    # the fp16-rounded scale and bias are the ones dequantization uses: quantize against them
-    scale = ((high - low) / _LEVELS).astype(np.float16)
-    scale[scale == 0] = np.float16(1.0)  # a constant row: every code is 0, value = bias
-    bias = low.astype(np.float16)
+    # the rounded scale and bias are the ones dequantization uses: quantize against them
+    scale = ((high - low) / _LEVELS).astype(scale_dtype)
+    scale[scale == 0] = 1.0  # a constant row: every code is 0, value = bias
+    bias = low.astype(scale_dtype)
     scale32, bias32 = scale.astype(np.float32)[:, None], bias.astype(np.float32)[:, None]
     codes = np.clip(np.rint((values - bias32) / scale32), 0, _LEVELS).astype(np.uint8)
     return codes, np.stack([scale, bias], axis=1)
