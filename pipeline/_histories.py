@@ -349,13 +349,13 @@ class ItemFeatures:
     index: IdIndex | None = None  # built on first use
 
     def join(self, items: np.ndarray) -> dict[str, np.ndarray]:
+        if not len(self.items):
+            return {name: np.full(len(items), self.missing[name], np.uint64) for name in self.ids}
         if self.index is None:
             self.index = IdIndex(self.items)
         where = self.index.find(items)
         found = where >= 0
         where = np.where(found, where, 0)
-        if not len(self.items):
-            return {name: np.full(len(items), self.missing[name], np.uint64) for name in self.ids}
         return {
             name: np.where(found, ids[where], np.uint64(self.missing[name]))
             for name, ids in self.ids.items()

@@ -45,25 +45,29 @@ PRECISIONS = ("fp32", "fp16", "int8")
 def trained_exports(args) -> tuple[Path, dict[str, Path]]:
     """(data, {precision: export}) for fp32, fp16 and int8, made once per set of
     arguments."""
-    from hybridrec.pipeline.config import PreprocessConfig
-    from hybridrec.pipeline.event_job import run_event_preprocess
-    from hybridrec.pipeline.synthetic_events import EventLogConfig, generate_events, spec_text
     from hybridrec.serving.export import export_run
-    from hybridrec.training.job import load_config
-    from hybridrec.training.trainer import Trainer
 
     events = args.items * args.events_per_item
     users = max(events // args.mean_events, 1)
     root = Path(args.cache) / f"serve_seq_i{args.items}_e{args.events_per_item}_h{args.history}"
     data, run = root / "data", root / "run"
     exports = {precision: root / f"export_{precision}" for precision in PRECISIONS}
-    if all((path / "1" / "manifest.json").exists() for path in exports.values()):
-        return data, exports
-    if (run / "summary.json").exists():  # trained before: the exports missing
-        for precision, path in exports.items():
-            if not (path / "1" / "manifest.json").exists():
-                export_run(run, path, precision=precision, name="sequences")
-        return data, exports
+    if not (run / "summary.json").exists():
+        _train(args, data, run, root, events, users)
+    for precision, path in exports.items():  # each made once
+        if not (path / "1" / "manifest.json").exists():
+            export_run(run, path, precision=precision, name="sequences")
+    return data, exports
+
+
+def _train(args, data: Path, run: Path, root: Path, events: int, users: int) -> None:
+    """The generated log preprocessed into `data` (once), and SASRec trained into `run`."""
+    from hybridrec.pipeline.config import PreprocessConfig
+    from hybridrec.pipeline.event_job import run_event_preprocess
+    from hybridrec.pipeline.synthetic_events import EventLogConfig, generate_events, spec_text
+    from hybridrec.training.job import load_config
+    from hybridrec.training.trainer import Trainer
+
     if not (data / "_SUCCESS").exists():
         print(f"== generate {events:,} events of {users:,} users", file=sys.stderr, flush=True)
         raw = root / "raw"
@@ -96,9 +100,6 @@ def trained_exports(args) -> tuple[Path, dict[str, Path]]:
     trainer = Trainer(config, run, overwrite=True)
     trainer.source.evaluates = False  # full ranking of a 1M catalogue is not the point here
     trainer.fit()
-    for precision, path in exports.items():
-        export_run(run, path, precision=precision, name="sequences")
-    return data, exports
 
 
 def history_bodies(model, count: int, length: int, k: int, seed: int) -> list[bytes]:
