@@ -276,9 +276,11 @@ def hstu_attention_pallas(
     is no power of two >= 16 is zero-padded to one (the scores and outputs are unchanged)."""
     length, dim = q.shape[1], q.shape[3]
     _check_blocks(length, block_q, block_k, block_backward)
-    if time_bias is not None and times is None:
+    if time_bias is None:
+        times = None  # read only with a time bias
+    elif times is None:
         raise ValueError("a time bias needs each position's times")
-    if time_bias is not None:
+    else:
         times = jnp.asarray(times, jnp.int32)
     width = max(16, pl.next_power_of_2(dim))
     if width != dim:
@@ -291,7 +293,7 @@ def hstu_attention_pallas(
         v,
         segments,
         bias,
-        times if time_bias is not None else None,
+        times,
         time_bias,
         float(alpha),
         float(inv_norm),
