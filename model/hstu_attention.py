@@ -168,6 +168,13 @@ def block_bounds(segments, block_q: int, block_k: int):
     return (padded(kv_lo), padded(kv_hi)), (padded(q_lo), padded(q_hi))
 
 
+def _fitting_block(length: int, block: int) -> int | None:
+    """The largest power of two >= 16, at most `block`, dividing `length`; None if none."""
+    while block >= 16 and length % block:
+        block //= 2
+    return block if block >= 16 else None
+
+
 def _check_blocks(length: int, *blocks: int) -> None:
     for block in blocks:
         if block < 16 or block & (block - 1):
@@ -398,6 +405,14 @@ def hstu_attention(
     arguments are `hstu_attention_reference`'s."""
     time_buckets = 0 if time_bias is None else time_bias.shape[1]
     chosen = resolve_implementation(implementation, q.dtype, q.shape[-1], None, time_buckets)
+    if chosen == "pallas" and implementation == "auto":
+        # rows shorter than a block, or no multiple of one: the largest blocks that divide
+        # them, or the reference where none of at least 16 does
+        fitted = [_fitting_block(q.shape[1], b) for b in (block_q, block_k, block_backward)]
+        if None in fitted:
+            chosen = "reference"
+        else:
+            block_q, block_k, block_backward = fitted
     if chosen == "reference":
         return hstu_attention_reference(
             q, k, v, segments, bias, alpha=alpha, inv_norm=inv_norm, max_distance=max_distance,

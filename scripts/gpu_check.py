@@ -61,15 +61,17 @@ NEEDED = {
     "hybridrec.embedding_store._native": "hybridrec (its C extensions)",
     "hybridrec.serving._scan": "hybridrec (its C extensions)",
 }
+# one directory's files side by side: pytest 9.1 (the GPU image's) loses a directory's
+# conftest fixtures for its files named after another directory's
 TESTS = [
     "tests/model",
     "tests/training/test_end_to_end.py",
     "tests/training/test_device_rows.py",
+    "tests/training/test_compilation_cache.py",
+    "tests/training/test_resume_and_multiprocess.py",
     "tests/serving",
     "tests/test_config.py",
     "tests/embedding_store",
-    "tests/training/test_compilation_cache.py",
-    "tests/training/test_resume_and_multiprocess.py",
 ]
 REHEARSAL_TESTS = ["tests/model/test_hstu_attention.py", "-k", "lowers or buckets"]
 

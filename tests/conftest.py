@@ -20,6 +20,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # On a GPU the test process and the commands it starts (trainers, servers) share the
 # device: each allocates what it uses instead of most of its memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# A GPU's float32 matmuls are TF32 by default (10-bit mantissas): results that the tests
+# compare across batch shapes or with float64 differ there by ~1e-3. The tests check
+# float32 semantics, so every matmul is full float32 (a no-op on a CPU).
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # The commands' compilation cache lives in one fresh directory per test session: nothing
 # written to the home directory, and no entry from an earlier session is reused.
 # The process that made it (pytest's, whose workers inherit the variable) removes it.

@@ -5,6 +5,8 @@ in Pallas interpret mode; with JAX_PLATFORMS=cuda the same tests run it compiled
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -317,6 +319,28 @@ def test_kernel_with_a_time_bias_matches_the_reference(
         assert a.shape == e.shape
         assert_close(a, e, name)
     assert int((jnp.abs(actual[4]) > 0).sum()) >= 10  # many gap buckets got gradient
+
+
+@pytest.mark.parametrize("length", [16, 48, 40])
+def test_auto_fits_the_blocks_to_short_rows(monkeypatch, length):
+    """Where 'auto' picks the kernel (a GPU), rows shorter than the default blocks of 64,
+    or no multiple of them, run with the largest blocks dividing them (16 for 48), or on
+    the reference where none of at least 16 does (40): no error, the reference's values."""
+    module = importlib.import_module("hybridrec.model.hstu_attention")
+    monkeypatch.setattr(module, "resolve_implementation", lambda *args, **kwargs: "pallas")
+    used = []
+    kernel = module.hstu_attention_pallas
+
+    def recorded(*args, **kwargs):
+        used.append(kwargs["block_q"])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(module, "hstu_attention_pallas", recorded)
+    q, k, v, segments, bias, _ = inputs(1, length, 1, 8, "one")
+    kwargs = dict(alpha=1.0, inv_norm=1.0, max_distance=16)
+    auto = hstu_attention(q, k, v, segments, bias, implementation="auto", **kwargs)
+    assert_close(auto, hstu_attention_reference(q, k, v, segments, bias, **kwargs), "auto")
+    assert used == ({16: [16], 48: [16], 40: []}[length])
 
 
 def test_auto_with_a_time_bias_equals_the_reference():
