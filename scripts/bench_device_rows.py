@@ -2,10 +2,12 @@
 when the device step is fast (a GPU), measured on whatever machine runs it.
 
 For batches of Criteo's shape (26 single-valued features, Zipf-distributed ids over
-Criteo-like cardinalities, the long tail widened as `bench_gpu`'s data), every table on
-the devices: `DeviceRows.prepare` (ids to rows, new rows' initial values, the arrays the
-step reads) and `DeviceRows.device_arrays` (those arrays onto the devices, waited for),
-each timed over --batches-timed batches after --warm batches have filled the tables.
+Criteo-like cardinalities, the long tail widened as `bench_gpu`'s data), every table on the
+devices, the three stages the hybrid loop runs on three threads: `DeviceRows.dedupe` (each
+table's distinct ids: the input thread), `DeviceRows.prepare` (ids to rows, new ids given
+rows, in step order: the lookup thread) and `DeviceRows.device_arrays` (the new rows'
+initial values and every array onto the devices, waited for: the transfer thread), each
+timed over --batches-timed batches after --warm batches have filled the tables.
 
     python scripts/bench_device_rows.py                         # batch 4096, 16384, 65536
     python scripts/bench_device_rows.py --batches 16384 --dim 128
@@ -16,11 +18,12 @@ store with one hot-row cache of ROWS rows on the devices in front of them, as th
 fuses caches; `prepare` then also counts, admits and evicts, and reads the admitted rows
 from the store.
 
-The last line is one JSON object: per batch B, prepare_ms_bB, device_arrays_ms_bB and
-host_side_samples_per_s_bB (B over the two together: the lookup thread's ceiling) and
-shapes_bB (the distinct sets of array shapes over all the batches: the step's compiles);
-with --cache, cache_hit_rate_bB (of the cached features' lookups in the timed batches,
-the share the cache held).
+The last line is one JSON object: per batch B, dedupe_ms_bB, prepare_ms_bB,
+device_arrays_ms_bB, host_side_samples_per_s_bB (B over the slowest stage: the ceiling of
+the hybrid loop's rate with device tables), one_thread_samples_per_s_bB (B over the three
+together) and shapes_bB (the distinct sets of array shapes over all the batches: the
+step's compiles); with --cache, cache_hit_rate_bB (of the cached features' lookups in the
+timed batches, the share the cache held).
 """
 
 from __future__ import annotations
@@ -150,25 +153,27 @@ def main() -> None:
         shapes = set()  # each distinct set of the step's input shapes is one compile
         for batch in batches[: args.warm]:  # their copies compile as the step does
             prepared = rows.prepare(batch)
-            shapes.add(_shapes(prepared))
             jax.block_until_ready(rows.device_arrays(prepared, slice(None)))
+            shapes.add(_shapes(prepared))
         timed = batches[args.warm :]
         before = dict(rows.summary().get("caches", {}).get("cache", {}))
-        prepare = transfer = 0.0
+        times = np.zeros(3)  # dedupe, prepare, device_arrays
         for batch in timed:
             start = time.perf_counter()
-            prepared = rows.prepare(batch)
-            middle = time.perf_counter()
-            shapes.add(_shapes(prepared))
+            deduped = rows.dedupe(batch)
+            deduped_at = time.perf_counter()
+            prepared = rows.prepare(batch, deduped)
+            prepared_at = time.perf_counter()
             jax.block_until_ready(rows.device_arrays(prepared, slice(None)))
-            prepare += middle - start
-            transfer += time.perf_counter() - middle
-        prepare, transfer = prepare / len(timed), transfer / len(timed)
-        rate = size / (prepare + transfer)
+            times += np.diff([start, deduped_at, prepared_at, time.perf_counter()])
+            shapes.add(_shapes(prepared))
+        dedupe, prepare, transfer = times / len(timed)
+        rate, one_thread = size / max(dedupe, prepare, transfer), size / (times.sum() / len(timed))
         print(
-            f"batch {size}: prepare {prepare * 1e3:.1f} ms, device_arrays {transfer * 1e3:.1f} "
-            f"ms: {rate:,.0f} samples/s on the lookup thread; {len(shapes)} batch shapes in "
-            f"{len(batches)} batches",
+            f"batch {size}: dedupe {dedupe * 1e3:.1f} ms (input thread), prepare "
+            f"{prepare * 1e3:.1f} ms (lookup thread), device_arrays {transfer * 1e3:.1f} ms "
+            f"(transfer thread): {rate:,.0f} samples/s at the slowest stage, {one_thread:,.0f} "
+            f"on one thread; {len(shapes)} batch shapes in {len(batches)} batches",
             flush=True,
         )
         if args.cache:
@@ -183,9 +188,11 @@ def main() -> None:
             )
         summary.update(
             {
+                f"dedupe_ms_b{size}": round(dedupe * 1e3, 2),
                 f"prepare_ms_b{size}": round(prepare * 1e3, 2),
                 f"device_arrays_ms_b{size}": round(transfer * 1e3, 2),
                 f"host_side_samples_per_s_b{size}": round(rate),
+                f"one_thread_samples_per_s_b{size}": round(one_thread),
                 f"shapes_b{size}": len(shapes),
             }
         )

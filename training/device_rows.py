@@ -35,7 +35,6 @@ import jax
 import numpy as np
 from hybridrec.common.errors import UserError
 from hybridrec.embedding_store import (
-    RaggedIds,
     SlotMap,
     TableConfig,
     initial_rows,
@@ -47,6 +46,7 @@ from hybridrec.model.distributed import replicated_array
 from hybridrec.model.sharding import replicated
 from hybridrec.training.batch_shapes import PaddedSizes
 from hybridrec.training.hot_rows import HotRows
+from hybridrec.training.id_bags import as_bags, bag_arrays, host_part
 from hybridrec.training.input import Batch
 
 MIN_ROWS = 256  # a batch's distinct rows per table are padded to a power of two, at least this
@@ -83,12 +83,22 @@ class Prepared:
     host_ids: dict[str, Any] = dataclasses.field(default_factory=dict)  # cached feature ->
     # the ids the host looks up (those its cache does not hold)
     evicted: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # cache -> ids
+    # ([N, dim], [(table, first row, its ids or a cache's read values)]): the new rows,
+    # until `DeviceRows.host_arrays` fills them
+    new_rows: tuple | None = None
 
     def host_batch(self, batch: Batch) -> Batch:
         """`batch` with the cached features' ids the host store looks up."""
         if not self.host_ids:
             return batch
         return dataclasses.replace(batch, ids={**batch.ids, **self.host_ids})
+
+
+@dataclasses.dataclass
+class Deduped:
+    """A global batch's device-table ids, deduplicated (`DeviceRows.dedupe`)."""
+
+    tables: dict[str, tuple]  # table -> (columns, distinct ids, inverse, bags or None)
 
 
 class DeviceRows:
@@ -179,22 +189,39 @@ class DeviceRows:
 
     # ---- per batch (the lookup thread, in step order) -----------------------------------
 
-    def prepare(self, batch: Batch) -> Prepared:
-        """The device-table arrays of a global batch; new ids get rows here, and caches
-        admit and evict theirs."""
-        prepared = Prepared({}, {}, {})
-        arriving = []  # (table, positions among its distinct rows, ids or read values)
+    def dedupe(self, batch: Batch) -> Deduped:
+        """What `prepare` needs of a global batch that depends on the batch alone: per
+        table its distinct ids and each occurrence's index among them, and a whole table's
+        bags. The input thread makes it ahead of the step order (batches in input order:
+        a bag width only grows, as it did in `prepare`)."""
+        deduped = Deduped({})
         for table in self.tables:
-            columns = [_as_bags(batch.ids[name]) for name in self.plan.features[table.name]]
+            columns = [as_bags(batch.ids[name]) for name in self.plan.features[table.name]]
             values = np.concatenate([c[0] for c in columns]) if columns else np.zeros(0, np.uint64)
             # one hash pass (the native kernels; else a sort): distinct ids in order of
             # first occurrence, the same on every process
             unique, inverse = unique_inverse(values)
+            # a whole table holds every id of the batch once `prepare` gave the new ones
+            # rows; a cache's bags wait for what it admits
+            bags = None if table.cache else self._bags(table.name, columns, inverse, batch.size)
+            deduped.tables[table.name] = (columns, unique, inverse, bags)
+        return deduped
+
+    def prepare(self, batch: Batch, deduped: Deduped | None = None) -> Prepared:
+        """The device-table arrays of a global batch (`deduped`: its `dedupe`, made here
+        when None); new ids get rows here, in step order, and caches admit and evict
+        theirs. The new rows' initial values are filled by `host_arrays`, on the thread
+        that copies the batch to the devices."""
+        deduped = deduped or self.dedupe(batch)
+        prepared = Prepared({}, {}, {})
+        arriving = []  # (table, positions among its distinct rows, ids or read values)
+        for table in self.tables:
+            columns, unique, inverse, bags = deduped.tables[table.name]
             slots = self.rows_of(table.name, unique)
             # padded to a power of two, never less than before: few compiles. A cache pads
             # to the ids' count (the most distinct rows there can be): with single-valued
             # features every batch has the same shapes, whatever its admissions and evictions
-            need = len(values) if table.cache else len(unique)
+            need = len(inverse) if table.cache else len(unique)
             size = self._sizes.grow(table.name, max(need, MIN_ROWS))
             if table.cache:
                 fresh, slots = self._admit(table, unique, inverse, slots, columns, prepared, size)
@@ -213,7 +240,10 @@ class DeviceRows:
             held = slots >= 0
             padded = np.full(size, table.scratch, np.int32)
             padded[: len(unique)][held] = slots[held]
-            index, weights = self._bags(table.name, columns, inverse, batch.size, held[inverse])
+            held_at = held[inverse]
+            if bags is None:
+                bags = self._bags(table.name, columns, inverse, batch.size, held_at)
+            index, weights = bags
             key = table.name
             prepared.arrays.update(
                 {
@@ -224,7 +254,7 @@ class DeviceRows:
             )
             prepared.touched[key] = slots[held]
             prepared.placed[key] = (slots[fresh], unique[fresh])
-            self.lookups += int(np.count_nonzero(held[inverse]))  # a cache: those it holds
+            self.lookups += int(np.count_nonzero(held_at))  # a cache: those it holds
         if arriving:
             self._new_rows(arriving, prepared)
         return prepared
@@ -237,21 +267,34 @@ class DeviceRows:
         the way down, 13 compiles and 3.4 s of one epoch of `criteo_dlrm` at batch 512."""
         total = sum(len(at) for _, at, _, _ in arriving)
         dim = arriving[0][0].dim  # the tower concatenates the features: one dim for all
-        rows = np.zeros((self._sizes.fit(NEW_ROWS, max(total, MIN_ROWS), dim * 4), dim), np.float32)
-        offset = 0
+        shape = (self._sizes.fit(NEW_ROWS, max(total, MIN_ROWS), dim * 4), dim)
+        offset, fills = 0, []
         for table, at, size, incoming in arriving:
-            places = np.arange(offset, offset + len(at), dtype=np.int64)
-            if table.cache:  # the admitted rows' values, read from the store
-                rows[offset : offset + len(at)] = incoming
-            elif len(at):  # their optimizer state is set in the step (the rule's initial)
-                config = self._configs[table.name]
-                initial_rows(
-                    config.initializer, incoming, dim, config.first_column, out=rows, at=places
-                )
             new = np.full(size, -1, np.int32)
-            new[at] = places
+            new[at] = np.arange(offset, offset + len(at))
             prepared.arrays[array_key(table.name, "new")] = new
+            if len(at):
+                fills.append((table, offset, incoming))
             offset += len(at)
+        prepared.new_rows = (shape, fills)
+
+    def _fill_new_rows(self, prepared: Prepared) -> None:
+        """The batch's [N, dim] new rows: a whole table's from the store's initializer (their
+        optimizer state is set in the step, the rule's initial), a cache's admitted values
+        read from the store."""
+        if prepared.new_rows is None:
+            return
+        (shape, fills), prepared.new_rows = prepared.new_rows, None
+        rows = np.zeros(shape, np.float32)
+        for table, offset, incoming in fills:
+            if table.cache:
+                rows[offset : offset + len(incoming)] = incoming
+            else:
+                config = self._configs[table.name]
+                places = np.arange(offset, offset + len(incoming), dtype=np.int64)
+                initial_rows(
+                    config.initializer, incoming, shape[1], config.first_column, out=rows, at=places
+                )
         prepared.arrays[NEW_ROWS] = rows
 
     def _admit(self, table, unique, inverse, slots, columns, prepared: Prepared, size: int):
@@ -282,25 +325,11 @@ class DeviceRows:
         fresh[admitted] = True
         slots = slots.copy()
         slots[admitted] = rows
-        self._host_part(table, slots >= 0, inverse, columns, prepared)
+        features = self.plan.features[table.name]
+        host_ids, scale = host_part(features, columns, slots >= 0, inverse, self.pooling)
+        prepared.host_ids.update(host_ids)
+        prepared.arrays[array_key(name, "host_scale")] = scale
         return fresh, slots
-
-    def _host_part(self, table, held, inverse, columns, prepared: Prepared) -> None:
-        """The ids of a cache's features the host looks up (those not held), and the
-        factor that rescales the host's pooling of them to the whole bag."""
-        start, scales = 0, []
-        for name, (values, counts) in zip(self.plan.features[table.name], columns, strict=True):
-            rows = len(values) if counts is None else len(counts)
-            counts = np.ones(rows, np.int64) if counts is None else counts
-            missed = ~held[inverse[start : start + len(values)]]
-            start += len(values)
-            row_of = np.repeat(np.arange(rows), counts)
-            kept = np.bincount(row_of[missed], minlength=rows)
-            offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
-            prepared.host_ids[name] = RaggedIds(values=values[missed], offsets=offsets)
-            whole, part = _pool_scale(counts, self.pooling), _pool_scale(kept, self.pooling)
-            scales.append(np.divide(part, whole, out=np.zeros_like(whole), where=whole > 0))
-        prepared.arrays[array_key(table.name, "host_scale")] = np.stack(scales, axis=1)
 
     def _assign(self, table, unique: np.ndarray, slots: np.ndarray) -> np.ndarray:
         new = slots < 0
@@ -327,40 +356,16 @@ class DeviceRows:
         slots[new] = fresh
         return slots
 
-    def _bags(self, name, columns, inverse, rows: int, held) -> tuple[np.ndarray, np.ndarray]:
-        """[rows, F_t, L] indices into the batch's distinct rows and their pooling weights
-        (0 for the occurrences not `held` [nnz] on the devices); L a power of two, never
-        less than before."""
+    def _bags(self, name, columns, inverse, rows: int, held=None) -> tuple[np.ndarray, np.ndarray]:
+        """`bag_arrays` of a table's features, L a power of two never less than before."""
         longest = [1 if counts is None else int(counts.max(initial=1)) for _, counts in columns]
         width = self._sizes.grow(f"{name}/width", max(longest, default=1))
-        if width == 1 and all(counts is None for _, counts in columns):
-            # single-valued features only: [F * rows] in feature order, as one transpose
-            shape = (len(columns), rows)
-            index = np.ascontiguousarray(inverse.astype(np.int32).reshape(shape).T)[..., None]
-            weights = np.ascontiguousarray(held.astype(np.float32).reshape(shape).T)[..., None]
-            return index, weights
-        index = np.zeros((rows, len(columns), width), np.int32)
-        weights = np.zeros((rows, len(columns), width), np.float32)
-        start = 0
-        for position, (values, counts) in enumerate(columns):
-            part = inverse[start : start + len(values)]
-            on = held[start : start + len(values)]
-            start += len(values)
-            if counts is None:  # single-valued: one id per row
-                index[:, position, 0] = part
-                weights[:, position, 0] = on
-                continue
-            row_of = np.repeat(np.arange(rows), counts)
-            first = np.repeat(np.cumsum(counts) - counts, counts)
-            slot = np.arange(len(values)) - first
-            index[row_of, position, slot] = part
-            scale = 1.0 / np.maximum(_pool_scale(counts, self.pooling), 1)  # 1 for an empty bag
-            weights[row_of, position, slot] = scale[row_of] * on
-        return index, weights
+        return bag_arrays(columns, inverse, rows, width, self.pooling, held)
 
     def host_arrays(self, prepared: Prepared, rows: slice) -> tuple[dict, dict]:
         """(per-example arrays of this process's `rows`, arrays the same on every process)
         of a prepared batch, on the host: `make_global_batch` copies them with the batch."""
+        self._fill_new_rows(prepared)
         whole, per_example = {}, {}
         for key, array in prepared.arrays.items():
             if key.rsplit("/", 1)[-1] in PER_EXAMPLE:
@@ -445,22 +450,8 @@ class DeviceRows:
         return state.replace(tables=tables)
 
 
-def _as_bags(ids: Any) -> tuple[np.ndarray, np.ndarray | None]:
-    """(values, counts per row or None for single-valued) of a feature's ids."""
-    if hasattr(ids, "offsets"):
-        return np.asarray(ids.values, np.uint64), np.diff(ids.offsets)
-    return np.asarray(ids, np.uint64), None
-
-
 def _ratio(part: int, whole: int) -> float:
     return round(part / max(whole, 1), 4)
-
-
-def _pool_scale(counts: np.ndarray, pooling: str) -> np.ndarray:
-    """What pooling divides a bag of `counts` ids by (1 for sum; 0 for an empty bag)."""
-    counts = counts.astype(np.float32)
-    scale = np.minimum(counts, 1) if pooling == "sum" else counts
-    return np.sqrt(scale) if pooling == "sqrtn" else scale
 
 
 def _take_rows(table: Mapping[str, jax.Array], slots: np.ndarray, mesh: Any):

@@ -2,12 +2,18 @@
 
 `HybridLoop.progress()` trains one batch. Its stages, and where each runs:
 
-    read      input thread     batches decoded from the reader, `prefetch` ahead
+    read      input thread     batches decoded from the reader, `prefetch` ahead; with
+                               device tables, each batch's distinct ids per table
+                               (`DeviceRows.dedupe`: it needs the batch alone)
     lookup    lookup thread    takes a staleness slot, then `store.lookup_features` (run by
-                               the store's workers), at most `lookahead` batches ahead
+                               the store's workers), at most `lookahead` batches ahead;
+                               device tables: ids to rows, new ids given rows, in step
+                               order (`DeviceRows.prepare`)
     transfer  transfer thread  waits for each lookup in order and copies its embeddings,
-                               dense features and labels to the devices (done by the
-                               lookup thread when the store answers on its thread)
+                               dense features and labels to the devices, device tables'
+                               arrays and new rows (their initial values made here) with
+                               them (done by the lookup thread when the store answers on
+                               its thread)
     step      caller           the jitted dense step, dispatched without waiting for it;
                                then the caller waits until at most `steps_ahead` steps
                                are unfinished (the devices stay busy, the host does not
@@ -334,7 +340,10 @@ class HybridLoop:
         lower_thread_priority(self._nice)
         try:
             for batch in batches:
-                if not self._put(self._input, batch):
+                # device tables: the half of a batch's preparation that needs the batch
+                # alone (its distinct ids), here, ahead of the lookup thread's step order
+                deduped = self.device_rows.dedupe(batch) if self.device_rows else None
+                if not self._put(self._input, (batch, deduped)):
                     return
             self._put(self._input, _END)
         except BaseException as error:  # handed to the caller, who raises it
@@ -349,6 +358,7 @@ class HybridLoop:
                 if item is _END or isinstance(item, BaseException):
                     self._put(self._ready if self._direct else self._looked_up, item)
                     return
+                item, deduped = item
                 if self._ahead is not None:
                     while not self._ahead.acquire(timeout=0.05):
                         if self._stop.is_set():
@@ -363,12 +373,12 @@ class HybridLoop:
                     rows = None if self._replicated else self._layout.rows
                     if self.device_rows and self.device_rows.caches:
                         # caches first: the host looks up the ids they do not hold
-                        on_devices = self.device_rows.prepare(item)
+                        on_devices = self.device_rows.prepare(item, deduped)
                         future = self._host_lookup(on_devices.host_batch(item), rows)
                     else:
                         future = self._host_lookup(item, rows)
                         # device tables: new ids get their rows here, in step order
-                        on_devices = self.device_rows and self.device_rows.prepare(item)
+                        on_devices = self.device_rows and self.device_rows.prepare(item, deduped)
                 if self._direct:
                     self._put(
                         self._ready, self._to_devices(step, item, future, staleness, on_devices)

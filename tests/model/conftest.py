@@ -27,15 +27,6 @@ OPTIMIZER = DenseOptimizerConfig(
 )
 
 
-@pytest.fixture
-def exact_matmuls():
-    """float32 matrix products at full precision while the test runs: a GPU runs them in
-    TF32 by default (a 10-bit mantissa), far coarser than the numpy and float64
-    references that tests of the math compare with."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
 def tiny_model_config(tower: str, **overrides) -> ModelConfig:
     """Small towers whose hidden widths shard over a model axis of size 2."""
     return ModelConfig(

@@ -18,7 +18,6 @@ from hybridrec.model.step import loss_fn
 ROWS = 32  # the shared test batch shape (compilation cache)
 
 
-@pytest.mark.usefixtures("exact_matmuls")
 @pytest.mark.parametrize("tower", ["dlrm", "dcnv2"])
 def test_embedding_grads_match_finite_differences(
     data_model_mesh, tower, tiny_config, dims, batch_factory, optimizer

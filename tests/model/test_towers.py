@@ -70,7 +70,6 @@ def test_towers_give_one_logit_per_example(name):
         assert leaf.dtype == jnp.float32
 
 
-@pytest.mark.usefixtures("exact_matmuls")
 def test_dlrm_matches_numpy():
     config = VARIANTS["dlrm"]
     tower = _tower(config)
@@ -92,7 +91,6 @@ def test_dlrm_self_interaction_adds_the_diagonal():
     assert kernel.shape == (D + (F + 1) * (F + 2) // 2, 1)
 
 
-@pytest.mark.usefixtures("exact_matmuls")
 @pytest.mark.parametrize("structure", ["stacked", "parallel"])
 @pytest.mark.parametrize("low_rank", [0, 3])
 def test_dcnv2_matches_numpy(structure, low_rank):

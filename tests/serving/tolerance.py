@@ -2,7 +2,7 @@
 
 import jax
 
-# float32 rounding on CPUs. A GPU runs float32 matrix products in TF32 (a 10-bit mantissa)
-# with kernels chosen by the batch's size, so one row scored within batches of other sizes
-# moves by up to ~1e-4 there (9e-5 measured on an H200).
+# float32 rounding on CPUs. A GPU chooses its matrix-product kernels by the batch's size,
+# so one row scored within batches of other sizes moves there; in TF32 (a GPU's default,
+# the tests' conftest asks for full float32) by up to ~1e-4 (9e-5 measured on an H200).
 PARITY = 1e-6 if jax.default_backend() == "cpu" else 5e-4

@@ -108,10 +108,46 @@ def test_batch_shapes_keep_the_larger_sizes_seen_before():
     rows = DeviceRows(
         plan, {"t": config}, make_mesh(MeshConfig(shape=(1,)), jax.devices()[:1]), "sum"
     )
+
+    def shapes_of(prepared):  # every array the step reads, the new rows' values made
+        per_example, whole = rows.host_arrays(prepared, slice(None))
+        return {key: array.shape for key, array in {**per_example, **whole}.items()}
+
     wide = rows.prepare(_bags_batch(np.arange(3000), np.full(1000, 3)))  # 3000 new rows
-    shapes = {key: array.shape for key, array in wide.arrays.items()}
+    shapes = shapes_of(wide)
     assert shapes["table/new_rows"] == (4096, DIM)  # 3000 rounded up to a power of two
     assert shapes["table/t/slots"] == (4096,) and shapes["table/t/inverse"] == (1000, 1, 4)
     narrow = rows.prepare(_bags_batch(np.arange(1000) % 100 + 2990, np.ones(1000, int)))
     assert (narrow.arrays["table/t/new"] >= 0).sum() == 90  # ids 3000.. are new
-    assert {key: array.shape for key, array in narrow.arrays.items()} == shapes
+    assert shapes_of(narrow) == shapes
+
+
+def test_batches_deduplicated_ahead_prepare_as_one_at_a_time():
+    """The input thread dedupes batches ahead of the lookup thread's `prepare` (which gives
+    new ids rows in step order): every array the step reads, the new rows' initial values
+    included, is the same as preparing each batch whole, one after another."""
+    rule = SparseRule("adagrad", 0.1, 1e-8, 0.9, 0.999, 0.0)
+    layout = DeviceTableLayout((DeviceTable("t", (0, 1), rows=256, dim=DIM, rule=rule),), 2)
+    plan = DevicePlan(layout, {"t": ("single", "multi")}, {"t": "t"}, {"t": (1, 2)}, 8)
+    config = TableConfig(name="t", dim=DIM, capacity=1000)
+    mesh = make_mesh(MeshConfig(shape=(1,)), jax.devices()[:1])
+    rng = np.random.default_rng(3)
+    batches = [_batch(rng) for _ in range(4)]
+
+    def arrays(prepared_batches, rows):
+        out = []
+        for prepared in prepared_batches:
+            per_example, whole = rows.host_arrays(prepared, slice(None))
+            out.append({**per_example, **whole})
+        return out
+
+    one_at_a_time = DeviceRows(plan, {"t": config}, mesh, "mean")
+    expected = arrays([one_at_a_time.prepare(batch) for batch in batches], one_at_a_time)
+    ahead = DeviceRows(plan, {"t": config}, mesh, "mean")
+    deduped = [ahead.dedupe(batch) for batch in batches]  # all before the first prepare
+    got = arrays([ahead.prepare(b, d) for b, d in zip(batches, deduped, strict=True)], ahead)
+    assert [sorted(a) for a in got] == [sorted(a) for a in expected]
+    for g, e in zip(got, expected, strict=True):
+        for key in e:
+            np.testing.assert_array_equal(g[key], e[key], err_msg=key)
+    assert any((e["table/t/new"] >= 0).any() for e in expected[1:])  # later batches bring new ids
