@@ -157,7 +157,7 @@ def copy_to_devices(
         return {}
     if all(len(sharding.device_set) == 1 for sharding in shardings.values()):
         keys = tuple(arrays)
-        host = (np.asarray(arrays[key]) for key in keys)  # never donate a caller's jax.Array
+        host = (dense(arrays[key]) for key in keys)  # never donate a caller's jax.Array
         copies = _identity(tuple(shardings[key] for key in keys))(*host)
         return dict(zip(keys, copies, strict=True))
     host = {key: owned(array, shardings[key]) for key, array in arrays.items()}
@@ -169,7 +169,16 @@ def owned(array: np.ndarray, sharding: jax.sharding.Sharding) -> np.ndarray:
     CPU devices may share a host array's memory, and the caller may change it afterwards."""
     if any(device.platform == "cpu" for device in sharding.device_set):
         return np.array(array)
-    return np.asarray(array)
+    return dense(array)
+
+
+def dense(array: np.ndarray) -> np.ndarray:
+    """`array` in C order with the strides its shape implies, a view where it already is.
+    A size-1 axis added by indexing (`x[..., None]`) has stride 0, and PJRT copies an
+    array whose strides are not the dense ones element by element (its transpose path):
+    on an H200 11 ms a step of a batch of 16384 for two such [16384, 26, 1] arrays."""
+    array = np.ascontiguousarray(array)
+    return array.reshape(-1).reshape(array.shape)
 
 
 def _batch_copy(*arrays):

@@ -33,9 +33,10 @@ def bag_arrays(
     if width == 1 and all(counts is None for _, counts in columns):
         # single-valued features only: [F * rows] in feature order, as one transpose
         shape = (len(columns), rows)
-        index = np.ascontiguousarray(inverse.astype(np.int32).reshape(shape).T)[..., None]
-        weights = np.ascontiguousarray(held.astype(np.float32).reshape(shape).T)[..., None]
-        return index, weights
+        index = np.ascontiguousarray(inverse.astype(np.int32).reshape(shape).T)
+        weights = np.ascontiguousarray(held.astype(np.float32).reshape(shape).T)
+        # reshaped, not `[..., None]` (a stride-0 axis): dense strides copy at full speed
+        return index.reshape(rows, len(columns), 1), weights.reshape(rows, len(columns), 1)
     index = np.zeros((rows, len(columns), width), np.int32)
     weights = np.zeros((rows, len(columns), width), np.float32)
     start = 0

@@ -131,3 +131,15 @@ def test_non_finite_loss_fails_loudly(data_model_mesh, tiny_config, dims, batch_
     _, metrics, _ = step(state, make_global_batch(host, mesh))
     with pytest.raises(NonFiniteLossError, match="step 2"):
         fetch_metrics(metrics, step=2)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda a: a[..., None], lambda a: a.T, lambda a: a[:, ::2], lambda a: a]
+)
+def test_dense_gives_the_strides_the_shape_implies(make):
+    """A copy to a device reads arrays with their shape's own strides (a stride-0 axis
+    from `[..., None]` or a transposed view is copied element by element on a GPU)."""
+    array = make(np.arange(24 * 6, dtype=np.int32).reshape(24, 6))
+    out = distributed_lib.dense(array)
+    np.testing.assert_array_equal(out, array)
+    assert out.strides == np.empty(array.shape, array.dtype).strides

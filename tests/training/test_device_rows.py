@@ -150,4 +150,7 @@ def test_batches_deduplicated_ahead_prepare_as_one_at_a_time():
     for g, e in zip(got, expected, strict=True):
         for key in e:
             np.testing.assert_array_equal(g[key], e[key], err_msg=key)
+            # the strides its shape implies (a stride-0 axis is copied element by element
+            # to a GPU)
+            assert g[key].strides == np.empty(g[key].shape, g[key].dtype).strides, key
     assert any((e["table/t/new"] >= 0).any() for e in expected[1:])  # later batches bring new ids
