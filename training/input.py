@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +142,40 @@ def _ragged_concat(parts: Sequence[RaggedIds]) -> RaggedIds:
     return RaggedIds(values=values, offsets=np.concatenate(offsets))
 
 
+def blocked(rows: _Rows) -> _Rows:
+    """`rows` with its single-valued ids in one [n, k] block (`rows["single"]`, its column
+    names in `rows["names"]`): a shuffle or a batch then moves each row's ids as one run
+    of 8k bytes, not k columns each gathered on its own (`ids_of` gives the columns back,
+    as views)."""
+    names = tuple(name for name, ids in rows["ids"].items() if isinstance(ids, np.ndarray))
+    if not names or "single" in rows:
+        return rows
+    n = len(rows["label"])
+    single = np.empty((n, len(names)), np.uint64)
+    for column, name in enumerate(names):
+        single[:, column] = rows["ids"][name]
+    ids = {name: v for name, v in rows["ids"].items() if name not in names}
+    return {**rows, "ids": ids, "single": single, "names": names}
+
+
+def ids_of(rows: _Rows, order: Sequence[str]) -> dict[str, FeatureIds]:
+    """Every feature's ids of `rows` in `order` (a block's columns as views)."""
+    columns = dict(rows["ids"])
+    for column, name in enumerate(rows.get("names", ())):
+        columns[name] = rows["single"][:, column]
+    return {name: columns[name] for name in order}
+
+
+def _with_block(out: _Rows, rows: _Rows, single: np.ndarray | None) -> _Rows:
+    if single is not None:
+        out["single"], out["names"] = single, rows["names"]
+    return out
+
+
 def _take(rows: _Rows, index: np.ndarray) -> _Rows:
     out: _Rows = {"label": rows["label"][index], "dense": rows["dense"][index], "ids": {}}
+    # np.take copies whole rows of the block: 1.6x the speed of indexing it (300k x 26)
+    _with_block(out, rows, np.take(rows["single"], index, axis=0) if "single" in rows else None)
     for name, ids in rows["ids"].items():
         out["ids"][name] = (
             ids[index]
@@ -155,6 +188,7 @@ def _take(rows: _Rows, index: np.ndarray) -> _Rows:
 def slice_rows(rows: _Rows, start: int, stop: int) -> _Rows:
     """Rows [start, stop) as views (no copy), where `_take` of a range would copy."""
     out: _Rows = {"label": rows["label"][start:stop], "dense": rows["dense"][start:stop], "ids": {}}
+    _with_block(out, rows, rows["single"][start:stop] if "single" in rows else None)
     for name, ids in rows["ids"].items():
         if isinstance(ids, np.ndarray):
             out["ids"][name] = ids[start:stop]
@@ -173,6 +207,8 @@ def concat_rows(parts: Sequence[_Rows]) -> _Rows:
         "dense": np.concatenate([p["dense"] for p in parts]),
         "ids": {},
     }
+    if "single" in parts[0]:
+        _with_block(out, parts[0], np.concatenate([p["single"] for p in parts]))
     for name, first in parts[0]["ids"].items():
         chunks = [p["ids"][name] for p in parts]
         out["ids"][name] = (
@@ -190,11 +226,13 @@ def _padding(columns: Columns, rows: int) -> _Rows:
         )
         for name in columns.categorical
     }
-    return {
-        "label": np.zeros(rows, np.float32),
-        "dense": np.zeros((rows, len(columns.dense)), np.float32),
-        "ids": ids,
-    }
+    return blocked(
+        {
+            "label": np.zeros(rows, np.float32),
+            "dense": np.zeros((rows, len(columns.dense)), np.float32),
+            "ids": ids,
+        }
+    )
 
 
 def rows_from_arrow(table: pa.Table, columns: Columns, where: str) -> _Rows:
@@ -310,6 +348,9 @@ class ParquetReader:
             )
         self._handles: dict[int, pq.ParquetFile] = {}
         self._lock = threading.Lock()
+        # the next window, read (and shuffled) on a worker while this one's batches go out
+        self._ahead: tuple[tuple[int, int], Future] | None = None
+        self._worker: ThreadPoolExecutor | None = None
 
     @classmethod
     def of_dataset(
@@ -358,6 +399,27 @@ class ParquetReader:
         rows = rows_from_arrow(table, self.columns, f"{path} row group {group.index}")
         if self.id_map is not None:
             rows["ids"] = self.id_map.apply(rows["ids"])
+        # every row group's block has its columns in the same (the features') order
+        rows["ids"] = {name: rows["ids"][name] for name in self.columns.categorical}
+        return blocked(rows)
+
+    def _window(self, epoch: int, index: int, windows: list[list[_RowGroup]]) -> _Rows:
+        """Window `index` of `epoch` (read ahead by the call before when it is the one that
+        call expected), after starting to read the one after it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == (epoch, index):
+            rows = ahead[1].result()
+        else:
+            if ahead is not None:  # another position: one reader of the files at a time
+                ahead[1].exception()
+            rows = self._read_window(epoch, index, windows[index])
+        following, groups = (epoch, index + 1), windows
+        if index + 1 == len(windows):
+            following, groups = (epoch + 1, 0), self._epoch_windows(epoch + 1)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="hybridrec-read-ahead")
+        future = self._worker.submit(self._read_window, *following, groups[following[1]])
+        self._ahead = (following, future)
         return rows
 
     def _read_window(self, epoch: int, index: int, groups: list[_RowGroup]) -> _Rows:
@@ -417,7 +479,7 @@ class ParquetReader:
                 in_epoch += 1
                 yield self._batch(rows, valid, DataPosition(epoch, window, 0, produced))
                 continue
-            rows = self._read_window(epoch, window, windows[window])
+            rows = self._window(epoch, window, windows)
             count = len(rows["label"])
             while offset < count and produced < num_batches:
                 take = min(self.batch_size - pending_rows, count - offset)
@@ -446,7 +508,7 @@ class ParquetReader:
         return Batch(
             dense=np.ascontiguousarray(rows["dense"], np.float32),
             labels=np.ascontiguousarray(rows["label"], np.float32),
-            ids=dict(rows["ids"]),
+            ids=ids_of(rows, self.columns.categorical),
             valid=valid,
             position=position,
         )

@@ -10,7 +10,8 @@ from hybridrec.training.input import ParquetReader
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """3 files, 3411 rows; row r has label r, C1 = r and a multi-valued M = [r] * (r % 3)."""
+    """3 files, 3411 rows; row r has label r, C1 = r, a multi-valued M = [r] * (r % 3) and
+    C2 = 7r (the single-valued features travel in one block: its columns keep theirs)."""
     directory = tmp_path_factory.mktemp("parquet")
     paths, start = [], 0
     for index, rows in enumerate((1000, 1137, 1274)):
@@ -21,6 +22,7 @@ def files(tmp_path_factory):
                 "I1": (values * 0.5).astype(np.float32),
                 "C1": values.astype(np.uint64),
                 "M": pa.array([[v] * (v % 3) for v in values], type=pa.list_(pa.uint64())),
+                "C2": (values * 7).astype(np.uint64),
             }
         )
         path = directory / f"part-{index}.parquet"
@@ -32,7 +34,7 @@ def files(tmp_path_factory):
 
 def _reader(files, **kwargs):
     defaults = dict(
-        label="label", dense=["I1"], categorical=["C1", "M"], multi=["M"], batch_size=64
+        label="label", dense=["I1"], categorical=["C1", "M", "C2"], multi=["M"], batch_size=64
     )
     return ParquetReader(files, **{**defaults, **kwargs})
 
@@ -40,7 +42,9 @@ def _reader(files, **kwargs):
 def _check_rows(batch):
     assert batch.dense.shape == (64, 1) and batch.labels.shape == (64,)
     assert batch.dense.dtype == np.float32 and batch.ids["C1"].dtype == np.uint64
+    assert list(batch.ids) == ["C1", "M", "C2"]  # the features' order
     np.testing.assert_array_equal(batch.ids["C1"].astype(np.float32), batch.labels)
+    np.testing.assert_array_equal(batch.ids["C2"], batch.ids["C1"] * np.uint64(7))
     np.testing.assert_array_equal(batch.dense[:, 0], batch.labels * 0.5)
     ragged = batch.ids["M"]
     lengths = np.diff(ragged.offsets)
