@@ -10,7 +10,8 @@ ruff format --check .  # and their layout (the docs' code blocks keep theirs)
 # test files spread over worker processes (pytest-xdist; a file's tests stay together):
 # many tests wait on processes they start, so 2 workers on 2 cores take ~0.7x the time
 workers="${HYBRIDREC_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}"
+# the 15 slowest tests are listed at the end: where CI's time goes
 if (( workers > 1 )); then
-  exec python -m pytest -n "$workers" --dist loadfile "$@"
+  exec python -m pytest -n "$workers" --dist loadfile --durations=15 "$@"
 fi
-exec python -m pytest "$@"
+exec python -m pytest --durations=15 "$@"
