@@ -212,7 +212,8 @@ class DeviceRows:
         when None); new ids get rows here, in step order, and caches admit and evict
         theirs. The new rows' initial values are filled by `host_arrays`, on the thread
         that copies the batch to the devices."""
-        deduped = deduped or self.dedupe(batch)
+        if deduped is None:
+            deduped = self.dedupe(batch)
         prepared = Prepared({}, {}, {})
         arriving = []  # (table, positions among its distinct rows, ids or read values)
         for table in self.tables:

@@ -32,11 +32,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from hybridrec.common.errors import UserError
-from hybridrec.embedding_store import RaggedIds
+from hybridrec.embedding_store import FeatureIds, RaggedIds
 from hybridrec.pipeline import DatasetMetadata
 from hybridrec.training.rows import Rows, blocked, concat_rows, ids_of, slice_rows, take_rows
-
-FeatureIds = np.ndarray | RaggedIds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,9 +303,12 @@ class ParquetReader:
         rows["ids"] = {name: rows["ids"][name] for name in self.columns.categorical}
         return blocked(rows)
 
-    def _window(self, epoch: int, index: int, windows: list[list[_RowGroup]]) -> Rows:
+    def _window(
+        self, epoch: int, index: int, windows: list[list[_RowGroup]], num_batches: int
+    ) -> Rows:
         """Window `index` of `epoch` (read ahead by the call before when it is the one that
-        call expected), after starting to read the one after it."""
+        call expected), after starting to read the one after it, if the stream of
+        `num_batches` batches goes on to it."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == (epoch, index):
             rows = ahead[1].result()
@@ -317,6 +318,8 @@ class ParquetReader:
             rows = self._read_window(epoch, index, windows[index])
         following, groups = (epoch, index + 1), windows
         if index + 1 == len(windows):
+            if (epoch + 1) * self.batches_per_epoch >= num_batches:
+                return rows  # the stream ends with this epoch (an evaluation's one pass)
             following, groups = (epoch + 1, 0), self._epoch_windows(epoch + 1)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="hybridrec-read-ahead")
@@ -383,7 +386,7 @@ class ParquetReader:
                 in_epoch += 1
                 yield self._batch(rows, valid, DataPosition(epoch, window, 0, produced))
                 continue
-            rows = self._window(epoch, window, windows)
+            rows = self._window(epoch, window, windows, num_batches)
             count = len(rows["label"])
             while offset < count and produced < num_batches:
                 take = min(self.batch_size - pending_rows, count - offset)
