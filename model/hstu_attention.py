@@ -55,7 +55,31 @@ def _time_bias(time_bias, query_times, key_times):
     [heads, time buckets], query_times [batch, n] and key_times [batch, L]."""
     gap = query_times[:, :, None] - key_times[:, None, :]
     buckets = time_bucket(gap, time_bias.shape[1])  # [batch, n, L]
-    return jnp.moveaxis(time_bias[:, buckets], 0, 1).astype(jnp.float32)
+    # a gather per head, stacked head-major: no [heads, batch] -> [batch, heads] transpose
+    # of the pairs forward, nor of their gradient backward
+    return jnp.stack([table[buckets] for table in time_bias], axis=1).astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def every_row(matrix, rows: int):
+    """`matrix` repeated for each of `rows` rows: [rows, *matrix.shape]. Its gradient sums
+    the rows' as a matrix-vector product: XLA's CPU reduction over a leading axis of
+    [40, 4, 200, 200] takes 18 ms, the product 0.3 ms."""
+    return jnp.broadcast_to(matrix[None], (rows, *matrix.shape))
+
+
+def _every_row_forward(matrix, rows):
+    return every_row(matrix, rows), None
+
+
+def _every_row_backward(rows, _, grad):
+    flat = grad.reshape(rows, -1)
+    ones = jnp.ones((rows,), flat.dtype)
+    total = jnp.dot(ones, flat, precision=jax.lax.Precision.HIGHEST)
+    return (total.reshape(grad.shape[1:]),)
+
+
+every_row.defvjp(_every_row_forward, _every_row_backward)
 
 
 def live_pairs(segments):
@@ -85,20 +109,23 @@ def hstu_attention_reference(
     Returns:
         [batch, length, heads, dim] in q's dtype.
     """
-    length = q.shape[1]
+    batch, length = q.shape[:2]
     positions = jnp.arange(length)
     distance = jnp.maximum(positions[:, None] - positions[None, :], 0)
     buckets = relative_bucket(distance, bias.shape[1], max_distance)
-    scores = jnp.einsum("bihd,bjhd->bhij", q, k, preferred_element_type=jnp.float32)
-    scores = scores * alpha + bias[:, buckets][None].astype(jnp.float32)
+    # head-major [batch, heads, length, dim] for both products: on the CPU, XLA's batched
+    # products in this layout take a quarter of the time of the [batch, length, heads] ones
+    qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    scores = jnp.einsum("bhid,bhjd->bhij", qh, kh, preferred_element_type=jnp.float32)
+    scores = scores * alpha + every_row(bias[:, buckets].astype(jnp.float32), batch)
     if time_bias is not None:
         scores = scores + _time_bias(time_bias, times, times)
     live = live_pairs(segments)[:, None]
     weights = jnp.where(live, jax.nn.silu(scores), 0.0) * inv_norm
     out = jnp.einsum(
-        "bhij,bjhd->bihd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32
+        "bhij,bhjd->bhid", weights.astype(v.dtype), vh, preferred_element_type=jnp.float32
     )
-    return out.astype(q.dtype)
+    return jnp.swapaxes(out, 1, 2).astype(q.dtype)
 
 
 def hstu_attention_cached(

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hybridrec.model.hstu_attention import (
     block_bounds,
+    every_row,
     hstu_attention,
     hstu_attention_pallas,
     hstu_attention_reference,
@@ -276,6 +277,19 @@ def test_time_bias_adds_each_pairs_gap_bucket_to_its_score():
                     expected[b, i, h] += 0.1 * score / (1 + np.exp(-score)) * v[b, j, h]
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-5)
     assert int(time_bucket(jnp.asarray(0), 8)) == 0 and int(time_bucket(jnp.asarray(10**9), 8)) == 7
+
+
+def test_every_row_sums_its_gradient_over_the_rows():
+    # the relative bias repeated for each row; its gradient is the rows' sum, taken as a
+    # matrix-vector product in place of a reduction
+    rng = np.random.default_rng(0)
+    matrix = jnp.asarray(rng.normal(size=(3, 5, 5)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(7, 3, 5, 5)), jnp.float32)
+    repeated = every_row(matrix, 7)
+    assert repeated.shape == (7, 3, 5, 5) and bool(jnp.all(repeated == matrix[None]))
+    grad = jax.grad(lambda m: jnp.sum(jnp.sin(every_row(m, 7)) * weights))(matrix)
+    expected = np.sum(np.cos(np.asarray(matrix))[None] * np.asarray(weights), axis=0)
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-5, atol=1e-6)
 
 
 TIME_CASES = [
