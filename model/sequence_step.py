@@ -129,24 +129,35 @@ def sequence_loss(config, graphdef, params, rows, batch, rng=None):
 
 
 def make_sequence_train_step(
-    mesh: Mesh, config: SequenceConfig, seed: int, *, state_shardings: TrainState | None = None
+    mesh: Mesh,
+    config: SequenceConfig,
+    seed: int,
+    *,
+    state_shardings: TrainState | None = None,
+    rows_from_chief: bool = False,
 ) -> ShardedStep:
     """Jits the objective's step once for `mesh`: `state, metrics, row_grads = step(state,
     batch)`.
 
     `row_grads` [U, D] f32 is d(mean loss)/d(rows), replicated; dropout draws from `seed`
     folded with the step counter, so a resumed run draws what it would have.
+
+    `rows_from_chief`: the batch's `rows` are [data devices, U, D] split over the data
+    axis, the rows one process looked up in its first part and zeros elsewhere (trainer
+    processes sharing embedding servers: one looks up and updates the rows for all); the
+    step sums them, one all-reduce, into the same [U, D] on every device.
     """
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
+        rows = jnp.sum(batch["rows"], axis=0) if rows_from_chief else batch["rows"]
 
         def objective(params, rows):
             return sequence_loss(config, state.graphdef, params, rows, batch, rng)
 
         (loss, parts), (param_grads, row_grads) = jax.value_and_grad(
             objective, argnums=(0, 1), has_aux=True
-        )(state.params, batch["rows"])
+        )(state.params, rows)
         new_state, metrics = apply_dense_gradients(state, loss, param_grads)
         return new_state, {**metrics, **parts}, row_grads
 
@@ -154,6 +165,8 @@ def make_sequence_train_step(
     replicated = sharding_lib.replicated(mesh)
     batch_shardings = {key: sharding_lib.batch_sharding(mesh, 2) for key in keys}
     batch_shardings |= {key: replicated for key in SHARED}
+    if rows_from_chief:
+        batch_shardings["rows"] = sharding_lib.batch_sharding(mesh, 3)
 
     def make_jitted(shardings: TrainState):
         return jax.jit(

@@ -71,7 +71,7 @@ def fill_store(job, count: int):
     split's items and, past them, further ids of the item table (admitted by lookups)."""
     import numpy as np
     from hybridrec.embedding_store import EmbeddingStore
-    from hybridrec.training.job import default_local_shards
+    from hybridrec.training.run_store import default_local_shards
 
     store = EmbeddingStore(list(job.tables.tables), num_shards=default_local_shards())
     items = job.catalogue.items

@@ -143,6 +143,8 @@ class HybridLoop:
         device_rows: the host side of the tables trained on the devices
             (`training.device_rows.DeviceRows`); the store then looks up the layout's
             features only, and `drain` writes the device rows a step changed back to it.
+        looks_up: False: another process looks up and updates the rows this one trains
+            on (`SequenceLayout.from_chief`); this one only feeds the steps.
     """
 
     def __init__(
@@ -164,8 +166,10 @@ class HybridLoop:
         gather: Callable[[np.ndarray], np.ndarray] | None = None,
         nice: int = 0,
         device_rows: Any = None,
+        looks_up: bool = True,
     ):
         self.state = state
+        self._looks_up = looks_up
         self.device_rows = device_rows
         self.gate = StalenessGate(staleness)
         self._train_step = train_step
@@ -391,8 +395,8 @@ class HybridLoop:
 
     def _host_lookup(self, batch: Batch, rows: slice | None) -> Future:
         """The store's lookup of the batch's host features (None when every feature's
-        table is on the devices)."""
-        if self._layout.features == []:
+        table is on the devices, or when another process looks the rows up)."""
+        if self._layout.features == [] or not self._looks_up:
             done: Future = Future()
             done.set_result(None)
             return done
@@ -420,9 +424,11 @@ class HybridLoop:
         """Waits for the batch's lookup and copies what the step needs to the devices."""
         lookup = future.result()
         rows = self._layout.rows
-        if lookup is None:  # no host features: [rows, 0, dim]
+        if lookup is None and self.device_rows is not None:  # no host features: [rows, 0, dim]
             dim = self.device_rows.tables[0].dim
             embeddings = np.zeros((len(batch.dense[rows]), 0, dim), np.float32)
+        elif lookup is None:  # another process looks them up
+            embeddings = None
         elif self._replicated:
             embeddings = lookup.embeddings[rows]
         else:

@@ -6,6 +6,9 @@ Where the embedding store lives in a job of several processes:
 * with in-process shards every process holds a full replica: each reads the whole
   global batch stream (deterministically), trains on its slice of it, and applies
   the all-gathered gradients of the global batch, so the replicas stay identical.
+Sequence runs read the whole global batch on every process: with replicas each looks
+up and updates all of its rows; with servers the chief alone does, for all of them
+(`SequenceLayout`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,8 @@ import jax
 import numpy as np
 from hybridrec.common import config as config_lib
 from hybridrec.common.errors import ConfigError, UserError
-from hybridrec.common.tls import TLSFiles
 from hybridrec.embedding_store import EmbeddingStore
-from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, ServerSet, connect
+from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, ServerSet
 from hybridrec.model import (
     create_train_state,
     device_tables,
@@ -51,6 +52,7 @@ from hybridrec.training.device_rows import DevicePlan, DeviceRows
 from hybridrec.training.hybrid import HybridLoop
 from hybridrec.training.input import Batch, ParquetReader
 from hybridrec.training.layouts import FlatLayout, SequenceLayout, TowerLayout
+from hybridrec.training.run_store import default_local_shards, open_store
 from hybridrec.training.sequences import (
     Catalogue,
     Histories,
@@ -59,15 +61,6 @@ from hybridrec.training.sequences import (
 )
 from hybridrec.training.tables import TablePlan, plan_tables, resolve_tables
 from jax.experimental import multihost_utils
-
-
-def default_local_shards() -> int:
-    """In-process shards when embedding.num_shards is not set: one per two cores, 1 to 4.
-
-    A shard is a worker thread; in a process whose cores also run the dense step, more
-    shards than that cost more in hand-offs than they gain (docs/benchmarks.md).
-    """
-    return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +99,7 @@ class Job:
         if not self.device_tables:
             return None
         tables = {table.name: table for table in self.tables.tables}
-        shared = bool(self.servers) and self.process_count > 1
+        shared = self.shared_store
         return DeviceRows(
             self.devices,
             tables,
@@ -123,6 +116,17 @@ class Job:
     def is_chief(self) -> bool:
         """Process 0 writes what is written once (logs, summaries, shared checkpoints)."""
         return self.process_index == 0
+
+    @property
+    def rows_from_chief(self) -> bool:
+        """Sequence runs of several trainer processes sharing embedding servers: the chief
+        looks up each batch's rows for all and applies their update (`SequenceLayout`)."""
+        return self.sequences and bool(self.servers) and self.process_count > 1
+
+    @property
+    def shared_store(self) -> bool:
+        """Several trainer processes in front of the same embedding servers."""
+        return bool(self.servers) and self.process_count > 1
 
     @property
     def replicated_store(self) -> bool:
@@ -216,7 +220,12 @@ class Job:
     def layout(self, batch_size: int, rows: slice = slice(None)) -> FlatLayout | TowerLayout:
         """How a batch of `batch_size` (this process's `rows` of it) meets the devices."""
         if self.sequences:
-            return SequenceLayout(self.mesh, ranking=self.config.model.sequence.ranking)
+            return SequenceLayout(
+                self.mesh,
+                ranking=self.config.model.sequence.ranking,
+                from_chief=self.rows_from_chief,
+                dim=self.config.embedding.dim,
+            )
         if self.tower_parallel:
             names = [feature.name for feature in self.metadata.categorical]
             return TowerLayout(self.mesh, self.config.model.towers, names, batch_size)
@@ -225,7 +234,12 @@ class Job:
     def train_step(self) -> Any:
         """The jitted train step of the run's layout."""
         if self.sequences:
-            return make_sequence_train_step(self.mesh, self.config.model.sequence, self.config.seed)
+            return make_sequence_train_step(
+                self.mesh,
+                self.config.model.sequence,
+                self.config.seed,
+                rows_from_chief=self.rows_from_chief,
+            )
         if self.tower_parallel:
             return make_tower_parallel_train_step(self.mesh, self.config.model.towers)
         if self.device_tables:
@@ -266,6 +280,7 @@ class Job:
             store=store,
             layout=layout,
             device_rows=device_rows,
+            looks_up=self.is_chief or not self.rows_from_chief,
             feature_tables=self.tables.feature_tables,
             pooling=config.embedding.pooling,
             staleness=config.hybrid.staleness,
@@ -283,44 +298,8 @@ class Job:
     def open_store(
         self, checkpoints: RunCheckpoints, step: int | None, *, remote: bool = True
     ) -> EmbeddingStore:
-        """The run's embedding store, restored to `step` when given.
-
-        Remote shards are shared by every process, so only process 0 loads a checkpoint
-        onto them and the others attach after it is done. With `remote=False` (evaluating
-        a checkpoint) the rows are restored into in-process shards even when servers are
-        configured, so the servers' live rows are never rolled back.
-        """
-        embedding = self.config.embedding
-        tables = list(self.tables.tables)
-        if not (remote and self.servers):
-            num_shards = embedding.num_shards or default_local_shards()
-            if step is None:
-                return EmbeddingStore(tables, num_shards=num_shards)
-            return EmbeddingStore.restore(
-                checkpoints.embeddings_url, tables, step=step, num_shards=num_shards
-            )
-        shards = connect(
-            list(self.servers),
-            tables,
-            token=self.server_token,
-            tls=TLSFiles.from_config(embedding.tls, "embedding.tls"),
-            retry_timeout=self.retry_timeout,
-            wire_dtype=embedding.wire_dtype,
-        )
-        if embedding.num_shards is not None and embedding.num_shards != len(shards):
-            raise UserError(
-                f"embedding.num_shards = {embedding.num_shards}, but the servers "
-                f"{', '.join(self.servers)} host {len(shards)} shards; leave "
-                "embedding.num_shards unset with servers"
-            )
-        if step is None or not self.is_chief:
-            self.barrier(f"restore-embeddings-{step}")
-            return EmbeddingStore(tables, num_shards=len(shards), shards=shards)
-        store = EmbeddingStore.restore(
-            checkpoints.embeddings_url, tables, step=step, num_shards=len(shards), shards=shards
-        )
-        self.barrier(f"restore-embeddings-{step}")
-        return store
+        """The run's embedding store, restored to `step` when given (`run_store.open_store`)."""
+        return open_store(self, checkpoints, step, remote=remote)
 
 
 def prepare(
@@ -447,11 +426,6 @@ def _prepare_sequences(
         raise UserError(f"{metadata.root} {'is a stream of' if streamed else 'holds'} user histories: {fix}")  # fmt: skip
     process_count = jax.process_count()
     addresses = tuple(servers.addresses if servers else config.embedding.servers)
-    if process_count > 1 and addresses:
-        raise UserError(
-            f"{metadata.root} holds user histories: several trainer processes train them "
-            "with in-process embedding replicas, one trainer process with embedding servers"
-        )
     if config.model.layout == "towers":
         raise ConfigError("model.layout = 'towers' is DMT's, for click logs, not sequence towers")
     mesh = make_mesh(config.mesh)

@@ -24,6 +24,7 @@ import numpy as np
 from hybridrec.common.errors import ConfigError
 from hybridrec.model import local_rows, make_global_batch, tower_parallel
 from hybridrec.model.sequence_step import CONTEXT_KEYS
+from hybridrec.model.sharding import data_parallel_size
 from hybridrec.pipeline.metadata import ITEM_FEATURE
 from hybridrec.training.input import Batch
 from hybridrec.training.sequences import SequenceBatch
@@ -154,14 +155,23 @@ class SequenceLayout:
     the data axis). The step's row gradients are summed over every device of every
     process, so each process's store (a replica, or shared servers) gets the whole
     batch's update from it: nothing is gathered (the `FlatLayout` above
-    for histories)."""
+    for histories).
+
+    Trainer processes sharing embedding servers (`from_chief`): the chief alone looks up
+    a training batch's rows and applies their update; every process hands the step
+    [data devices, U, D] rows split over the data axis, the chief's in its first part,
+    zeros elsewhere, and the step sums them (`make_sequence_train_step`'s
+    `rows_from_chief`): one copy of each update reaches the servers, and every process
+    trains on the same rows."""
 
     features = [ITEM_FEATURE.name]
     rows = slice(None)  # the ids looked up: the whole batch's
 
-    def __init__(self, mesh: Any, *, ranking: bool = False):
+    def __init__(self, mesh: Any, *, ranking: bool = False, from_chief: bool = False, dim: int = 0):
         self.mesh = mesh
         self.ranking = ranking  # the step reads the next events' actions
+        self.from_chief = from_chief
+        self.dim = dim  # of a row (the rows another process looks up)
 
     def own(self, array: np.ndarray) -> np.ndarray:
         """This process's rows of a [rows, ...] batch array."""
@@ -171,11 +181,14 @@ class SequenceLayout:
     def device_batch(
         self, batch: SequenceBatch, embeddings: np.ndarray, *, train: bool = True, extra=None
     ) -> dict:
-        """embeddings: [U, 1, D] rows of `batch.ids` -> the step's batch (rows padded to
-        `padded_rows(U)` with zeros, which no index points at)."""
-        count, _, dim = embeddings.shape
+        """embeddings: [U, 1, D] rows of `batch.ids` (None: the chief's, `from_chief`) ->
+        the step's batch (rows padded to `padded_rows(U)` with zeros, which no index points
+        at)."""
+        count = len(batch.ids[ITEM_FEATURE.name])
+        dim = self.dim if embeddings is None else embeddings.shape[2]
         rows = np.zeros((padded_rows(count), dim), np.float32)
-        rows[:count] = embeddings[:, 0]
+        if embeddings is not None:
+            rows[:count] = embeddings[:, 0]
         shared = {"rows": rows}
         if train:
             shared |= {"negatives": batch.negatives, "negative_logq": batch.negative_logq}
@@ -184,6 +197,12 @@ class SequenceLayout:
             keys = ["inputs", "segments", "positions", "targets"]
             keys += [key for key in CONTEXT_KEYS if key in batch.arrays]
         arrays = {key: self.own(batch.arrays[key]) for key in keys}
+        if train and self.from_chief:  # this process's parts of [data devices, U, D]
+            parts = np.zeros((data_parallel_size(self.mesh) // jax.process_count(), *rows.shape), np.float32)  # fmt: skip
+            if embeddings is not None:
+                parts[0] = rows
+            arrays["rows"] = parts
+            del shared["rows"]
         return make_global_batch(arrays, self.mesh, replicated=shared)
 
     def gradients(self, row_grads: jax.Array) -> np.ndarray:

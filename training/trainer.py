@@ -322,6 +322,8 @@ class Trainer:
         )
 
     def _evaluate(self, step: int, *, final: bool) -> None:
+        if self.job.shared_store:  # every process's updates applied before any reads rows
+            self.job.barrier(f"evaluate-{step}")
         self.eval_results = evaluate(
             self.job,
             self.state,

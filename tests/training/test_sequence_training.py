@@ -230,6 +230,56 @@ def test_histories_train_against_an_embedding_server(events, tmp_path, cli):
         assert stop_servers(servers) == [0]
 
 
+@pytest.mark.devices(8, launched=True)
+def test_two_processes_sharing_an_embedding_server_train_as_one_does(events, tmp_path, cli):
+    """The PERSIA layout for histories: two trainer processes in front of one embedding
+    server (the chief looks up and updates the rows for both) train what one process in
+    front of its own server trains, at k = 0: the same loss, ranks and item rows."""
+    from hybridrec.embedding_store import EmbeddingStore
+    from hybridrec.embedding_store.remote import connect
+
+    from hybridrec.cli.server_processes import start_servers, stop_servers
+
+    settings = [*SMALL, "data.max_steps=12", "hybrid.staleness=0"]
+    common = ["--data", str(events), "--config", "sasrec", "--quiet"]
+    common += sets("data.max_steps=12", "hybrid.staleness=0")
+    job = prepare(load_config("sasrec", [f"data.path={json.dumps(str(events))}", *settings]))
+    tables = list(job.tables.tables)
+    table, ids = job.tables.feature_tables["item"], job.catalogue.items[:300]
+    runs = {}
+    for name, launch in (
+        ("two", ["launch", "--num-processes", "2", "--devices-per-process", "4", "--timeout", "200", "--"]),
+        ("one", []),
+    ):  # fmt: skip
+        log_dir = tmp_path / f"servers_{name}"
+        log_dir.mkdir()
+        servers = start_servers(
+            1, num_shards=2, config="sasrec", data=events, overrides=settings, log_dir=log_dir
+        )
+        try:
+            env = {"HYBRIDREC_EMBEDDING_SERVERS": servers[0].address}
+            if not launch:
+                env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+            cli(*launch, "train", "--run-dir", str(tmp_path / name), *common, env=env, timeout=240)
+            remote = EmbeddingStore(
+                tables, num_shards=2, shards=connect(servers[0].address, tables)
+            )
+            runs[name] = remote.lookup(table, ids, train=False).result()
+        finally:
+            assert stop_servers(servers) == [0]
+    two = json.loads((tmp_path / "two" / "processes" / "summary_0.json").read_text())
+    other = json.loads((tmp_path / "two" / "processes" / "summary_1.json").read_text())
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert two["processes"] == 2 and two["steps"] == 12 and one["devices"] == 8
+    assert two["eval"] == other["eval"]  # the same rows read by both processes
+    assert abs(one["final_loss"] - two["final_loss"]) < 1e-3
+    assert abs(one["eval"]["hr@10"] - two["eval"]["hr@10"]) < 0.01
+    # one update a step reached the server: its rows are the one-process run's (a copy
+    # applied by each process would have moved them twice as far)
+    np.testing.assert_allclose(runs["two"], runs["one"], atol=1e-4)
+    assert np.abs(runs["one"]).max() > 0
+
+
 def test_the_ranking_objective_learns_the_next_events_action(events, tmp_path):
     """DLRMv3's form: BCE per action type of the next event, AUC and NE per action in
     evaluation."""
