@@ -287,6 +287,12 @@ def update_tables(
     return out, evicted
 
 
+def sequence_keys(layout: DeviceTableLayout) -> tuple[str, ...]:
+    """The batch keys a sequence step reads of its item table on the devices: the batch's
+    distinct rows index themselves (no bags), new rows come with the batch."""
+    return (*(array_key(table.name, key) for table in layout.tables for key in ("slots", "new")), NEW_ROWS)  # fmt: skip
+
+
 def split_names(layout: DeviceTableLayout) -> tuple[str, ...]:
     """The batch keys a step with `layout`'s device tables reads."""
     names = tuple(array_key(table.name, key) for table in layout.tables for key in table.arrays)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from hybridrec.model import device_tables
 from hybridrec.model import sharding as sharding_lib
 from hybridrec.model.config import SequenceConfig
 from hybridrec.model.step import ShardedStep, TrainState, apply_dense_gradients
@@ -135,6 +136,7 @@ def make_sequence_train_step(
     *,
     state_shardings: TrainState | None = None,
     rows_from_chief: bool = False,
+    tables: device_tables.DeviceTableLayout | None = None,
 ) -> ShardedStep:
     """Jits the objective's step once for `mesh`: `state, metrics, row_grads = step(state,
     batch)`.
@@ -146,11 +148,21 @@ def make_sequence_train_step(
     axis, the rows one process looked up in its first part and zeros elsewhere (trainer
     processes sharing embedding servers: one looks up and updates the rows for all); the
     step sums them, one all-reduce, into the same [U, D] on every device.
+
+    `tables`: the item table on the devices (`model.device_tables`, one whole table): the
+    step gathers the batch's rows from it (`slots`, and the new rows' initial values), and
+    applies the sparse optimizer to them after the backward pass; `row_grads` are then
+    for no host store.
     """
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
-        rows = jnp.sum(batch["rows"], axis=0) if rows_from_chief else batch["rows"]
+        if tables is not None:
+            gathered = device_tables.gather_rows(tables, state.tables, batch)
+            (item,) = gathered
+            rows = gathered[item][0]
+        else:
+            rows = jnp.sum(batch["rows"], axis=0) if rows_from_chief else batch["rows"]
 
         def objective(params, rows):
             return sequence_loss(config, state.graphdef, params, rows, batch, rng)
@@ -159,6 +171,11 @@ def make_sequence_train_step(
             objective, argnums=(0, 1), has_aux=True
         )(state.params, rows)
         new_state, metrics = apply_dense_gradients(state, loss, param_grads)
+        if tables is not None:
+            updated, _ = device_tables.update_tables(
+                tables, state.tables, gathered, {item: row_grads}, batch
+            )
+            new_state = new_state.replace(tables=updated)
         return new_state, {**metrics, **parts}, row_grads
 
     keys = PER_POSITION + (("actions",) if config.ranking else ()) + context_keys(config)
@@ -167,6 +184,12 @@ def make_sequence_train_step(
     batch_shardings |= {key: replicated for key in SHARED}
     if rows_from_chief:
         batch_shardings["rows"] = sharding_lib.batch_sharding(mesh, 3)
+    shared = SHARED
+    if tables is not None:  # the rows come from the table: its slots and new rows instead
+        table_keys = device_tables.sequence_keys(tables)
+        batch_shardings.pop("rows")
+        batch_shardings |= {key: replicated for key in table_keys}
+        shared = (*(key for key in SHARED if key != "rows"), *table_keys)
 
     def make_jitted(shardings: TrainState):
         return jax.jit(
@@ -176,7 +199,7 @@ def make_sequence_train_step(
             donate_argnums=(0,),
         )
 
-    return ShardedStep(train_step, mesh, keys + SHARED, make_jitted, state_shardings)
+    return ShardedStep(train_step, mesh, keys + shared, make_jitted, state_shardings)
 
 
 def make_sequence_eval_step(

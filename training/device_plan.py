@@ -29,7 +29,8 @@ caches of each layout share one cache too, with the sum of their rows.
 `embedding.placement.<table>` overrides the choice per table; the plan is printed at
 start-up. Where device tables cannot go (several trainer processes sharing embedding
 servers, the tower-parallel layout, a followed stream) the auto plan keeps everything on
-the host and says why. One trainer process in front of embedding servers may use them:
+the host and says why; a sequence run's item table goes to the devices only where
+placed there, whole (`training.job`). One trainer process in front of embedding servers may use them:
 rows move between its devices and the servers over the wire (`take_rows`, `write_rows`).
 """
 
@@ -135,6 +136,7 @@ def plan_devices(
     *,
     host_only: str | None = None,
     no_caches: str | None = None,
+    stats: dict[str, dict] | None = None,
 ) -> DevicePlan:
     """The run's device tables.
 
@@ -143,6 +145,8 @@ def plan_devices(
             table forced onto the devices then is a ConfigError.
         no_caches: why this run can have whole tables on the devices but no hot-row
             caches (None: it can); a forced cache then is a ConfigError.
+        stats: per feature its statistics (`distinct_estimate`, ...), where the dataset
+            keeps them elsewhere than a click log's metadata (None: the metadata's).
     """
     embedding = config.embedding
     features = metadata.categorical
@@ -173,7 +177,8 @@ def plan_devices(
         free, where = free_bytes_per_device(mesh)
         budget = int(free * AUTO_FRACTION)
         budget_note = f"auto: {AUTO_FRACTION:.0%} of {size_text(free)} free {where}"
-    stats = (metadata.raw.get("stats") or {}).get("categorical") or {}
+    if stats is None:
+        stats = (metadata.raw.get("stats") or {}).get("categorical") or {}
     distinct = {name: int(s.get("distinct_estimate", 0)) for name, s in stats.items()}
     lookups = {name: lookup_bands(s, metadata) for name, s in stats.items()}
     store = {t.name: t for t in tables.tables}

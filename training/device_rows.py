@@ -44,6 +44,7 @@ from hybridrec.model import make_global_batch
 from hybridrec.model.device_tables import NEW_ROWS, PER_EXAMPLE, DeviceTableLayout, array_key
 from hybridrec.model.distributed import replicated_array
 from hybridrec.model.sharding import replicated
+from hybridrec.pipeline.metadata import ITEM_FEATURE
 from hybridrec.training.batch_shapes import PaddedSizes
 from hybridrec.training.hot_rows import HotRows
 from hybridrec.training.id_bags import as_bags, bag_arrays, host_part
@@ -196,6 +197,10 @@ class DeviceRows:
         a bag width only grows, as it did in `prepare`)."""
         deduped = Deduped({})
         for table in self.tables:
+            if not hasattr(batch, "dense"):  # a sequence batch: its items are distinct, and
+                # the step indexes their rows itself (no bags)
+                deduped.tables[table.name] = ((), batch.ids[ITEM_FEATURE.name], None, None)
+                continue
             columns = [as_bags(batch.ids[name]) for name in self.plan.features[table.name]]
             values = np.concatenate([c[0] for c in columns]) if columns else np.zeros(0, np.uint64)
             # one hash pass (the native kernels; else a sort): distinct ids in order of
@@ -241,20 +246,20 @@ class DeviceRows:
             held = slots >= 0
             padded = np.full(size, table.scratch, np.int32)
             padded[: len(unique)][held] = slots[held]
+            prepared.touched[table.name] = slots[held]
+            prepared.placed[table.name] = (slots[fresh], unique[fresh])
+            prepared.arrays[array_key(table.name, "slots")] = padded
+            if inverse is None:  # a sequence batch's distinct items
+                self.lookups += len(unique)
+                continue
             held_at = held[inverse]
             if bags is None:
                 bags = self._bags(table.name, columns, inverse, batch.size, held_at)
             index, weights = bags
             key = table.name
             prepared.arrays.update(
-                {
-                    array_key(key, "slots"): padded,
-                    array_key(key, "inverse"): index,
-                    array_key(key, "weights"): weights,
-                }
+                {array_key(key, "inverse"): index, array_key(key, "weights"): weights}
             )
-            prepared.touched[key] = slots[held]
-            prepared.placed[key] = (slots[fresh], unique[fresh])
             self.lookups += int(np.count_nonzero(held_at))  # a cache: those it holds
         if arriving:
             self._new_rows(arriving, prepared)

@@ -424,10 +424,10 @@ class HybridLoop:
         """Waits for the batch's lookup and copies what the step needs to the devices."""
         lookup = future.result()
         rows = self._layout.rows
-        if lookup is None and self.device_rows is not None:  # no host features: [rows, 0, dim]
-            dim = self.device_rows.tables[0].dim
+        if lookup is None and hasattr(batch, "dense") and self.device_rows is not None:
+            dim = self.device_rows.tables[0].dim  # no host features: [rows, 0, dim]
             embeddings = np.zeros((len(batch.dense[rows]), 0, dim), np.float32)
-        elif lookup is None:  # another process looks them up
+        elif lookup is None:  # a sequence batch's rows on the devices or another process's
             embeddings = None
         elif self._replicated:
             embeddings = lookup.embeddings[rows]

@@ -44,6 +44,7 @@ from hybridrec.model.tower_parallel import (
 from hybridrec.model.towers import check_user_tower
 from hybridrec.pipeline import DatasetMetadata, EventMetadata, read_dataset
 from hybridrec.pipeline.id_map import read_id_map
+from hybridrec.pipeline.metadata import ITEM_FEATURE
 from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.defaults import check_batch_size, resolve_auto, resolve_sequence_auto
@@ -121,7 +122,7 @@ class Job:
     def rows_from_chief(self) -> bool:
         """Sequence runs of several trainer processes sharing embedding servers: the chief
         looks up each batch's rows for all and applies their update (`SequenceLayout`)."""
-        return self.sequences and bool(self.servers) and self.process_count > 1
+        return self.sequences and self.shared_store and not self.device_tables
 
     @property
     def shared_store(self) -> bool:
@@ -225,6 +226,7 @@ class Job:
                 ranking=self.config.model.sequence.ranking,
                 from_chief=self.rows_from_chief,
                 dim=self.config.embedding.dim,
+                on_devices=self.device_tables,
             )
         if self.tower_parallel:
             names = [feature.name for feature in self.metadata.categorical]
@@ -239,6 +241,7 @@ class Job:
                 self.config.model.sequence,
                 self.config.seed,
                 rows_from_chief=self.rows_from_chief,
+                tables=self.devices.layout if self.device_tables else None,
             )
         if self.tower_parallel:
             return make_tower_parallel_train_step(self.mesh, self.config.model.towers)
@@ -271,7 +274,7 @@ class Job:
         `device_rows` (from `device_rows(store)`) when some tables are on the devices."""
         config = self.config
         layout = self.layout(self.config.data.batch_size, rows)
-        if device_rows is not None:
+        if device_rows is not None and not self.sequences:
             layout = FlatLayout(self.mesh, rows, self.devices.host_features)
         return HybridLoop(
             batches,
@@ -440,8 +443,15 @@ def _prepare_sequences(
     histories = None if streamed else Histories.read(metadata, config.data.train_split, times=times)
     catalogue = Catalogue.of(histories) if histories is not None else Catalogue.of_run(metadata, config.data.train_split, 0)  # fmt: skip
     tables = plan_tables(config.embedding, metadata.categorical)
-    host_only = "sequence runs look up the histories' item rows from the host store"
-    devices = plan_devices(config, metadata, mesh, tables, host_only=host_only)
+    # the item table goes to the devices where placed there, whole (it grows with the
+    # catalogue: the host store stays the default)
+    placed = config.embedding.placement.get(ITEM_FEATURE.table, "auto") not in ("auto", "host")
+    devices = plan_devices(
+        config, metadata, mesh, tables,
+        host_only=None if placed else 'the item rows stay in the host store unless embedding.placement.item = "device"',
+        no_caches="sequence runs keep their item table whole on the devices or in the host store",
+        stats={ITEM_FEATURE.name: {"distinct_estimate": metadata.distinct_items}},
+    )  # fmt: skip
     return Job(
         config=config,
         metadata=metadata,

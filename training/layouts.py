@@ -162,16 +162,28 @@ class SequenceLayout:
     [data devices, U, D] rows split over the data axis, the chief's in its first part,
     zeros elsewhere, and the step sums them (`make_sequence_train_step`'s
     `rows_from_chief`): one copy of each update reaches the servers, and every process
-    trains on the same rows."""
+    trains on the same rows.
 
-    features = [ITEM_FEATURE.name]
+    With the item table on the devices (`on_devices`) the store looks up nothing: the
+    batch carries the table's arrays (`DeviceRows`) in place of the rows."""
+
     rows = slice(None)  # the ids looked up: the whole batch's
 
-    def __init__(self, mesh: Any, *, ranking: bool = False, from_chief: bool = False, dim: int = 0):
+    def __init__(
+        self,
+        mesh: Any,
+        *,
+        ranking: bool = False,
+        from_chief: bool = False,
+        dim: int = 0,
+        on_devices: bool = False,
+    ):
         self.mesh = mesh
         self.ranking = ranking  # the step reads the next events' actions
         self.from_chief = from_chief
         self.dim = dim  # of a row (the rows another process looks up)
+        self.on_devices = on_devices
+        self.features = [] if on_devices else [ITEM_FEATURE.name]
 
     def own(self, array: np.ndarray) -> np.ndarray:
         """This process's rows of a [rows, ...] batch array."""
@@ -203,6 +215,9 @@ class SequenceLayout:
                 parts[0] = rows
             arrays["rows"] = parts
             del shared["rows"]
+        if train and self.on_devices:  # the item table's slots, new ids and their rows
+            del shared["rows"]
+            shared |= extra[1]
         return make_global_batch(arrays, self.mesh, replicated=shared)
 
     def gradients(self, row_grads: jax.Array) -> np.ndarray:

@@ -174,10 +174,13 @@ def test_the_python_api_trains_and_evaluates_and_raises_user_errors(events, tmp_
 
 
 @pytest.mark.devices(8, launched=True)
-def test_two_processes_train_histories_as_one_does(events, tmp_path, cli):
-    """Each process its share of the packed rows, every process's store replica the whole
-    batch's row gradients: at k = 0 the 2-process run matches one process on 8 devices."""
+@pytest.mark.parametrize("item", ["host", "device"])
+def test_two_processes_train_histories_as_one_does(events, tmp_path, cli, item):
+    """Each process its share of the packed rows, every process's store replica (or its
+    devices' item table) the whole batch's row gradients: at k = 0 the 2-process run
+    matches one process on 8 devices."""
     keys = sets("data.max_steps=12", "hybrid.staleness=0", "embedding.num_shards=1")
+    keys += ["--set", f"embedding.placement.item={item}"]
     common = ["--data", str(events), "--config", "sasrec", "--quiet", *keys]
     launch = ["launch", "--num-processes", "2", "--devices-per-process", "4", "--timeout", "200"]
     cli(*launch, "--", "train", "--run-dir", str(tmp_path / "two"), *common, timeout=240)
@@ -231,10 +234,12 @@ def test_histories_train_against_an_embedding_server(events, tmp_path, cli):
 
 
 @pytest.mark.devices(8, launched=True)
-def test_two_processes_sharing_an_embedding_server_train_as_one_does(events, tmp_path, cli):
+@pytest.mark.parametrize("item", ["host", "device"])
+def test_two_processes_sharing_an_embedding_server_train_as_one_does(events, tmp_path, cli, item):
     """The PERSIA layout for histories: two trainer processes in front of one embedding
-    server (the chief looks up and updates the rows for both) train what one process in
-    front of its own server trains, at k = 0: the same loss, ranks and item rows."""
+    server (the chief looks up and updates the rows for both; with the item table on the
+    devices, the chief writes its rows back) train what one process in front of its own
+    server trains, at k = 0: the same loss, ranks and item rows."""
     from hybridrec.embedding_store import EmbeddingStore
     from hybridrec.embedding_store.remote import connect
 
@@ -242,7 +247,7 @@ def test_two_processes_sharing_an_embedding_server_train_as_one_does(events, tmp
 
     settings = [*SMALL, "data.max_steps=12", "hybrid.staleness=0"]
     common = ["--data", str(events), "--config", "sasrec", "--quiet"]
-    common += sets("data.max_steps=12", "hybrid.staleness=0")
+    common += sets("data.max_steps=12", "hybrid.staleness=0", f"embedding.placement.item={item}")
     job = prepare(load_config("sasrec", [f"data.path={json.dumps(str(events))}", *settings]))
     tables = list(job.tables.tables)
     table, ids = job.tables.feature_tables["item"], job.catalogue.items[:300]
@@ -278,6 +283,41 @@ def test_two_processes_sharing_an_embedding_server_train_as_one_does(events, tmp
     # applied by each process would have moved them twice as far)
     np.testing.assert_allclose(runs["two"], runs["one"], atol=1e-4)
     assert np.abs(runs["one"]).max() > 0
+
+
+def test_the_item_table_on_the_devices_trains_as_the_host_store_does(events, tmp_path, cli):
+    """`embedding.placement.item = "device"`: the step gathers the batch's item rows from
+    a table on the devices and applies the sparse optimizer to them there; at k = 0 the
+    run trains the loss, ranks and checkpointed rows the host store's run trains, and
+    resumes from its checkpoint to the same end."""
+    from hybridrec.embedding_store import EmbeddingStore
+
+    keys = ["data.max_steps=16", "hybrid.staleness=0", "checkpoint.every_steps=8"]
+    runs = {"host": [], "device": ["embedding.placement.item=device"]}
+    for name, extra in runs.items():
+        args = ["--config", "sasrec", "--data", str(events), "--run-dir", str(tmp_path / name)]
+        cli("train", *args, "--quiet", *sets(*keys, *extra))
+    host, device = (json.loads((tmp_path / n / "summary.json").read_text()) for n in runs)
+    assert not host["device_tables"] and sum(device["device_tables"]["rows"].values()) > 300
+    assert abs(host["final_loss"] - device["final_loss"]) < 1e-4
+    assert abs(host["eval"]["hr@10"] - device["eval"]["hr@10"]) < 1e-3
+    settings = [f"data.path={json.dumps(str(events))}", *SMALL]
+    job = prepare(load_config("sasrec", settings))
+    tables, table = list(job.tables.tables), job.tables.feature_tables["item"]
+    ids = job.catalogue.items[:400]
+    saved = {}
+    for name in runs:
+        url = str(tmp_path / name / "checkpoints" / "embeddings")
+        with EmbeddingStore.restore(url, tables, step=16, num_shards=1) as store:
+            saved[name] = store.lookup(table, ids, train=False).result()
+    np.testing.assert_allclose(saved["device"], saved["host"], atol=1e-5)
+    # stopped at step 8 and resumed: the device table is loaded from the checkpoint
+    resumed = tmp_path / "resumed"
+    args = ["--config", "sasrec", "--data", str(events), "--run-dir", str(resumed), "--quiet"]
+    cli("train", *args, *sets(*keys, *runs["device"], "data.max_steps=8"))
+    cli("train", *args, "--resume", *sets(*keys, *runs["device"]))
+    again = json.loads((resumed / "summary.json").read_text())
+    assert again["steps"] == 16 and abs(again["final_loss"] - device["final_loss"]) < 1e-4
 
 
 def test_the_ranking_objective_learns_the_next_events_action(events, tmp_path):
