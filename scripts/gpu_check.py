@@ -11,7 +11,10 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
   roundtrip  `hybridrec quickstart`: generate -> preprocess -> train -> evaluate -> export ->
              serve;
   hstu_time  scripts/bench_hstu.py at 4k tokens a row with HSTU's time-gap bias (64
-             buckets), in what the budget leaves.
+             buckets), in what the budget leaves;
+  sequences  scripts/bench_sequences.py: the HSTU preset's hybrid loop over 1M items at a
+             token budget of 65,536, the item rows in the host store and on the device,
+             in what the budget leaves (or alone: --steps sequences).
 --rehearse runs each at a tiny size (the kernel in Pallas interpret mode) on the CPU.
 
     python scripts/gpu_check.py --out DIR [--rehearse] [--budget SECONDS] [--steps ...]
@@ -90,12 +93,18 @@ def _steps(
         bench += ["--samples", "12800", "--rounds", "1"]
         rows = "20000"
         hstu_time = [*hstu, "--time-buckets", "8"]
+        sequences = ["--users", "200", "--items", "2000", "--mean-events", "10"]
+        sequences += ["--longest", "200", "--steps", "6", "--repeats", "1", "--token-budget", "800"]
     else:
         hstu, tests, workers = ["--min-seconds", "0.5", "--extra-blocks", "128"], TESTS, "8"
         bench = ["--rows", "1000000", "--batches", "16384", "--samples", "1000000"]
         bench += ["--rounds", "3", "--profile"]
         rows = "200000"
         hstu_time = ["--min-seconds", "0.5", "--lengths", "4096", "--time-buckets", "64"]
+        # the HSTU preset's hybrid loop over 1M items at a GPU's token budget
+        sequences = ["--items", "1000000", "--users", "20000", "--steps", "100"]
+        sequences += ["--token-budget", "65536", "--repeats", "10"]
+    sequences += ["--models", "hstu", "hstu_device", "--cache", str(work / "sequences")]
     bench += ["--shapes", "criteo_dlrm", "mlperf", "--staleness", "4"]
     bench += ["--cache", str(work / "bench_gpu"), "--fresh"]
     tests = selected or tests
@@ -107,8 +116,10 @@ def _steps(
         ("tests", [*pytest, *tests], 180),
         ("bench_gpu", [python, "scripts/bench_gpu.py", *bench], 150),
         ("roundtrip", [python, "-m", "hybridrec", "quickstart", "--rows", rows, "--out", str(work / "quickstart")], 60),
-        # last, in what the budget leaves: the kernel with HSTU's time-gap bias
+        # last, in what the budget leaves: the kernel with HSTU's time-gap bias, and the
+        # sequence loop (the item rows in the host store and on the device)
         ("hstu_time", [python, "scripts/bench_hstu.py", *hstu_time], 40),
+        ("sequences", [python, "scripts/bench_sequences.py", *sequences], 120),
     ]  # fmt: skip
 
 
@@ -231,7 +242,11 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rehearse", action="store_true", help="tiny sizes, on the CPU")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for every step")
-    parser.add_argument("--steps", nargs="+", choices=["hstu", "tests", "bench_gpu", "roundtrip"])
+    parser.add_argument(
+        "--steps",
+        nargs="+",
+        choices=["hstu", "tests", "bench_gpu", "roundtrip", "hstu_time", "sequences"],
+    )
     parser.add_argument(
         "--tests", help="pytest's arguments instead of the default set (one string)"
     )
@@ -269,7 +284,7 @@ def main(argv=None) -> None:
             log = args.out / f"{name}.log"
             result = _run(command, log, cap, env)
             summary["steps"][name] = {**result, "cap_s": round(cap)}
-            if name in ("hstu", "hstu_time", "bench_gpu"):
+            if name in ("hstu", "hstu_time", "bench_gpu", "sequences"):
                 summary[name] = _last_json(log)
             elif name == "tests":
                 summary[name] = _test_results(log, args.out / "tests.xml")

@@ -8,8 +8,9 @@
 #       # there, in the source tree with the wheelhouse beside it: installs the wheels and
 #       # hybridrec (building its C extension) into the image's Python, keeping its JAX, then
 #       # runs scripts/gpu_check.py with JAX_PLATFORMS=cuda: the HSTU kernel benchmark, the
-#       # JAX-facing tests, bench_gpu and a train -> evaluate -> export -> serve round trip,
-#       # each with its own time cap, the whole within --budget (default 450 s)
+#       # JAX-facing tests, bench_gpu, a train -> evaluate -> export -> serve round trip and
+#       # what the budget leaves for the time-gap kernel and the sequence loop, each with its
+#       # own time cap, the whole within --budget (default 450 s)
 #   scripts/gpu_check.sh --rehearse --out DIR  # the same steps at a tiny size on the CPU, in
 #       # the repository's .venv/ (tests/test_gpu_check.py runs it)
 #   ... -- --steps tests bench_gpu --tests FILE...   # some steps, other tests

@@ -31,7 +31,7 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     assert summary == json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["rehearse"] and summary["device"]["platform"] == "cpu"
     steps = summary["steps"]
-    assert list(steps) == ["hstu", "tests", "bench_gpu", "roundtrip", "hstu_time"]
+    assert list(steps) == ["hstu", "tests", "bench_gpu", "roundtrip", "hstu_time", "sequences"]
     assert all(step["rc"] == 0 and not step["timed_out"] for step in steps.values()), steps
     hstu = summary["hstu"]  # the kernel, interpreted, against the reference
     assert hstu["kernel_max_error"] < 0.05
@@ -43,6 +43,8 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     bench = summary["bench_gpu"]
     assert bench["hybrid_over_dense_b256"] > 0 and bench["mlperf_shape_samples_per_s"] > 0
     assert summary["roundtrip"]["finished"] and 0.5 < summary["roundtrip"]["auc"] < 1
+    loop = summary["sequences"]["models"]  # the HSTU loop, item rows on the host and device
+    assert loop["hstu"]["tokens_per_s"] > 0 and loop["hstu_device"]["loop_over_dense"] > 0
     # at most 8 files come back from the GPU machine
     files = sorted(path.name for path in tmp_path.iterdir())
     assert len(files) <= 8 and "gpu_check.json" in files and "tests.xml" in files
