@@ -289,8 +289,13 @@ def update_tables(
 
 def sequence_keys(layout: DeviceTableLayout) -> tuple[str, ...]:
     """The batch keys a sequence step reads of its item table on the devices: the batch's
-    distinct rows index themselves (no bags), new rows come with the batch."""
-    return (*(array_key(table.name, key) for table in layout.tables for key in ("slots", "new")), NEW_ROWS)  # fmt: skip
+    distinct rows index themselves (no bags), new rows come with the batch (a cache's
+    with their optimizer state, and the rows it evicts)."""
+
+    def keys(table):
+        return ("slots", "new", "state", "evict") if table.cache else ("slots", "new")
+
+    return (*(array_key(table.name, key) for table in layout.tables for key in keys(table)), NEW_ROWS)  # fmt: skip
 
 
 def split_names(layout: DeviceTableLayout) -> tuple[str, ...]:

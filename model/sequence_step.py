@@ -159,8 +159,11 @@ def make_sequence_train_step(
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
         if tables is not None:
             gathered = device_tables.gather_rows(tables, state.tables, batch)
-            (item,) = gathered
-            rows = gathered[item][0]
+            ((item, (rows, _)),) = gathered.items()
+            if tables.caches:  # the host's rows where the cache holds none
+                (cache,) = tables.caches
+                held = batch[device_tables.array_key(item, "slots")] != cache.scratch
+                rows = jnp.where(held[:, None], rows, batch["rows"])
         else:
             rows = jnp.sum(batch["rows"], axis=0) if rows_from_chief else batch["rows"]
 
@@ -172,10 +175,12 @@ def make_sequence_train_step(
         )(state.params, rows)
         new_state, metrics = apply_dense_gradients(state, loss, param_grads)
         if tables is not None:
-            updated, _ = device_tables.update_tables(
+            updated, evicted = device_tables.update_tables(
                 tables, state.tables, gathered, {item: row_grads}, batch
             )
             new_state = new_state.replace(tables=updated)
+            if tables.caches:  # the rows it evicts, for the host store
+                return new_state, {**metrics, **parts}, (row_grads, evicted)
         return new_state, {**metrics, **parts}, row_grads
 
     keys = PER_POSITION + (("actions",) if config.ranking else ()) + context_keys(config)
@@ -187,15 +192,16 @@ def make_sequence_train_step(
     shared = SHARED
     if tables is not None:  # the rows come from the table: its slots and new rows instead
         table_keys = device_tables.sequence_keys(tables)
-        batch_shardings.pop("rows")
+        if not tables.caches:  # a cache's step takes the host's rows besides
+            batch_shardings.pop("rows")
         batch_shardings |= {key: replicated for key in table_keys}
-        shared = (*(key for key in SHARED if key != "rows"), *table_keys)
+        shared = (*(key for key in SHARED if key in batch_shardings), *table_keys)
 
     def make_jitted(shardings: TrainState):
         return jax.jit(
             train_step,
             in_shardings=(shardings, batch_shardings),
-            out_shardings=(shardings, replicated, replicated),
+            out_shardings=(shardings, replicated, replicated),  # (grads, evicted) alike
             donate_argnums=(0,),
         )
 

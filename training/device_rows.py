@@ -87,6 +87,9 @@ class Prepared:
     # ([N, dim], [(table, first row, its ids or a cache's read values)]): the new rows,
     # until `DeviceRows.host_arrays` fills them
     new_rows: tuple | None = None
+    # a sequence batch with a cache: the positions among its distinct items of those the
+    # host looks up (their rows come from the host, their gradients go to it)
+    host_at: np.ndarray | None = None
 
     def host_batch(self, batch: Batch) -> Batch:
         """`batch` with the cached features' ids the host store looks up."""
@@ -227,7 +230,7 @@ class DeviceRows:
             # padded to a power of two, never less than before: few compiles. A cache pads
             # to the ids' count (the most distinct rows there can be): with single-valued
             # features every batch has the same shapes, whatever its admissions and evictions
-            need = len(inverse) if table.cache else len(unique)
+            need = len(inverse) if table.cache and inverse is not None else len(unique)
             size = self._sizes.grow(table.name, max(need, MIN_ROWS))
             if table.cache:
                 fresh, slots = self._admit(table, unique, inverse, slots, columns, prepared, size)
@@ -307,9 +310,12 @@ class DeviceRows:
         """A cache's admissions and evictions for one batch: (admitted [U] bool, rows [U]
         with -1 for the ids left to the host); fills `prepared`'s evict and host arrays."""
         name, hot = table.name, self._hot[table.name]
-        occurrences = np.bincount(inverse, minlength=len(unique))
+        if inverse is None:  # a sequence batch: each distinct item once
+            occurrences = np.ones(len(unique), np.int64)
+        else:
+            occurrences = np.bincount(inverse, minlength=len(unique))
         counts = self._cache_counts[name]
-        counts["lookups"] += len(inverse)
+        counts["lookups"] += len(unique) if inverse is None else len(inverse)
         counts["hits"] += int(occurrences[slots >= 0].sum())
         admitted, rows = hot.choose(unique, hot.seen(unique, occurrences), slots)
         leaving = rows[rows < self._used[name]]  # rows given out before: evicted
@@ -331,6 +337,10 @@ class DeviceRows:
         fresh[admitted] = True
         slots = slots.copy()
         slots[admitted] = rows
+        if inverse is None:  # a sequence batch: the host looks up the items not held
+            prepared.host_at = np.flatnonzero(slots < 0)
+            prepared.host_ids[ITEM_FEATURE.name] = unique[prepared.host_at]
+            return fresh, slots
         features = self.plan.features[table.name]
         host_ids, scale = host_part(features, columns, slots >= 0, inverse, self.pooling)
         prepared.host_ids.update(host_ids)
@@ -373,6 +383,8 @@ class DeviceRows:
         of a prepared batch, on the host: `make_global_batch` copies them with the batch."""
         self._fill_new_rows(prepared)
         whole, per_example = {}, {}
+        if prepared.host_at is not None:  # for the layout, not the step (SequenceLayout)
+            whole["host_at"] = prepared.host_at
         for key, array in prepared.arrays.items():
             if key.rsplit("/", 1)[-1] in PER_EXAMPLE:
                 per_example[key] = array[rows]

@@ -467,8 +467,8 @@ class HybridLoop:
             grads = embedding_grads
             if not isinstance(grads, np.ndarray):
                 grads = self._layout.gradients(grads)  # waits for the step to finish
-            # a sequence step's rows are padded to a few shapes: the first ones were looked up
-            grads = grads[: len(lookup.embeddings)]
+            at = getattr(prepared, "host_at", None)  # a sequence step's padded rows: the first
+            grads = grads[: len(lookup.embeddings)] if at is None else grads[at]  # looked up
             futures.append(self._store.apply_pooled_gradients(lookup, grads))
         except BaseException as error:  # reported to the caller by progress / drain
             self._errors.append(error)

@@ -227,6 +227,7 @@ class Job:
                 from_chief=self.rows_from_chief,
                 dim=self.config.embedding.dim,
                 on_devices=self.device_tables,
+                cached=self.device_tables and bool(self.devices.layout.caches),
             )
         if self.tower_parallel:
             names = [feature.name for feature in self.metadata.categorical]
@@ -443,13 +444,13 @@ def _prepare_sequences(
     histories = None if streamed else Histories.read(metadata, config.data.train_split, times=times)
     catalogue = Catalogue.of(histories) if histories is not None else Catalogue.of_run(metadata, config.data.train_split, 0)  # fmt: skip
     tables = plan_tables(config.embedding, metadata.categorical)
-    # the item table goes to the devices where placed there, whole (it grows with the
-    # catalogue: the host store stays the default)
+    # the item table goes to the devices (whole, or a cache of it) where placed there (it
+    # grows with the catalogue: the host store stays the default)
     placed = config.embedding.placement.get(ITEM_FEATURE.table, "auto") not in ("auto", "host")
     devices = plan_devices(
         config, metadata, mesh, tables,
         host_only=None if placed else 'the item rows stay in the host store unless embedding.placement.item = "device"',
-        no_caches="sequence runs keep their item table whole on the devices or in the host store",
+        no_caches="several trainer processes share the embedding servers" if addresses and process_count > 1 else None,
         stats={ITEM_FEATURE.name: {"distinct_estimate": metadata.distinct_items}},
     )  # fmt: skip
     return Job(

@@ -165,7 +165,8 @@ class SequenceLayout:
     trains on the same rows.
 
     With the item table on the devices (`on_devices`) the store looks up nothing: the
-    batch carries the table's arrays (`DeviceRows`) in place of the rows."""
+    batch carries the table's arrays (`DeviceRows`) in place of the rows; with a hot-row
+    cache of it, the store looks up the items the cache does not hold."""
 
     rows = slice(None)  # the ids looked up: the whole batch's
 
@@ -177,13 +178,16 @@ class SequenceLayout:
         from_chief: bool = False,
         dim: int = 0,
         on_devices: bool = False,
+        cached: bool = False,
     ):
         self.mesh = mesh
         self.ranking = ranking  # the step reads the next events' actions
         self.from_chief = from_chief
         self.dim = dim  # of a row (the rows another process looks up)
         self.on_devices = on_devices
-        self.features = [] if on_devices else [ITEM_FEATURE.name]
+        # the store looks up nothing when the table holds every item, and the items a
+        # cache does not hold (`cached`)
+        self.features = [] if on_devices and not cached else [ITEM_FEATURE.name]
 
     def own(self, array: np.ndarray) -> np.ndarray:
         """This process's rows of a [rows, ...] batch array."""
@@ -193,15 +197,23 @@ class SequenceLayout:
     def device_batch(
         self, batch: SequenceBatch, embeddings: np.ndarray, *, train: bool = True, extra=None
     ) -> dict:
-        """embeddings: [U, 1, D] rows of `batch.ids` (None: the chief's, `from_chief`) ->
-        the step's batch (rows padded to `padded_rows(U)` with zeros, which no index points
-        at)."""
+        """embeddings: [U, 1, D] rows of `batch.ids` (None: the chief's, `from_chief`, or
+        the devices' table's) -> the step's batch (rows padded to `padded_rows(U)` with
+        zeros, which no index points at). With the item table on the devices, `extra`
+        holds its arrays; with a cache of it, `embeddings` are the rows of the items it
+        does not hold, placed at their positions (`extra`'s "host_at")."""
         count = len(batch.ids[ITEM_FEATURE.name])
         dim = self.dim if embeddings is None else embeddings.shape[2]
-        rows = np.zeros((padded_rows(count), dim), np.float32)
-        if embeddings is not None:
-            rows[:count] = embeddings[:, 0]
-        shared = {"rows": rows}
+        whole = dict(extra[1]) if train and self.on_devices else {}
+        host_at = whole.pop("host_at", None)
+        if host_at is not None:  # a cache: [its rows, D], the host's rows where it has none
+            rows = np.zeros((len(whole[next(k for k in whole if k.endswith("/slots"))]), dim), np.float32)  # fmt: skip
+            rows[host_at] = embeddings[:, 0]
+        else:
+            rows = np.zeros((padded_rows(count), dim), np.float32)
+            if embeddings is not None:
+                rows[:count] = embeddings[:, 0]
+        shared = {"rows": rows} | whole
         if train:
             shared |= {"negatives": batch.negatives, "negative_logq": batch.negative_logq}
             keys = [key for key in batch.arrays if key != "actions" or self.ranking]
@@ -215,9 +227,8 @@ class SequenceLayout:
                 parts[0] = rows
             arrays["rows"] = parts
             del shared["rows"]
-        if train and self.on_devices:  # the item table's slots, new ids and their rows
+        if whole and host_at is None:  # the whole table on the devices: no rows handed in
             del shared["rows"]
-            shared |= extra[1]
         return make_global_batch(arrays, self.mesh, replicated=shared)
 
     def gradients(self, row_grads: jax.Array) -> np.ndarray:

@@ -174,11 +174,11 @@ def test_the_python_api_trains_and_evaluates_and_raises_user_errors(events, tmp_
 
 
 @pytest.mark.devices(8, launched=True)
-@pytest.mark.parametrize("item", ["host", "device"])
+@pytest.mark.parametrize("item", ["host", "device", "cache:120"])
 def test_two_processes_train_histories_as_one_does(events, tmp_path, cli, item):
     """Each process its share of the packed rows, every process's store replica (or its
-    devices' item table) the whole batch's row gradients: at k = 0 the 2-process run
-    matches one process on 8 devices."""
+    devices' item table, or cache) the whole batch's row gradients: at k = 0 the
+    2-process run matches one process on 8 devices."""
     keys = sets("data.max_steps=12", "hybrid.staleness=0", "embedding.num_shards=1")
     keys += ["--set", f"embedding.placement.item={item}"]
     common = ["--data", str(events), "--config", "sasrec", "--quiet", *keys]
@@ -285,20 +285,31 @@ def test_two_processes_sharing_an_embedding_server_train_as_one_does(events, tmp
     assert np.abs(runs["one"]).max() > 0
 
 
-def test_the_item_table_on_the_devices_trains_as_the_host_store_does(events, tmp_path, cli):
+@pytest.mark.parametrize("placement", ["device", "cache:120"])
+def test_the_item_table_on_the_devices_trains_as_the_host_store_does(
+    events, tmp_path, cli, placement
+):
     """`embedding.placement.item = "device"`: the step gathers the batch's item rows from
-    a table on the devices and applies the sparse optimizer to them there; at k = 0 the
-    run trains the loss, ranks and checkpointed rows the host store's run trains, and
-    resumes from its checkpoint to the same end."""
+    a table on the devices and applies the sparse optimizer to them there ("cache:120":
+    a hot-row cache of 120 rows, the other items from the host store, rows moving both
+    ways as it admits and evicts); at k = 0 the run trains the loss, ranks and
+    checkpointed rows the host store's run trains, and resumes from its checkpoint to
+    the same end."""
     from hybridrec.embedding_store import EmbeddingStore
 
     keys = ["data.max_steps=16", "hybrid.staleness=0", "checkpoint.every_steps=8"]
-    runs = {"host": [], "device": ["embedding.placement.item=device"]}
+    runs = {"host": [], "device": [f"embedding.placement.item={placement}"]}
     for name, extra in runs.items():
         args = ["--config", "sasrec", "--data", str(events), "--run-dir", str(tmp_path / name)]
         cli("train", *args, "--quiet", *sets(*keys, *extra))
     host, device = (json.loads((tmp_path / n / "summary.json").read_text()) for n in runs)
-    assert not host["device_tables"] and sum(device["device_tables"]["rows"].values()) > 300
+    assert not host["device_tables"] and sum(device["device_tables"]["rows"].values()) >= 120
+    if placement.startswith("cache"):  # it held some items, and evicted some for others
+        cache = device["device_tables"]["caches"]
+        assert (
+            min(c["hits"] for c in cache.values()) > 0
+            and min(c["evicted"] for c in cache.values()) > 0
+        )
     assert abs(host["final_loss"] - device["final_loss"]) < 1e-4
     assert abs(host["eval"]["hr@10"] - device["eval"]["hr@10"]) < 1e-3
     settings = [f"data.path={json.dumps(str(events))}", *SMALL]
