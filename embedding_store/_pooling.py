@@ -156,7 +156,8 @@ def pool(
     if _one_table_of_single_values(features, batch):
         # [batch, features] row indices: one gather writes the result in place
         index = tables[features[0].table].inverse.reshape(len(features), batch).T
-        return take_rows(rows[features[0].table], index.reshape(-1)).reshape(batch, -1, dim)
+        taken = take_rows(rows[features[0].table], index.reshape(-1))
+        return taken.reshape(batch, len(features), dim)  # (a batch of 0 rows too)
     out = np.zeros((batch, len(features), dim), np.float32)
     for index, feature in enumerate(features):
         occurrences = tables[feature.table].inverse[feature.start : feature.stop]

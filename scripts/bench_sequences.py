@@ -3,7 +3,8 @@ alone at the same shapes, on a generated event log with a large item table in th
 store.
 
 For each model (the `hstu` preset, a wider HSTU: 4 blocks, d 256, and the preset with
-its item table on the devices, `hstu_device`):
+its item table on the devices, `hstu_device`, or a hot-row cache of 100k of its rows
+there, `hstu_cache`):
 1. `hybridrec generate --events` (--users, --items, --mean-events, histories of at most
    --longest events, all kept) and `preprocess`, cached under --cache;
 2. an embedding store holding a row for each of the --items items (admitted by lookups
@@ -12,8 +13,9 @@ its item table on the devices, `hstu_device`):
    and where a step's time goes (the loop's wait / step / device / update ms);
 3. the dense step alone on one of those batches, its rows already on the devices, and
    its FLOP/s (XLA's cost analysis of the compiled step) against a plain jitted matmul of
-   the same FLOPs on the same machine (`hstu_device`: the same step as `hstu`'s, its rows
-   handed in, so its loop is compared with the dense step the host store's loop feeds).
+   the same FLOPs on the same machine (`hstu_device`, `hstu_cache`: the same step as
+   `hstu`'s, its rows handed in, so their loops are compared with the dense step the host
+   store's loop feeds).
 
     python scripts/bench_sequences.py                        # 1M items, 20k users
     python scripts/bench_sequences.py --items 20000 --users 2000 --steps 30 --models hstu
@@ -41,6 +43,8 @@ MODELS = {
     "hstu_wide": ["model.sequence.blocks=4", "model.sequence.heads=4", "embedding.dim=256"],
     # the preset with the item table on the devices (gathered and updated in the step)
     "hstu_device": ["embedding.placement.item=device"],
+    # and with a hot-row cache of 100k of its 1M rows on the devices, the rest from the host
+    "hstu_cache": ["embedding.placement.item=cache:100000"],
 }
 
 
@@ -180,6 +184,8 @@ def bench_model(name: str, data: Path, args) -> dict:
         trainer.fit()
         rows = store.stats()["rows"]
         figures = loop_figures(Path(tmp) / "run")
+        if trainer.device_rows is not None:  # the item rows on the devices (a cache's hits)
+            figures["cache_hit_rate"] = trainer.device_rows.summary().get("cache_hit_rate")
         dense_keys = [key for key in keys if not key.startswith("embedding.placement")]
         dense_job = trainer.job if dense_keys == keys else prepare(load_config("hstu", dense_keys))
         figures |= dense_figures(dense_job, store, args.repeats)

@@ -95,3 +95,15 @@ def test_repeated_ids_go_to_their_shard_once(num_shards):
             summed[i] += g  # in call order
         store.apply_gradients("ads", unique, summed).result()
         np.testing.assert_array_equal(store.lookup("ads", ids, train=False).result(), after)
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_a_lookup_of_no_ids_is_empty_and_its_update_a_no_op(num_shards):
+    # a sequence batch whose items a hot-row cache holds all looks up none from the host
+    with EmbeddingStore([_table()], num_shards=num_shards) as store:
+        lookup = store.lookup_features(
+            {"item": np.zeros(0, np.uint64)}, feature_tables={"item": "ads"}
+        ).result()
+        assert lookup.embeddings.shape == (0, 1, 4)
+        store.apply_pooled_gradients(lookup, np.zeros((0, 1, 4), np.float32)).result()
+        assert store.stats()["rows"] == 0
