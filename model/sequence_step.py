@@ -149,10 +149,12 @@ def make_sequence_train_step(
     processes sharing embedding servers: one looks up and updates the rows for all); the
     step sums them, one all-reduce, into the same [U, D] on every device.
 
-    `tables`: the item table on the devices (`model.device_tables`, one whole table): the
-    step gathers the batch's rows from it (`slots`, and the new rows' initial values), and
-    applies the sparse optimizer to them after the backward pass; `row_grads` are then
-    for no host store.
+    `tables`: the item table on the devices (`model.device_tables`, whole or a hot-row
+    cache): the step gathers the batch's rows from it (`slots`, and the new rows' initial
+    values; a cache's misses from the batch's `rows`, the host's), and applies the sparse
+    optimizer to them after the backward pass. `row_grads` then go to the host store for
+    a cache's misses only (with the rows it evicts: `(row_grads, evicted)`), for none
+    with a whole table.
     """
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):

@@ -30,8 +30,9 @@ caches of each layout share one cache too, with the sum of their rows.
 start-up. Where device tables cannot go (several trainer processes sharing embedding
 servers, the tower-parallel layout, a followed stream) the auto plan keeps everything on
 the host and says why; a sequence run's item table goes to the devices (whole, or as a
-cache) only where placed there (`training.job`). One trainer process in front of embedding servers may use them:
-rows move between its devices and the servers over the wire (`take_rows`, `write_rows`).
+cache) only where placed there (`training.job`). One trainer process in front of
+embedding servers may use them: rows move between its devices and the servers over the
+wire (`take_rows`, `write_rows`).
 """
 
 from __future__ import annotations

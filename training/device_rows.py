@@ -315,7 +315,7 @@ class DeviceRows:
         else:
             occurrences = np.bincount(inverse, minlength=len(unique))
         counts = self._cache_counts[name]
-        counts["lookups"] += len(unique) if inverse is None else len(inverse)
+        counts["lookups"] += int(occurrences.sum())
         counts["hits"] += int(occurrences[slots >= 0].sum())
         admitted, rows = hot.choose(unique, hot.seen(unique, occurrences), slots)
         leaving = rows[rows < self._used[name]]  # rows given out before: evicted
