@@ -116,10 +116,13 @@ def list_chunks(
             elif path.endswith(".gz") or size <= chunk_bytes:
                 chunks.append(Chunk(file_index, path, 0, 0, -1, size))
             else:
-                starts = range(0, size, chunk_bytes)
-                for index, start in enumerate(starts):
-                    end = min(start + chunk_bytes, size)
-                    chunks.append(Chunk(file_index, path, index, start, end, size))
+                # equal parts: no small last chunk running alone after the others
+                count = -(-size // chunk_bytes)
+                bounds = [size * index // count for index in range(count + 1)]
+                for index in range(count):
+                    chunks.append(
+                        Chunk(file_index, path, index, bounds[index], bounds[index + 1], size)
+                    )
             file_index += 1
     return chunks
 

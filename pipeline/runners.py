@@ -132,12 +132,16 @@ def pipeline_options(
     runner: str = "DirectRunner",
     dask_address: str | None = None,
     dask_timeout: float = 10.0,
+    threads: bool = False,
 ) -> PipelineOptions:
     """Beam options: the pass-through flags plus defaults that fit the input and the runner.
 
     Unless the flags say otherwise, the DirectRunner runs in `multi_processing` mode with
     one worker per core (at most one per chunk) when the input has several chunks and at
-    least MULTI_PROCESS_MIN_BYTES, and `in_memory` with one worker otherwise. The
+    least MULTI_PROCESS_MIN_BYTES, and `in_memory` with one worker otherwise; with
+    `threads`, in `in_memory` mode with that many workers, threads of one process (for a
+    job whose work is numpy and Arrow calls that release the GIL: no worker processes to
+    start, no elements through gRPC). The
     DaskRunner gets one partition per chunk (its default packs up to 128 elements into
     one partition, which would run every chunk in one task).
 
@@ -146,6 +150,7 @@ def pipeline_options(
         input_bytes: [chunks] input bytes of each chunk.
         runner: a value of `resolve_runner`.
         dask_address: the scheduler the DaskRunner connects to.
+        threads: parallel DirectRunner workers as threads (above).
     """
     if _has_flag(beam_args, "--runner"):
         raise UserError(
@@ -160,10 +165,11 @@ def pipeline_options(
         direct = options.view_as(DirectOptions)
         parallel = len(input_bytes) > 1 and sum(input_bytes) >= MULTI_PROCESS_MIN_BYTES
         if not _has_flag(beam_args, "--direct_running_mode"):
-            direct.direct_running_mode = "multi_processing" if parallel else "in_memory"
+            mode = "in_memory" if threads else "multi_processing"
+            direct.direct_running_mode = mode if parallel else "in_memory"
         if not _has_flag(beam_args, "--direct_num_workers"):
             cores = os.cpu_count() or 1
-            many = direct.direct_running_mode != "in_memory"
+            many = parallel if threads else direct.direct_running_mode != "in_memory"
             direct.direct_num_workers = max(1, min(cores, len(input_bytes))) if many else 1
     if kind == "dask":
         from apache_beam.runners.dask.dask_runner import DaskOptions

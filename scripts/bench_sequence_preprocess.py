@@ -11,8 +11,10 @@ with the input.
     python scripts/bench_sequence_preprocess.py                      # 10M events
     python scripts/bench_sequence_preprocess.py --users 20000 --small-users 4000   # a small run
 
+The job and the baseline run --repeat times in turns; the rates are each one's median.
 The last line is one JSON object: events, events_per_s_direct, events_per_s_dask,
-events_per_s_pyarrow, direct_over_pyarrow, peak_rss_gb (the DirectRunner's, all its
+events_per_s_pyarrow, direct_over_pyarrow (and direct_over_pyarrow_runs, each turn's),
+peak_rss_gb (the DirectRunner's, all its
 processes), peak_rss_gb_small and events_small (the smaller input's).
 """
 
@@ -23,6 +25,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -143,6 +146,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=REPO / "runs" / "bench_sequence_preprocess")
     parser.add_argument("--skip-dask", action="store_true")
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="preprocess --bucket-mb")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of the job and the baseline")
     args = parser.parse_args()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     big = _generate(args.cache, args.users, args.mean_events, args.items, args.seed)
@@ -150,15 +154,28 @@ def main() -> None:
     events, events_small = _events(big), _events(small)
     print(f"events: {events:,} (small: {events_small:,})", flush=True)
     work = args.cache / "out"
-    direct_s, direct_rss = _preprocess(big, work / "direct", "direct", args.workers, args.bucket_mb)
+    # the job and the baseline in turns, each one's median: a run's wall time on a small
+    # VM moves by a tenth or more with what the machine did just before
+    direct, baseline = [], []
+    for _ in range(args.repeat):
+        direct.append(_preprocess(big, work / "direct", "direct", args.workers, args.bucket_mb))
+        baseline.append(_baseline(big, work / "pyarrow"))
+    direct_s, baseline_s = statistics.median(s for s, _ in direct), statistics.median(s for s, _ in baseline)  # fmt: skip
+    direct_rss = max(rss for _, rss in direct)
+    print(
+        f"== median of {args.repeat}: direct {direct_s:.1f} s "
+        f"({', '.join(f'{s:.1f}' for s, _ in direct)}), pyarrow {baseline_s:.1f} s "
+        f"({', '.join(f'{s:.1f}' for s, _ in baseline)})",
+        flush=True,
+    )
     _, small_rss = _preprocess(small, work / "small", "direct", args.workers, args.bucket_mb)
     summary = {"events": events, "events_per_s_direct": round(events / direct_s)}
     if not args.skip_dask:
         dask_s, _ = _preprocess(big, work / "dask", "dask", args.workers, args.bucket_mb)
         summary["events_per_s_dask"] = round(events / dask_s)
-    baseline_s, _ = _baseline(big, work / "pyarrow")
     summary["events_per_s_pyarrow"] = round(events / baseline_s)
     summary["direct_over_pyarrow"] = round(baseline_s / direct_s, 3)
+    summary["direct_over_pyarrow_runs"] = [round(b / d, 3) for (d, _), (b, _) in zip(direct, baseline, strict=True)]  # fmt: skip
     summary["peak_rss_gb"] = round(direct_rss, 2)
     summary["peak_rss_gb_small"] = round(small_rss, 2)
     summary["events_small"] = events_small

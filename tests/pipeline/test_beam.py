@@ -37,6 +37,14 @@ def raw_file(tmp_path_factory):
     return path, lines
 
 
+def test_a_file_is_cut_into_equal_chunks(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_bytes(b"x" * 1000)
+    chunks = list_chunks([str(path)], 300)
+    assert [(c.start, c.end) for c in chunks] == [(0, 250), (250, 500), (500, 750), (750, 1000)]
+    assert [(c.start, c.end) for c in list_chunks([str(path)], 1000)] == [(0, -1)]
+
+
 def run_transform(path, temp_dir, *, chunk_bytes, block_bytes, split_mode="position", check=None):
     chunks = list_chunks([str(path)], chunk_bytes)
     # the DirectRunner's engine itself: the DirectRunner would try Prism first (see runners)

@@ -39,9 +39,10 @@ def test_unknown_runner_is_one_line_listing_the_names(name):
 
 
 def test_direct_runner_defaults_follow_the_input_size():
-    def options(chunk_count, chunk_size, *flags):
+    def options(chunk_count, chunk_size, *flags, threads=False):
         sizes = [chunk_size] * chunk_count
-        direct = runners.pipeline_options(list(flags), sizes).view_as(DirectOptions)
+        chosen = runners.pipeline_options(list(flags), sizes, threads=threads)
+        direct = chosen.view_as(DirectOptions)
         return direct.direct_running_mode, direct.direct_num_workers
 
     cores = os.cpu_count()
@@ -50,6 +51,12 @@ def test_direct_runner_defaults_follow_the_input_size():
     assert options(64, 2**27) == ("multi_processing", cores)
     assert options(64, 10, "--direct_running_mode=multi_processing") == ("multi_processing", cores)
     assert options(64, 2**27, "--direct_num_workers=3") == ("multi_processing", 3)
+    # a job of numpy and Arrow calls (the event job): its parallel workers are threads
+    assert options(64, 2**27, threads=True) == ("in_memory", cores)
+    assert options(1, 10**10, threads=True) == ("in_memory", 1)
+    assert options(64, 10, threads=True) == ("in_memory", 1)  # small: one worker
+    flag = "--direct_running_mode=multi_processing"
+    assert options(64, 2**27, flag, threads=True) == ("multi_processing", cores)
     flags = ["--project=p", "--temp_location=gs://b/t"]
     dataflow = runners.pipeline_options(flags, runner="DataflowRunner")
     assert dataflow.view_as(StandardOptions).runner == "DataflowRunner"
