@@ -49,6 +49,7 @@ from hybridrec.training.batch_shapes import PaddedSizes
 from hybridrec.training.hot_rows import HotRows
 from hybridrec.training.id_bags import as_bags, bag_arrays, host_part
 from hybridrec.training.input import Batch
+from hybridrec.training.sequences import SequenceBatch
 
 MIN_ROWS = 256  # a batch's distinct rows per table are padded to a power of two, at least this
 
@@ -193,15 +194,15 @@ class DeviceRows:
 
     # ---- per batch (the lookup thread, in step order) -----------------------------------
 
-    def dedupe(self, batch: Batch) -> Deduped:
+    def dedupe(self, batch: Batch | SequenceBatch) -> Deduped:
         """What `prepare` needs of a global batch that depends on the batch alone: per
         table its distinct ids and each occurrence's index among them, and a whole table's
         bags. The input thread makes it ahead of the step order (batches in input order:
         a bag width only grows, as it did in `prepare`)."""
         deduped = Deduped({})
         for table in self.tables:
-            if not hasattr(batch, "dense"):  # a sequence batch: its items are distinct, and
-                # the step indexes their rows itself (no bags)
+            if isinstance(batch, SequenceBatch):  # its items are distinct, and the step
+                # indexes their rows itself (no bags)
                 deduped.tables[table.name] = ((), batch.ids[ITEM_FEATURE.name], None, None)
                 continue
             columns = [as_bags(batch.ids[name]) for name in self.plan.features[table.name]]

@@ -424,7 +424,7 @@ class HybridLoop:
         """Waits for the batch's lookup and copies what the step needs to the devices."""
         lookup = future.result()
         rows = self._layout.rows
-        if lookup is None and hasattr(batch, "dense") and self.device_rows is not None:
+        if lookup is None and isinstance(batch, Batch) and self.device_rows is not None:
             dim = self.device_rows.tables[0].dim  # no host features: [rows, 0, dim]
             embeddings = np.zeros((len(batch.dense[rows]), 0, dim), np.float32)
         elif lookup is None:  # a sequence batch's rows on the devices or another process's
