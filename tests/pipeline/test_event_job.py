@@ -57,11 +57,12 @@ def write_spec(root: Path, max_length=8, cap=10_000, split="") -> Path:
     return path
 
 
-def run(inputs, out, spec, **options):
+def run(inputs, out, spec, workers=1, **options):
     config = PreprocessConfig(
         inputs=[str(p) for p in inputs], output=str(out), spec=str(spec), **options
     )
-    return run_event_preprocess(config, quiet=True, beam_args=["--direct_running_mode=in_memory"])
+    flags = ["--direct_running_mode=in_memory", f"--direct_num_workers={workers}"]
+    return run_event_preprocess(config, quiet=True, beam_args=flags)
 
 
 def item_id(raw: str, spec) -> int:
@@ -200,6 +201,9 @@ def test_direct_and_dask_write_the_same_bytes(log, tmp_path):
     spec_path = write_spec(root)
     options = dict(chunk_mb=0.05, bucket_mb=0.1)
     direct = run([root / "events.csv"], tmp_path / "direct", spec_path, **options).metadata
+    # the event job's default for a large input: two workers, threads of one process
+    threads = run([root / "events.csv"], tmp_path / "threads", spec_path, 2, **options).metadata
+    assert threads.pop("runner") == "DirectRunner (in_memory, 2 worker(s))"
     dask = run(
         [root / "events.csv"],
         tmp_path / "dask",
@@ -210,12 +214,13 @@ def test_direct_and_dask_write_the_same_bytes(log, tmp_path):
     ).metadata
     assert direct.pop("runner").startswith("DirectRunner")
     assert dask.pop("runner").startswith("DaskRunner")
-    assert direct == dask
+    assert direct == dask == threads
+    assert len(direct["splits"]["train"]["files"]) > 1  # several buckets, several chunks
     for split in [*direct["splits"].values(), direct["item_names"]]:
         for name in split["files"]:
-            assert (tmp_path / "direct" / name).read_bytes() == (
-                tmp_path / "dask" / name
-            ).read_bytes()
+            expected = (tmp_path / "direct" / name).read_bytes()
+            assert (tmp_path / "dask" / name).read_bytes() == expected
+            assert (tmp_path / "threads" / name).read_bytes() == expected
 
 
 def test_item_names_give_every_hashed_item_its_raw_id(log, tmp_path):
