@@ -32,7 +32,6 @@ def run_job(
     beam_args: Sequence[str] = (),
     quiet: bool = False,
     outputs: Sequence[str] = _output.OUTPUTS,
-    threads: bool = False,
 ) -> tuple[str, Progress, str]:
     """Runs the graph `build(pipeline, temp_dir, progress_dir)` adds to a pipeline.
 
@@ -40,7 +39,6 @@ def run_job(
         config: the job's config (output, overwrite, runner and Dask settings).
         chunks: the input chunks (their bytes size the runner and the progress).
         outputs: the dataset's top-level names a new one replaces.
-        threads: the DirectRunner's parallel workers as threads (`runners.pipeline_options`).
 
     Returns:
         (temporary directory, progress, the runner described in a line).
@@ -80,7 +78,6 @@ def run_job(
             runner=runner,
             dask_address=cluster.address if cluster else None,
             dask_timeout=config.dask_timeout,
-            threads=threads,
         )
         pipeline = runners.make_pipeline(options)
         build(pipeline, temp_dir, progress_dir)

@@ -397,7 +397,7 @@ def run_event_preprocess(
         )
 
     temp_dir, progress, runner_line = _launch.run_job(
-        config, chunks, build, beam_args=beam_args, quiet=quiet, outputs=OUTPUTS, threads=True
+        config, chunks, build, beam_args=beam_args, quiet=quiet, outputs=OUTPUTS
     )
     stats = _output.read_stats(temp_dir)
     boundaries = _boundaries(spec, stats)

@@ -14,7 +14,7 @@ The job is one chain with one sink at its end, built only from Create, ParDo and
 GroupByKey, without side inputs or multi-output ParDos: the transforms every Beam runner
 translates. A runner that runs the last step has run every step (the DaskRunner computes
 only the last step's graph; see docs/pipeline.md, "Runners"). Runs on the DirectRunner
-with one worker process per core by default, on Dask with `runner="dask"`, and on any
+with a worker thread per core by default, on Dask with `runner="dask"`, and on any
 other runner (Dataflow, Flink, Spark) through standard Beam pipeline options.
 """
 

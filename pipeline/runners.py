@@ -37,9 +37,10 @@ RUNNER_NAMES = {
     "spark": "SparkRunner",
     "dataflow": "DataflowRunner",
 }
-# Below this much input, starting one Beam worker process per core (several seconds of
-# CPU each) costs more than it saves; see docs/benchmarks.md.
-MULTI_PROCESS_MIN_BYTES = 256 * 2**20
+# Below this much input a second DirectRunner worker (a thread) saves nothing: 73 MB of
+# Criteo-format text (3 chunks) took 1.9-2.2 s with one or two, 243 MB 4.0-4.5 s with one
+# and 3.2-3.5 s with two (docs/benchmarks.md)
+PARALLEL_MIN_BYTES = 64 * 2**20
 # The Dask graph has one partition (one task per step) per chunk, up to this many.
 MAX_DASK_PARTITIONS = 4096
 
@@ -132,16 +133,14 @@ def pipeline_options(
     runner: str = "DirectRunner",
     dask_address: str | None = None,
     dask_timeout: float = 10.0,
-    threads: bool = False,
 ) -> PipelineOptions:
     """Beam options: the pass-through flags plus defaults that fit the input and the runner.
 
-    Unless the flags say otherwise, the DirectRunner runs in `multi_processing` mode with
-    one worker per core (at most one per chunk) when the input has several chunks and at
-    least MULTI_PROCESS_MIN_BYTES, and `in_memory` with one worker otherwise; with
-    `threads`, in `in_memory` mode with that many workers, threads of one process (for a
-    job whose work is numpy and Arrow calls that release the GIL: no worker processes to
-    start, no elements through gRPC). The
+    Unless the flags say otherwise, the DirectRunner runs in `in_memory` mode, with one
+    worker per core (at most one per chunk) when the input has several chunks and at least
+    PARALLEL_MIN_BYTES, else with one: the workers are threads of this process (the
+    jobs' work is numpy and Arrow calls that release the GIL; threads spare them worker
+    processes to start and elements sent through gRPC, which `multi_processing` costs). The
     DaskRunner gets one partition per chunk (its default packs up to 128 elements into
     one partition, which would run every chunk in one task).
 
@@ -150,7 +149,6 @@ def pipeline_options(
         input_bytes: [chunks] input bytes of each chunk.
         runner: a value of `resolve_runner`.
         dask_address: the scheduler the DaskRunner connects to.
-        threads: parallel DirectRunner workers as threads (above).
     """
     if _has_flag(beam_args, "--runner"):
         raise UserError(
@@ -163,13 +161,13 @@ def pipeline_options(
     kind = runner_kind(runner)
     if kind == "direct":
         direct = options.view_as(DirectOptions)
-        parallel = len(input_bytes) > 1 and sum(input_bytes) >= MULTI_PROCESS_MIN_BYTES
+        parallel = len(input_bytes) > 1 and sum(input_bytes) >= PARALLEL_MIN_BYTES
         if not _has_flag(beam_args, "--direct_running_mode"):
-            mode = "in_memory" if threads else "multi_processing"
-            direct.direct_running_mode = mode if parallel else "in_memory"
+            direct.direct_running_mode = "in_memory"
         if not _has_flag(beam_args, "--direct_num_workers"):
             cores = os.cpu_count() or 1
-            many = parallel if threads else direct.direct_running_mode != "in_memory"
+            # a parallel mode given without a worker count: one worker per core, as before
+            many = parallel or direct.direct_running_mode != "in_memory"
             direct.direct_num_workers = max(1, min(cores, len(input_bytes))) if many else 1
     if kind == "dask":
         from apache_beam.runners.dask.dask_runner import DaskOptions

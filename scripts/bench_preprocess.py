@@ -5,9 +5,10 @@ transform dense, split, write zstd Parquet with 64k-row groups, and compute the
 statistics. The baseline calls the library functions in a plain loop in this process,
 no Beam, counting lines in a first pass (the Beam job learns the counts while parsing
 and splits the one chunk holding the eval boundary afterwards); the Beam
-job runs on the DirectRunner in multi_processing mode with one worker per core
-(the `hybridrec preprocess` default), for comparison in multi_threading and in_memory
-mode, and on Dask with 2 worker processes: a local cluster the job starts and stops
+job runs on the DirectRunner as `hybridrec preprocess` runs it by default (in_memory
+mode, one worker, a thread, per core for an input of several chunks and 64 MB or more,
+else one), for comparison in multi_processing and
+multi_threading mode (one worker per core) and in_memory mode with one worker, and on Dask with 2 worker processes: a local cluster the job starts and stops
 (`--runner dask`, start-up included) and an already running cluster (`--dask-address`).
 
     python scripts/bench_preprocess.py                 # 1M generated rows (+ the real sample if present)
@@ -16,7 +17,7 @@ mode, and on Dask with 2 worker processes: a local cluster the job starts and st
 The last line of output is one JSON object:
 {"beam_rows_per_s", "baseline_rows_per_s", "ratio", "dask_rows_per_s",
 "dask_over_direct", "dask_identical"} for the generated data: the default
-(multi_processing) DirectRunner against the baseline and Dask (local cluster, 2
+DirectRunner (in_memory, a thread per core) against the baseline and Dask (local cluster, 2
 workers) against that DirectRunner; `dask_identical` is true when both Dask runs wrote
 exactly what the DirectRunner wrote.
 """
@@ -74,10 +75,14 @@ def baseline(path: Path, out: Path, chunk_mb: float = 32.0, block_mb: float = 16
     return time.perf_counter() - start
 
 
-def beam_run(path: Path, out: Path, mode: str) -> float:
+def beam_run(path: Path, out: Path, mode: str | None = None, workers: int | None = None) -> float:
+    """The DirectRunner in `mode` with `workers` (None: the defaults for the input)."""
     config = PreprocessConfig(inputs=[str(path)], output=str(out), overwrite=True)
+    flags = [f"--direct_running_mode={mode}"] if mode else []
+    if workers is not None:
+        flags.append(f"--direct_num_workers={workers}")
     start = time.perf_counter()
-    pipeline.run_preprocess(config, beam_args=[f"--direct_running_mode={mode}"], quiet=True)
+    pipeline.run_preprocess(config, beam_args=flags, quiet=True)
     return time.perf_counter() - start
 
 
@@ -131,9 +136,11 @@ def measure(path: Path, rows: int, work: Path, label: str, repeats: int, address
     """Best of `repeats` runs of each variant (the CPU may be shared with other work)."""
     variants = {
         "baseline": lambda: baseline(path, work / "base"),
+        # the default: in_memory, one worker (a thread) per core for a large input
+        "beam_default": lambda: beam_run(path, work / "beam-th"),
         "beam_multi_processing": lambda: beam_run(path, work / "beam-mp", "multi_processing"),
         "beam_multi_threading": lambda: beam_run(path, work / "beam-mt", "multi_threading"),
-        "beam_in_memory": lambda: beam_run(path, work / "beam-mem", "in_memory"),
+        "beam_in_memory": lambda: beam_run(path, work / "beam-mem", "in_memory", 1),
         "dask_local_cluster": lambda: dask_run(path, work / "dask"),
         "dask_running_cluster": lambda: dask_run(path, work / "dask-running", address),
     }
@@ -147,13 +154,16 @@ def measure(path: Path, rows: int, work: Path, label: str, repeats: int, address
         result[f"{name}_rows_per_s"] = rows / wall
         result[f"{name}_cpu_s"] = cpu
         result[f"{name}_wall_s"] = wall
-    for mode in ("multi_processing", "multi_threading", "in_memory"):
+    for mode in ("default", "multi_processing", "multi_threading", "in_memory"):
         result[f"ratio_{mode}"] = result[f"beam_{mode}_rows_per_s"] / result["baseline_rows_per_s"]
-    direct = result["beam_multi_processing_rows_per_s"]
+    direct = result["beam_default_rows_per_s"]
     result["dask_over_direct"] = result["dask_local_cluster_rows_per_s"] / direct
     result["dask_running_over_direct"] = result["dask_running_cluster_rows_per_s"] / direct
-    result["dask_identical"] = same_output(work / "beam-mp", work / "dask") and same_output(
-        work / "beam-mp", work / "dask-running"
+    result["dask_identical"] = same_output(work / "beam-th", work / "dask") and same_output(
+        work / "beam-th", work / "dask-running"
+    )
+    result["modes_identical"] = all(
+        same_output(work / "beam-th", work / other) for other in ("beam-mp", "beam-mt", "beam-mem")
     )
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
@@ -182,7 +192,7 @@ def main() -> None:
             measure(REAL_SAMPLE, 137_139, work, label, args.repeats, address)
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
-    beam = generated["beam_multi_processing_rows_per_s"]
+    beam = generated["beam_default_rows_per_s"]
     base = generated["baseline_rows_per_s"]
     print(
         json.dumps(

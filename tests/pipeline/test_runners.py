@@ -39,24 +39,21 @@ def test_unknown_runner_is_one_line_listing_the_names(name):
 
 
 def test_direct_runner_defaults_follow_the_input_size():
-    def options(chunk_count, chunk_size, *flags, threads=False):
+    def options(chunk_count, chunk_size, *flags):
         sizes = [chunk_size] * chunk_count
-        chosen = runners.pipeline_options(list(flags), sizes, threads=threads)
-        direct = chosen.view_as(DirectOptions)
+        direct = runners.pipeline_options(list(flags), sizes).view_as(DirectOptions)
         return direct.direct_running_mode, direct.direct_num_workers
 
     cores = os.cpu_count()
     assert options(1, 10**6) == ("in_memory", 1)
     assert options(1, 10**10) == ("in_memory", 1)  # one chunk: nothing to parallelize
-    assert options(64, 2**27) == ("multi_processing", cores)
+    # several chunks, a large input: one worker per core, threads of one process
+    assert options(64, 2**27) == ("in_memory", cores)
+    assert options(64, 10) == ("in_memory", 1)  # small: one worker
     assert options(64, 10, "--direct_running_mode=multi_processing") == ("multi_processing", cores)
-    assert options(64, 2**27, "--direct_num_workers=3") == ("multi_processing", 3)
-    # a job of numpy and Arrow calls (the event job): its parallel workers are threads
-    assert options(64, 2**27, threads=True) == ("in_memory", cores)
-    assert options(1, 10**10, threads=True) == ("in_memory", 1)
-    assert options(64, 10, threads=True) == ("in_memory", 1)  # small: one worker
+    assert options(64, 2**27, "--direct_num_workers=3") == ("in_memory", 3)
     flag = "--direct_running_mode=multi_processing"
-    assert options(64, 2**27, flag, threads=True) == ("multi_processing", cores)
+    assert options(64, 2**27, flag) == ("multi_processing", cores)
     flags = ["--project=p", "--temp_location=gs://b/t"]
     dataflow = runners.pipeline_options(flags, runner="DataflowRunner")
     assert dataflow.view_as(StandardOptions).runner == "DataflowRunner"
