@@ -1,6 +1,6 @@
 """Input chunks: listing, reading in line-aligned blocks or record batches, processing one chunk.
 
-An uncompressed text file is cut into byte ranges of `chunk_bytes`; a line belongs
+An uncompressed text file is cut into equal byte ranges of at most `chunk_bytes`; a line belongs
 to the chunk holding its first byte. A compressed file (.gz) is one chunk. Each
 text chunk is read in blocks of about `block_bytes` that end on a line boundary, so
 memory per worker stays bounded whatever the file size. A Parquet file is cut into

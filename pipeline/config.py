@@ -21,7 +21,7 @@ class PreprocessConfig:
     input_format: str = "auto"  # auto: .parquet/.pq names are Parquet, others text
     split: str = "position"  # position: last eval_fraction of lines is eval; hash: by row hash
     eval_fraction: float = 0.1  # fraction of rows in the eval split, in [0, 1)
-    chunk_mb: float = 32.0  # uncompressed text is cut into chunks of this many MB
+    chunk_mb: float = 32.0  # uncompressed text is cut into equal chunks of at most this many MB
     block_mb: float = 16.0  # MB of text parsed per batch
     compression: str = "zstd"  # Parquet codec
     bucket_mb: float = 64.0  # event logs: MB of input a bucket of users holds, about

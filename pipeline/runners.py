@@ -1,8 +1,8 @@
 """Which Beam runner executes the job, with which options, and the Dask cluster it may need.
 
 `--runner` takes a short name (any case, `Runner` suffix optional) or a fully qualified
-class name. The DirectRunner gets defaults that fit the input (one worker process per
-core for large inputs); the DaskRunner gets one Dask partition per chunk and either a
+class name. The DirectRunner gets defaults that fit the input (a worker thread per core
+for large inputs); the DaskRunner gets one Dask partition per chunk and either a
 running cluster (`--dask-address`) or a local one started for the job and shut down
 after it (see docs/pipeline.md, "Runners").
 """
@@ -37,9 +37,10 @@ RUNNER_NAMES = {
     "spark": "SparkRunner",
     "dataflow": "DataflowRunner",
 }
-# Below this much input a second DirectRunner worker (a thread) saves nothing: 73 MB of
-# Criteo-format text (3 chunks) took 1.9-2.2 s with one or two, 243 MB 4.0-4.5 s with one
-# and 3.2-3.5 s with two (docs/benchmarks.md)
+# From this much input on the DirectRunner runs a worker per core. A second worker (a
+# thread) paid nothing at 73 MB of Criteo-format text (3 chunks: 1.9-2.2 s with one or
+# two) and a quarter of the time at 243 MB (4.0-4.5 s with one, 3.2-3.5 s with two), so
+# the threshold sits below where it starts to pay, where it costs little (docs/benchmarks.md)
 PARALLEL_MIN_BYTES = 64 * 2**20
 # The Dask graph has one partition (one task per step) per chunk, up to this many.
 MAX_DASK_PARTITIONS = 4096
@@ -166,7 +167,8 @@ def pipeline_options(
             direct.direct_running_mode = "in_memory"
         if not _has_flag(beam_args, "--direct_num_workers"):
             cores = os.cpu_count() or 1
-            # a parallel mode given without a worker count: one worker per core, as before
+            # a large input, or a multi-process / multi-thread mode asked for without a
+            # worker count: one worker per core (at most one per chunk)
             many = parallel or direct.direct_running_mode != "in_memory"
             direct.direct_num_workers = max(1, min(cores, len(input_bytes))) if many else 1
     if kind == "dask":

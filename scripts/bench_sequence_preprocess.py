@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="preprocess --bucket-mb")
     parser.add_argument("--repeat", type=int, default=3, help="runs of the job and the baseline")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat: at least 1")
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     big = _generate(args.cache, args.users, args.mean_events, args.items, args.seed)
     small = _generate(args.cache, args.small_users, args.mean_events, args.items, args.seed)

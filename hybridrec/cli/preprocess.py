@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         help="click logs: fraction of rows for eval (default 0.1)",
     )
     parser.add_argument("--chunk-mb", type=float, default=32.0,
-                        help="uncompressed input is cut into chunks of this size (MB); .gz files are one chunk each")  # fmt: skip
+                        help="uncompressed input is cut into equal chunks of at most this size (MB); .gz files are one chunk each")  # fmt: skip
     parser.add_argument("--block-mb", type=float, default=16.0, help="bytes parsed per batch (MB)")
     parser.add_argument("--bucket-mb", type=float, default=64.0,
                         help="event logs: input MB whose users one worker groups at a time")  # fmt: skip

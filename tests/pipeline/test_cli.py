@@ -48,7 +48,7 @@ def inputs(tmp_path_factory):
 
 def test_end_to_end_multi_process_and_worker_invariance(inputs, tmp_path, capsys):
     out = tmp_path / "out"
-    # the DirectRunner with one worker process per core (the default for large inputs)
+    # the DirectRunner with one worker process per core (asked for: the default runs threads)
     args = ["--chunk-mb", "1", "--eval-fraction", "0.2", "--direct_running_mode=multi_processing"]
     assert preprocess("-i", inputs / "day_*", "-o", out, *args) == 0
     summary = capsys.readouterr().out
@@ -114,6 +114,18 @@ def test_end_to_end_multi_process_and_worker_invariance(inputs, tmp_path, capsys
     assert len(other_meta.split_files("train")) < len(meta.split_files("train"))
     for split in ("train", "eval"):
         assert read_all(other_meta, split).equals(read_all(meta, split))
+
+    # The same chunks on two worker threads (the default's kind): the same bytes.
+    threads = tmp_path / "threads"
+    flags = ["--direct_running_mode=in_memory", "--direct_num_workers=2"]
+    assert preprocess("-i", inputs / "day_*", "-o", threads, *args[:-1], *flags) == 0
+    assert "DirectRunner (in_memory, 2 worker(s))" in capsys.readouterr().out
+    files = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(threads) for p in threads.rglob("*") if p.is_file())
+    for name in files:
+        if name.name != "metadata.json":
+            assert (threads / name).read_bytes() == (out / name).read_bytes(), name
+    assert {**read_metadata(threads).raw, "runner": ""} == {**raw, "runner": ""}
 
 
 def test_overwrite_replaces_a_complete_directory(inputs, tmp_path):

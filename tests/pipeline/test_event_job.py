@@ -201,7 +201,7 @@ def test_direct_and_dask_write_the_same_bytes(log, tmp_path):
     spec_path = write_spec(root)
     options = dict(chunk_mb=0.05, bucket_mb=0.1)
     direct = run([root / "events.csv"], tmp_path / "direct", spec_path, **options).metadata
-    # the event job's default for a large input: two workers, threads of one process
+    # the default for a large input: a worker thread per core (two here)
     threads = run([root / "events.csv"], tmp_path / "threads", spec_path, 2, **options).metadata
     assert threads.pop("runner") == "DirectRunner (in_memory, 2 worker(s))"
     dask = run(

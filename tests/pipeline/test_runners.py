@@ -47,13 +47,16 @@ def test_direct_runner_defaults_follow_the_input_size():
     cores = os.cpu_count()
     assert options(1, 10**6) == ("in_memory", 1)
     assert options(1, 10**10) == ("in_memory", 1)  # one chunk: nothing to parallelize
+    many = min(cores, 64)
     # several chunks, a large input: one worker per core, threads of one process
-    assert options(64, 2**27) == ("in_memory", cores)
+    assert options(64, 2**27) == ("in_memory", many)
+    assert options(64, 2**27, "--direct_running_mode=in_memory") == ("in_memory", many)
     assert options(64, 10) == ("in_memory", 1)  # small: one worker
-    assert options(64, 10, "--direct_running_mode=multi_processing") == ("multi_processing", cores)
+    assert options(64, 10, "--direct_running_mode=multi_processing") == ("multi_processing", many)
     assert options(64, 2**27, "--direct_num_workers=3") == ("in_memory", 3)
     flag = "--direct_running_mode=multi_processing"
-    assert options(64, 2**27, flag) == ("multi_processing", cores)
+    assert options(64, 2**27, flag) == ("multi_processing", many)
+    assert options(1, 2**27, flag) == ("multi_processing", 1)  # at most one per chunk
     flags = ["--project=p", "--temp_location=gs://b/t"]
     dataflow = runners.pipeline_options(flags, runner="DataflowRunner")
     assert dataflow.view_as(StandardOptions).runner == "DataflowRunner"
