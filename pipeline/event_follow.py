@@ -45,6 +45,7 @@ from hybridrec.pipeline._histories import (
     example_table,
     keep_last,
     ranges,
+    split_encodings,
     user_runs,
 )
 from hybridrec.pipeline._user_state import STATE_DIR, UserState, read_rows, snapshots
@@ -310,7 +311,8 @@ class EventFiles:
         events = Events.from_table(_read_table(temp / "events.arrow"))
         table, counts = stream_rows(self.state, events, self.spec)
         (temp / "train").mkdir(exist_ok=True)
-        pq.write_table(table, temp / "train" / "chunk-00000-00000.parquet", compression=self.compression)  # fmt: skip
+        path = temp / "train" / "chunk-00000-00000.parquet"
+        pq.write_table(table, path, compression=self.compression, **split_encodings(table))
         names = _read_table(temp / "names.arrow")
         ids = names.column("item").to_numpy()
         new = ~np.isin(ids, self.known_items)

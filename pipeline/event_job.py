@@ -44,7 +44,7 @@ from hybridrec.pipeline import (
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._event_output import ITEMS
 from hybridrec.pipeline._event_parse import EventParser
-from hybridrec.pipeline._histories import Events, build_bucket, prune_chunk
+from hybridrec.pipeline._histories import Events, build_bucket, prune_chunk, split_encodings
 from hybridrec.pipeline.config import PreprocessConfig
 from hybridrec.pipeline.event_spec import EventSpec, load_event_spec, parse_width
 from hybridrec.pipeline.event_stats import EventStats
@@ -264,7 +264,9 @@ class _BuildHistoriesFn(beam.DoFn):
                 continue
             path = FileSystems.join(self.temp_dir, split, f"part-{plan.bucket:05d}.parquet")
             with FileSystems.create(path) as handle:
-                pq.write_table(table, handle, compression=self.compression, **_encodings(table))
+                pq.write_table(
+                    table, handle, compression=self.compression, **split_encodings(table)
+                )
             built.files.append((split, f"{plan.bucket:05d}", table.num_rows))
         return stats.merge(built)
 
@@ -283,23 +285,6 @@ class _BuildHistoriesFn(beam.DoFn):
         with FileSystems.create(path) as handle:
             pq.write_table(table, handle, compression=self.compression)
         return ITEMS, f"{plan.bucket:05d}", table.num_rows
-
-
-def _encodings(table: pa.Table) -> dict:
-    """Parquet encodings for a split's columns: the ids of users and items (millions of
-    distinct values) plain, times as deltas (ascending within a history), the rest (action
-    types, side ids: small vocabularies) as dictionaries. 16% less time writing than a
-    dictionary tried on every column, the same time reading."""
-
-    def path(field: pa.Field) -> str:  # a list column's values are NAME.list.element
-        return f"{field.name}.list.element" if pa.types.is_list(field.type) else field.name
-
-    fields = {field.name: field for field in table.schema}
-    plain = ("user", "items", "times")
-    encodings = {"use_dictionary": [path(f) for n, f in fields.items() if n not in plain]}
-    if "times" in fields:
-        encodings["column_encoding"] = {path(fields["times"]): "DELTA_BINARY_PACKED"}
-    return encodings
 
 
 def _merge_stats(group) -> EventStats:
