@@ -3,6 +3,10 @@ items file, and where a chunk-local line sits in its file (for messages)."""
 
 from __future__ import annotations
 
+import os
+import threading
+import weakref
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
@@ -11,7 +15,7 @@ from apache_beam.io.filesystems import FileSystems
 from hybridrec.pipeline import _chunks, _parquet, hashing
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._event_parse import Cells, ids_of
-from hybridrec.pipeline._histories import ItemFeatures
+from hybridrec.pipeline._histories import IdIndex, ItemFeatures
 from hybridrec.pipeline.event_spec import EventSpec
 
 
@@ -124,3 +128,35 @@ def load_item_features(spec: EventSpec) -> ItemFeatures:
         ids={name: ids(name, name)[order] for name in items.features},
         missing={name: hashing.missing_id(spec.prefix(name), bits) for name in items.features},
     )
+
+
+_shared_lock = threading.Lock()
+_shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def shared_item_features(spec: EventSpec) -> ItemFeatures:
+    """`load_item_features` once per process while a caller holds the result: the
+    DirectRunner's workers are threads of one process, and each would otherwise hold its
+    own copy of the items' ids, features and index (at 10M items, about 0.5 GB each).
+    Keyed by the file's path, size and modification time and the spec's items section;
+    the id index is built here, under the lock, so the threads only read it.
+
+    Raises:
+        InputError: as `load_item_features`.
+    """
+    path = spec.items.path
+    try:
+        status = os.stat(path) if "://" not in path else None
+    except OSError:
+        status = None  # load_item_features names the problem
+    stamp = (status.st_size, status.st_mtime_ns) if status else None
+    key = (path, stamp, repr(spec.items), spec.prefix_bits)
+    with _shared_lock:
+        features = _shared.get(key) if stamp else None
+        if features is None:
+            features = load_item_features(spec)
+            if len(features.items):
+                features.index = IdIndex(features.items)
+            if stamp:
+                _shared[key] = features
+        return features

@@ -222,7 +222,7 @@ class _BuildHistoriesFn(beam.DoFn):
 
     def setup(self):
         self.item_features = (
-            _event_inputs.load_item_features(self.spec) if self.spec.items else None
+            _event_inputs.shared_item_features(self.spec) if self.spec.items else None
         )
 
     def process(self, keyed):

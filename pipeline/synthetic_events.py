@@ -42,6 +42,7 @@ VERSION = 2  # of what a given config and seed make (benchmark caches are keyed 
 ACTIONS = ("view", "click", "like", "skip")
 DEVICES = ("mobile", "desktop", "tv")
 RECENT = 20  # a repeat picks one of the user's last RECENT items
+ITEM_ROWS = 1 << 18  # the items file is written this many rows at a time
 SERIES_SPAN = 5  # the series step: 1 to SERIES_SPAN items ahead, nearer ones likelier
 START_TIME = 1_700_000_000  # 2023-11-14: the first day
 
@@ -258,11 +259,14 @@ def generate_events(
             progress.update(min(BLOCK_USERS, config.users - block * BLOCK_USERS), events=events)
     with _open(items_path) as handle:
         handle.write(b"item_id,category,brand\n")
-        ids = np.char.add("i", np.arange(config.items).astype(str))
-        categories = np.char.add("c", catalogue.category.astype(str))
-        brands = np.char.add("b", catalogue.brand.astype(str))
-        rows = [",".join(f) for f in zip(ids, categories, brands, strict=True)]
-        handle.write(("\n".join(rows) + "\n").encode())
+        for start in range(0, config.items, ITEM_ROWS):  # in parts: the rows as text are
+            # several times the catalogue's arrays (4.5 GB at 10M items written at once)
+            part = slice(start, min(start + ITEM_ROWS, config.items))
+            ids = np.char.add("i", np.arange(part.start, part.stop).astype(str))
+            categories = np.char.add("c", catalogue.category[part].astype(str))
+            brands = np.char.add("b", catalogue.brand[part].astype(str))
+            rows = [",".join(f) for f in zip(ids, categories, brands, strict=True)]
+            handle.write(("\n".join(rows) + "\n").encode())
     progress.close(events=events)
     return {
         "users": config.users,

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hybridrec.common.errors import UserError
-from hybridrec.pipeline import hashing
+from hybridrec.pipeline import _event_inputs, hashing
 from hybridrec.pipeline._histories import IdIndex
 from hybridrec.pipeline.config import PreprocessConfig
 from hybridrec.pipeline.event_job import run_event_preprocess
@@ -374,3 +374,23 @@ def test_the_id_index_finds_what_a_binary_search_finds():
     assert (expected[-1000:] == -1).all()
     np.testing.assert_array_equal(IdIndex(ids[:1]).find(ids[:3]), [0, -1, -1])
     np.testing.assert_array_equal(IdIndex(ids[:0]).find(ids[:3]), [-1, -1, -1])
+
+
+def test_item_features_are_loaded_once_while_held_and_again_when_the_file_changes(log):
+    root, _ = log
+    spec = load_event_spec(write_spec(root))
+    first = _event_inputs.shared_item_features(spec)
+    assert first.index is not None  # built once, before any thread reads it
+    assert _event_inputs.shared_item_features(spec) is first
+    fresh = _event_inputs.load_item_features(spec)
+    assert np.array_equal(fresh.items, first.items)
+    assert all(np.array_equal(fresh.ids[n], first.ids[n]) for n in fresh.ids)
+    items = Path(spec.items.path)
+    original = items.read_bytes()
+    try:
+        lines = original.decode().splitlines()
+        items.write_text("\n".join(lines[:-1]) + "\n")  # one item fewer: a new file
+        changed = _event_inputs.shared_item_features(spec)
+        assert changed is not first and len(changed.items) == len(first.items) - 1
+    finally:
+        items.write_bytes(original)
