@@ -4,12 +4,13 @@ Both do the same work on the same input: parse + validate, hash categoricals,
 transform dense, split, write zstd Parquet with 64k-row groups, and compute the
 statistics. The baseline calls the library functions in a plain loop in this process,
 no Beam, counting lines in a first pass (the Beam job learns the counts while parsing
-and splits the one chunk holding the eval boundary afterwards); the Beam
-job runs on the DirectRunner as `hybridrec preprocess` runs it by default (in_memory
-mode, one worker, a thread, per core for an input of several chunks and 64 MB or more,
-else one), for comparison in multi_processing and
-multi_threading mode (one worker per core) and in_memory mode with one worker, and on Dask with 2 worker processes: a local cluster the job starts and stops
-(`--runner dask`, start-up included) and an already running cluster (`--dask-address`).
+and splits the one chunk holding the eval boundary afterwards); the Beam job runs on
+the DirectRunner as `hybridrec preprocess` runs it by default (in_memory mode, one
+worker, a thread, per core for an input of several chunks and 64 MB or more, else one),
+for comparison in multi_processing and multi_threading mode (one worker per core) and in
+in_memory mode with one worker, and on Dask with 2 worker processes: a local cluster the
+job starts and stops (`--runner dask`, start-up included) and an already running cluster
+(`--dask-address`).
 
     python scripts/bench_preprocess.py                 # 1M generated rows (+ the real sample if present)
     python scripts/bench_preprocess.py --rows 2000000
@@ -17,8 +18,8 @@ multi_threading mode (one worker per core) and in_memory mode with one worker, a
 The last line of output is one JSON object:
 {"beam_rows_per_s", "baseline_rows_per_s", "ratio", "dask_rows_per_s",
 "dask_over_direct", "dask_identical"} for the generated data: the default
-DirectRunner (in_memory, a thread per core) against the baseline and Dask (local cluster, 2
-workers) against that DirectRunner; `dask_identical` is true when both Dask runs wrote
+DirectRunner (in_memory, a thread per core) against the baseline and Dask (local
+cluster, 2 workers) against that DirectRunner; `dask_identical` is true when both Dask runs wrote
 exactly what the DirectRunner wrote.
 """
 

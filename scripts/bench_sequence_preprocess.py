@@ -14,8 +14,8 @@ with the input.
 The job and the baseline run --repeat times in turns; the rates are each one's median.
 The last line is one JSON object: events, events_per_s_direct, events_per_s_dask,
 events_per_s_pyarrow, direct_over_pyarrow (and direct_over_pyarrow_runs, each turn's),
-peak_rss_gb (the DirectRunner's, all its
-processes), peak_rss_gb_small and events_small (the smaller input's).
+peak_rss_gb (the DirectRunner's, all its processes), peak_rss_gb_small and events_small
+(the smaller input's).
 """
 
 from __future__ import annotations
