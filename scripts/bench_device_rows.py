@@ -44,7 +44,8 @@ from hybridrec.pipeline.synthetic import (
     scaled_cardinality,
     zipf_ranks,
 )
-from hybridrec.training.device_rows import DevicePlan, DeviceRows
+from hybridrec.training.device_plan import DevicePlan
+from hybridrec.training.device_rows import DeviceRows
 from hybridrec.training.input import Batch, DataPosition
 
 MAX_ROWS = 4_000_000  # rows per device table at the most

@@ -5,17 +5,35 @@ for the `criteo_dlrm` step on two CPU cores, seconds for the MLPerf shape on a G
 sizes are powers of two, so a table hovering about one size compiles once. A size that
 follows the batches both ways (a batch's new rows: tens of thousands while the tables
 fill, a few hundred once they have) would compile at every power of two it crosses
-downwards; `PaddedSizes.fit` shrinks only when the padding carried since the last change
-has cost more than a compile is worth (`WASTE_BYTES`).
+downwards; `PaddedSizes.fit` shrinks only when the padding carried since a batch last
+needed the whole size has cost more than a compile is worth (`WASTE_BYTES`), and then to
+what the last batches needed (a size seen before, should it grow back, is compiled
+already).
+
+A shrink's compile need not stall training: with an `ahead` hook, the smaller size is
+announced when it is chosen and taken `SHRINK_DELAY` batches later, while the hook
+compiles the step for it on a worker (`training.hybrid.HybridLoop`). The delay counts
+batches, not seconds, so every process of a run switches at the same batch.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import sys
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
 
 # padding bytes a size carries before it shrinks: at 5-20 GB/s of host copies and
 # transfers, a few tenths of a second, about what the step's compile costs
 WASTE_BYTES = 2 << 30
+# batches between choosing a smaller size and taking it, when a hook compiles it ahead:
+# about a second of a GPU host's batches, more than the step's compile on two CPU cores
+SHRINK_DELAY = 64
+WINDOW = 32  # the batches whose largest need a size comes down to
 
 
 def bucket(size: int) -> int:
@@ -26,17 +44,35 @@ def bucket(size: int) -> int:
 @dataclasses.dataclass
 class _Fitted:
     size: int
-    waste: int = 0  # padding bytes carried since the size last changed
-    peak: int = 0  # the largest size needed since then
+    waste: int = 0  # padding bytes carried since a batch last needed the whole size
+    recent: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=WINDOW)
+    )  # the sizes the last batches needed
+    pending: int = 0  # a smaller size announced, taken once `countdown` batches have passed
+    countdown: int = 0
+    compiled: Future | None = None  # what `ahead` returned for it
 
 
 class PaddedSizes:
-    """Per key, the power of two batches are padded to."""
+    """Per key, the power of two batches are padded to.
 
-    def __init__(self, waste_bytes: int = WASTE_BYTES):
+    ahead: called as `ahead(key, size)` when `fit` chooses a smaller size for `key`, which
+    it then takes `delay` batches later (None: at once); what it returns (the compile for
+    that size) is handed to the batch that takes the size (`compiled`).
+    """
+
+    def __init__(
+        self,
+        waste_bytes: int = WASTE_BYTES,
+        *,
+        ahead: Callable[[str, int], Future | None] | None = None,
+        delay: int = SHRINK_DELAY,
+    ):
         self.waste_bytes = waste_bytes
+        self.ahead, self.delay = ahead, delay
         self._grown: dict[str, int] = {}
         self._fitted: dict[str, _Fitted] = {}
+        self._taken: dict[str, Future | None] = {}  # key -> the compile of the size just taken
 
     def grow(self, key: str, need: int) -> int:
         """A size for `need` entries that never shrinks: `need` bucketed, or the larger size
@@ -46,16 +82,78 @@ class PaddedSizes:
         return size
 
     def fit(self, key: str, need: int, entry_bytes: int) -> int:
-        """A size for `need` entries of `entry_bytes` each: it grows at once, and comes down
-        to the largest size needed since it last changed once the padding carried since then
-        passes `waste_bytes`."""
+        """A size for `need` entries of `entry_bytes` each. It grows at once; once the
+        padding carried since a batch last needed the whole size passes `waste_bytes`, it
+        comes down to the largest size the last `WINDOW` batches needed (with `ahead`:
+        announced, and taken `delay` batches later unless a batch needs more before)."""
         size = bucket(need)
         fitted = self._fitted.get(key)
         if fitted is None or size > fitted.size:
             self._fitted[key] = _Fitted(size)
             return size
-        fitted.peak = max(fitted.peak, size)
+        if fitted.pending:
+            if size <= fitted.pending:
+                fitted.countdown -= 1
+                if fitted.countdown <= 0:
+                    self._fitted[key] = _Fitted(fitted.pending)
+                    self._taken[key] = fitted.compiled
+                return self._fitted[key].size
+            fitted.pending = fitted.countdown = 0  # the smaller size no longer holds them
+        fitted.recent.append(size)
+        if size == fitted.size:  # the whole size in use: no padding
+            fitted.waste = 0
+            return size
         fitted.waste += (fitted.size - size) * entry_bytes
-        if fitted.waste > self.waste_bytes and fitted.peak < fitted.size:
-            self._fitted[key] = _Fitted(fitted.peak)
+        smaller = max(fitted.recent)
+        if fitted.waste > self.waste_bytes and smaller < fitted.size:
+            if self.ahead is None or self.delay <= 0:
+                self._fitted[key] = _Fitted(smaller)
+            else:
+                fitted.pending, fitted.countdown = smaller, self.delay
+                fitted.compiled = self.ahead(key, smaller)
         return self._fitted[key].size
+
+    def compiled(self, key: str) -> Future | None:
+        """The compile `ahead` started for the size `fit` just took for `key` (else None)."""
+        return self._taken.pop(key, None)
+
+
+class AheadCompiler:
+    """Compiles a jitted step for batch shapes still to come, on a worker thread, so that the
+    batch which brings them finds the step compiled (JAX's cache holds what `lower(...)
+    .compile()` built; a call with those shapes reuses it).
+
+    `saw(state, batch)` after each step keeps the arguments' shapes; `compiler({array key:
+    shape})` compiles the step for the last batch's arrays with those keys' shapes changed
+    and returns the Future of it (None before any step). A compile that fails here is left
+    to the call that needs it, which compiles again and raises what is wrong.
+    """
+
+    def __init__(self, step: Any):
+        self._step = step
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hybridrec-compile")
+        self._args: tuple[Any, Mapping[str, Any]] | None = None
+
+    def saw(self, state: Any, batch: Mapping[str, Any]) -> None:
+        self._args = (state, batch)
+
+    def __call__(self, shapes: Mapping[str, tuple[int, ...]]) -> Future | None:
+        if self._args is None:
+            return None
+        return self._pool.submit(self._compile, *self._args, dict(shapes))
+
+    def _compile(self, state, batch, shapes) -> None:
+        def spec(x, shape=None):  # an uncommitted array goes where the step puts it
+            if not isinstance(x, jax.Array):
+                return x
+            sharding = x.sharding if getattr(x, "committed", True) else None
+            return jax.ShapeDtypeStruct(shape or x.shape, x.dtype, sharding=sharding)
+
+        batch = {key: spec(array, shapes.get(key)) for key, array in batch.items()}
+        try:
+            self._step.lower(jax.tree.map(spec, state), batch).compile()
+        except Exception as error:  # noqa: BLE001 - the step's own call raises it
+            print(f"compiling ahead for {shapes}: {error}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -58,9 +58,30 @@ from hybridrec.training.device_budget import (
     size_text,
     split_layout,
 )
-from hybridrec.training.device_rows import DevicePlan
 from hybridrec.training.tables import TablePlan
 from jax.experimental import multihost_utils
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """Which spec tables live on the devices, and how (`training.device_plan.plan_devices`)."""
+
+    layout: DeviceTableLayout  # what the step sees
+    features: dict[str, tuple[str, ...]]  # device table -> its features, in position order
+    store_tables: dict[str, str]  # device table -> the store table its rows are written to
+    prefixes: dict[str, tuple[int, ...]]  # device table -> its features' id prefixes
+    prefix_bits: int
+    lines: tuple[str, ...] = ()  # the plan, as printed at start-up
+    all_features: tuple[str, ...] = ()  # every categorical feature, in position order
+
+    @property
+    def host_features(self) -> list[str] | None:
+        """Features the host store looks up, in position order (None: every feature)."""
+        if not self.layout.tables:
+            return None
+        on_devices = {name for t in self.layout.whole for name in self.features[t.name]}
+        return [f for f in self.all_features if f not in on_devices]
+
 
 AUTO_FRACTION = 0.25  # of a device's free memory, when embedding.device_budget = -1
 HEADROOM = 1.1  # rows planned per distinct id seen in the training split

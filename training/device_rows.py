@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -41,38 +42,18 @@ from hybridrec.embedding_store import (
     unique_inverse,
 )
 from hybridrec.model import make_global_batch
-from hybridrec.model.device_tables import NEW_ROWS, PER_EXAMPLE, DeviceTableLayout, array_key
+from hybridrec.model.device_tables import NEW_ROWS, PER_EXAMPLE, array_key
 from hybridrec.model.distributed import replicated_array
 from hybridrec.model.sharding import replicated
 from hybridrec.pipeline.metadata import ITEM_FEATURE
 from hybridrec.training.batch_shapes import PaddedSizes
+from hybridrec.training.device_plan import DevicePlan
 from hybridrec.training.hot_rows import HotRows
 from hybridrec.training.id_bags import as_bags, bag_arrays, host_part
 from hybridrec.training.input import Batch
 from hybridrec.training.sequences import SequenceBatch
 
 MIN_ROWS = 256  # a batch's distinct rows per table are padded to a power of two, at least this
-
-
-@dataclasses.dataclass(frozen=True)
-class DevicePlan:
-    """Which spec tables live on the devices, and how (`training.device_plan.plan_devices`)."""
-
-    layout: DeviceTableLayout  # what the step sees
-    features: dict[str, tuple[str, ...]]  # device table -> its features, in position order
-    store_tables: dict[str, str]  # device table -> the store table its rows are written to
-    prefixes: dict[str, tuple[int, ...]]  # device table -> its features' id prefixes
-    prefix_bits: int
-    lines: tuple[str, ...] = ()  # the plan, as printed at start-up
-    all_features: tuple[str, ...] = ()  # every categorical feature, in position order
-
-    @property
-    def host_features(self) -> list[str] | None:
-        """Features the host store looks up, in position order (None: every feature)."""
-        if not self.layout.tables:
-            return None
-        on_devices = {name for t in self.layout.whole for name in self.features[t.name]}
-        return [f for f in self.all_features if f not in on_devices]
 
 
 @dataclasses.dataclass
@@ -91,6 +72,9 @@ class Prepared:
     # a sequence batch with a cache: the positions among its distinct items of those the
     # host looks up (their rows come from the host, their gradients go to it)
     host_at: np.ndarray | None = None
+    # the first batch of a smaller new-rows size: the step's compile for it, started ahead
+    # (`DeviceRows.compile_ahead`); the trainer waits for it before the step
+    compiled: Future | None = None
 
     def host_batch(self, batch: Batch) -> Batch:
         """`batch` with the cached features' ids the host store looks up."""
@@ -144,7 +128,7 @@ class DeviceRows:
         self._configs = {t.name: tables[plan.store_tables[t.name]] for t in plan.layout.tables}
         # the sizes batches are padded to: a table's distinct rows and its bags' width only
         # grow, so tables hovering about a power of two do not compile every mix
-        self._sizes = PaddedSizes()
+        self.sizes = PaddedSizes()
         self._reset()
         self.lookups = 0  # ids looked up on the devices (each occurrence)
         self._cache_counts = {
@@ -171,6 +155,12 @@ class DeviceRows:
     def caches(self) -> bool:
         """Whether some device tables are hot-row caches of host tables."""
         return bool(self.plan.layout.caches)
+
+    def compile_ahead(self, hook: Callable[[dict], Future | None]) -> None:
+        """`hook({array key: shape})` compiles the step for a smaller new-rows size, which
+        `prepare` takes `SHRINK_DELAY` batches later (`PaddedSizes`), its first batch
+        carrying the compile (`Prepared.compiled`)."""
+        self.sizes.ahead = lambda key, size: hook({key: (size, self.tables[0].dim)})
 
     def rows_of(self, table: str, ids: np.ndarray) -> np.ndarray:
         """The rows of device table `table` holding `ids` (-1 for ids it does not hold)."""
@@ -232,7 +222,7 @@ class DeviceRows:
             # to the ids' count (the most distinct rows there can be): with single-valued
             # features every batch has the same shapes, whatever its admissions and evictions
             need = len(inverse) if table.cache and inverse is not None else len(unique)
-            size = self._sizes.grow(table.name, max(need, MIN_ROWS))
+            size = self.sizes.grow(table.name, max(need, MIN_ROWS))
             if table.cache:
                 fresh, slots = self._admit(table, unique, inverse, slots, columns, prepared, size)
                 at = np.flatnonzero(fresh)
@@ -277,7 +267,8 @@ class DeviceRows:
         the way down, 13 compiles and 3.4 s of one epoch of `criteo_dlrm` at batch 512."""
         total = sum(len(at) for _, at, _, _ in arriving)
         dim = arriving[0][0].dim  # the tower concatenates the features: one dim for all
-        shape = (self._sizes.fit(NEW_ROWS, max(total, MIN_ROWS), dim * 4), dim)
+        shape = (self.sizes.fit(NEW_ROWS, max(total, MIN_ROWS), dim * 4), dim)
+        prepared.compiled = self.sizes.compiled(NEW_ROWS)
         offset, fills = 0, []
         for table, at, size, incoming in arriving:
             new = np.full(size, -1, np.int32)
@@ -376,7 +367,7 @@ class DeviceRows:
     def _bags(self, name, columns, inverse, rows: int, held=None) -> tuple[np.ndarray, np.ndarray]:
         """`bag_arrays` of a table's features, L a power of two never less than before."""
         longest = [1 if counts is None else int(counts.max(initial=1)) for _, counts in columns]
-        width = self._sizes.grow(f"{name}/width", max(longest, default=1))
+        width = self.sizes.grow(f"{name}/width", max(longest, default=1))
         return bag_arrays(columns, inverse, rows, width, self.pooling, held)
 
     def host_arrays(self, prepared: Prepared, rows: slice) -> tuple[dict, dict]:

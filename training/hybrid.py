@@ -44,53 +44,16 @@ from typing import Any
 
 import jax
 import numpy as np
+from hybridrec.training.batch_shapes import AheadCompiler
 from hybridrec.training.input import Batch, DataPosition
 from hybridrec.training.layouts import FlatLayout, TowerLayout, feature_ids
+from hybridrec.training.staleness import StalenessGate
 
 _END = object()
 
 
 class LoopClosedError(RuntimeError):
     """The loop was closed: updates still queued are not applied."""
-
-
-class StalenessGate:
-    """At most `k` batches looked up but not yet applied when a new lookup is issued.
-
-    Args:
-        k: the staleness bound (0 = synchronous).
-    """
-
-    def __init__(self, k: int):
-        self.k = k
-        self._slots = threading.Semaphore(k + 1)
-        self._lock = threading.Lock()
-        self.in_flight = 0  # batches looked up whose updates are not yet applied
-        self.max_staleness = 0  # largest staleness recorded
-        self.histogram = np.zeros(k + 1, np.int64)  # lookups per staleness
-
-    def acquire(self, stop: threading.Event) -> int | None:
-        """Blocks for a slot; returns the staleness of the lookup about to be issued.
-
-        Returns None when `stop` is set while waiting.
-        """
-        while not self._slots.acquire(timeout=0.05):
-            if stop.is_set():
-                return None
-        with self._lock:
-            staleness = self.in_flight
-            self.in_flight += 1
-            self.max_staleness = max(self.max_staleness, staleness)
-        if staleness > self.k:  # cannot happen while the slot count is k + 1
-            raise AssertionError(f"staleness {staleness} exceeds the bound {self.k}")
-        self.histogram[staleness] += 1
-        return staleness
-
-    def release(self) -> None:
-        """Called when a batch's embedding update has been applied (or abandoned)."""
-        with self._lock:
-            self.in_flight -= 1
-        self._slots.release()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +134,11 @@ class HybridLoop:
         self.state = state
         self._looks_up = looks_up
         self.device_rows = device_rows
+        # device tables: a smaller size of their new rows compiles the step ahead
+        self._compiler = None
+        if device_rows is not None and hasattr(train_step, "lower"):
+            self._compiler = AheadCompiler(train_step)
+            device_rows.compile_ahead(self._compiler)
         self.gate = StalenessGate(staleness)
         self._train_step = train_step
         self._store = store
@@ -224,7 +192,11 @@ class HybridLoop:
         item = self._take()
         if item is None:
             return None
+        if item.device_rows is not None and item.device_rows.compiled is not None:
+            item.device_rows.compiled.result()  # the step's compile for its new shapes
         clock = self._time("wait_ms", clock)
+        if self._compiler is not None:
+            self._compiler.saw(self.state, item.device_batch)
         self.state, metrics, embedding_grads = self._train_step(self.state, item.device_batch)
         evicted = None
         if item.device_rows is not None:
@@ -283,6 +255,8 @@ class HybridLoop:
         self.resume()
         for thread in self._threads:
             thread.join(timeout=10)
+        if self._compiler is not None:
+            self._compiler.close()
 
     def __enter__(self) -> HybridLoop:
         return self

@@ -48,8 +48,8 @@ from hybridrec.pipeline.metadata import ITEM_FEATURE
 from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.defaults import check_batch_size, resolve_auto, resolve_sequence_auto
-from hybridrec.training.device_plan import plan_devices
-from hybridrec.training.device_rows import DevicePlan, DeviceRows
+from hybridrec.training.device_plan import DevicePlan, plan_devices
+from hybridrec.training.device_rows import DeviceRows
 from hybridrec.training.hybrid import HybridLoop
 from hybridrec.training.input import Batch, ParquetReader
 from hybridrec.training.layouts import FlatLayout, SequenceLayout, TowerLayout

@@ -3,6 +3,8 @@ single- and multi-valued features, every pooling, every sparse optimizer."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,8 @@ from hybridrec.model.device_tables import (
     init_tables,
     update_tables,
 )
-from hybridrec.training.device_rows import DevicePlan, DeviceRows
+from hybridrec.training.device_plan import DevicePlan
+from hybridrec.training.device_rows import DeviceRows
 from hybridrec.training.input import Batch, DataPosition
 
 DIM, ROWS = 4, 16
@@ -154,3 +157,36 @@ def test_batches_deduplicated_ahead_prepare_as_one_at_a_time():
             # to a GPU)
             assert g[key].strides == np.empty(g[key].shape, g[key].dtype).strides, key
     assert any((e["table/t/new"] >= 0).any() for e in expected[1:])  # later batches bring new ids
+
+
+def test_a_smaller_new_rows_size_is_compiled_ahead_and_taken_later():
+    """Once the tables fill, the new rows' padded size comes down: the size is announced
+    to the compile-ahead hook with its shape, taken `delay` batches later, and the first
+    batch of it carries the compile for the trainer to wait on."""
+    rule = SparseRule("sgd", 0.1, 1e-8, 0.9, 0.999, 0.0)
+    layout = DeviceTableLayout((DeviceTable("t", (0,), rows=8192, dim=DIM, rule=rule),), 1)
+    plan = DevicePlan(layout, {"t": ("multi",)}, {"t": "t"}, {"t": (1,)}, 8)
+    config = TableConfig(name="t", dim=DIM, capacity=8192)
+    rows = DeviceRows(
+        plan, {"t": config}, make_mesh(MeshConfig(shape=(1,)), jax.devices()[:1]), "sum"
+    )
+    rows.sizes.waste_bytes, rows.sizes.delay = 0, 2
+    announced = []
+
+    def hook(shapes):
+        announced.append(shapes)
+        compiled = Future()
+        compiled.set_result(None)
+        return compiled
+
+    rows.compile_ahead(hook)
+    first = rows.prepare(_bags_batch(np.arange(3000), np.full(1000, 3)))  # 3000 new rows
+    assert first.new_rows[0] == (4096, DIM) and first.compiled is None
+    later = [
+        rows.prepare(_bags_batch(np.arange(n, n + 10), np.ones(10, int)))
+        for n in (3000, 3010, 3020)
+    ]
+    assert announced == [{"table/new_rows": (256, DIM)}]  # 10 new rows: at least 256
+    assert [p.new_rows[0][0] for p in later] == [4096, 4096, 256]
+    assert [p.compiled is not None for p in later] == [False, False, True]
+    assert (later[2].arrays["table/t/new"] >= 0).sum() == 10
