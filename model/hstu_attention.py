@@ -57,7 +57,9 @@ def _time_bias(time_bias, query_times, key_times):
     buckets = time_bucket(gap, time_bias.shape[1])  # [batch, n, L]
     # a gather per head, stacked head-major: no [heads, batch] -> [batch, heads] transpose
     # of the pairs forward, nor of their gradient backward
-    return jnp.stack([table[buckets] for table in time_bias], axis=1).astype(jnp.float32)
+    return jnp.stack(
+        [table.at[buckets].get(mode="promise_in_bounds") for table in time_bias], axis=1
+    ).astype(jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

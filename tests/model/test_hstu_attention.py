@@ -279,6 +279,19 @@ def test_time_bias_adds_each_pairs_gap_bucket_to_its_score():
     assert int(time_bucket(jnp.asarray(0), 8)) == 0 and int(time_bucket(jnp.asarray(10**9), 8)) == 7
 
 
+def test_time_buckets_are_exact_half_octaves():
+    """floor(2 log2(1 + gap)) of the float32 number 1 + gap, exactly, at every bucket's
+    edge too (where a float log2 rounds across it now and then)."""
+    edges = np.floor(np.sqrt(2.0) ** np.arange(1, 62)).astype(np.int64) - 1
+    gaps = np.concatenate([np.arange(1 << 16), (edges[:, None] + np.arange(-2, 3)).ravel()])
+    gaps = np.clip(gaps, 0, 2**31 - 2).astype(np.int32)
+    x = (np.float32(1) + gaps.astype(np.float32)).astype(np.float64)
+    _, exponent = np.frexp(x * x)  # x * x is exact in float64: x has 24 significant bits
+    expected = np.minimum(exponent - 1, 63)  # floor(log2(x ** 2))
+    got = np.asarray(jax.jit(time_bucket, static_argnums=1)(jnp.asarray(gaps), 64))
+    np.testing.assert_array_equal(got, expected)
+
+
 def test_every_row_sums_its_gradient_over_the_rows():
     # the relative bias repeated for each row; its gradient is the rows' sum, taken as a
     # matrix-vector product in place of a reduction
