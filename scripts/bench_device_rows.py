@@ -12,6 +12,7 @@ timed over --batches-timed batches after --warm batches have filled the tables.
     python scripts/bench_device_rows.py                         # batch 4096, 16384, 65536
     python scripts/bench_device_rows.py --batches 16384 --dim 128
     python scripts/bench_device_rows.py --cache 1048576   # the long tail behind a cache
+    python scripts/bench_device_rows.py --fused   # one device table, as the planner fuses them
 
 With --cache ROWS the long-tail features' tables (those the data widens) stay in a host
 store with one hot-row cache of ROWS rows on the devices in front of them, as the planner
@@ -51,9 +52,10 @@ from hybridrec.training.input import Batch, DataPosition
 MAX_ROWS = 4_000_000  # rows per device table at the most
 
 
-def _rows(plan_tables: int, dim: int, scale: float, cache: int = 0):
+def _rows(plan_tables: int, dim: int, scale: float, cache: int = 0, fused: bool = False):
     """DeviceRows over one table per Criteo feature, Adagrad, every table on the devices;
-    with `cache`, the long-tail ones in a host store behind one cache of that many rows."""
+    with `cache`, the long-tail ones in a host store behind one cache of that many rows;
+    `fused`: the whole tables in one device table, as `embedding.fuse_tables` plans them."""
     optimizer = SparseOptimizerConfig(name="adagrad", learning_rate=0.05)
     rule = SparseRule(
         optimizer.name,
@@ -76,9 +78,15 @@ def _rows(plan_tables: int, dim: int, scale: float, cache: int = 0):
     features = {names[j]: (names[j],) for j in whole}
     store_tables = {names[j]: names[j] for j in whole}
     prefixes = {names[j]: (j + 1,) for j in whole}
+    if fused:
+        rows = sum(t.rows for t in tables)
+        tables = [DeviceTable("fused", tuple(whole), rows=rows, dim=dim, rule=rule)]
+        features = {"fused": tuple(names[j] for j in whole)}
+        store_tables = {"fused": "fused"}
+        prefixes = {"fused": tuple(j + 1 for j in whole)}
     configs = {
         name: TableConfig(name=name, dim=dim, capacity=8_000_000, optimizer=optimizer)
-        for name in names
+        for name in [*names, "fused"]
     }
     store = None
     if cache:
@@ -144,11 +152,14 @@ def main() -> None:
     parser.add_argument(
         "--cache", type=int, default=0, help="rows of a hot-row cache for the long tail (0: none)"
     )
+    parser.add_argument(
+        "--fused", action="store_true", help="the whole tables in one (embedding.fuse_tables)"
+    )
     args = parser.parse_args()
     summary = {}
     for size in args.batches:
         rows, cards, names = _rows(
-            len(CATEGORICAL_PROFILE), args.dim, args.cardinality_scale, args.cache
+            len(CATEGORICAL_PROFILE), args.dim, args.cardinality_scale, args.cache, args.fused
         )
         batches = _batches(args.warm + args.batches_timed, size, cards, names, seed=size)
         shapes = set()  # each distinct set of the step's input shapes is one compile

@@ -39,7 +39,6 @@ from hybridrec.embedding_store import (
     SlotMap,
     TableConfig,
     initial_rows,
-    unique_inverse,
 )
 from hybridrec.model import make_global_batch
 from hybridrec.model.device_tables import NEW_ROWS, PER_EXAMPLE, array_key
@@ -49,7 +48,7 @@ from hybridrec.pipeline.metadata import ITEM_FEATURE
 from hybridrec.training.batch_shapes import PaddedSizes
 from hybridrec.training.device_plan import DevicePlan
 from hybridrec.training.hot_rows import HotRows
-from hybridrec.training.id_bags import as_bags, bag_arrays, host_part
+from hybridrec.training.id_bags import as_bags, bag_arrays, distinct_ids, host_part
 from hybridrec.training.input import Batch
 from hybridrec.training.sequences import SequenceBatch
 
@@ -196,10 +195,10 @@ class DeviceRows:
                 deduped.tables[table.name] = ((), batch.ids[ITEM_FEATURE.name], None, None)
                 continue
             columns = [as_bags(batch.ids[name]) for name in self.plan.features[table.name]]
-            values = np.concatenate([c[0] for c in columns]) if columns else np.zeros(0, np.uint64)
-            # one hash pass (the native kernels; else a sort): distinct ids in order of
-            # first occurrence, the same on every process
-            unique, inverse = unique_inverse(values)
+            # distinct ids in order of first occurrence, the same on every process
+            unique, inverse = distinct_ids(
+                [c[0] for c in columns], self.plan.prefixes[table.name], self.plan.prefix_bits
+            )
             # a whole table holds every id of the batch once `prepare` gave the new ones
             # rows; a cache's bags wait for what it admits
             bags = None if table.cache else self._bags(table.name, columns, inverse, batch.size)

@@ -88,6 +88,17 @@ def test_native_and_numpy_kernels_read_each_others_tables(monkeypatch):
     np.testing.assert_array_equal(native.find(ids), expected)  # native over numpy's inserts
 
 
+def test_a_large_native_lookup_in_parts_over_threads_finds_what_small_ones_do():
+    ids = np.unique(_ids(150_000, seed=12))
+    slot_map = SlotMap(16)
+    slot_map.insert(ids[::2], np.arange(len(ids[::2]), dtype=np.int64))
+    query = ids[np.random.default_rng(4).permutation(len(ids))]
+    assert len(query) >= 4 * _slot_map.FIND_PART  # in parts, wherever there are 4 cores
+    small = np.concatenate([slot_map.find(query[i : i + 1000]) for i in range(0, len(query), 1000)])
+    np.testing.assert_array_equal(slot_map.find(query), small)
+    assert (small >= 0).sum() == len(ids[::2])
+
+
 def test_slot_map_insert_find_remove_grow(kernels):
     slot_map = SlotMap(16)
     ids = np.unique(_ids(50_000))

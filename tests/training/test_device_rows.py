@@ -9,7 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hybridrec.embedding_store import EmbeddingStore, RaggedIds, SparseOptimizerConfig, TableConfig
+from hybridrec.embedding_store import (
+    EmbeddingStore,
+    RaggedIds,
+    SparseOptimizerConfig,
+    TableConfig,
+    unique_inverse,
+)
 from hybridrec.model import make_mesh
 from hybridrec.model.config import MeshConfig
 from hybridrec.model.device_tables import (
@@ -23,6 +29,7 @@ from hybridrec.model.device_tables import (
 )
 from hybridrec.training.device_plan import DevicePlan
 from hybridrec.training.device_rows import DeviceRows
+from hybridrec.training.id_bags import distinct_ids
 from hybridrec.training.input import Batch, DataPosition
 
 DIM, ROWS = 4, 16
@@ -190,3 +197,21 @@ def test_a_smaller_new_rows_size_is_compiled_ahead_and_taken_later():
     assert [p.new_rows[0][0] for p in later] == [4096, 4096, 256]
     assert [p.compiled is not None for p in later] == [False, False, True]
     assert (later[2].arrays["table/t/new"] >= 0).sum() == 10
+
+
+def test_distinct_ids_per_feature_are_those_of_one_pass_over_all():
+    """Per feature where each feature's ids carry its prefix; one pass over them all where
+    they do not (an id two features share is still one distinct id)."""
+    rng = np.random.default_rng(5)
+    shift = np.uint64(56)
+    columns = [
+        (np.uint64(p) << shift) | rng.integers(1, 50, 300).astype(np.uint64) for p in (1, 2, 3)
+    ]
+    whole = unique_inverse(np.concatenate(columns))
+    got = distinct_ids(columns, (1, 2, 3), 8)
+    np.testing.assert_array_equal(got[0], whole[0])
+    np.testing.assert_array_equal(got[1], whole[1])
+    shared = [columns[0], columns[0][::-1].copy()]  # the second's ids carry prefix 1, not 2
+    unique, inverse = distinct_ids(shared, (1, 2), 8)
+    assert len(unique) == len(np.unique(columns[0]))  # not twice
+    np.testing.assert_array_equal(unique[inverse], np.concatenate(shared))
