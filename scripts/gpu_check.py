@@ -8,6 +8,8 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
              names;
   bench_gpu  scripts/bench_gpu.py at batch 16384: criteo_dlrm and the MLPerf DLRM shape,
              the hybrid loop against the dense step alone, with a profile of the last steps;
+  device_rows  scripts/bench_device_rows.py --fused at batch 16384: the host's side of the
+             device tables per batch, each of its three stages, on this host's cores;
   roundtrip  `hybridrec quickstart`: generate -> preprocess -> train -> evaluate -> export ->
              serve;
   hstu_time  scripts/bench_hstu.py at 4k tokens a row with HSTU's time-gap bias (64
@@ -19,7 +21,7 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
 
     python scripts/gpu_check.py --out DIR [--rehearse] [--budget SECONDS] [--steps ...]
 
-DIR receives each step's log (STEP.log), the tests' JUnit XML and gpu_check.json, which is
+DIR receives each step's log (STEP.log; device_rows's in bench_gpu.log), the tests' JUnit XML and gpu_check.json, which is
 also the last line printed.
 """
 
@@ -79,6 +81,10 @@ TESTS = [
 REHEARSAL_TESTS = ["tests/model/test_hstu_attention.py", "-k", "lowers or buckets"]
 
 
+# steps whose output goes on in another step's log: at most 8 files come back
+SHARED_LOGS = {"device_rows": "bench_gpu"}
+
+
 def _steps(
     rehearse: bool, work: Path, out: Path, selected: list[str] | None
 ) -> list[tuple[str, list[str], int]]:
@@ -92,6 +98,7 @@ def _steps(
         bench = ["--rows", "12000", "--eval-fraction", "0.25", "--batches", "256"]
         bench += ["--samples", "12800", "--rounds", "1"]
         rows = "20000"
+        device_rows = ["--batches", "256", "--warm", "1", "--batches-timed", "2"]
         hstu_time = [*hstu, "--time-buckets", "8"]
         sequences = ["--users", "200", "--items", "2000", "--mean-events", "10"]
         sequences += ["--longest", "200", "--steps", "6", "--repeats", "1", "--token-budget", "800"]
@@ -100,6 +107,7 @@ def _steps(
         bench = ["--rows", "1000000", "--batches", "16384", "--samples", "1000000"]
         bench += ["--rounds", "3", "--profile"]
         rows = "200000"
+        device_rows = ["--batches", "16384", "--batches-timed", "30"]
         hstu_time = ["--min-seconds", "0.5", "--lengths", "4096", "--time-buckets", "64"]
         # the HSTU preset's hybrid loop over 1M items at a GPU's token budget
         sequences = ["--items", "1000000", "--users", "20000", "--steps", "100"]
@@ -115,6 +123,7 @@ def _steps(
         ("hstu", [python, "scripts/bench_hstu.py", *hstu], 80),
         ("tests", [*pytest, *tests], 180),
         ("bench_gpu", [python, "scripts/bench_gpu.py", *bench], 150),
+        ("device_rows", [python, "scripts/bench_device_rows.py", "--fused", *device_rows], 30),
         ("roundtrip", [python, "-m", "hybridrec", "quickstart", "--rows", rows, "--out", str(work / "quickstart")], 60),
         # last, in what the budget leaves: the kernel with HSTU's time-gap bias, and the
         # sequence loop (the item rows in the host store and on the device)
@@ -123,11 +132,11 @@ def _steps(
     ]  # fmt: skip
 
 
-def _run(command: list[str], log: Path, cap: float, env: dict) -> dict:
-    """Runs `command` in a process group of its own, its output to `log`; stops the group
-    at `cap` seconds."""
+def _run(command: list[str], log: Path, cap: float, env: dict, append: bool = False) -> dict:
+    """Runs `command` in a process group of its own, its output to `log` (after what it
+    holds, with `append`); stops the group at `cap` seconds."""
     start = time.perf_counter()
-    with log.open("w") as handle:
+    with log.open("a" if append else "w") as handle:
         handle.write(f"$ {' '.join(command)}\n")
         handle.flush()
         process = subprocess.Popen(
@@ -245,7 +254,15 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--steps",
         nargs="+",
-        choices=["hstu", "tests", "bench_gpu", "roundtrip", "hstu_time", "sequences"],
+        choices=[
+            "hstu",
+            "tests",
+            "bench_gpu",
+            "device_rows",
+            "roundtrip",
+            "hstu_time",
+            "sequences",
+        ],
     )
     parser.add_argument(
         "--tests", help="pytest's arguments instead of the default set (one string)"
@@ -281,10 +298,10 @@ def main(argv=None) -> None:
                 summary["steps"][name] = {"skipped": "out of budget"}
                 continue
             print(f"== {name} (at most {cap:.0f} s): {' '.join(command[1:])}", flush=True)
-            log = args.out / f"{name}.log"
-            result = _run(command, log, cap, env)
+            log = args.out / f"{SHARED_LOGS.get(name, name)}.log"
+            result = _run(command, log, cap, env, append=name in SHARED_LOGS)
             summary["steps"][name] = {**result, "cap_s": round(cap)}
-            if name in ("hstu", "hstu_time", "bench_gpu", "sequences"):
+            if name in ("hstu", "hstu_time", "bench_gpu", "device_rows", "sequences"):
                 summary[name] = _last_json(log)
             elif name == "tests":
                 summary[name] = _test_results(log, args.out / "tests.xml")

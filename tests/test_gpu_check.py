@@ -31,7 +31,9 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     assert summary == json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["rehearse"] and summary["device"]["platform"] == "cpu"
     steps = summary["steps"]
-    assert list(steps) == ["hstu", "tests", "bench_gpu", "roundtrip", "hstu_time", "sequences"]
+    assert list(steps) == [
+        "hstu", "tests", "bench_gpu", "device_rows", "roundtrip", "hstu_time", "sequences",
+    ]  # fmt: skip
     assert all(step["rc"] == 0 and not step["timed_out"] for step in steps.values()), steps
     hstu = summary["hstu"]  # the kernel, interpreted, against the reference
     assert hstu["kernel_max_error"] < 0.05
@@ -40,6 +42,8 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     assert timed["time_buckets"] == 8 and timed["kernel_max_error"] < 0.05
     assert summary["tests"]["passed"] >= 2 and summary["tests"]["complete"]
     assert summary["tests"]["failures"] == summary["tests"]["errors"] == 0
+    stages = summary["device_rows"]  # the host's side of the device tables
+    assert stages["host_side_samples_per_s_b256"] > 0 and stages["shapes_b256"] >= 1
     bench = summary["bench_gpu"]
     assert bench["hybrid_over_dense_b256"] > 0 and bench["mlperf_shape_samples_per_s"] > 0
     assert summary["roundtrip"]["finished"] and 0.5 < summary["roundtrip"]["auc"] < 1
