@@ -236,7 +236,8 @@ class DeviceRows:
                 fresh = slots < 0
                 slots = self._assign(table, unique, slots)
                 arriving.append((table, np.flatnonzero(fresh), size, unique[fresh]))
-            held = slots >= 0
+            # a whole table now holds every id of the batch, a cache those it admitted
+            held = slice(None) if not table.cache else slots >= 0
             padded = np.full(size, table.scratch, np.int32)
             padded[: len(unique)][held] = slots[held]
             prepared.touched[table.name] = slots[held]
@@ -245,15 +246,17 @@ class DeviceRows:
             if inverse is None:  # a sequence batch's distinct items
                 self.lookups += len(unique)
                 continue
-            held_at = held[inverse]
-            if bags is None:
+            if bags is None:  # a cache's: its lookups are the ids it holds
+                held_at = held[inverse]
                 bags = self._bags(table.name, columns, inverse, batch.size, held_at)
+                self.lookups += int(np.count_nonzero(held_at))
+            else:
+                self.lookups += len(inverse)
             index, weights = bags
             key = table.name
             prepared.arrays.update(
                 {array_key(key, "inverse"): index, array_key(key, "weights"): weights}
             )
-            self.lookups += int(np.count_nonzero(held_at))  # a cache: those it holds
         if arriving:
             self._new_rows(arriving, prepared)
         return prepared
