@@ -63,13 +63,14 @@ class PaddedSizes:
 
     def __init__(
         self,
-        waste_bytes: int = WASTE_BYTES,
+        waste_bytes: int | None = None,
         *,
         ahead: Callable[[str, int], Future | None] | None = None,
-        delay: int = SHRINK_DELAY,
+        delay: int | None = None,
     ):
-        self.waste_bytes = waste_bytes
-        self.ahead, self.delay = ahead, delay
+        self.waste_bytes = WASTE_BYTES if waste_bytes is None else waste_bytes
+        self.ahead = ahead
+        self.delay = SHRINK_DELAY if delay is None else delay
         self._grown: dict[str, int] = {}
         self._fitted: dict[str, _Fitted] = {}
         self._taken: dict[str, Future | None] = {}  # key -> the compile of the size just taken
@@ -125,8 +126,9 @@ class AheadCompiler:
 
     `saw(state, batch)` after each step keeps the arguments' shapes; `compiler({array key:
     shape})` compiles the step for the last batch's arrays with those keys' shapes changed
-    and returns the Future of it (None before any step). A compile that fails here is left
-    to the call that needs it, which compiles again and raises what is wrong.
+    and returns the Future of it (None before any step), True once compiled. A compile
+    that fails here (False) is left to the call that needs it, which compiles again and
+    raises what is wrong.
     """
 
     def __init__(self, step: Any):
@@ -142,7 +144,7 @@ class AheadCompiler:
             return None
         return self._pool.submit(self._compile, *self._args, dict(shapes))
 
-    def _compile(self, state, batch, shapes) -> None:
+    def _compile(self, state, batch, shapes) -> bool:
         def spec(x, shape=None):  # an uncommitted array goes where the step puts it
             if not isinstance(x, jax.Array):
                 return x
@@ -154,6 +156,8 @@ class AheadCompiler:
             self._step.lower(jax.tree.map(spec, state), batch).compile()
         except Exception as error:  # noqa: BLE001 - the step's own call raises it
             print(f"compiling ahead for {shapes}: {error}", file=sys.stderr, flush=True)
+            return False
+        return True
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

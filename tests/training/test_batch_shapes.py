@@ -57,7 +57,7 @@ def test_the_ahead_compiler_builds_the_step_its_call_then_reuses():
     state, batch = jnp.zeros(()), {"x": jnp.ones((16, 4)), "y": jnp.ones(3)}
     compiler.saw(state, batch)
     state = step(state, batch)  # donates the state the compiler saw
-    compiler({"x": (64, 4)}).result()
+    assert compiler({"x": (64, 4)}).result()
     ahead, other = ({"x": jnp.ones((n, 4)), "y": jnp.ones(3)} for n in (64, 32))
     meter = CompileMeter()
     try:

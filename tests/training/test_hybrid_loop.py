@@ -10,6 +10,7 @@ import pytest
 from hybridrec.common import config as config_lib
 from hybridrec.embedding_store import EmbeddingStore
 from hybridrec.pipeline import read_metadata
+from hybridrec.training import batch_shapes
 from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.tables import plan_tables
 from hybridrec.training.trainer import Trainer
@@ -138,3 +139,55 @@ def test_tiered_embeddings_train_past_their_ram_budget(
     assert store["rows"] > store["hot_rows"] and store["cold_writes"] > 0
     assert store["ram_evictions"] > 0
     assert any((tmp_path / "cold").iterdir())
+
+
+def test_a_smaller_new_rows_size_compiled_ahead_trains_as_one_taken_at_once(
+    dataset, small_model, tmp_path, monkeypatch
+):
+    """Device tables whose new rows' size comes down as they fill: the trainer compiles
+    the smaller size ahead (the train step itself, on a worker) and takes it 3 batches
+    later; the losses are those of a run that takes each smaller size at once."""
+    compiled, taken = [], []
+    real_call, real_compiled = (
+        batch_shapes.AheadCompiler.__call__,
+        batch_shapes.PaddedSizes.compiled,
+    )
+
+    def spied(self, shapes):  # the real compile, recorded
+        future = real_call(self, shapes)
+        compiled.append((shapes, future))
+        return future
+
+    def handed_over(self, key):  # the compile a batch of the smaller size waits for
+        future = real_compiled(self, key)
+        taken.extend([future] if future is not None else [])
+        return future
+
+    monkeypatch.setattr(batch_shapes, "WASTE_BYTES", 1)  # shrink at the first chance
+    monkeypatch.setattr(batch_shapes.AheadCompiler, "__call__", spied)
+    monkeypatch.setattr(batch_shapes.PaddedSizes, "compiled", handed_over)
+    losses = {}
+    for name, delay in (("ahead", 3), ("at_once", 0)):
+        monkeypatch.setattr(batch_shapes, "SHRINK_DELAY", delay)
+        config = _config(
+            dataset,
+            small_model,
+            "hybrid.staleness=0",
+            "embedding.num_shards=1",
+            "embedding.device_budget=-1",  # the tables on the devices
+            "embedding.optimizer.initial_accumulator=0.1",
+            "data.max_steps=30",
+            "log.every_steps=1",
+            "eval.max_batches=2",
+        )
+        trainer = Trainer(config, tmp_path / name, quiet=True)
+        trainer.fit()
+        assert trainer.device_rows is not None
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        losses[name] = [r["loss"] for r in records if r["kind"] == "train"]
+        if delay:
+            assert compiled, "no smaller size was compiled ahead"
+            assert all(future.result() for _, future in compiled)  # compiled, no error
+            assert all(shape[0] < 65536 for shapes, _ in compiled for shape in shapes.values())
+            assert taken and all(any(f is c for _, c in compiled) for f in taken)
+    np.testing.assert_allclose(losses["ahead"], losses["at_once"], rtol=1e-6)
