@@ -193,46 +193,66 @@ def plan_devices(
             )
         return _with_lines(empty, [f"device tables: none ({why})"])
     devices = mesh.devices.size
-    if embedding.device_budget > 0:
-        budget, budget_note = embedding.device_budget, "embedding.device_budget"
-    else:
-        free, where = free_bytes_per_device(mesh)
-        budget = int(free * AUTO_FRACTION)
-        budget_note = f"auto: {AUTO_FRACTION:.0%} of {size_text(free)} free {where}"
+    budget, budget_note = _budget(embedding.device_budget, mesh)
     if stats is None:
         stats = (metadata.raw.get("stats") or {}).get("categorical") or {}
+    candidates, cached, weighed = _classify(
+        config, metadata, tables, spec_tables, stats, devices, no_caches
+    )
+    chosen, used = _choose_whole(candidates, cached, budget, budget_note, no_caches)
+    given = [c for c in cached if c[1]]
+    used = plan_caches(given, chosen, budget, budget_note, used, devices)
+    # the others by lookups per byte: whole where a table's rows all earn their place
+    used = plan_by_lookups(
+        weighed, chosen, budget, budget_note, used, devices, caches=not no_caches
+    )
+    # no statistics: what is left, shared equally
+    rest = [c for c in cached if not c[1] and not no_caches]
+    used = plan_caches(rest, chosen, budget, budget_note, used, devices)
+    if not chosen:
+        return _with_lines(
+            empty, [f"device tables: none fit {size_text(budget)} per device ({budget_note})"]
+        )
+    plan = _grouped(chosen, features, embedding, {t.name: t for t in tables.tables}, prefix_bits)
+    lines = _describe(plan, chosen, spec_tables, budget, budget_note, used)
+    if no_caches:
+        lines.append(f"  no hot-row caches: {no_caches}")
+    return _with_lines(plan, lines)
+
+
+def _budget(device_budget: int, mesh: Any) -> tuple[int, str]:
+    """(bytes per device the tables may take, where the figure comes from)."""
+    if device_budget > 0:
+        return device_budget, "embedding.device_budget"
+    free, where = free_bytes_per_device(mesh)
+    return int(free * AUTO_FRACTION), f"auto: {AUTO_FRACTION:.0%} of {size_text(free)} free {where}"
+
+
+def _classify(config, metadata, tables, spec_tables, stats, devices, no_caches):
+    """Each spec table the devices may hold, by how it is to be placed: (candidates, cached,
+    weighed).
+
+    candidates: whole tables of known rows, (bytes per device, spec table, rows, sharded,
+        store table, forced, row bytes);
+    cached: caches of given rows (or 0: planned), (spec table, rows, layout, store table,
+        row bytes, forced, most rows);
+    weighed: sized by their lookups, (spec table, layout, store table, row bytes, forced
+        cache, most rows, [(rows, lookups)] hottest first, may go whole).
+    """
+    embedding, features = config.embedding, metadata.categorical
     distinct = {name: int(s.get("distinct_estimate", 0)) for name, s in stats.items()}
     lookups = {name: lookup_bands(s, metadata) for name, s in stats.items()}
     store = {t.name: t for t in tables.tables}
-    candidates = []  # (bytes per device, spec table, rows, sharded, store table, forced, row bytes)
-    # (spec table, rows (0: planned), layout, store table, row bytes, forced, most rows)
-    cached = []
-    # sized by their lookups: (spec table, layout, store table, row bytes, forced cache,
-    # most rows, [(rows, lookups)] hottest first, may go whole)
-    weighed = []
+    candidates, cached, weighed = [], [], []
     for spec_table in spec_tables:
         members = [f for f in features if f.table == spec_table]
         store_name = tables.feature_tables[members[0].name]
         config_of = store[store_name]
         where = embedding.placement.get(spec_table, "auto")
-        place, forced_rows, forced_layout = (
-            parse_placement(spec_table, where) if where != "auto" else ("auto", 0, "")
-        )
-        if place == "host":
+        placement = _placement(spec_table, where, config_of, no_caches)
+        if placement is None:
             continue
-        if place == "cache" and no_caches:
-            raise ConfigError(
-                f"embedding.placement.{spec_table} = {where!r}, but {no_caches}: hot-row "
-                'caches cannot be used here ("device" or "host")'
-            )
-        reason = _unplaceable(config_of)
-        if reason is not None:
-            if where != "auto":
-                raise ConfigError(
-                    f"embedding.placement.{spec_table} = {where!r}: table {spec_table!r} cannot "
-                    f"be trained on the devices: {reason}"
-                )
-            continue
+        place, forced_rows, forced_layout = placement
         seen = sum(distinct.get(f.name, 0) for f in members)
         row_bytes = 4 * (embedding.dim + config_of.optimizer.state_width(embedding.dim))
         most = min(
@@ -284,8 +304,38 @@ def plan_devices(
         candidates.append(
             (per_device, spec_table, rows, sharded, store_name, where != "auto", row_bytes)
         )
+    return candidates, cached, weighed
+
+
+def _placement(spec_table: str, where: str, config_of: TableConfig, no_caches):
+    """(place, rows, layout) that `embedding.placement` asks of a table ("auto", 0, "" when
+    it does not); None where the table stays on the host."""
+    place, forced_rows, forced_layout = (
+        parse_placement(spec_table, where) if where != "auto" else ("auto", 0, "")
+    )
+    if place == "host":
+        return None
+    if place == "cache" and no_caches:
+        raise ConfigError(
+            f"embedding.placement.{spec_table} = {where!r}, but {no_caches}: hot-row "
+            'caches cannot be used here ("device" or "host")'
+        )
+    reason = _unplaceable(config_of)
+    if reason is None:
+        return place, forced_rows, forced_layout
+    if where != "auto":
+        raise ConfigError(
+            f"embedding.placement.{spec_table} = {where!r}: table {spec_table!r} cannot "
+            f"be trained on the devices: {reason}"
+        )
+    return None
+
+
+def _choose_whole(candidates, cached, budget: int, budget_note: str, no_caches):
+    """(chosen, bytes per device used): the whole tables within the budget, those forced
+    onto the devices first, then the smallest; a table left out goes to `cached` (a cache
+    of it where the budget allows)."""
     chosen, used = [], 0
-    # tables forced onto the devices first; then the caches given their rows
     for per_device, spec_table, rows, sharded, store_name, is_forced, row_bytes in sorted(
         candidates, key=lambda c: (not c[5], c[0])
     ):
@@ -301,19 +351,13 @@ def plan_devices(
             continue
         used += per_device
         chosen.append((spec_table, rows, sharded, store_name, False))
-    given = [c for c in cached if c[1]]
-    used = plan_caches(given, chosen, budget, budget_note, used, devices)
-    # the others by lookups per byte: whole where a table's rows all earn their place
-    used = plan_by_lookups(
-        weighed, chosen, budget, budget_note, used, devices, caches=not no_caches
-    )
-    # no statistics: what is left, shared equally
-    rest = [c for c in cached if not c[1] and not no_caches]
-    used = plan_caches(rest, chosen, budget, budget_note, used, devices)
-    if not chosen:
-        return _with_lines(
-            empty, [f"device tables: none fit {size_text(budget)} per device ({budget_note})"]
-        )
+    return chosen, used
+
+
+def _grouped(chosen, features, embedding, store, prefix_bits: int) -> DevicePlan:
+    """The chosen tables as device tables: with `embedding.fuse_tables` those of each
+    layout in one (and the caches of each layout in one), else one per spec table."""
+    names = [f.name for f in features]
     groups: dict[tuple[Any, ...], list[tuple[str, int]]] = {}
     for spec_table, rows, sharded, store_name, cache in chosen:
         if cache:  # fused caches share one capacity: the hottest rows of any of them stay
@@ -346,7 +390,7 @@ def plan_devices(
         member_features[str(name)] = tuple(names[p] for p in positions)
         store_tables[str(name)] = store_name
         prefixes[str(name)] = tuple(p + 1 for p in positions)
-    plan = DevicePlan(
+    return DevicePlan(
         DeviceTableLayout(tuple(device), len(features)),
         member_features,
         store_tables,
@@ -354,10 +398,6 @@ def plan_devices(
         prefix_bits,
         all_features=tuple(names),
     )
-    lines = _describe(plan, chosen, spec_tables, budget, budget_note, used)
-    if no_caches:
-        lines.append(f"  no hot-row caches: {no_caches}")
-    return _with_lines(plan, lines)
 
 
 def _describe(
