@@ -124,9 +124,7 @@ def export_run(
     if precision not in _format.PRECISIONS:
         raise UserError(f"precision {precision!r} is not one of {', '.join(_format.PRECISIONS)}")
     require_run_dir(run_dir)
-    name = name or out.resolve().name
-    if not name or not all(c.isalnum() or c in "_-." for c in name):
-        raise UserError(f"model name {name!r} must use only letters, digits, _ - .")
+    name = _model_name(name, out)
     config = load_config(None, [], run_dir)
     metadata = read_dataset(config.data.path)
     sequences = isinstance(metadata, EventMetadata)
@@ -137,23 +135,7 @@ def export_run(
     progress = None if quiet else Progress("export", total=len(plan.tables) + 1, unit="parts")
     temporary, final = _format.new_version_dir(out)
     try:
-        restored = with_reference_attention(config) if sequences else config
-        graphdef, params = _restore_params(run_dir, restored, metadata, step)
-        if sequences:
-            model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
-            features = write_sequence_parts(
-                temporary, model, config, metadata, _trained_shards(checkpoints, step, metadata)
-            )
-        else:
-            tower = export_tower(
-                graphdef,
-                params,
-                len(metadata.categorical),
-                config.embedding.dim,
-                len(metadata.dense_columns),
-            )
-            (temporary / _format.MODEL_FILE).write_bytes(tower)
-            features = {}
+        features = _write_model(temporary, run_dir, config, metadata, checkpoints, step)
         if progress:
             progress.update(1)
         table_summaries, base = _write_tables(
@@ -162,31 +144,16 @@ def export_run(
         features = {**_features(config, metadata, plan), **features}
         if config.embedding.id_map:  # the run trained on bucket ids: serve through the map
             features["id_map_kind"] = config.embedding.id_map_kind
-            (temporary / _format.ID_MAP_DIR).mkdir()
-            for name_ in (MAP_FILE, ARRAYS_FILE):
-                shutil.copyfile(
-                    Path(config.embedding.id_map) / name_, temporary / _format.ID_MAP_DIR / name_
-                )
+            _copy_id_map(Path(config.embedding.id_map), temporary / _format.ID_MAP_DIR)
         (temporary / _format.FEATURES_FILE).write_text(json.dumps(features, indent=1) + "\n")
         files = _format.file_entries(temporary)
-        manifest = {
-            "format": _format.FORMAT,
-            "format_version": _format.FORMAT_VERSION,
+        about = {
             "name": name,
             "version": int(final.name),
-            "kind": "sequences" if sequences else "clicks",
-            "run_dir": str(run_dir.resolve()),
             "step": int(step),
             "precision": precision,
-            "platforms": list(PLATFORMS),
-            "created_unix": time.time(),
-            "versions": _library_versions(),
-            "tables": table_summaries,
-            "files": files,
         }
-        if base is not None:
-            manifest["base_version"] = base["version"]
-            manifest["chain_length"] = base.get("chain_length", 1) + 1
+        manifest = _manifest(about, sequences, run_dir, table_summaries, files, base)
         _format.commit(temporary, final, manifest)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -205,6 +172,66 @@ def export_run(
         **sizes,
         "seconds": round(time.perf_counter() - started, 2),
     }
+
+
+def _model_name(name: str | None, out: Path) -> str:
+    """The name the export is served under (default: `out`'s directory name)."""
+    name = name or out.resolve().name
+    if not name or not all(c.isalnum() or c in "_-." for c in name):
+        raise UserError(f"model name {name!r} must use only letters, digits, _ - .")
+    return name
+
+
+def _write_model(temporary: Path, run_dir: Path, config, metadata, checkpoints, step: int) -> dict:
+    """The run's model at `step` into `temporary`: a click-log run's tower (StableHLO), a
+    sequence run's encoder, heads and item parts; returns the features they add."""
+    sequences = isinstance(metadata, EventMetadata)
+    restored = with_reference_attention(config) if sequences else config
+    graphdef, params = _restore_params(run_dir, restored, metadata, step)
+    if sequences:
+        model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
+        trained = _trained_shards(checkpoints, step, metadata)
+        return write_sequence_parts(temporary, model, config, metadata, trained)
+    tower = export_tower(
+        graphdef,
+        params,
+        len(metadata.categorical),
+        config.embedding.dim,
+        len(metadata.dense_columns),
+    )
+    (temporary / _format.MODEL_FILE).write_bytes(tower)
+    return {}
+
+
+def _manifest(about: dict, sequences: bool, run_dir: Path, tables, files, base) -> dict:
+    """The version's manifest: `about` (name, version, step, precision), what it holds and
+    where it comes from; a delta names its base and the length of its chain."""
+    manifest = {
+        "format": _format.FORMAT,
+        "format_version": _format.FORMAT_VERSION,
+        "name": about["name"],
+        "version": about["version"],
+        "kind": "sequences" if sequences else "clicks",
+        "run_dir": str(run_dir.resolve()),
+        "step": about["step"],
+        "precision": about["precision"],
+        "platforms": list(PLATFORMS),
+        "created_unix": time.time(),
+        "versions": _library_versions(),
+        "tables": tables,
+        "files": files,
+    }
+    if base is not None:
+        manifest["base_version"] = base["version"]
+        manifest["chain_length"] = base.get("chain_length", 1) + 1
+    return manifest
+
+
+def _copy_id_map(source: Path, target: Path) -> None:
+    """The run's id map (`embedding.id_map`), which serving maps raw ids through."""
+    target.mkdir()
+    for file_name in (MAP_FILE, ARRAYS_FILE):
+        shutil.copyfile(source / file_name, target / file_name)
 
 
 def _write_tables(temporary, checkpoints, plan, step, base, dim, precision, progress):
