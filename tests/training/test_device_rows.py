@@ -108,16 +108,21 @@ def _bags_batch(ids: np.ndarray, counts: np.ndarray) -> Batch:
     )
 
 
-def test_batch_shapes_keep_the_larger_sizes_seen_before():
-    """A batch with fewer distinct rows, fewer new rows or shorter bags keeps the larger
-    shapes seen before (no compile)."""
+def _multi_valued_rows() -> DeviceRows:
+    """DeviceRows of one 8192-row table of the multi-valued feature, SGD, one device."""
     rule = SparseRule("sgd", 0.1, 1e-8, 0.9, 0.999, 0.0)
     layout = DeviceTableLayout((DeviceTable("t", (0,), rows=8192, dim=DIM, rule=rule),), 1)
     plan = DevicePlan(layout, {"t": ("multi",)}, {"t": "t"}, {"t": (1,)}, 8)
     config = TableConfig(name="t", dim=DIM, capacity=8192)
-    rows = DeviceRows(
+    return DeviceRows(
         plan, {"t": config}, make_mesh(MeshConfig(shape=(1,)), jax.devices()[:1]), "sum"
     )
+
+
+def test_batch_shapes_keep_the_larger_sizes_seen_before():
+    """A batch with fewer distinct rows, fewer new rows or shorter bags keeps the larger
+    shapes seen before (no compile)."""
+    rows = _multi_valued_rows()
 
     def shapes_of(prepared):  # every array the step reads, the new rows' values made
         per_example, whole = rows.host_arrays(prepared, slice(None))
@@ -170,13 +175,7 @@ def test_a_smaller_new_rows_size_is_compiled_ahead_and_taken_later():
     """Once the tables fill, the new rows' padded size comes down: the size is announced
     to the compile-ahead hook with its shape, taken `delay` batches later, and the first
     batch of it carries the compile for the trainer to wait on."""
-    rule = SparseRule("sgd", 0.1, 1e-8, 0.9, 0.999, 0.0)
-    layout = DeviceTableLayout((DeviceTable("t", (0,), rows=8192, dim=DIM, rule=rule),), 1)
-    plan = DevicePlan(layout, {"t": ("multi",)}, {"t": "t"}, {"t": (1,)}, 8)
-    config = TableConfig(name="t", dim=DIM, capacity=8192)
-    rows = DeviceRows(
-        plan, {"t": config}, make_mesh(MeshConfig(shape=(1,)), jax.devices()[:1]), "sum"
-    )
+    rows = _multi_valued_rows()
     rows.sizes.waste_bytes, rows.sizes.delay = 0, 2
     announced = []
 
