@@ -124,11 +124,12 @@ class AheadCompiler:
     batch which brings them finds the step compiled (JAX's cache holds what `lower(...)
     .compile()` built; a call with those shapes reuses it).
 
-    `saw(state, batch)` after each step keeps the arguments' shapes; `compiler({array key:
-    shape})` compiles the step for the last batch's arrays with those keys' shapes changed
-    and returns the Future of it (None before any step), True once compiled. A compile
-    that fails here (False) is left to the call that needs it, which compiles again and
-    raises what is wrong.
+    `saw(state, batch)` with each step's arguments keeps them (the batch's arrays until
+    the next step's; a donated state's deleted buffers still tell their shapes);
+    `compiler({array key: shape})` compiles the step for the last batch's arrays with
+    those keys' shapes changed and returns the Future of it (None before any step), True
+    once compiled. A compile that fails here (False) is left to the call that needs it,
+    which compiles again and raises what is wrong.
     """
 
     def __init__(self, step: Any):
