@@ -34,6 +34,7 @@ WASTE_BYTES = 2 << 30
 # about a second of a GPU host's batches, more than the step's compile on two CPU cores
 SHRINK_DELAY = 64
 WINDOW = 32  # the batches whose largest need a size comes down to
+AHEAD_THREAD = "hybridrec-compile"  # the name of the thread that compiles ahead
 
 
 def bucket(size: int) -> int:
@@ -134,7 +135,7 @@ class AheadCompiler:
 
     def __init__(self, step: Any):
         self._step = step
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hybridrec-compile")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=AHEAD_THREAD)
         self._args: tuple[Any, Mapping[str, Any]] | None = None
 
     def saw(self, state: Any, batch: Mapping[str, Any]) -> None:

@@ -4,6 +4,7 @@ store's counters, without stalling a step to read them."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 from hybridrec.model import check_finite_losses
+from hybridrec.training.batch_shapes import AHEAD_THREAD
 from hybridrec.training.device_plan import memory_stats
 from hybridrec.training.hybrid import StepResult
 
@@ -37,20 +39,35 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # JAX's, per XLA c
 class CompileMeter:
     """XLA compiles in this process while it is open, and their seconds (JAX's monitoring
     events; a persistent-cache hit counts, taking little time): a step compiled again for
-    a new shape shows in a log interval's `compiles` and `compile_s`."""
+    a new shape shows in a log interval's `compiles` and `compile_s`. Those made ahead on
+    the hybrid loop's compile worker (`training.batch_shapes.AheadCompiler`), which no step
+    waits for, are counted apart: `compiles_ahead`, `compile_ahead_s`."""
 
     def __init__(self):
         self.count = 0
         self.seconds = 0.0
+        self.ahead_count = 0
+        self.ahead_seconds = 0.0
         jax.monitoring.register_event_duration_secs_listener(self._heard)
 
     def _heard(self, event: str, duration: float, **_: Any) -> None:
-        if event == COMPILE_EVENT:
+        if event != COMPILE_EVENT:
+            return
+        # the listener runs on the thread that compiled
+        if threading.current_thread().name.startswith(AHEAD_THREAD):
+            self.ahead_count += 1
+            self.ahead_seconds += duration
+        else:
             self.count += 1
             self.seconds += duration
 
     def read(self) -> dict[str, Any]:
-        return {"compiles": self.count, "compile_s": round(self.seconds, 3)}
+        return {
+            "compiles": self.count,
+            "compile_s": round(self.seconds, 3),
+            "compiles_ahead": self.ahead_count,
+            "compile_ahead_s": round(self.ahead_seconds, 3),
+        }
 
     def close(self) -> None:
         jax.monitoring.unregister_event_duration_listener(self._heard)

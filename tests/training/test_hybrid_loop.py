@@ -185,6 +185,8 @@ def test_a_smaller_new_rows_size_compiled_ahead_trains_as_one_taken_at_once(
         assert trainer.device_rows is not None
         records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
         losses[name] = [r["loss"] for r in records if r["kind"] == "train"]
+        ahead = [r["compiles_ahead"] for r in records if r["kind"] == "train"][-1]
+        assert (ahead > 0) == bool(delay)  # counted apart from the compiles steps waited for
         if delay:
             assert compiled, "no smaller size was compiled ahead"
             assert all(future.result() for _, future in compiled)  # compiled, no error
