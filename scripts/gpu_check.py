@@ -163,8 +163,12 @@ def _run(command: list[str], log: Path, cap: float, env: dict, append: bool = Fa
     return {"rc": process.returncode, "seconds": round(seconds, 1), "timed_out": timed_out}
 
 
-def _last_json(log: Path) -> dict | None:
-    for line in reversed(log.read_text(errors="replace").splitlines()):
+def _last_json(log: Path, start: int = 0) -> dict | None:
+    """The last line of `log` that is a JSON object, written at or after byte `start`."""
+    with log.open("rb") as handle:
+        handle.seek(start)
+        text = handle.read().decode(errors="replace")
+    for line in reversed(text.splitlines()):
         if line.startswith("{"):
             try:
                 return json.loads(line)
@@ -299,10 +303,11 @@ def main(argv=None) -> None:
                 continue
             print(f"== {name} (at most {cap:.0f} s): {' '.join(command[1:])}", flush=True)
             log = args.out / f"{SHARED_LOGS.get(name, name)}.log"
+            start = log.stat().st_size if name in SHARED_LOGS and log.exists() else 0
             result = _run(command, log, cap, env, append=name in SHARED_LOGS)
             summary["steps"][name] = {**result, "cap_s": round(cap)}
             if name in ("hstu", "hstu_time", "bench_gpu", "device_rows", "sequences"):
-                summary[name] = _last_json(log)
+                summary[name] = _last_json(log, start)  # this step's own lines only
             elif name == "tests":
                 summary[name] = _test_results(log, args.out / "tests.xml")
             elif name == "roundtrip":

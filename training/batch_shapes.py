@@ -142,9 +142,13 @@ class AheadCompiler:
         self._args = (state, batch)
 
     def __call__(self, shapes: Mapping[str, tuple[int, ...]]) -> Future | None:
-        if self._args is None:
+        args = self._args
+        if args is None:  # no step yet, or closed
             return None
-        return self._pool.submit(self._compile, *self._args, dict(shapes))
+        try:
+            return self._pool.submit(self._compile, *args, dict(shapes))
+        except RuntimeError:  # closed meanwhile
+            return None
 
     def _compile(self, state, batch, shapes) -> bool:
         def spec(x, shape=None):  # an uncommitted array goes where the step puts it
@@ -162,4 +166,7 @@ class AheadCompiler:
         return True
 
     def close(self) -> None:
+        """Drops the arguments kept (and the batch's arrays with them) and what is queued;
+        a compile under way ends on its own."""
+        self._args = None
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -39,7 +39,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import jax
@@ -193,7 +193,9 @@ class HybridLoop:
         if item is None:
             return None
         if item.device_rows is not None and item.device_rows.compiled is not None:
-            item.device_rows.compiled.result()  # the step's compile for its new shapes
+            # the step's compile for its new shapes (one an earlier loop's close cancelled
+            # is not waited for: the call compiles)
+            wait([item.device_rows.compiled])
         clock = self._time("wait_ms", clock)
         if self._compiler is not None:
             self._compiler.saw(self.state, item.device_batch)

@@ -69,6 +69,7 @@ def test_the_ahead_compiler_builds_the_step_its_call_then_reuses():
         meter.close()
         compiler.close()
     assert float(state) == 16 * 4 + 64 * 4 + 32 * 4
+    assert compiler({"x": (128, 4)}) is None  # closed: nothing more, no arrays kept
 
 
 def test_a_size_comes_down_to_what_the_last_batches_needed():
