@@ -7,20 +7,17 @@ a rare last float32 bit where libm's log or cos and numpy's round differently.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from hybridrec.embedding_store._arrays import native
 from hybridrec.embedding_store._hashing import SALT_INIT, mix64, salt_offset, unit_float
-from hybridrec.embedding_store._pools import ForkSafePool
+from hybridrec.embedding_store._pools import NATIVE_THREADS, ForkSafePool
 from hybridrec.embedding_store.config import InitializerConfig
 
 _COLUMN = np.uint64(0xD1B54A32D192ED03)  # a column's step between counters
 PART_VALUES = 1 << 19  # a native initialization this large or more is split over threads
-THREADS = max(1, min(8, os.cpu_count() or 1))
 
 # the threads that share a large native initialization (the kernel holds no GIL)
-_threads = ForkSafePool(THREADS, "embedding-init")
+_threads = ForkSafePool(NATIVE_THREADS, "embedding-init")
 
 
 def initial_rows(
@@ -85,15 +82,8 @@ def _native_rows(config, ids, dim, first_column, out, at) -> np.ndarray:
         float(config.low if uniform else config.mean),
         float(config.high if uniform else config.stddev),
     )
-    parts = min(THREADS, len(ids) * dim // PART_VALUES)
-    if parts <= 1:
-        native.init_rows(out, at, ids, *rest)
-        return out
-    bounds = np.linspace(0, len(ids), parts + 1).astype(np.int64)
-    futures = [
-        _threads.submit(native.init_rows, out, at[lo:hi], ids[lo:hi], *rest)
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
-    ]
-    for future in futures:
-        future.result()
+    parts = max(1, min(NATIVE_THREADS, len(ids) * dim // PART_VALUES))
+    _threads.in_parts(
+        len(ids), parts, lambda lo, hi: native.init_rows(out, at[lo:hi], ids[lo:hi], *rest)
+    )
     return out

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+# threads a native kernel's work is split over (the kernels hold no GIL)
+NATIVE_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 class ForkSafePool:
@@ -24,3 +28,17 @@ class ForkSafePool:
                 self._pid = os.getpid()
             pool = self._pool
         return pool.submit(function, *args)
+
+    def in_parts(self, length: int, parts: int, call: Callable[[int, int], object]) -> None:
+        """`call(lo, hi)` for `parts` equal parts of range(length): the first on this
+        thread, the others on the pool; returns once every part is done."""
+        bounds = [length * i // parts for i in range(parts + 1)]
+        futures = [
+            self.submit(call, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True)
+        ]
+        try:
+            call(bounds[0], bounds[1])
+        finally:
+            wait(futures)  # no part still at work when this returns or raises
+        for future in futures:
+            future.result()

@@ -26,13 +26,11 @@ serve a source tree used without installing (or HYBRIDREC_NATIVE=0).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from hybridrec.embedding_store._arrays import native
 from hybridrec.embedding_store._growth import Ahead
 from hybridrec.embedding_store._hashing import SALT_SLOT, mix64, salt_offset
-from hybridrec.embedding_store._pools import ForkSafePool
+from hybridrec.embedding_store._pools import NATIVE_THREADS, ForkSafePool
 
 EMPTY = np.uint64(0)
 TOMBSTONE = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -40,9 +38,8 @@ _ONE = np.uint64(1)
 _LIVE_LIMIT = np.uint64(0xFFFFFFFFFFFFFFFE)  # stored - 1 < this  <=>  live entry
 BUILD_AT = 0.4  # load (entries used) at which the next table starts building
 FIND_PART = 1 << 15  # a native lookup of at least twice this many ids is split over threads
-THREADS = max(1, min(8, os.cpu_count() or 1))
 
-_threads = ForkSafePool(THREADS, "slot-find")
+_threads = ForkSafePool(NATIVE_THREADS, "slot-find")
 
 
 class SlotMap:
@@ -77,15 +74,12 @@ class SlotMap:
         """ids: [n] uint64 -> [n] int64 slots, -1 where absent."""
         if native is not None:
             keys, result = _keys(ids), np.empty(len(ids), np.int64)
-            # a large lookup in parts over threads (the kernel holds no GIL), the first part
-            # on this one
-            count = max(1, min(THREADS, len(keys) // FIND_PART))
-            bounds = np.linspace(0, len(keys), count + 1).astype(np.int64)
-            parts = [(keys[a:b], result[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-            futures = [_threads.submit(native.slot_find, self._entries, *part, _OFFSET) for part in parts[1:]]  # fmt: skip
-            native.slot_find(self._entries, *parts[0], _OFFSET)
-            for future in futures:
-                future.result()
+            # a large lookup in parts over threads (the kernel holds no GIL)
+            _threads.in_parts(
+                len(keys),
+                max(1, min(NATIVE_THREADS, len(keys) // FIND_PART)),
+                lambda lo, hi: native.slot_find(self._entries, keys[lo:hi], result[lo:hi], _OFFSET),
+            )
             return result
         mask = np.uint64(len(self._entries) - 1)
         result = np.full(len(ids), -1, np.int64)

@@ -21,8 +21,8 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
 
     python scripts/gpu_check.py --out DIR [--rehearse] [--budget SECONDS] [--steps ...]
 
-DIR receives each step's log (STEP.log; device_rows's in bench_gpu.log), the tests' JUnit XML and gpu_check.json, which is
-also the last line printed.
+DIR receives each step's log (STEP.log; device_rows's in bench_gpu.log), the tests' JUnit
+XML and gpu_check.json, which is also the last line printed.
 """
 
 from __future__ import annotations
