@@ -171,6 +171,10 @@ class SequenceConfig:
     # each event's action type as an input (a learned embedding a type added to its item's
     # row), SASRec and HSTU: the number of types; -1 = auto: the dataset's, 0 = none
     action_inputs: int = -1
+    # side features as inputs (the dataset's event or item feature columns, e.g. device,
+    # category, brand): each event's ids of them looked up in the item table (their ids
+    # carry their own hash prefix) and added to its item's row
+    side_features: tuple[str, ...] = ()
     # HSTU's attention: "auto" (the Pallas kernel on GPUs, else jax.numpy), "pallas",
     # "reference"
     attention: Literal["auto", "pallas", "reference"] = "auto"
@@ -204,6 +208,8 @@ class SequenceConfig:
             raise ValueError("sequence.buckets must be >= 1 and max_distance >= 0")
         if self.action_inputs < -1:
             raise ValueError(f"sequence.action_inputs must be >= 0 (-1: auto), got {self.action_inputs}")  # fmt: skip
+        if len(set(self.side_features)) != len(self.side_features):
+            raise ValueError(f"sequence.side_features names a feature twice: {list(self.side_features)}")  # fmt: skip
         if self.time_buckets < -1:
             raise ValueError(
                 f"sequence.time_buckets must be >= 0 (-1: auto), got {self.time_buckets}"

@@ -7,6 +7,8 @@ store like any embedding), and everything else as indices into them:
     segments, positions    [R, L] int32   packing (`model.sequence`); segments < 0: padding
     times, event_actions   [R, L] int32   each input event's time and action type (towers
                                           that read them); `actions`: the next event's
+    sides                  [R, L, F] int32 each input event's side features' rows (which
+                                          share the item table), added to its item's
     weights                [R, L] f32     1 where the position is trained (a next item exists)
     negatives              [N] int32      sampled items, shared by every position
     negative_logq          [N] f32        log(N q(item)), q the sampling probability
@@ -54,11 +56,21 @@ def context_keys(config: SequenceConfig) -> tuple[str, ...]:
     return tuple(key for key, name in CONTEXT_KEYS.items() if name in config.context)
 
 
+def input_rows(rows: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """[R, L, D]: each position's item row, plus its side features' rows (`sides`
+    [R, L, F], when the tower reads side features)."""
+    inputs = rows[batch["inputs"]]
+    if "sides" in batch:
+        inputs = inputs + jnp.sum(rows[batch["sides"]], axis=-2)
+    return inputs
+
+
 def call_tower(tower, rows: jax.Array, batch: Mapping[str, jax.Array], rng=None) -> jax.Array:
     """The tower's output at every position, [R, L, D] (with what the batch carries of
-    each event: times, action types, for a tower that reads them)."""
+    each event: times, action types, for a tower that reads them; its side features'
+    rows added to its item's)."""
     context = {name: batch[key] for key, name in CONTEXT_KEYS.items() if key in batch}
-    return tower(rows[batch["inputs"]], batch["segments"], batch["positions"], rng, **context)
+    return tower(input_rows(rows, batch), batch["segments"], batch["positions"], rng, **context)
 
 
 def encode(
@@ -188,6 +200,9 @@ def make_sequence_train_step(
     keys = PER_POSITION + (("actions",) if config.ranking else ()) + context_keys(config)
     replicated = sharding_lib.replicated(mesh)
     batch_shardings = {key: sharding_lib.batch_sharding(mesh, 2) for key in keys}
+    if config.side_features:
+        keys += ("sides",)
+        batch_shardings["sides"] = sharding_lib.batch_sharding(mesh, 3)
     batch_shardings |= {key: replicated for key in SHARED}
     if rows_from_chief:
         batch_shardings["rows"] = sharding_lib.batch_sharding(mesh, 3)
@@ -217,7 +232,7 @@ def make_sequence_eval_step(
     position as scores compare it, and with the ranking objective "ranking": [R, L, A]
     the head's logits of each position's next item} (no dropout)."""
     keys = ("rows", "inputs", "segments", "positions") + (("targets",) if config.ranking else ())
-    keys += context_keys(config)
+    keys += context_keys(config) + (("sides",) if config.side_features else ())
 
     def eval_step(state: TrainState, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         model = nnx.merge(state.graphdef, state.params)
@@ -230,6 +245,8 @@ def make_sequence_eval_step(
 
     shardings = {key: sharding_lib.batch_sharding(mesh, 2) for key in keys[1:]}
     shardings["rows"] = sharding_lib.replicated(mesh)
+    if config.side_features:
+        shardings["sides"] = sharding_lib.batch_sharding(mesh, 3)
     outputs = {"outputs": sharding_lib.batch_sharding(mesh, 3)}
     if config.ranking:
         outputs["ranking"] = sharding_lib.batch_sharding(mesh, 3)

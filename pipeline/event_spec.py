@@ -221,14 +221,8 @@ class EventSpec:
     def tables(self) -> tuple[str, ...]:
         """Every id table in prefix order (prefix = 1 + index): item, user, the event
         features' and the item features' tables."""
-        names = ["item", "user"]
-        names += [feature.table for feature in self.event_features]
-        names += list(self.items.features) if self.items else []
-        unique = []
-        for name in names:
-            if name not in unique:
-                unique.append(name)
-        return tuple(unique)
+        event_tables = [feature.table for feature in self.event_features]
+        return table_order(event_tables, list(self.items.features) if self.items else [])
 
     def prefix(self, table: str) -> int:
         return 1 + self.tables.index(table)
@@ -240,6 +234,23 @@ class EventSpec:
         sides = [(feature.name, feature.table) for feature in self.event_features]
         sides += [(name, name) for name in (self.items.features if self.items else ())]
         return tuple(sides)
+
+
+def table_order(event_tables: list[str], item_features: list[str]) -> tuple[str, ...]:
+    """Every id table in prefix order (prefix = 1 + index): item, user, the event
+    features' tables, the item features'."""
+    unique: list[str] = []
+    for name in ["item", "user", *event_tables, *item_features]:
+        if name not in unique:
+            unique.append(name)
+    return tuple(unique)
+
+
+def recorded_prefixes(spec: dict) -> dict[str, int]:
+    """table -> prefix of a spec as metadata.json records it (`EventSpec.prefix`)."""
+    event_tables = [feature["table"] for feature in spec.get("event_features") or []]
+    item_features = list((spec.get("items") or {}).get("features") or [])
+    return {table: 1 + i for i, table in enumerate(table_order(event_tables, item_features))}
 
 
 def spec_kind(name_or_path: str | Path) -> str:

@@ -16,6 +16,8 @@
                        split's, as `hybridrec evaluate` ranks)
     item_names.parquet item (uint64 ascending) -> name (the raw id, binary): a response's
                        items are raw ids, as the requests' are
+    item_sides.parquet with item side features as inputs: item (uint64 ascending) -> the
+                       id of each (uint64), whose rows the item table holds
 
 Both modules take the history as the training tower reads an evaluation history: its
 most recent `max_length` items at positions 0, 1, ...; the parameters are constants of the
@@ -40,6 +42,7 @@ from flax import nnx
 from hybridrec.model.config import SequenceConfig
 from hybridrec.model.sequence import extend_history
 from hybridrec.model.sequence_step import scored
+from hybridrec.pipeline.event_spec import recorded_prefixes
 from hybridrec.pipeline.metadata import EventMetadata
 from hybridrec.serving._format import MODEL_FILE
 from hybridrec.training.sequences import Catalogue
@@ -48,6 +51,7 @@ RANKING_FILE = "ranking.stablehlo"
 EXTEND_FILE = "extend.stablehlo"
 CATALOGUE_FILE = "catalogue.npy"
 ITEM_NAMES_FILE = "item_names.parquet"
+ITEM_SIDES_FILE = "item_sides.parquet"
 
 
 def with_reference_attention(config: Any) -> Any:
@@ -159,6 +163,10 @@ def write_sequence_parts(
     ids, names = metadata.item_names()
     pq.write_table(pa.table({"item": ids, "name": names}), directory / ITEM_NAMES_FILE)
     features = sequence_features(config, metadata)
+    item_sides = tuple(s["name"] for s in features["side_features"] if s["of"] == "item")
+    if item_sides:
+        sides = Catalogue.item_sides(metadata, config.data.train_split, item_sides, shards)
+        pq.write_table(pa.table(sides), directory / ITEM_SIDES_FILE)
     if cached:
         features["cache_shape"] = list(model.cache_shape())
     return features
@@ -176,4 +184,23 @@ def sequence_features(config: Any, metadata: EventMetadata) -> dict[str, Any]:
         # what the modules take of each event after their other arguments, in this order:
         # "times" (seconds since the history's first event), "actions" (type ids)
         "context": list(sequence.context),
+        # side features added to each event's item row, their ids in the item table:
+        # an event's (given with each event, hashed with `prefix`) or its item's
+        # (item_sides.parquet)
+        "side_features": side_features(sequence, metadata.raw["spec"]),
     }
+
+
+def side_features(sequence: SequenceConfig, spec: dict) -> list[dict]:
+    """[{"name", "of": "event" | "item", "prefix"}] of the features the tower reads."""
+    tables = dict(spec.get("side_features") or [])
+    events = {feature["name"] for feature in spec.get("event_features") or []}
+    prefixes = recorded_prefixes(spec)
+    return [
+        {
+            "name": name,
+            "of": "event" if name in events else "item",
+            "prefix": prefixes[tables[name]],
+        }  # fmt: skip
+        for name in sequence.side_features
+    ]

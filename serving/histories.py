@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 MISSING = np.iinfo(np.int64).min  # an event appended without this value
-KEPT = ("times", "actions")  # what is kept of each event besides its item
+KEPT = ("times", "actions")  # kept of each event besides its item (and what else is given)
 
 
 class KeptHistories:
@@ -53,12 +53,8 @@ class KeptHistories:
         order = {}
         for index, user in enumerate(users):
             order.setdefault(user, []).append(index)
-        given = {
-            name: np.asarray((context or {})[name], np.int64)
-            if name in (context or {})
-            else np.full(len(users), MISSING, np.int64)
-            for name in KEPT
-        }
+        given = {name: np.asarray(values, np.int64) for name, values in (context or {}).items()}
+        absent = np.full(len(users), MISSING, np.int64)
         with self._lock:
             for user, indices in order.items():
                 new = items[np.asarray(indices)]
@@ -66,11 +62,15 @@ class KeptHistories:
                 joined = new if old is None else np.concatenate([old, new])
                 self._users[user] = joined[-self.max_events :].copy()
                 kept = self._context.get(user, {})
+                before = 0 if old is None else len(old)  # events kept before, each name
                 self._context[user] = {
-                    name: np.concatenate([kept.get(name, values[:0]), values[np.asarray(indices)]])[
-                        -self.max_events :
-                    ]  # fmt: skip
-                    for name, values in given.items()
+                    name: np.concatenate(
+                        [
+                            kept.get(name, np.full(before, MISSING, np.int64)),
+                            given.get(name, absent)[np.asarray(indices)],
+                        ]
+                    )[-self.max_events :]  # fmt: skip
+                    for name in (*KEPT, *(n for n in {**kept, **given} if n not in KEPT))
                 }
                 self._kept_events += len(self._users[user]) - (0 if old is None else len(old))
             while len(self._users) > self.max_users:

@@ -40,11 +40,11 @@ from hybridrec.serving.model import (
     pad_rows,
 )
 from hybridrec.serving.sequence_query import (
-    CONTEXT,
     CachedHistory,
     SequenceAnswer,
     SequenceQuery,
 )
+from hybridrec.serving.sequence_sides import SideFeatures, describe
 
 ITEM_PREFIX = 1  # the item table's prefix in every event spec (`EventSpec.tables`)
 MIN_CANDIDATES = 8  # candidate lists are padded to a power of two from here
@@ -73,6 +73,7 @@ class ServedSequenceModel(ServedVersion):
             self.prefix_bits = int(features["spec"]["prefix_bits"])
             default_rows = features["default_rows"]
             self.table_name = features["feature_tables"]["item"]
+            sides = list(features.get("side_features") or [])
         except (ValueError, KeyError, TypeError) as error:
             raise _format.ExportError(f"{features_path}: unreadable ({error})") from None
         self.table = open_tables(self.path, [self.table_name], checksums)[self.table_name]
@@ -86,6 +87,11 @@ class ServedSequenceModel(ServedVersion):
         self._extend = load_module(extend) if extend.exists() else None
         self.cache_shape = tuple(features.get("cache_shape") or ())
         self.context = tuple(features.get("context") or ())
+        # what a request gives of each event besides its item: the modules' context, then
+        # the event side features (their ids, as int64)
+        self.sides = SideFeatures(self.path, sides, self.prefix_bits)
+        self.event_sides = tuple(self.sides.events)
+        self.reads = self.context + self.event_sides
         self.outputs = len(self.action_types) if self._ranker else 1
         self.scan = ExactCatalogue(self.catalogue, read_rows=self._scan_rows, dim=self.dim)
         self.max_batch = max_batch
@@ -148,6 +154,18 @@ class ServedSequenceModel(ServedVersion):
         out[~found] = self._defaults(self.table_name, ids[~found], self.dim)
         return out, found
 
+    def input_rows(self, ids: np.ndarray, events: dict | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """The tower's input rows of events (item ids [m]; `events`: per event side feature
+        its ids [m], as int64): the item's row plus its side features' rows, as training
+        adds them; (rows [m, D], found [m]: whether the item had a trained row)."""
+        rows, found = self.rows(ids)
+        side_ids = self.sides.of(ids, events)
+        if side_ids:
+            flat = np.concatenate(side_ids)
+            extra, _ = self.rows(flat)
+            rows = rows + extra.reshape(len(side_ids), len(ids), self.dim).sum(axis=0)
+        return rows, found
+
     def _scored(self, rows: np.ndarray) -> np.ndarray:
         if self.similarity == "cosine":
             return rows / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1e-6)
@@ -189,23 +207,26 @@ class ServedSequenceModel(ServedVersion):
 
     def check_context(self, histories: list[np.ndarray], context) -> None:
         """A ValueError naming what the model reads and the histories lack."""
-        for name in self.context:
+        for name in self.reads:
             given = (context or {}).get(name)
             if given is None or any(values is None for values in given):
-                raise ValueError(f"this model reads each event's {CONTEXT[name]}: give {name} with the histories")  # fmt: skip
+                raise ValueError(f"this model reads each event's {describe(name)}: give {name} with the histories")  # fmt: skip
             for row, (history, values) in enumerate(zip(histories, given, strict=True)):
                 if len(values) != len(history):
                     raise ValueError(f"history {row}: {len(history)} items but {len(values)} {name}")  # fmt: skip
 
-    def _history_rows(self, histories: list[np.ndarray]):
+    def _history_rows(self, histories: list[np.ndarray], context=None):
         """(rows [n, L, D], lengths [n] int32, truncated rows, per row the items that got
-        their initial row [n]) of histories, each cut to its most recent max_length items."""
+        their initial row [n]) of histories, each cut to its most recent max_length items
+        (with the event side features of `context`)."""
         length = self.max_length
         kept = [history[-length:] for history in histories]
         truncated = [i for i, history in enumerate(histories) if len(history) > length]
         lengths = np.array([len(history) for history in kept], np.int32)
         ids = np.concatenate(kept) if kept else np.zeros(0, np.uint64)
-        flat, found = self.rows(ids)
+        flat, found = self.input_rows(
+            ids, self.sides.of_events(context, [slice(-length, None)] * len(histories))
+        )
         rows = np.zeros((len(kept), length, self.dim), np.float32)
         place = np.arange(length)[None, :] < lengths[:, None]
         rows[place] = flat
@@ -220,7 +241,7 @@ class ServedSequenceModel(ServedVersion):
         of each event: `SequenceQuery.context`) -> (queries [n, D], truncated rows, per row
         the items that got their initial row)."""
         extra = self._context_rows(histories, context, self.max_length)
-        rows, lengths, truncated, unseen = self._history_rows(histories)
+        rows, lengths, truncated, unseen = self._history_rows(histories, context)
         parts = [
             self._encode_rows(
                 rows[start : start + self.max_batch],
@@ -259,7 +280,7 @@ class ServedSequenceModel(ServedVersion):
                 and np.array_equal(history[: len(cache.items)], cache.items)
                 and all(
                     np.array_equal(context[name][row][: len(cache.items)], cache.context[name])
-                    for name in self.context
+                    for name in self.reads
                 )
             )
             if usable and len(cache.items) == len(history):  # nothing new: the cached query
@@ -271,7 +292,7 @@ class ServedSequenceModel(ServedVersion):
             self._extend_rows(histories, context, part, queries, unseen, caches, computed)
         truncated = []
         if full:
-            picked = {name: [context[name][row] for row in full] for name in self.context}
+            picked = {name: [context[name][row] for row in full] for name in self.reads}
             encoded, truncated, full_unseen = self.encode([histories[row] for row in full], picked)
             queries[full], unseen[full] = encoded, full_unseen
             truncated = [full[i] for i in truncated]
@@ -288,7 +309,9 @@ class ServedSequenceModel(ServedVersion):
         new_ids = np.concatenate(
             [histories[row][p:] for (row, _), p in zip(part, prefix, strict=True)]
         )
-        flat, found = self.rows(new_ids)
+        cuts = [slice(p, None) for p in prefix]  # the new events' side ids
+        new_sides = self.sides.of_events(context, cuts, [row for row, _ in part])
+        flat, found = self.input_rows(new_ids, new_sides)
         place = np.arange(width)[None, :] < count[:, None]
         rows[: len(part)][place] = flat
         blocks, heads, head_dim = self.cache_shape
@@ -298,7 +321,7 @@ class ServedSequenceModel(ServedVersion):
             if cache is not None:
                 keys[:, index], values[:, index] = cache.keys, cache.values
         rows_of = [row for row, _ in part]  # every position's context: cached and new events
-        mine = {name: [context[name][row] for row in rows_of] for name in self.context}
+        mine = {name: [context[name][row] for row in rows_of] for name in self.reads}
         extra = self._context_rows([histories[row] for row in rows_of], mine, self.max_length)
         extra = tuple(pad_rows(values, bucket) for values in extra)
         query, keys, values = self._extend(
@@ -314,7 +337,7 @@ class ServedSequenceModel(ServedVersion):
             caches[row] = CachedHistory(
                 self.version,
                 histories[row].copy(),
-                {name: np.asarray(context[name][row], np.int64).copy() for name in self.context},
+                {name: np.asarray(context[name][row], np.int64).copy() for name in self.reads},
                 keys[:, index].copy(),
                 values[:, index].copy(),
                 query[index].copy(),
@@ -328,11 +351,13 @@ class ServedSequenceModel(ServedVersion):
         exclude_history=None,
         times: Sequence[Sequence[int]] | None = None,
         actions: Sequence[Sequence[str]] | None = None,
+        sides: dict[str, Sequence[Sequence[str]]] | None = None,
     ) -> list[list[tuple[str, float]]]:
         """Each history's top-`k` next items as (raw item id, score), best first, as `serve`
         answers a retrieval request: histories of raw item ids, oldest first (none empty),
-        with each event's time in seconds and action type name for a model that reads them
-        (`context`); `exclude_history` default: as the run was evaluated."""
+        with each event's time in seconds, action type name and event side features' raw
+        values (`sides`, by feature) for a model that reads them (`reads`);
+        `exclude_history` default: as the run was evaluated."""
         if not histories or any(not len(history) for history in histories):
             raise ValueError("every history needs at least one item")
         exclude = self.exclude_history if exclude_history is None else exclude_history
@@ -344,6 +369,7 @@ class ServedSequenceModel(ServedVersion):
             context["times"] = [np.asarray(t, np.int64) for t in times]
         if actions is not None:
             context["actions"] = [self.action_ids(names) for names in actions]
+        context |= self.sides.given(sides or {})
         queries, _, _ = self.encode(ids, context)
         items, scores = self.top_k(queries, k, ids if exclude else None)
         names = self.item_names(items)
@@ -377,7 +403,7 @@ class ServedSequenceModel(ServedVersion):
             scores = np.einsum("nd,ncd->nc", queries, self._scored(candidate_rows))
             return scores[..., None].astype(np.float32), truncated, unseen + int(seen_unseen.sum())
         extra = self._context_rows(histories, context, self.max_length)
-        rows, lengths, truncated, history_unseen = self._history_rows(histories)
+        rows, lengths, truncated, history_unseen = self._history_rows(histories, context)
         unseen += int(history_unseen.sum())
         width = max(MIN_CANDIDATES, 1 << (count - 1).bit_length())
         padded = np.zeros((n, width, self.dim), np.float32)
@@ -413,7 +439,7 @@ class ServedSequenceModel(ServedVersion):
                     for i in retrieval
                     for v in (queries[i].context or {}).get(name) or [None] * queries[i].rows
                 ]  # fmt: skip
-                for name in self.context
+                for name in self.reads
             }
             if any(kept):
                 encoded, truncated, unseen, caches, computed = self.encode_kept(histories, cached, context)  # fmt: skip

@@ -40,6 +40,7 @@ from hybridrec.serving.histories import MISSING
 from hybridrec.serving.protocol import ProtocolError, decode_inputs, parse_body
 from hybridrec.serving.sequence_model import ServedSequenceModel
 from hybridrec.serving.sequence_query import CONTEXT, SequenceQuery
+from hybridrec.serving.sequence_sides import describe
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -60,6 +61,7 @@ def metadata(model: ServedSequenceModel, histories: Any) -> dict[str, Any]:
             {"name": "actions", "datatype": "BYTES", "shape": [-1]},
             {"name": "users", "datatype": "BYTES", "shape": [-1]},
             {"name": "candidates", "datatype": "BYTES", "shape": [-1, -1]},
+            *({"name": name, "datatype": "BYTES", "shape": [-1]} for name in model.event_sides),
         ],
         "outputs": [
             {"name": "items", "datatype": "BYTES", "shape": [-1, -1]},
@@ -75,6 +77,7 @@ def metadata(model: ServedSequenceModel, histories: Any) -> dict[str, Any]:
             "actions": model.action_types if model.outputs > 1 else [],
             "exclude_history": model.exclude_history,
             "context": list(model.context),
+            "side_features": list(model.event_sides),
             "keeps_histories": histories is not None,
         },
     }
@@ -102,11 +105,10 @@ def parse_query(
     """An infer request -> (the histories (item ids) and what to do with them, the users it
     names)."""
     inputs = decode_inputs(parsed, binary)
-    unknown = sorted(set(inputs) - set(INPUTS))
+    takes = (*INPUTS, *model.event_sides)
+    unknown = sorted(set(inputs) - set(takes))
     if unknown:
-        raise ProtocolError(
-            f"unknown input(s) {unknown}: a sequence model takes {', '.join(INPUTS)}"
-        )
+        raise ProtocolError(f"unknown input(s) {unknown}: a sequence model takes {', '.join(takes)}")  # fmt: skip
     if "history" not in inputs and "users" not in inputs:
         raise ProtocolError("send the users' events as 'history' (and 'lengths'), or 'users'")
     kept: list[np.ndarray] | None = None
@@ -124,8 +126,8 @@ def parse_query(
             name: _split(values, inputs.get("lengths"), len(items))
             for name, values in event_context(model, inputs, len(items), "history").items()
         }
-    elif set(CONTEXT) & set(inputs):
-        raise ProtocolError("inputs 'times' and 'actions' go with 'history': one per item")
+    elif given := sorted((set(CONTEXT) | set(model.event_sides)) & set(inputs)):
+        raise ProtocolError(f"input(s) {given} go with 'history': one per item")
     if kept is not None and new is not None and len(kept) != len(new):
         raise ProtocolError(f"'users' names {len(kept)} users but 'lengths' {len(new)}")
     if kept is None:
@@ -167,8 +169,9 @@ def parse_query(
 
 
 def event_context(model: ServedSequenceModel, inputs: dict, count: int, what: str) -> dict:
-    """The request's `times` (INT64 seconds) and `actions` (BYTES type names), one per item
-    of input `what`, as int64 arrays: those given (a model ignores what it does not read)."""
+    """The request's `times` (INT64 seconds), `actions` (BYTES type names) and event side
+    features (BYTES raw values, by the feature's name), one per item of input `what`, as
+    int64 arrays: those given (a model ignores what it does not read)."""
     out = {}
     if "times" in inputs:
         datatype, shape, values = inputs["times"]
@@ -186,6 +189,12 @@ def event_context(model: ServedSequenceModel, inputs: dict, count: int, what: st
             out["actions"] = model.action_ids(names) if model.action_types else np.zeros(count, np.int64)  # fmt: skip
         except ValueError as error:
             raise ProtocolError(f"input 'actions': {error}") from None
+    for name in model.event_sides:
+        if name in inputs:
+            shape, values = _bytes_input(inputs, name, 1)
+            if shape != [count]:
+                raise ProtocolError(f"input {name!r} must be BYTES [{count}] (one per item of {what!r}), got {shape}")  # fmt: skip
+            out[name] = model.sides.event_ids(name, values).view(np.int64)
     return out
 
 
@@ -193,16 +202,16 @@ def _user_context(model, users, kept, kept_context, new, new_context) -> dict | 
     """Per name the model reads of each event (`model.context`), each user's values, kept
     events first; a 400 naming what lacks them."""
     out = {}
-    for name in model.context:
-        need = f"this model reads each event's {CONTEXT[name]}"
+    for name in model.reads:
+        need = f"this model reads each event's {describe(name)}"
         if new is not None and name not in new_context:
             raise ProtocolError(f"input {name!r} is missing: {need}; send one per item of 'history'")  # fmt: skip
         values = []
         for row in range(len(kept if kept is not None else new)):
             parts = []
             if kept is not None:
-                stored = kept_context[row].get(name, np.zeros(0, np.int64))  # as long as kept
-                if (stored == MISSING).any():
+                stored = kept_context[row].get(name, np.full(len(kept[row]), MISSING))
+                if (stored == MISSING).any():  # as long as kept
                     shown = users[row].decode("utf-8", "backslashreplace")
                     raise ProtocolError(f"input 'users': user {shown!r} has kept events without {name}; {need} (append events with {name!r})")  # fmt: skip
                 parts.append(stored)
@@ -303,11 +312,9 @@ async def append_events(service, request: Request, model: ServedSequenceModel) -
     body = await service.read_body(request)
     parsed, binary = parse_body(body, request.headers)
     inputs = decode_inputs(parsed, binary)
-    if not {"users", "items"} <= set(inputs) <= {"users", "items", *CONTEXT}:
-        raise ProtocolError(
-            f"inputs {sorted(inputs)}: an events request is 'users' and 'items' (and 'times', "
-            "'actions')"
-        )
+    if not {"users", "items"} <= set(inputs) <= {"users", "items", *CONTEXT, *model.event_sides}:
+        more = ", ".join(repr(name) for name in (*CONTEXT, *model.event_sides))
+        raise ProtocolError(f"inputs {sorted(inputs)}: an events request is 'users' and 'items' (and {more})")  # fmt: skip
     (count,), users = _bytes_input(inputs, "users", 1)
     shape, items = _bytes_input(inputs, "items", 1)
     if shape[0] != count:

@@ -261,6 +261,7 @@ def resolve_sequence_auto(
         sequence = dataclasses.replace(sequence, actions=len(action_types))
     sequence, time_reason = _time_buckets(sequence, tower, metadata)
     sequence, action_reason = _action_inputs(sequence, tower, action_types, metadata)
+    side_reason = _side_features(sequence, metadata)
     dim = config.embedding.dim or AUTO_SEQUENCE_DIM
     dim_reason = f"embedding.dim = {dim}" + (
         " as configured" if config.embedding.dim else " (auto)"
@@ -290,8 +291,38 @@ def resolve_sequence_auto(
         f"embedding learning rate: {rate_reason}",
         *time_reason,
         *action_reason,
+        *side_reason,
         *split_reason,
     )
+
+
+def side_feature_tables(metadata: EventMetadata) -> dict[str, str]:
+    """The dataset's side features: column -> its id table (the event features', then the
+    item features')."""
+    return {column: table for column, table in (metadata.raw.get("spec") or {}).get("side_features") or []}  # fmt: skip
+
+
+def item_table_rows(metadata: EventMetadata, sequence) -> int:
+    """The item table's distinct ids: the items', and the side features' it holds too."""
+    tables = metadata.raw.get("tables") or {}
+    sides = side_feature_tables(metadata)
+    extra = sum(int((tables.get(sides[name]) or {}).get("distinct_estimate", 0)) for name in sequence.side_features)  # fmt: skip
+    return metadata.distinct_items + extra
+
+
+def _side_features(sequence, metadata: EventMetadata) -> tuple[str, ...]:
+    """Checks `sequence.side_features` against the dataset's; the start-up line."""
+    have = side_feature_tables(metadata)
+    for name in sequence.side_features:
+        if name not in have:
+            listed = ", ".join(have) if have else "none (its spec has no [[event_features]] or [items] features)"  # fmt: skip
+            raise UserError(
+                f"model.sequence.side_features: {name!r} is not a side feature of "
+                f"{metadata.root}; it has {listed}"
+            )
+    if not sequence.side_features:
+        return (f"side features: none (the dataset has {', '.join(have)}: model.sequence.side_features)",) if have else ()  # fmt: skip
+    return (f"side features: {', '.join(sequence.side_features)}, added to each event's item row",)  # fmt: skip
 
 
 def _action_inputs(sequence, tower: str, action_types: list, metadata: EventMetadata):

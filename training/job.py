@@ -47,7 +47,12 @@ from hybridrec.pipeline.id_map import read_id_map
 from hybridrec.pipeline.metadata import ITEM_FEATURE
 from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from hybridrec.training.config import PRESET_DIR, TrainConfig
-from hybridrec.training.defaults import check_batch_size, resolve_auto, resolve_sequence_auto
+from hybridrec.training.defaults import (
+    check_batch_size,
+    item_table_rows,
+    resolve_auto,
+    resolve_sequence_auto,
+)
 from hybridrec.training.device_plan import DevicePlan, plan_devices
 from hybridrec.training.device_rows import DeviceRows
 from hybridrec.training.hybrid import HybridLoop
@@ -440,8 +445,13 @@ def _prepare_sequences(
         "data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size, mesh
     )
     _check_tower(config, metadata)
-    times = config.model.sequence.reads_times
-    histories = None if streamed else Histories.read(metadata, config.data.train_split, times=times)
+    sequence = config.model.sequence
+    histories = None
+    if not streamed:
+        histories = Histories.read(
+            metadata, config.data.train_split, times=sequence.reads_times,
+            sides=sequence.side_features,
+        )  # fmt: skip
     catalogue = Catalogue.of(histories) if histories is not None else Catalogue.of_run(metadata, config.data.train_split, 0)  # fmt: skip
     tables = plan_tables(config.embedding, metadata.categorical)
     # the item table goes to the devices (whole, or a cache of it) where placed there (it
@@ -451,7 +461,7 @@ def _prepare_sequences(
         config, metadata, mesh, tables,
         host_only=None if placed else 'the item rows stay in the host store unless embedding.placement.item = "device"',
         no_caches="several trainer processes share the embedding servers" if addresses and process_count > 1 else None,
-        stats={ITEM_FEATURE.name: {"distinct_estimate": metadata.distinct_items}},
+        stats={ITEM_FEATURE.name: {"distinct_estimate": item_table_rows(metadata, sequence)}},
     )  # fmt: skip
     return Job(
         config=config,

@@ -219,7 +219,7 @@ class SequenceLayout:
             keys = [key for key in batch.arrays if key != "actions" or self.ranking]
         else:
             keys = ["inputs", "segments", "positions", "targets"]
-            keys += [key for key in CONTEXT_KEYS if key in batch.arrays]
+            keys += [key for key in (*CONTEXT_KEYS, "sides") if key in batch.arrays]
         arrays = {key: self.own(batch.arrays[key]) for key in keys}
         if train and self.from_chief:  # this process's parts of [data devices, U, D]
             parts = np.zeros((data_parallel_size(self.mesh) // jax.process_count(), *rows.shape), np.float32)  # fmt: skip

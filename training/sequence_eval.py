@@ -27,12 +27,9 @@ from hybridrec.common.progress import Progress
 from hybridrec.model import StreamingMetrics
 from hybridrec.model.sequence_step import count_above
 from hybridrec.training.layouts import SequenceLayout
+from hybridrec.training.packing import stream_pieces
 from hybridrec.training.sequence_baselines import ranking_metrics
-from hybridrec.training.sequences import (
-    Histories,
-    SequenceReader,
-    stream_pieces,
-)
+from hybridrec.training.sequences import Histories, SequenceReader
 
 CHUNK = 65536  # catalogue rows per lookup and comparison
 QUERY_BLOCK = 4096  # queries per comparison
@@ -68,8 +65,15 @@ def query_outputs(
     rows = config.data.eval_batch_size or config.data.batch_size
     length = config.model.sequence.max_length
     pieces = stream_pieces(histories, length) if every_target else None
-    context = config.model.sequence.context
-    reader = SequenceReader(histories, rows=rows, length=length, pieces=pieces, context=context)
+    sequence = config.model.sequence
+    reader = SequenceReader(
+        histories,
+        rows=rows,
+        length=length,
+        pieces=pieces,
+        context=sequence.context,
+        sides=sequence.side_features,
+    )
     layout = SequenceLayout(job.mesh, ranking=config.model.sequence.ranking)
     total = reader.batches_per_epoch
     if max_batches:
@@ -136,7 +140,10 @@ def evaluate_sequences(
     similarity = config.model.sequence.similarity
     window = histories is not None
     if histories is None:
-        histories = Histories.read(job.metadata, split, times=config.model.sequence.reads_times)
+        sequence = config.model.sequence
+        histories = Histories.read(
+            job.metadata, split, times=sequence.reads_times, sides=sequence.side_features
+        )
     progress = Progress(progress_name, total=1, unit="batches") if progress_name else None
     queries, targets, history, position, ranking, actions = query_outputs(
         job, state, store, eval_step, histories, max_batches=max_batches, progress=progress,

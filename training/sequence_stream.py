@@ -30,14 +30,13 @@ from hybridrec.common.errors import UserError
 from hybridrec.pipeline import ManifestEntry, read_shards
 from hybridrec.training.hybrid import StepResult
 from hybridrec.training.job import Job
+from hybridrec.training.packing import Pieces, stream_pieces
 from hybridrec.training.sequences import (
     Catalogue,
     Histories,
     Negatives,
-    Pieces,
     SequenceBatch,
     packed_batch,
-    stream_pieces,
 )
 from hybridrec.training.sources import Segment
 from hybridrec.training.stream import StreamPosition
@@ -83,6 +82,7 @@ class SequenceStreamSource:
         self.seed = config.seed
         self.actions = bool(job.metadata.raw["spec"].get("action_types"))
         self.times = config.model.sequence.reads_times
+        self.sides = config.model.sequence.side_features
         self.flush_after, self.poll_interval, self.max_idle = flush_after, poll_interval, max_idle
         self.shards: list[ManifestEntry] = []
         self._loaded: dict[int, tuple[Histories, Pieces]] = {}
@@ -106,11 +106,13 @@ class SequenceStreamSource:
             entry = self.shards[index]
             if entry.rows:
                 histories = Histories.read_files(
-                    [self.root / entry.shard], actions=self.actions, times=self.times
-                )
+                    [self.root / entry.shard], actions=self.actions, times=self.times,
+                    sides=self.sides,
+                )  # fmt: skip
             else:
                 empty = np.zeros(0, np.int64)
-                histories = Histories(np.zeros(0, np.uint64), np.zeros(1, np.int64), empty)
+                sides = {name: np.zeros(0, np.uint64) for name in self.sides}
+                histories = Histories(np.zeros(0, np.uint64), np.zeros(1, np.int64), empty, sides=sides)  # fmt: skip
             if len(histories) != entry.rows:
                 raise UserError(f"{self.root / entry.shard}: {len(histories)} rows, the manifest line {entry.seq} says {entry.rows}")  # fmt: skip
             for old in [k for k in self._loaded if k < index - 2]:
@@ -215,7 +217,7 @@ class SequenceStreamSource:
             yield packed_batch(
                 histories, pieces, plan.rows, plan.offsets,
                 shape=(self.rows, self.length), negatives=self._negatives, rng=rng, position=after,
-                context=self.job.config.model.sequence.context,
+                context=self.job.config.model.sequence.context, sides=self.sides,
             )  # fmt: skip
 
     def _part(self, shard: int, first: int, count: int) -> tuple[Histories, Pieces]:

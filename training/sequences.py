@@ -13,7 +13,8 @@ in a shuffled order and placed first-fit into the batch's rows; one that fits no
 waits for the next batch (at most `rows` wait, so none is ever dropped). A history longer
 than a row is split into pieces of one row (or truncated to its most recent positions).
 
-A batch's ids are its distinct items (inputs, targets and negatives): the store looks
+A batch's ids are its distinct items (inputs, targets and negatives, and the side features'
+ids the tower reads, which share the item table): the store looks
 each up once, and the step's gradient of a row sums every position it appears at.
 """
 
@@ -30,6 +31,7 @@ from hybridrec.common.errors import UserError
 from hybridrec.pipeline import read_shards
 from hybridrec.pipeline.metadata import ITEM_FEATURE, EventMetadata, read_dataset
 from hybridrec.training.input import DataPosition
+from hybridrec.training.packing import Pieces, cut_pieces, pack, ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,20 +43,28 @@ class Histories:
     first_target: np.ndarray  # [histories] int64
     actions: np.ndarray | None = None  # [tokens] int8 action type 1..n (0: none), if any
     times: np.ndarray | None = None  # [tokens] int64 seconds, when the tower reads times
+    # side feature -> [tokens] uint64 ids (the event's or its item's), those the tower reads
+    sides: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def read(cls, metadata: EventMetadata, split: str, *, times: bool = False) -> Histories:
+    def read(
+        cls, metadata: EventMetadata, split: str, *, times: bool = False, sides: tuple = ()
+    ) -> Histories:
         files = metadata.split_files(split)
         if not files:
             raise UserError(f"{metadata.root}: split {split!r} has no files")
         actions = bool((metadata.raw.get("spec") or {}).get("action_types"))
-        return cls.read_files(files, actions=actions, times=times)
+        return cls.read_files(files, actions=actions, times=times, sides=sides)
 
     @classmethod
-    def read_files(cls, files, *, actions: bool, times: bool = False) -> Histories:
-        """The histories of Parquet files of rows (a split's, or a stream's shards)."""
+    def read_files(
+        cls, files, *, actions: bool, times: bool = False, sides: tuple = ()
+    ) -> Histories:
+        """The histories of Parquet files of rows (a split's, or a stream's shards), with
+        the side features' columns named by `sides`."""
         columns = ["items", "first_target"] + (["actions"] if actions else [])
         columns += ["times"] if times else []
+        columns += list(sides)
         tables = []
         for path in files:
             try:
@@ -73,7 +83,8 @@ class Histories:
         action_ids = flat("actions", np.int8)[0] if actions else None
         stamps = flat("times", np.int64)[0] if times else None
         first = table.column("first_target").to_numpy().astype(np.int64)
-        return cls(items, offsets, first, action_ids, stamps)
+        side_ids = {name: flat(name, np.uint64)[0] for name in sides}
+        return cls(items, offsets, first, action_ids, stamps, side_ids)
 
     @staticmethod
     def concat(parts: list[Histories]) -> Histories:
@@ -92,6 +103,10 @@ class Histories:
             np.concatenate([part.first_target for part in parts]),
             joined("actions"),
             joined("times"),
+            {
+                name: np.concatenate([part.sides[name] for part in parts])
+                for name in (parts[0].sides if parts else {})
+            },
         )
 
     def __len__(self) -> int:
@@ -105,7 +120,7 @@ class Histories:
         """The item ids at the histories' target positions (from `first_target` on): a
         stream row's new events, each once however often its user's history repeats."""
         first = np.minimum(np.maximum(self.first_target, 1), self.lengths)
-        return self.items[_ranges(self.offsets[:-1] + first, self.lengths - first)]
+        return self.items[ranges(self.offsets[:-1] + first, self.lengths - first)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +150,24 @@ class Catalogue:
             catalogue = catalogue.merged(Histories.read_files(files, actions=False).targets())
         return catalogue
 
+    @staticmethod
+    def item_sides(
+        metadata: EventMetadata, split: str, names: tuple[str, ...], shards: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """{"item": [n] uint64 ascending, name: [n] uint64 each}: the item features `names`
+        of every item of a run's training split (and its stream's first `shards` shards),
+        as the histories carry them (an item's features are the same at every event)."""
+        if "stream" in metadata.raw:
+            reference = read_dataset(metadata.raw["stream"]["reference"])
+            files = list(reference.split_files(split))
+            entries = read_shards(metadata.root)[:shards]
+            files += [metadata.root / entry.shard for entry in entries if entry.rows]
+        else:
+            files = list(metadata.split_files(split))
+        histories = Histories.read_files(files, actions=False, sides=names)
+        items, first = np.unique(histories.items, return_index=True)
+        return {"item": items} | {name: histories.sides[name][first] for name in names}
+
     def merged(self, items: np.ndarray) -> Catalogue:
         """The catalogue with `items` (each occurrence counted) added."""
         if not len(items):
@@ -150,109 +183,6 @@ class Catalogue:
     def contains(self, ids: np.ndarray) -> np.ndarray:
         where = np.minimum(np.searchsorted(self.items, ids), len(self.items) - 1)
         return self.items[where] == ids
-
-
-@dataclasses.dataclass(frozen=True)
-class Pieces:
-    """Stretches of histories, each one segment of a row: positions [start, stop) of
-    history `history` (position i: input item i, target item i + 1)."""
-
-    history: np.ndarray  # [pieces] int64
-    start: np.ndarray
-    stop: np.ndarray
-
-    @property
-    def sizes(self) -> np.ndarray:
-        return self.stop - self.start
-
-
-def cut_pieces(histories: Histories, length: int, *, split: bool) -> Pieces:
-    """Every history's positions in pieces of at most `length`: consecutive pieces
-    (`split`), or only its most recent `length`; pieces without a target are left out."""
-    positions = histories.lengths - 1
-    if not split:
-        start = np.maximum(positions - length, 0)
-        history = np.arange(len(histories))
-        pieces = Pieces(history, start, positions)
-    else:
-        counts = np.maximum(-(-positions // length), 0)
-        history = np.repeat(np.arange(len(histories)), counts)
-        first_piece = np.repeat(np.cumsum(counts) - counts, counts)
-        start = (np.arange(len(history)) - first_piece) * length
-        pieces = Pieces(history, start, np.minimum(start + length, positions[history]))
-    # a piece trains positions i with i + 1 >= first_target
-    keep = (pieces.stop > pieces.start) & (pieces.stop >= histories.first_target[pieces.history])
-    return Pieces(pieces.history[keep], pieces.start[keep], pieces.stop[keep])
-
-
-def stream_pieces(histories: Histories, length: int) -> Pieces:
-    """Pieces covering every trained position of each history once, cut from its end,
-    oldest first within a history; the first piece may start before `first_target` (its
-    earlier positions are context, not trained)."""
-    positions = histories.lengths - 1
-    first = np.maximum(histories.first_target - 1, 0)  # the first trained position
-    counts = -(-np.maximum(positions - first, 0) // length)
-    history = np.repeat(np.arange(len(histories)), counts)
-    local = np.arange(len(history)) - np.repeat(np.cumsum(counts) - counts, counts)
-    stop = positions[history] - (counts[history] - 1 - local) * length
-    return Pieces(history, np.maximum(stop - length, 0), stop)
-
-
-def pack(
-    sizes: np.ndarray, rows: int, length: int
-) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """First-fit packing of pieces (of `sizes`, in order) into batches of `rows` rows of
-    `length`: per batch (piece indices, their rows, their offsets in the rows).
-
-    A piece that fits no row of the open batch waits; once `rows` pieces wait (or the
-    pieces end) the batch closes and the waiting ones open the next, in order.
-    """
-    if len(sizes) and int(sizes.max()) > length:
-        raise ValueError(f"a piece of {int(sizes.max())} positions exceeds the row length {length}")
-    batches = []
-    fill = np.zeros(rows, np.int64)
-    placed: list[tuple[int, int, int]] = []
-    waiting: list[int] = []
-
-    def close():
-        nonlocal fill, placed
-        if placed:
-            index, row, offset = (
-                np.array(column, np.int64) for column in zip(*placed, strict=True)
-            )
-            batches.append((index, row, offset))
-        fill, placed = np.zeros(rows, np.int64), []
-
-    def place(piece: int) -> bool:
-        size = sizes[piece]
-        fits = np.flatnonzero(fill + size <= length)
-        if not len(fits):
-            return False
-        row = int(fits[0])
-        placed.append((piece, row, int(fill[row])))
-        fill[row] += size
-        return True
-
-    for piece in range(len(sizes)):
-        if not place(piece):
-            waiting.append(piece)
-        if len(waiting) >= rows:
-            close()
-            waiting = [p for p in waiting if not place(p)]
-    while waiting:
-        close()
-        waiting = [p for p in waiting if not place(p)]
-    close()
-    return batches
-
-
-def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """np.concatenate([np.arange(s, s + n) for s, n in zip(starts, sizes)])."""
-    total = int(sizes.sum())
-    if not total:
-        return np.zeros(0, np.int64)
-    repeated = np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
-    return repeated + np.arange(total)
 
 
 @dataclasses.dataclass
@@ -314,6 +244,8 @@ class SequenceReader:
         negatives: the training negatives (None: evaluation).
         pieces: the pieces to read instead (`stream_pieces`: every target of a window).
         context: what the tower reads of each event (`SequenceConfig.context`).
+        sides: the side features added to each event's item row
+            (`SequenceConfig.side_features`).
     """
 
     def __init__(
@@ -327,8 +259,10 @@ class SequenceReader:
         negatives: Negatives | None = None,
         pieces: Pieces | None = None,
         context: tuple[str, ...] = (),
+        sides: tuple[str, ...] = (),
     ):
         self.histories, self.rows, self.length = histories, rows, length
+        self.sides = sides
         self.seed, self.negatives = seed, negatives
         self.train = negatives is not None
         if pieces is None:
@@ -390,6 +324,7 @@ class SequenceReader:
             rng=rng,
             position=position,
             context=self.context,
+            sides=self.sides,
         )
 
 
@@ -404,28 +339,36 @@ def packed_batch(
     rng: np.random.Generator | None,
     position: Any,
     context: tuple[str, ...] = (),
+    sides: tuple[str, ...] = (),
 ) -> SequenceBatch:
     """The batch of `pieces` placed at (`rows`, `offsets`) of a [rows, length] batch, with
-    negatives drawn by `rng` (training) or none (evaluation), and the `context` the tower
+    negatives drawn by `rng` (training) or none (evaluation), the `context` the tower
     reads of each event: `times` (seconds since the piece's first event), `actions` (the
-    input event's type, as `event_actions`)."""
+    input event's type, as `event_actions`), and the ids of its `sides` features, which
+    share the item table (their ids carry their own hash prefix): `sides` [R, L, F], each
+    an index into the batch's distinct ids like `inputs`."""
     length = shape[1]
     start, sizes, history = pieces.start, pieces.sizes, pieces.history
-    source = _ranges(histories.offsets[history] + start, sizes)  # input item of a position
-    dest = _ranges(rows * length + offsets, sizes)
+    source = ranges(histories.offsets[history] + start, sizes)  # input item of a position
+    dest = ranges(rows * length + offsets, sizes)
     segment = np.repeat(np.arange(len(history)), sizes)
     inputs = histories.items[source]
     targets = histories.items[source + 1]
-    step_position = _ranges(np.zeros(len(history), np.int64), sizes)
+    step_position = ranges(np.zeros(len(history), np.int64), sizes)
     trained = start.repeat(sizes) + step_position + 1 >= histories.first_target[history].repeat(
         sizes
     )
     drawn, logq = np.zeros(0, np.uint64), np.zeros(0, np.float32)
     if negatives is not None:
         drawn, logq = negatives.draw(rng, targets[trained])
-    ids, inverse = np.unique(np.concatenate([inputs, targets, drawn]), return_inverse=True)
+    side_ids = [histories.sides[name][source] for name in sides]
+    ids, inverse = np.unique(np.concatenate([inputs, targets, drawn, *side_ids]), return_inverse=True)  # fmt: skip
     inverse = inverse.astype(np.int32)
     count = len(inputs)
+    if sides:  # after the negatives: [count, F]
+        after = 2 * count + len(drawn)
+        arrays_sides = inverse[after:].reshape(len(sides), count).T
+        inverse = inverse[:after]
     arrays = {
         "inputs": np.zeros(shape, np.int32),
         "targets": np.zeros(shape, np.int32),
@@ -442,6 +385,9 @@ def packed_batch(
     if "actions" in context:
         arrays["event_actions"] = np.zeros(shape, np.int32)
         arrays["event_actions"].reshape(-1)[dest] = histories.actions[source]
+    if sides:
+        arrays["sides"] = np.zeros((*shape, len(sides)), np.int32)
+        arrays["sides"].reshape(-1, len(sides))[dest] = arrays_sides
     for key, values in (
         ("inputs", inverse[:count]),
         ("targets", inverse[count : 2 * count]),
@@ -478,11 +424,15 @@ def packed_reader(
     if train:
         negatives = Negatives(catalogue, sequence.negatives, sequence.negatives_from)
     return SequenceReader(
-        histories or Histories.read(metadata, split, times=sequence.reads_times),
+        histories
+        or Histories.read(
+            metadata, split, times=sequence.reads_times, sides=sequence.side_features
+        ),
         rows=data.batch_size if train else data.eval_batch_size or data.batch_size,
         length=sequence.max_length,
         seed=config.seed,
         split_long=sequence.long_histories == "split",
         negatives=negatives,
         context=sequence.context,
+        sides=sequence.side_features,
     )

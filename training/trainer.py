@@ -40,12 +40,12 @@ from hybridrec.training.evaluate import evaluate, metric_names
 from hybridrec.training.follow import FollowOptions, InitialModel, stream_source
 from hybridrec.training.job import Job, prepare
 from hybridrec.training.meters import CompileMeter, IntervalMeter, StoreMeter, device_memory
+from hybridrec.training.packing import stream_pieces
 from hybridrec.training.profiling import StepProfiler
 from hybridrec.training.run_dir import clear_run_dir
 from hybridrec.training.run_log import RunLog
 from hybridrec.training.sequence_eval import evaluate_sequences
 from hybridrec.training.sequence_stream import SequenceStreamSource
-from hybridrec.training.sequences import stream_pieces
 from hybridrec.training.sources import EpochSource, Segment, StreamSource
 
 SUMMARY_FILE = "summary.json"

@@ -17,13 +17,12 @@ from hybridrec.common.errors import UserError
 from hybridrec.model.config import SequenceConfig
 from hybridrec.model.sequence import build_sequence_tower
 from hybridrec.model.sequence_step import count_above, retrieval_loss
+from hybridrec.training.packing import cut_pieces, pack
 from hybridrec.training.sequences import (
     Catalogue,
     Histories,
     Negatives,
     SequenceReader,
-    cut_pieces,
-    pack,
 )
 
 
