@@ -175,6 +175,10 @@ class SequenceConfig:
     # category, brand): each event's ids of them looked up in the item table (their ids
     # carry their own hash prefix) and added to its item's row
     side_features: tuple[str, ...] = ()
+    # what each side feature's row is multiplied by before it is added: a side row is
+    # shared by many positions of every batch, and at the item rows' scale it drowns them
+    # (docs/training.md, "Side features")
+    side_scale: float = 0.1
     # HSTU's attention: "auto" (the Pallas kernel on GPUs, else jax.numpy), "pallas",
     # "reference"
     attention: Literal["auto", "pallas", "reference"] = "auto"
@@ -210,6 +214,8 @@ class SequenceConfig:
             raise ValueError(f"sequence.action_inputs must be >= 0 (-1: auto), got {self.action_inputs}")  # fmt: skip
         if len(set(self.side_features)) != len(self.side_features):
             raise ValueError(f"sequence.side_features names a feature twice: {list(self.side_features)}")  # fmt: skip
+        if not self.side_scale > 0:
+            raise ValueError(f"sequence.side_scale must be > 0, got {self.side_scale}")
         if self.time_buckets < -1:
             raise ValueError(
                 f"sequence.time_buckets must be >= 0 (-1: auto), got {self.time_buckets}"

@@ -56,28 +56,36 @@ def context_keys(config: SequenceConfig) -> tuple[str, ...]:
     return tuple(key for key, name in CONTEXT_KEYS.items() if name in config.context)
 
 
-def input_rows(rows: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+def input_rows(rows: jax.Array, batch: Mapping[str, jax.Array], side_scale: float) -> jax.Array:
     """[R, L, D]: each position's item row, plus its side features' rows (`sides`
-    [R, L, F], when the tower reads side features)."""
+    [R, L, F], when the tower reads side features) times `side_scale`."""
     inputs = rows[batch["inputs"]]
     if "sides" in batch:
-        inputs = inputs + jnp.sum(rows[batch["sides"]], axis=-2)
+        inputs = inputs + side_scale * jnp.sum(rows[batch["sides"]], axis=-2)
     return inputs
 
 
-def call_tower(tower, rows: jax.Array, batch: Mapping[str, jax.Array], rng=None) -> jax.Array:
+def call_tower(
+    tower, rows: jax.Array, batch: Mapping[str, jax.Array], rng=None, side_scale: float = 1.0
+) -> jax.Array:
     """The tower's output at every position, [R, L, D] (with what the batch carries of
     each event: times, action types, for a tower that reads them; its side features'
-    rows added to its item's)."""
+    rows, times `side_scale`, added to its item's)."""
     context = {name: batch[key] for key, name in CONTEXT_KEYS.items() if key in batch}
-    return tower(input_rows(rows, batch), batch["segments"], batch["positions"], rng, **context)
+    x = input_rows(rows, batch, side_scale)
+    return tower(x, batch["segments"], batch["positions"], rng, **context)
 
 
 def encode(
-    graphdef: nnx.GraphDef, params: Any, rows: jax.Array, batch: Mapping[str, jax.Array], rng=None
+    graphdef: nnx.GraphDef,
+    params: Any,
+    rows: jax.Array,
+    batch: Mapping[str, jax.Array],
+    rng=None,
+    side_scale: float = 1.0,
 ) -> jax.Array:
     """The tower's output at every position, [R, L, D]."""
-    return call_tower(nnx.merge(graphdef, params), rows, batch, rng)
+    return call_tower(nnx.merge(graphdef, params), rows, batch, rng, side_scale)
 
 
 def retrieval_loss(
@@ -94,7 +102,7 @@ def retrieval_loss(
 
     `hit_mask` [R, L, N]: the negatives that are the position's target (default: equal
     indices, as in a batch of distinct rows)."""
-    outputs = encode(graphdef, params, rows, batch, rng)
+    outputs = encode(graphdef, params, rows, batch, rng, config.side_scale)
     return _retrieval(config, outputs, rows, batch, hit_mask)
 
 
@@ -129,7 +137,7 @@ def _ranking(config, model, outputs, rows, batch) -> jax.Array:
 def sequence_loss(config, graphdef, params, rows, batch, rng=None):
     """The objective's loss (`config.objective`) and its parts."""
     model = nnx.merge(graphdef, params)
-    outputs = call_tower(model, rows, batch, rng)
+    outputs = call_tower(model, rows, batch, rng, config.side_scale)
     parts = {}
     if config.retrieval:
         parts["retrieval_loss"], parts["trained_positions"] = _retrieval(
@@ -237,7 +245,7 @@ def make_sequence_eval_step(
     def eval_step(state: TrainState, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         model = nnx.merge(state.graphdef, state.params)
         rows = batch["rows"]
-        outputs = call_tower(model, rows, batch)
+        outputs = call_tower(model, rows, batch, side_scale=config.side_scale)
         out = {"outputs": scored(outputs, config)}
         if config.ranking:
             out["ranking"] = model.rank(outputs, rows[batch["targets"]])

@@ -184,10 +184,12 @@ def sequence_features(config: Any, metadata: EventMetadata) -> dict[str, Any]:
         # what the modules take of each event after their other arguments, in this order:
         # "times" (seconds since the history's first event), "actions" (type ids)
         "context": list(sequence.context),
-        # side features added to each event's item row, their ids in the item table:
+        # side features added to each event's item row (times side_scale), their ids in
+        # the item table:
         # an event's (given with each event, hashed with `prefix`) or its item's
         # (item_sides.parquet)
         "side_features": side_features(sequence, metadata.raw["spec"]),
+        "side_scale": sequence.side_scale,
     }
 
 

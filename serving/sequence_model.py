@@ -74,6 +74,7 @@ class ServedSequenceModel(ServedVersion):
             default_rows = features["default_rows"]
             self.table_name = features["feature_tables"]["item"]
             sides = list(features.get("side_features") or [])
+            self.side_scale = float(features.get("side_scale", 1.0))
         except (ValueError, KeyError, TypeError) as error:
             raise _format.ExportError(f"{features_path}: unreadable ({error})") from None
         self.table = open_tables(self.path, [self.table_name], checksums)[self.table_name]
@@ -163,7 +164,8 @@ class ServedSequenceModel(ServedVersion):
         if side_ids:
             flat = np.concatenate(side_ids)
             extra, _ = self.rows(flat)
-            rows = rows + extra.reshape(len(side_ids), len(ids), self.dim).sum(axis=0)
+            extra = extra.reshape(len(side_ids), len(ids), self.dim).sum(axis=0)
+            rows = rows + np.float32(self.side_scale) * extra
         return rows, found
 
     def _scored(self, rows: np.ndarray) -> np.ndarray:

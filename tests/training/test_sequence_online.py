@@ -198,9 +198,13 @@ def test_a_file_of_new_users_first_events_has_no_target_and_the_run_goes_on(
     shards = read_shards(stream)
     assert [entry.raw["targets"] for entry in shards][1] == 0 and shards[1].rows == 5
     run_dir = tmp_path / "run"
-    cli("train", "--follow", str(stream), "--run-dir", str(run_dir), "--config", "sasrec", *sets("data.batch_size=8", "data.token_budget=0"), "--max-idle", "0.5", "--quiet")  # fmt: skip
+    # with an event's and an item's side feature: the shards carry their columns
+    sides = 'model.sequence.side_features=["device", "category"]'
+    cli("train", "--follow", str(stream), "--run-dir", str(run_dir), "--config", "sasrec", *sets("data.batch_size=8", "data.token_budget=0", sides), "--max-idle", "0.5", "--quiet")  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rows_trained"] == sum(entry.raw["targets"] for entry in shards)
+    saved = json.loads((run_dir / "config.json").read_text())["model"]["sequence"]
+    assert saved["side_features"] == ["device", "category"]
     records = (run_dir / "metrics.jsonl").read_text().splitlines()
     windows = sorted(r["window"] for r in map(json.loads, records) if r["kind"] == "window")
     assert windows == [0, 2]  # the file without a target is not a window
