@@ -74,7 +74,7 @@ class ServedSequenceModel(ServedVersion):
             default_rows = features["default_rows"]
             self.table_name = features["feature_tables"]["item"]
             sides = list(features.get("side_features") or [])
-            self.side_scale = float(features.get("side_scale", 1.0))
+            side_scale = float(features.get("side_scale", 1.0))
         except (ValueError, KeyError, TypeError) as error:
             raise _format.ExportError(f"{features_path}: unreadable ({error})") from None
         self.table = open_tables(self.path, [self.table_name], checksums)[self.table_name]
@@ -90,7 +90,7 @@ class ServedSequenceModel(ServedVersion):
         self.context = tuple(features.get("context") or ())
         # what a request gives of each event besides its item: the modules' context, then
         # the event side features (their ids, as int64)
-        self.sides = SideFeatures(self.path, sides, self.prefix_bits)
+        self.sides = SideFeatures(self.path, sides, self.prefix_bits, side_scale)
         self.event_sides = tuple(self.sides.events)
         self.reads = self.context + self.event_sides
         self.outputs = len(self.action_types) if self._ranker else 1
@@ -160,13 +160,7 @@ class ServedSequenceModel(ServedVersion):
         its ids [m], as int64): the item's row plus its side features' rows, as training
         adds them; (rows [m, D], found [m]: whether the item had a trained row)."""
         rows, found = self.rows(ids)
-        side_ids = self.sides.of(ids, events)
-        if side_ids:
-            flat = np.concatenate(side_ids)
-            extra, _ = self.rows(flat)
-            extra = extra.reshape(len(side_ids), len(ids), self.dim).sum(axis=0)
-            rows = rows + np.float32(self.side_scale) * extra
-        return rows, found
+        return self.sides.added(rows, ids, events, self.rows), found
 
     def _scored(self, rows: np.ndarray) -> np.ndarray:
         if self.similarity == "cosine":

@@ -27,10 +27,11 @@ class SideFeatures:
         path: the export version directory.
         entries: [{"name", "of": "event" | "item", "prefix"}].
         prefix_bits: the spec's prefix bits.
+        scale: what each side row is multiplied by before it is added (`side_scale`).
     """
 
-    def __init__(self, path: Path, entries: list[dict], prefix_bits: int):
-        self.prefix_bits = prefix_bits
+    def __init__(self, path: Path, entries: list[dict], prefix_bits: int, scale: float = 1.0):
+        self.prefix_bits, self.scale = prefix_bits, np.float32(scale)
         # event features: name -> the prefix its values are hashed with
         self.events = {e["name"]: int(e["prefix"]) for e in entries if e["of"] == "event"}
         items = {e["name"]: int(e["prefix"]) for e in entries if e["of"] == "item"}
@@ -74,6 +75,15 @@ class SideFeatures:
         `events` (its ids as int64, [m] each), then per item feature the items'."""
         ids = [np.asarray(events[name]).view(np.uint64) for name in self.events]
         return ids + self.of_items(items)
+
+    def added(self, rows: np.ndarray, items: np.ndarray, events: dict | None, lookup) -> np.ndarray:  # fmt: skip
+        """`rows` [m, D] of `items` plus their events' side rows (read by `lookup`, ids ->
+        (rows, found)) times the scale, as training adds them."""
+        side_ids = self.of(items, events)
+        if not side_ids:
+            return rows
+        extra, _ = lookup(np.concatenate(side_ids))
+        return rows + self.scale * extra.reshape(len(side_ids), *rows.shape).sum(axis=0)
 
     def of_items(self, items: np.ndarray) -> list[np.ndarray]:
         """Per item feature, the ids of `items` [m] uint64."""
