@@ -14,6 +14,7 @@ The tower contract, which the built-in towers follow too:
 * `kind = "sequence"` reads packed user histories:
       Tower(*, dim, max_length, dtype, rngs, **tower_config)
       tower(x [R, L, D], segments [R, L], positions [R, L], rng=None) -> [R, L, D]
+  (x: each event's item row, plus its side features' rows when the run reads them)
   one output per position, compared with item rows by the retrieval objective
   (`model.sequence_step`); `segments` < 0 is padding, attention must stay within a
   segment and never look ahead; `rng` is a dropout key in training, None in evaluation.

@@ -3,7 +3,8 @@
 A packed row holds several users' histories one after the other (docs/training.md,
 "Sequences"); with R rows of L positions:
 
-    x          [R, L, D]  the items' embedding rows (gathered from the batch's unique rows)
+    x          [R, L, D]  the items' embedding rows (gathered from the batch's unique rows;
+                          with side features, their rows times `side_scale` added)
     segments   [R, L]     int32: which history a position belongs to; negative: padding
     positions  [R, L]     int32: the position within its history, from 0
 

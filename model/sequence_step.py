@@ -66,7 +66,7 @@ def input_rows(rows: jax.Array, batch: Mapping[str, jax.Array], side_scale: floa
 
 
 def call_tower(
-    tower, rows: jax.Array, batch: Mapping[str, jax.Array], rng=None, side_scale: float = 1.0
+    tower, rows: jax.Array, batch: Mapping[str, jax.Array], rng=None, *, side_scale: float
 ) -> jax.Array:
     """The tower's output at every position, [R, L, D] (with what the batch carries of
     each event: times, action types, for a tower that reads them; its side features'
@@ -82,10 +82,11 @@ def encode(
     rows: jax.Array,
     batch: Mapping[str, jax.Array],
     rng=None,
-    side_scale: float = 1.0,
+    *,
+    side_scale: float,
 ) -> jax.Array:
     """The tower's output at every position, [R, L, D]."""
-    return call_tower(nnx.merge(graphdef, params), rows, batch, rng, side_scale)
+    return call_tower(nnx.merge(graphdef, params), rows, batch, rng, side_scale=side_scale)
 
 
 def retrieval_loss(
@@ -102,7 +103,7 @@ def retrieval_loss(
 
     `hit_mask` [R, L, N]: the negatives that are the position's target (default: equal
     indices, as in a batch of distinct rows)."""
-    outputs = encode(graphdef, params, rows, batch, rng, config.side_scale)
+    outputs = encode(graphdef, params, rows, batch, rng, side_scale=config.side_scale)
     return _retrieval(config, outputs, rows, batch, hit_mask)
 
 
@@ -137,7 +138,7 @@ def _ranking(config, model, outputs, rows, batch) -> jax.Array:
 def sequence_loss(config, graphdef, params, rows, batch, rng=None):
     """The objective's loss (`config.objective`) and its parts."""
     model = nnx.merge(graphdef, params)
-    outputs = call_tower(model, rows, batch, rng, config.side_scale)
+    outputs = call_tower(model, rows, batch, rng, side_scale=config.side_scale)
     parts = {}
     if config.retrieval:
         parts["retrieval_loss"], parts["trained_positions"] = _retrieval(

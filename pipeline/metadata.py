@@ -66,8 +66,8 @@ class DatasetMetadata(_Splits):
     kind = "clicks"
 
 
-# the tables an event-log dataset's histories are looked up in (its item ids; the side
-# features' tables are not read by the towers yet)
+# the tables an event-log dataset's histories are looked up in: its item ids (side
+# features a run reads share the item table, under their own prefixes)
 ITEM_FEATURE = CategoricalFeature(name="item", table="item", multi_valued=False)
 
 

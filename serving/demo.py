@@ -77,6 +77,7 @@ def demo_top_k(
     k: int = 5,
     times: Sequence[Sequence[int]] | None = None,
     actions: Sequence[Sequence[str]] | None = None,
+    sides: dict[str, Sequence[Sequence[str]]] | None = None,
     timeout: float = 60.0,
 ) -> list[list[tuple[str, float]]]:
     """Each history's top-`k` next items, as a client of a real `serve` process sees them.
@@ -86,6 +87,7 @@ def demo_top_k(
         histories: per user, raw item ids, oldest first.
         times, actions: per user, each event's time (seconds) and action type name, sent
             with the items (a model that reads them needs them; others ignore them).
+        sides: per event side feature the model reads, per user each event's raw value.
 
     Returns:
         Per user, (raw item id, score) best first.
@@ -103,7 +105,9 @@ def demo_top_k(
         ],
         "parameters": {"k": k},
     }
-    for name, datatype, values in (("times", "INT64", times), ("actions", "BYTES", actions)):
+    given = [("times", "INT64", times), ("actions", "BYTES", actions)]
+    given += [(name, "BYTES", values) for name, values in (sides or {}).items()]
+    for name, datatype, values in given:
         if values is not None:
             flat_values = [value for per_user in values for value in per_user]
             body["inputs"].append({"name": name, "datatype": datatype, "shape": [len(flat_values)], "data": flat_values})  # fmt: skip

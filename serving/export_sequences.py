@@ -24,7 +24,9 @@ most recent `max_length` items at positions 0, 1, ...; the parameters are consta
 module and `b` (and `C`) are symbolic. A tower that reads more of each event than its item
 (features.json "context": "times" for HSTU's time-gap bias, "actions" for action types as
 inputs) takes one more argument a name, last, in that order: [b, L] int32 each, every
-position's time in seconds since the history's first event, its action type id.
+position's time in seconds since the history's first event, its action type id. With side
+features (features.json "side_features", "side_scale") the rows a module takes are each
+event's item row plus side_scale times its side features' rows, as training adds them.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from flax import nnx
+from hybridrec.common.errors import UserError
 from hybridrec.model.config import SequenceConfig
 from hybridrec.model.sequence import extend_history
 from hybridrec.model.sequence_step import scored
 from hybridrec.pipeline.event_spec import recorded_prefixes
 from hybridrec.pipeline.metadata import EventMetadata
 from hybridrec.serving._format import MODEL_FILE
+from hybridrec.serving.sequence_query import REQUEST_INPUTS
 from hybridrec.training.sequences import Catalogue
 
 RANKING_FILE = "ranking.stablehlo"
@@ -165,7 +169,7 @@ def write_sequence_parts(
     features = sequence_features(config, metadata)
     item_sides = tuple(s["name"] for s in features["side_features"] if s["of"] == "item")
     if item_sides:
-        sides = Catalogue.item_sides(metadata, config.data.train_split, item_sides, shards)
+        sides = Catalogue.item_sides(metadata, item_sides, shards)
         pq.write_table(pa.table(sides), directory / ITEM_SIDES_FILE)
     if cached:
         features["cache_shape"] = list(model.cache_shape())
@@ -195,9 +199,12 @@ def sequence_features(config: Any, metadata: EventMetadata) -> dict[str, Any]:
 
 def side_features(sequence: SequenceConfig, spec: dict) -> list[dict]:
     """[{"name", "of": "event" | "item", "prefix"}] of the features the tower reads."""
-    tables = dict(spec.get("side_features") or [])
-    events = {feature["name"] for feature in spec.get("event_features") or []}
+    events = {feature["name"]: feature["table"] for feature in spec.get("event_features") or []}
+    tables = events | {name: name for name in (spec.get("items") or {}).get("features") or []}
     prefixes = recorded_prefixes(spec)
+    reserved = sorted(set(REQUEST_INPUTS) & set(events) & set(sequence.side_features))
+    if reserved:
+        raise UserError(f"model.sequence.side_features: event feature(s) {reserved} are named as a request's own inputs; rename the column in the event spec")  # fmt: skip
     return [
         {
             "name": name,

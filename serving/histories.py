@@ -23,7 +23,8 @@ KEPT = ("times", "actions")  # kept of each event besides its item (and what els
 
 class KeptHistories:
     """user (raw id, bytes) -> item ids [<= max_events] uint64, oldest first, and what
-    else was appended of them (`KEPT`: times in seconds, action type ids; `MISSING`
+    else was appended of them (`KEPT`: times in seconds, action type ids; event side
+    features' ids, as int64, under their names when given; `MISSING`
     for events appended without).
 
     Args:
@@ -70,7 +71,7 @@ class KeptHistories:
                             given.get(name, absent)[np.asarray(indices)],
                         ]
                     )[-self.max_events :]  # fmt: skip
-                    for name in (*KEPT, *(n for n in {**kept, **given} if n not in KEPT))
+                    for name in dict.fromkeys([*KEPT, *kept, *given])
                 }
                 self._kept_events += len(self._users[user]) - (0 if old is None else len(old))
             while len(self._users) > self.max_users:

@@ -15,6 +15,8 @@ An infer request names its users' histories as raw item ids, oldest first:
                                    with `history` and `lengths`, the request's events follow
                                    theirs (a length may then be 0)
     candidates  BYTES [n, C]       ranking: C items per user to score
+    <feature>   BYTES [total]      each event's value of an event side feature the model
+                                   reads (the metadata's parameter "side_features")
 
 and `parameters`: `k` (retrieval: how many items, default 10) and `exclude_history`
 (leave the history's own items out of the top-K; default: as the run was evaluated).
@@ -27,7 +29,7 @@ to the model's `max_length` most recent items; `parameters.unseen_items` counts 
 never trained (scored from their initial rows).
 
 An events request is `users` BYTES [m] and `items` BYTES [m] (and `times` INT64 [m],
-`actions` BYTES [m]): event i is user i's, in order. Every bad request is a 4xx with `{"error": ...}` naming the input or parameter.
+`actions` BYTES [m], the event side features BYTES [m]): event i is user i's, in order. Every bad request is a 4xx with `{"error": ...}` naming the input or parameter.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def metadata(model: ServedSequenceModel, histories: Any) -> dict[str, Any]:
 def _bytes_input(inputs: dict, name: str, dims: int) -> tuple[list[int], list[bytes]]:
     datatype, shape, values = inputs[name]
     if datatype != "BYTES":
-        raise ProtocolError(f"input {name!r} must be BYTES (raw item or user ids), got {datatype}")
+        raise ProtocolError(f"input {name!r} must be BYTES (raw ids or values), got {datatype}")
     if len(shape) != dims:
         raise ProtocolError(f"input {name!r} must have {dims} dimension(s), got shape {shape}")
     return shape, values
@@ -199,7 +201,7 @@ def event_context(model: ServedSequenceModel, inputs: dict, count: int, what: st
 
 
 def _user_context(model, users, kept, kept_context, new, new_context) -> dict | None:
-    """Per name the model reads of each event (`model.context`), each user's values, kept
+    """Per name the model reads of each event (`model.reads`), each user's values, kept
     events first; a 400 naming what lacks them."""
     out = {}
     for name in model.reads:

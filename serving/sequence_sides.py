@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from hybridrec.pipeline import hashing
 from hybridrec.serving import _format
 from hybridrec.serving.export_sequences import ITEM_SIDES_FILE
-from hybridrec.serving.sequence_query import CONTEXT
+from hybridrec.serving.sequence_query import CONTEXT, REQUEST_INPUTS
 
 
 class SideFeatures:
@@ -32,6 +32,10 @@ class SideFeatures:
 
     def __init__(self, path: Path, entries: list[dict], prefix_bits: int, scale: float = 1.0):
         self.prefix_bits, self.scale = prefix_bits, np.float32(scale)
+        self.names = tuple(e["name"] for e in entries)  # the order training sums them in
+        reserved = set(REQUEST_INPUTS) & {e["name"] for e in entries if e["of"] == "event"}
+        if reserved:
+            raise _format.ExportError(f"{path}: event side feature(s) {sorted(reserved)} are named as a request's own inputs")  # fmt: skip
         # event features: name -> the prefix its values are hashed with
         self.events = {e["name"]: int(e["prefix"]) for e in entries if e["of"] == "event"}
         items = {e["name"]: int(e["prefix"]) for e in entries if e["of"] == "item"}
@@ -47,9 +51,6 @@ class SideFeatures:
                 raise _format.ExportError(f"{file}: unreadable ({error})") from None
             self.items = table.column("item").to_numpy().astype(np.uint64)
             self.ids = [table.column(name).to_numpy().astype(np.uint64) for name in items]
-
-    def __bool__(self) -> bool:
-        return bool(self.events or self.item_features)
 
     def event_ids(self, name: str, values: list[bytes]) -> np.ndarray:
         """An event feature's raw values -> [n] uint64 ids (an empty value: its missing id)."""
@@ -71,10 +72,16 @@ class SideFeatures:
         return out
 
     def of(self, items: np.ndarray, events: dict | None) -> list[np.ndarray]:
-        """The side ids (uint64) of events of `items` [m]: per event feature those of
-        `events` (its ids as int64, [m] each), then per item feature the items'."""
-        ids = [np.asarray(events[name]).view(np.uint64) for name in self.events]
-        return ids + self.of_items(items)
+        """The side ids (uint64) of events of `items` [m], per feature in the order training
+        sums them: an event feature's from `events` (its ids as int64, [m] each), an item
+        feature's the items'."""
+        if self.events and events is None:
+            raise ValueError(f"this model reads each event's {', '.join(self.events)}: give them with the items")  # fmt: skip
+        of_items = dict(zip(self.item_features, self.of_items(items), strict=True))
+        return [
+            np.asarray(events[name]).view(np.uint64) if name in self.events else of_items[name]
+            for name in self.names
+        ]
 
     def added(self, rows: np.ndarray, items: np.ndarray, events: dict | None, lookup) -> np.ndarray:  # fmt: skip
         """`rows` [m, D] of `items` plus their events' side rows (read by `lookup`, ids ->

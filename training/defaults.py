@@ -26,6 +26,7 @@ from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.model.config import DenseOptimizerConfig, choose_tower
 from hybridrec.model.custom import tower_kind
 from hybridrec.pipeline import DatasetMetadata, EventMetadata
+from hybridrec.pipeline.event_spec import recorded_prefixes
 from hybridrec.training.config import TrainConfig
 
 AUTO_STEPS_PER_EPOCH = 200  # data.batch_size = 0 aims at about this many steps per epoch
@@ -299,15 +300,27 @@ def resolve_sequence_auto(
 def side_feature_tables(metadata: EventMetadata) -> dict[str, str]:
     """The dataset's side features: column -> its id table (the event features', then the
     item features')."""
-    return {column: table for column, table in (metadata.raw.get("spec") or {}).get("side_features") or []}  # fmt: skip
+    spec = metadata.raw.get("spec") or {}
+    if "side_features" in spec:
+        return dict(spec["side_features"])
+    # a dataset written before the spec recorded them: its event and item features
+    sides = {feature["name"]: feature["table"] for feature in spec.get("event_features") or []}
+    return sides | {name: name for name in (spec.get("items") or {}).get("features") or []}
 
 
 def item_table_rows(metadata: EventMetadata, sequence) -> int:
     """The item table's distinct ids: the items', and the side features' it holds too."""
-    tables = metadata.raw.get("tables") or {}
+    stats = metadata.raw.get("tables") or {}
     sides = side_feature_tables(metadata)
-    extra = sum(int((tables.get(sides[name]) or {}).get("distinct_estimate", 0)) for name in sequence.side_features)  # fmt: skip
+    tables = {sides[name] for name in sequence.side_features}
+    extra = sum(int((stats.get(table) or {}).get("distinct_estimate", 0)) for table in tables)
     return metadata.distinct_items + extra
+
+
+def side_prefixes(metadata: EventMetadata, features) -> tuple[int, ...]:
+    """The id prefixes of side features' tables (in the item table with the items')."""
+    sides, prefixes = side_feature_tables(metadata), recorded_prefixes(metadata.raw["spec"])
+    return tuple(dict.fromkeys(prefixes[sides[name]] for name in features))
 
 
 def _side_features(sequence, metadata: EventMetadata) -> tuple[str, ...]:

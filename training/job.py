@@ -52,6 +52,7 @@ from hybridrec.training.defaults import (
     item_table_rows,
     resolve_auto,
     resolve_sequence_auto,
+    side_prefixes,
 )
 from hybridrec.training.device_plan import DevicePlan, plan_devices
 from hybridrec.training.device_rows import DeviceRows
@@ -463,6 +464,10 @@ def _prepare_sequences(
         no_caches="several trainer processes share the embedding servers" if addresses and process_count > 1 else None,
         stats={ITEM_FEATURE.name: {"distinct_estimate": item_table_rows(metadata, sequence)}},
     )  # fmt: skip
+    if sequence.side_features:  # the item table holds the side features' rows too
+        extra = side_prefixes(metadata, sequence.side_features)
+        prefixes = {name: (*own, *extra) for name, own in devices.prefixes.items()}
+        devices = dataclasses.replace(devices, prefixes=prefixes)
     return Job(
         config=config,
         metadata=metadata,

@@ -83,7 +83,12 @@ class Histories:
         action_ids = flat("actions", np.int8)[0] if actions else None
         stamps = flat("times", np.int64)[0] if times else None
         first = table.column("first_target").to_numpy().astype(np.int64)
-        side_ids = {name: flat(name, np.uint64)[0] for name in sides}
+        side_ids = {}
+        for name in sides:
+            side_ids[name], side_offsets = flat(name, np.uint64)
+            if not np.array_equal(side_offsets, offsets):
+                shown = files[0] if len(files) == 1 else f"{files[0]} (and {len(files) - 1} more)"
+                raise UserError(f"{shown}: column {name!r} has not one value per item")
         return cls(items, offsets, first, action_ids, stamps, side_ids)
 
     @staticmethod
@@ -152,21 +157,21 @@ class Catalogue:
 
     @staticmethod
     def item_sides(
-        metadata: EventMetadata, split: str, names: tuple[str, ...], shards: int | None = None
+        metadata: EventMetadata, names: tuple[str, ...], shards: int | None = None
     ) -> dict[str, np.ndarray]:
         """{"item": [n] uint64 ascending, name: [n] uint64 each}: the item features `names`
-        of every item of a run's training split (and its stream's first `shards` shards),
-        as the histories carry them (an item's features are the same at every event)."""
+        of every item of a dataset's splits (a stream's: its reference's, and its first
+        `shards` shards'), as the histories carry them, each item's latest."""
+        dataset = metadata
+        files = []
         if "stream" in metadata.raw:
-            reference = read_dataset(metadata.raw["stream"]["reference"])
-            files = list(reference.split_files(split))
+            dataset = read_dataset(metadata.raw["stream"]["reference"])
             entries = read_shards(metadata.root)[:shards]
-            files += [metadata.root / entry.shard for entry in entries if entry.rows]
-        else:
-            files = list(metadata.split_files(split))
+            files = [metadata.root / entry.shard for entry in entries if entry.rows]
+        files = [f for split in dataset.raw["splits"] for f in dataset.split_files(split)] + files
         histories = Histories.read_files(files, actions=False, sides=names)
-        items, first = np.unique(histories.items, return_index=True)
-        return {"item": items} | {name: histories.sides[name][first] for name in names}
+        latest = len(histories.items) - 1 - np.unique(histories.items[::-1], return_index=True)[1]
+        return {"item": histories.items[latest]} | {n: histories.sides[n][latest] for n in names}
 
     def merged(self, items: np.ndarray) -> Catalogue:
         """The catalogue with `items` (each occurrence counted) added."""
@@ -191,7 +196,8 @@ class SequenceBatch:
     index arrays into their rows (`model.sequence_step`)."""
 
     ids: dict[str, np.ndarray]  # {"item": [U] uint64 distinct ids}
-    arrays: dict[str, np.ndarray]  # inputs, targets, segments, positions, weights [R, L]
+    # inputs, targets, segments, positions, weights [R, L]; sides [R, L, F] with side features
+    arrays: dict[str, np.ndarray]
     negatives: np.ndarray  # [N] int32 into ids
     negative_logq: np.ndarray  # [N] float32
     position: DataPosition

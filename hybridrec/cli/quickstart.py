@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import json
 import time
 from pathlib import Path
 
@@ -131,18 +132,17 @@ def _train(data: Path, run_dir: Path, config: str, overrides: list[str]) -> None
     )
 
 
-def _histories_of(events: Path, users: int) -> dict[str, list[tuple[int, str, str]]]:
-    """The first `users` users of a generated event log and their (time, item, action)
-    events, oldest first."""
+def _histories_of(events: Path, users: int) -> dict[str, list[tuple[int, str, str, str]]]:
+    """The first `users` users of a generated event log and their (time, item, action,
+    device) events, oldest first."""
     import pyarrow.csv as csv
 
     table = csv.read_csv(events).to_pydict()
-    out: dict[str, list[tuple[int, str, str]]] = {}
-    for user, item, when, action in zip(
-        table["user_id"], table["item_id"], table["timestamp"], table["action"], strict=True
-    ):
+    out: dict[str, list[tuple[int, str, str, str]]] = {}
+    columns = (table[name] for name in ("user_id", "item_id", "timestamp", "action", "device"))
+    for user, item, when, action, device in zip(*columns, strict=True):
         if user in out or len(out) < users:
-            out.setdefault(user, []).append((when, item, action))
+            out.setdefault(user, []).append((when, item, action, device))
     return {user: sorted(events) for user, events in out.items()}
 
 
@@ -183,15 +183,20 @@ def _sequences(args: argparse.Namespace) -> int:
     export.main(["--run", str(run_dir), "--out", str(exported)])
     histories = _histories_of(raw / "events.csv", 3)
     events = list(histories.values())
+    sides = json.loads((run_dir / "config.json").read_text())["model"]["sequence"]
     answers = demo_top_k(
         exported,
-        [[item for _, item, _ in history] for history in events],
+        [[item for _, item, _, _ in history] for history in events],
         k=5,
-        times=[[when for when, _, _ in history] for history in events],
-        actions=[[action for _, _, action in history] for history in events],
+        times=[[when for when, _, _, _ in history] for history in events],
+        actions=[[action for _, _, action, _ in history] for history in events],
+        # the generated log's event feature, for a run that reads it
+        sides={"device": [[d for *_, d in history] for history in events]}
+        if "device" in sides["side_features"]
+        else None,  # fmt: skip
     )
     for (user, history), top in zip(histories.items(), answers, strict=True):
-        recent = " ".join(f"{item} ({action})" for _, item, action in history[-5:])
+        recent = " ".join(f"{item} ({action})" for _, item, action, _ in history[-5:])
         items = ", ".join(f"{item} ({score:.2f})" for item, score in top)
         print(f"  {user}: last items {recent}\n      top-5 next: {items}")
     timings["export+serve"] = time.perf_counter() - begin

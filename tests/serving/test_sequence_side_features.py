@@ -3,7 +3,7 @@ serving: an event's feature (the generated log's device) and its item's (categor
 rows share the item table and are added to each event's item row.
 
 The batches point each position at its side ids; training gives those ids rows in the
-store; the served queries of the validation histories, with each event's device, equal
+store; the served queries of the test histories, with each event's device, equal
 evaluate's (the item's category from the export's item_sides.parquet); another device
 gives another query; a request without the device, or an unknown feature in the config,
 names it; kept histories keep each event's device.
@@ -48,7 +48,7 @@ SMALL = [
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A trained HSTU run reading the device and category of each event, its export, and
-    evaluate's queries of the validation split with each history's side ids."""
+    evaluate's queries of the test split with each history's side ids."""
     root = tmp_path_factory.mktemp("sequence_sides")
     data = events_dataset(root, EventLogConfig(users=600, items=300, topics=8, mean_events=14, seed=6))  # fmt: skip
     config = load_config("hstu", [f"data.path={json.dumps(str(data))}", *SMALL])
@@ -59,7 +59,7 @@ def run(tmp_path_factory):
     step = checkpoints.latest_step()
     state = checkpoints.restore_dense(step, job.new_state())
     store = job.open_store(checkpoints, step)
-    histories = Histories.read(job.metadata, "valid", sides=SIDES)
+    histories = Histories.read(job.metadata, "test", sides=SIDES)
     outputs, _, history, position, _, _ = query_outputs(
         job, state, store, job.eval_step(), histories, max_batches=0, progress=None
     )
@@ -80,6 +80,7 @@ def run(tmp_path_factory):
         side_rows=trained.embeddings[:, 0],
         users=[upto(histories.items, h, p) for h, p in pairs],
         devices=[upto(histories.sides["device"], h, p).view(np.int64) for h, p in pairs],
+        histories=histories,
     )
 
 
@@ -119,8 +120,11 @@ def test_served_queries_with_side_features_equal_evaluates(run):
     assert np.abs(changed - run.outputs).max() > 1e-3
     with pytest.raises(ValueError, match="reads each event's device"):
         model.encode(run.users[:1], {})
-    # the item's category comes with the item: an item outside item_sides gets the
+    # the item's category comes with the item, for every item of the dataset's splits (a
+    # test input need not be a training item); an item outside item_sides gets the
     # category table's missing id, as the event job gives an item without features
+    (categories,) = model.sides.of_items(run.histories.items)
+    assert (categories == run.histories.sides["category"]).all()
     (missing,) = model.sides.of_items(np.array([12345], np.uint64))
     assert missing[0] >> np.uint64(56) == np.uint64(4)  # category's prefix, no low bits
     assert missing[0] & np.uint64((1 << 56) - 1) == 0
