@@ -285,7 +285,7 @@ def test_two_processes_sharing_an_embedding_server_train_as_one_does(events, tmp
     assert np.abs(runs["one"]).max() > 0
 
 
-@pytest.mark.parametrize("placement", ["device", "cache:120", "cache:1000", "device/sides"])
+@pytest.mark.parametrize("placement", ["device/sides", "cache:120", "cache:1000"])
 def test_the_item_table_on_the_devices_trains_as_the_host_store_does(
     events, tmp_path, cli, placement
 ):
@@ -295,7 +295,7 @@ def test_the_item_table_on_the_devices_trains_as_the_host_store_does(
     ways as it admits and evicts; "cache:1000": one that admits every item, the host looking up
     none of a batch's); at k = 0 the run trains the loss, ranks and
     checkpointed rows the host store's run trains, and resumes from its checkpoint to
-    the same end ("device/sides": with side features, whose rows the item table holds
+    the same end ("device/sides": the whole table, with side features, whose rows it holds
     too)."""
     from hybridrec.embedding_store import EmbeddingStore
 
