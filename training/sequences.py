@@ -13,9 +13,9 @@ in a shuffled order and placed first-fit into the batch's rows; one that fits no
 waits for the next batch (at most `rows` wait, so none is ever dropped). A history longer
 than a row is split into pieces of one row (or truncated to its most recent positions).
 
-A batch's ids are its distinct items (inputs, targets and negatives, and the side features'
-ids the tower reads, which share the item table): the store looks
-each up once, and the step's gradient of a row sums every position it appears at.
+A batch's ids are its distinct items (inputs, targets and negatives) and the ids of the
+side features the tower reads (which share the item table): the store looks each up
+once, and the step's gradient of a row sums every position it appears at.
 """
 
 from __future__ import annotations
