@@ -91,6 +91,17 @@ class EventMetadata(_Splits):
     def distinct_items(self) -> int:
         return int(((self.raw.get("tables") or {}).get("item") or {}).get("distinct_estimate", 1))
 
+    @property
+    def side_tables(self) -> dict[str, str]:
+        """The side features: column -> its id table (the event features', then the item
+        features'), as the spec records them (a dataset written before it did: its event
+        and item features)."""
+        spec = self.raw.get("spec") or {}
+        if "side_features" in spec:
+            return dict(spec["side_features"])
+        sides = {feature["name"]: feature["table"] for feature in spec.get("event_features") or []}
+        return sides | {name: name for name in (spec.get("items") or {}).get("features") or []}
+
     def item_names(self) -> tuple[np.ndarray, pa.Array]:
         """(item ids [n] uint64 ascending, their raw ids [n] large_binary): how each item
         was written in the input (its first occurrence), for serving raw ids."""

@@ -192,17 +192,17 @@ def sequence_features(config: Any, metadata: EventMetadata) -> dict[str, Any]:
         # the item table:
         # an event's (given with each event, hashed with `prefix`) or its item's
         # (item_sides.parquet)
-        "side_features": side_features(sequence, metadata.raw["spec"]),
+        "side_features": side_features(sequence, metadata),
         "side_scale": sequence.side_scale,
     }
 
 
-def side_features(sequence: SequenceConfig, spec: dict) -> list[dict]:
+def side_features(sequence: SequenceConfig, metadata: EventMetadata) -> list[dict]:
     """[{"name", "of": "event" | "item", "prefix"}] of the features the tower reads."""
-    events = {feature["name"]: feature["table"] for feature in spec.get("event_features") or []}
-    tables = events | {name: name for name in (spec.get("items") or {}).get("features") or []}
+    spec, tables = metadata.raw["spec"], metadata.side_tables
+    events = {feature["name"] for feature in spec.get("event_features") or []}
     prefixes = recorded_prefixes(spec)
-    reserved = sorted(set(REQUEST_INPUTS) & set(events) & set(sequence.side_features))
+    reserved = sorted(set(REQUEST_INPUTS) & events & set(sequence.side_features))
     if reserved:
         raise UserError(f"model.sequence.side_features: event feature(s) {reserved} are named as a request's own inputs; rename the column in the event spec")  # fmt: skip
     return [

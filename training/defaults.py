@@ -297,35 +297,23 @@ def resolve_sequence_auto(
     )
 
 
-def side_feature_tables(metadata: EventMetadata) -> dict[str, str]:
-    """The dataset's side features: column -> its id table (the event features', then the
-    item features')."""
-    spec = metadata.raw.get("spec") or {}
-    if "side_features" in spec:
-        return dict(spec["side_features"])
-    # a dataset written before the spec recorded them: its event and item features
-    sides = {feature["name"]: feature["table"] for feature in spec.get("event_features") or []}
-    return sides | {name: name for name in (spec.get("items") or {}).get("features") or []}
-
-
 def item_table_rows(metadata: EventMetadata, sequence) -> int:
     """The item table's distinct ids: the items', and the side features' it holds too."""
     stats = metadata.raw.get("tables") or {}
-    sides = side_feature_tables(metadata)
-    tables = {sides[name] for name in sequence.side_features}
+    tables = {metadata.side_tables[name] for name in sequence.side_features}
     extra = sum(int((stats.get(table) or {}).get("distinct_estimate", 0)) for table in tables)
     return metadata.distinct_items + extra
 
 
 def side_prefixes(metadata: EventMetadata, features) -> tuple[int, ...]:
     """The id prefixes of side features' tables (in the item table with the items')."""
-    sides, prefixes = side_feature_tables(metadata), recorded_prefixes(metadata.raw["spec"])
+    sides, prefixes = metadata.side_tables, recorded_prefixes(metadata.raw["spec"])
     return tuple(dict.fromkeys(prefixes[sides[name]] for name in features))
 
 
 def _side_features(sequence, metadata: EventMetadata) -> tuple[str, ...]:
     """Checks `sequence.side_features` against the dataset's; the start-up line."""
-    have = side_feature_tables(metadata)
+    have = metadata.side_tables
     for name in sequence.side_features:
         if name not in have:
             listed = ", ".join(have) if have else "none (its spec has no [[event_features]] or [items] features)"  # fmt: skip
