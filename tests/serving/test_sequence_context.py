@@ -19,14 +19,13 @@ from hybridrec.pipeline.synthetic_events import EventLogConfig
 from hybridrec.serving.export import export_run
 from hybridrec.serving.sequence_model import ServedSequenceModel
 from hybridrec.serving.server import ServeOptions, create_app
-from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.job import load_config, prepare
+from hybridrec.training.job import load_config
 from hybridrec.training.sequence_eval import query_outputs
 from hybridrec.training.sequences import Histories
 from hybridrec.training.trainer import Trainer
 from starlette.testclient import TestClient
 
-from tests.serving.test_sequence_serving import tensor
+from tests.serving.test_sequence_serving import restored, tensor
 from tests.training.test_sequence_training import events_dataset
 
 SMALL = [
@@ -51,17 +50,11 @@ def run(tmp_path_factory):
     sequence = trainer.config.model.sequence
     assert sequence.time_buckets == 64 and sequence.action_inputs == 4  # auto, from the data
     trainer.fit()
-    job = prepare(trainer.config)
-    checkpoints = RunCheckpoints(root / "run", keep=2)
-    step = checkpoints.latest_step()
-    state = checkpoints.restore_dense(step, job.new_state())
-    store = job.open_store(checkpoints, step)
-    histories = Histories.read(job.metadata, "valid", times=True)
-    outputs, _, history, position, _, _ = query_outputs(
-        job, state, store, job.eval_step(), histories, max_batches=0, progress=None
-    )
-    store.close()
-    checkpoints.close()
+    with restored(trainer.config, root / "run") as (job, state, store):
+        histories = Histories.read(job.metadata, "valid", times=True)
+        outputs, _, history, position, _, _ = query_outputs(
+            job, state, store, job.eval_step(), histories, max_batches=0, progress=None
+        )
 
     def upto(values, h, p):
         return values[histories.offsets[h] : histories.offsets[h] + p + 1]

@@ -10,6 +10,7 @@ a 4xx naming its input, and the server keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import types
@@ -42,6 +43,21 @@ SMALL = [
 ]
 
 
+@contextlib.contextmanager
+def restored(config, run_dir):
+    """(job, state, store) of a finished run's newest checkpoint, closed afterwards."""
+    job = prepare(config)
+    checkpoints = RunCheckpoints(run_dir, keep=2)
+    step = checkpoints.latest_step()
+    state = checkpoints.restore_dense(step, job.new_state())
+    store = job.open_store(checkpoints, step)
+    try:
+        yield job, state, store
+    finally:
+        store.close()
+        checkpoints.close()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A trained SASRec run, its fp32 and int8 exports, and evaluate's queries of the
@@ -52,24 +68,18 @@ def run(tmp_path_factory):
     config = load_config("sasrec", [f"data.path={json.dumps(str(data))}", *SMALL])
     trainer = Trainer(config, root / "run", quiet=True)
     trainer.fit()
-    job = prepare(trainer.config)
-    checkpoints = RunCheckpoints(root / "run", keep=2)
-    step = checkpoints.latest_step()
-    state = checkpoints.restore_dense(step, job.new_state())
-    store = job.open_store(checkpoints, step)
-    histories = Histories.read(job.metadata, "valid")
-    outputs, targets, history, position, ranking, _ = query_outputs(
-        job, state, store, job.eval_step(), histories, max_batches=0, progress=None
-    )
-    rows = (
-        store.lookup_features(
-            {"item": job.catalogue.items}, feature_tables=job.tables.feature_tables, train=False
+    with restored(trainer.config, root / "run") as (job, state, store):
+        histories = Histories.read(job.metadata, "valid")
+        outputs, targets, history, position, ranking, _ = query_outputs(
+            job, state, store, job.eval_step(), histories, max_batches=0, progress=None
         )
-        .result()
-        .embeddings[:, 0]
-    )
-    store.close()
-    checkpoints.close()
+        rows = (
+            store.lookup_features(
+                {"item": job.catalogue.items}, feature_tables=job.tables.feature_tables, train=False
+            )
+            .result()
+            .embeddings[:, 0]
+        )
     users = [
         histories.items[histories.offsets[h] : histories.offsets[h] + p + 1]
         for h, p in zip(history, position, strict=True)

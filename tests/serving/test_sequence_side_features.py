@@ -21,27 +21,22 @@ from hybridrec.pipeline.synthetic_events import DEVICES, EventLogConfig
 from hybridrec.serving.export import export_run
 from hybridrec.serving.sequence_model import ServedSequenceModel
 from hybridrec.serving.server import ServeOptions, create_app
-from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.job import load_config, prepare
 from hybridrec.training.sequence_eval import query_outputs
 from hybridrec.training.sequences import Histories
 from hybridrec.training.trainer import Trainer
 from starlette.testclient import TestClient
 
-from tests.serving.test_sequence_serving import tensor
+from tests.serving.test_sequence_context import SMALL as CONTEXT_SMALL
+from tests.serving.test_sequence_serving import restored, tensor
 from tests.training.test_sequence_training import events_dataset
 
 SIDES = ("device", "category")
-SMALL = [
-    "model.sequence.max_length=16",
-    "model.sequence.negatives=64",
+SMALL = [  # the context test's run, reading the side features instead of times and actions
+    *CONTEXT_SMALL,
     "model.sequence.time_buckets=0",
     "model.sequence.action_inputs=0",
     f"model.sequence.side_features={json.dumps(list(SIDES))}",
-    "data.token_budget=1024",
-    "data.max_steps=30",
-    "optimizer.learning_rate=0.003",
-    "embedding.optimizer.learning_rate=0.003",
 ]
 
 
@@ -54,19 +49,13 @@ def run(tmp_path_factory):
     config = load_config("hstu", [f"data.path={json.dumps(str(data))}", *SMALL])
     trainer = Trainer(config, root / "run", quiet=True)
     trainer.fit()
-    job = prepare(trainer.config)
-    checkpoints = RunCheckpoints(root / "run", keep=2)
-    step = checkpoints.latest_step()
-    state = checkpoints.restore_dense(step, job.new_state())
-    store = job.open_store(checkpoints, step)
-    histories = Histories.read(job.metadata, "test", sides=SIDES)
-    outputs, _, history, position, _, _ = query_outputs(
-        job, state, store, job.eval_step(), histories, max_batches=0, progress=None
-    )
-    side_ids = np.concatenate([np.unique(histories.sides[name]) for name in SIDES])
-    trained = store.lookup_features({"item": side_ids}, feature_tables=job.tables.feature_tables, pooling="sum", train=False).result()  # fmt: skip
-    store.close()
-    checkpoints.close()
+    with restored(trainer.config, root / "run") as (job, state, store):
+        histories = Histories.read(job.metadata, "test", sides=SIDES)
+        outputs, _, history, position, _, _ = query_outputs(
+            job, state, store, job.eval_step(), histories, max_batches=0, progress=None
+        )
+        side_ids = np.concatenate([np.unique(histories.sides[name]) for name in SIDES])
+        trained = store.lookup_features({"item": side_ids}, feature_tables=job.tables.feature_tables, pooling="sum", train=False).result()  # fmt: skip
 
     def upto(values, h, p):
         return values[histories.offsets[h] : histories.offsets[h] + p + 1]
