@@ -138,6 +138,11 @@ class DHENConfig:
             raise ValueError(f"dhen.attention_heads must be >= 1, got {self.attention_heads}")
 
 
+# what a served sequence model's requests name their own inputs (infer and events): an
+# event side feature comes with each event by its name, so it may not take one of these
+REQUEST_INPUTS = ("history", "lengths", "times", "actions", "users", "candidates", "items")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SequenceConfig:
     """SASRec and HSTU over packed user histories (`model.tower = "sasrec" | "hstu"`).

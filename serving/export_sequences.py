@@ -42,13 +42,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from flax import nnx
 from hybridrec.common.errors import UserError
-from hybridrec.model.config import SequenceConfig
+from hybridrec.model.config import REQUEST_INPUTS, SequenceConfig
 from hybridrec.model.sequence import extend_history
 from hybridrec.model.sequence_step import scored
 from hybridrec.pipeline.event_spec import recorded_prefixes
 from hybridrec.pipeline.metadata import EventMetadata
 from hybridrec.serving._format import MODEL_FILE
-from hybridrec.serving.sequence_query import REQUEST_INPUTS
 from hybridrec.training.sequences import Catalogue
 
 RANKING_FILE = "ranking.stablehlo"

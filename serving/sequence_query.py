@@ -9,8 +9,6 @@ import numpy as np
 
 # what a model may read of each event besides its item, in the order its modules take them
 CONTEXT = {"times": "time (seconds)", "actions": "action type"}
-# what requests name of their own (infer and events): no event side feature may be named so
-REQUEST_INPUTS = ("history", "lengths", "times", "actions", "users", "candidates", "items")
 
 
 @dataclasses.dataclass

@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from hybridrec.model.config import REQUEST_INPUTS
 from hybridrec.pipeline import hashing
 from hybridrec.serving import _format
 from hybridrec.serving.export_sequences import ITEM_SIDES_FILE
-from hybridrec.serving.sequence_query import CONTEXT, REQUEST_INPUTS
+from hybridrec.serving.sequence_query import CONTEXT
 
 
 class SideFeatures:

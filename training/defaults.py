@@ -23,7 +23,7 @@ import dataclasses
 import math
 
 from hybridrec.common.errors import ConfigError, UserError
-from hybridrec.model.config import DenseOptimizerConfig, choose_tower
+from hybridrec.model.config import REQUEST_INPUTS, DenseOptimizerConfig, choose_tower
 from hybridrec.model.custom import tower_kind
 from hybridrec.pipeline import DatasetMetadata, EventMetadata
 from hybridrec.pipeline.event_spec import recorded_prefixes
@@ -321,6 +321,14 @@ def _side_features(sequence, metadata: EventMetadata) -> tuple[str, ...]:
                 f"model.sequence.side_features: {name!r} is not a side feature of "
                 f"{metadata.root}; it has {listed}"
             )
+    events = {feature["name"] for feature in metadata.raw["spec"].get("event_features") or []}
+    reserved = [name for name in sequence.side_features if name in events and name in REQUEST_INPUTS]  # fmt: skip
+    if reserved:
+        raise UserError(
+            f"model.sequence.side_features: the event feature {reserved[0]!r} of {metadata.root} "
+            "is named as a served request's own input, so a request could not send it; "
+            "rename its column in the event spec"
+        )
     if not sequence.side_features:
         return (f"side features: none (the dataset has {', '.join(have)}: model.sequence.side_features)",) if have else ()  # fmt: skip
     return (f"side features: {', '.join(sequence.side_features)}, added to each event's item row",)  # fmt: skip

@@ -6,7 +6,8 @@ The batches point each position at its side ids; training gives those ids rows i
 store; the served queries of the test histories, with each event's device, equal
 evaluate's (the item's category from the export's item_sides.parquet); another device
 gives another query; a request without the device, or an unknown feature in the config,
-names it; kept histories keep each event's device.
+names it, as training's start-up does an event feature named like a request's own input;
+kept histories keep each event's device.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import types
 import numpy as np
 import pytest
 from hybridrec.common.errors import UserError
-from hybridrec.pipeline.synthetic_events import DEVICES, EventLogConfig
+from hybridrec.pipeline.config import PreprocessConfig
+from hybridrec.pipeline.event_job import run_event_preprocess
+from hybridrec.pipeline.synthetic_events import DEVICES, EventLogConfig, generate_events, spec_text
 from hybridrec.serving.export import export_run
 from hybridrec.serving.sequence_model import ServedSequenceModel
 from hybridrec.serving.server import ServeOptions, create_app
@@ -153,3 +156,24 @@ def test_an_unknown_side_feature_is_named(run):
     config = load_config("hstu", [f"data.path={json.dumps(str(run.data))}", *SMALL, 'model.sequence.side_features=["colour"]'])  # fmt: skip
     with pytest.raises(UserError, match=r"side_features: 'colour' is not .* device, category, brand"):  # fmt: skip
         prepare(config)
+
+
+def test_an_event_feature_named_like_a_request_input_is_refused_at_start_up(tmp_path):
+    """A served request sends an event feature by its name, beside its own inputs: the
+    trainer refuses one named "history" before it trains, not the export after."""
+    config = EventLogConfig(users=60, items=40, topics=4, mean_events=6, seed=1)
+    generate_events(tmp_path / "events.csv", tmp_path / "items.csv", config, quiet=True)
+    events = (tmp_path / "events.csv").read_text().split("\n", 1)
+    (tmp_path / "events.csv").write_text(events[0].replace("device", "history") + "\n" + events[1])
+    (tmp_path / "events.toml").write_text(spec_text("items.csv").replace('"device"', '"history"'))
+    settings = PreprocessConfig(
+        inputs=[str(tmp_path / "events.csv")],
+        output=str(tmp_path / "data"),
+        spec=str(tmp_path / "events.toml"),
+    )
+    run_event_preprocess(settings, quiet=True, beam_args=["--direct_running_mode=in_memory"])
+    data = f"data.path={json.dumps(str(tmp_path / 'data'))}"
+    config = load_config("hstu", [data, *SMALL, 'model.sequence.side_features=["history"]'])
+    with pytest.raises(UserError, match=r"event feature 'history' .* a served request's own input"):  # fmt: skip
+        prepare(config)
+    prepare(load_config("hstu", [data, *SMALL, 'model.sequence.side_features=["brand"]']))
