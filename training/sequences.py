@@ -145,12 +145,8 @@ class Catalogue:
     def of_run(cls, metadata: EventMetadata, split: str, shards: int | None = None) -> Catalogue:
         """A run's catalogue: its training split's items; for a stream dataset, its
         reference's and those of its first `shards` committed shards (None: all)."""
-        if "stream" not in metadata.raw:
-            return cls.of(Histories.read(metadata, split))
-        reference = read_dataset(metadata.raw["stream"]["reference"])
-        catalogue = cls.of(Histories.read(reference, split))
-        entries = read_shards(metadata.root)[:shards]
-        files = [metadata.root / entry.shard for entry in entries if entry.rows]
+        dataset, files = _stream_parts(metadata, shards)
+        catalogue = cls.of(Histories.read(dataset, split))
         if files:  # each stream event once: the rows' targets (their histories repeat)
             catalogue = catalogue.merged(Histories.read_files(files, actions=False).targets())
         return catalogue
@@ -162,12 +158,7 @@ class Catalogue:
         """{"item": [n] uint64 ascending, name: [n] uint64 each}: the item features `names`
         of every item of a dataset's splits (a stream's: its reference's, and its first
         `shards` shards'), as the histories carry them, each item's latest."""
-        dataset = metadata
-        files = []
-        if "stream" in metadata.raw:
-            dataset = read_dataset(metadata.raw["stream"]["reference"])
-            entries = read_shards(metadata.root)[:shards]
-            files = [metadata.root / entry.shard for entry in entries if entry.rows]
+        dataset, files = _stream_parts(metadata, shards)
         files = [f for split in dataset.raw["splits"] for f in dataset.split_files(split)] + files
         histories = Histories.read_files(files, actions=False, sides=names)
         latest = len(histories.items) - 1 - np.unique(histories.items[::-1], return_index=True)[1]
@@ -188,6 +179,17 @@ class Catalogue:
     def contains(self, ids: np.ndarray) -> np.ndarray:
         where = np.minimum(np.searchsorted(self.items, ids), len(self.items) - 1)
         return self.items[where] == ids
+
+
+def _stream_parts(metadata: EventMetadata, shards: int | None) -> tuple[EventMetadata, list]:
+    """(the dataset whose splits hold the histories, the shard files with rows after them):
+    a stream dataset's reference and its first `shards` committed shards (None: all); any
+    other dataset itself and none."""
+    if "stream" not in metadata.raw:
+        return metadata, []
+    entries = read_shards(metadata.root)[:shards]
+    files = [metadata.root / entry.shard for entry in entries if entry.rows]
+    return read_dataset(metadata.raw["stream"]["reference"]), files
 
 
 @dataclasses.dataclass
