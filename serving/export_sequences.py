@@ -193,7 +193,20 @@ def sequence_features(config: Any, metadata: EventMetadata) -> dict[str, Any]:
         # (item_sides.parquet)
         "side_features": side_features(sequence, metadata),
         "side_scale": sequence.side_scale,
+        # every event feature of the dataset -> its prefix: what a request may send with
+        # its events, whether this model reads it or not (kept histories keep it for a
+        # later version that does)
+        "event_features": event_features(metadata),
     }
+
+
+def event_features(metadata: EventMetadata) -> dict[str, int]:
+    """{name: prefix} of the dataset's event features (but one named like a request's own
+    input, which no request can send)."""
+    spec, tables = metadata.raw["spec"], metadata.side_tables
+    prefixes = recorded_prefixes(spec)
+    names = [feature["name"] for feature in spec.get("event_features") or []]
+    return {name: prefixes[tables[name]] for name in names if name not in REQUEST_INPUTS}
 
 
 def side_features(sequence: SequenceConfig, metadata: EventMetadata) -> list[dict]:

@@ -75,6 +75,7 @@ class ServedSequenceModel(ServedVersion):
             self.table_name = features["feature_tables"]["item"]
             sides = list(features.get("side_features") or [])
             side_scale = float(features.get("side_scale", 1.0))
+            accepted = dict(features.get("event_features") or {})
         except (ValueError, KeyError, TypeError) as error:
             raise _format.ExportError(f"{features_path}: unreadable ({error})") from None
         self.table = open_tables(self.path, [self.table_name], checksums)[self.table_name]
@@ -90,8 +91,11 @@ class ServedSequenceModel(ServedVersion):
         self.context = tuple(features.get("context") or ())
         # what a request gives of each event besides its item: the modules' context, then
         # the event side features (their ids, as int64)
-        self.sides = SideFeatures(self.path, sides, self.prefix_bits, side_scale)
+        self.sides = SideFeatures(self.path, sides, self.prefix_bits, side_scale, accepted)
         self.event_sides = tuple(self.sides.events)
+        # what a request may send of each event besides its item and context: the event
+        # side features it reads, then the dataset's others (kept, otherwise ignored)
+        self.event_features = tuple(self.sides.accepted)
         self.reads = self.context + self.event_sides
         self.outputs = len(self.action_types) if self._ranker else 1
         self.scan = ExactCatalogue(self.catalogue, read_rows=self._scan_rows, dim=self.dim)

@@ -15,8 +15,10 @@ An infer request names its users' histories as raw item ids, oldest first:
                                    with `history` and `lengths`, the request's events follow
                                    theirs (a length may then be 0)
     candidates  BYTES [n, C]       ranking: C items per user to score
-    <feature>   BYTES [total]      each event's value of an event side feature the model
-                                   reads (the metadata's parameter "side_features")
+    <feature>   BYTES [total]      each event's value of an event side feature: needed by
+                                   a model that reads it (the metadata's parameter
+                                   "side_features"); the dataset's others ("event_features")
+                                   are ignored, or kept with the events of kept histories
 
 and `parameters`: `k` (retrieval: how many items, default 10) and `exclude_history`
 (leave the history's own items out of the top-K; default: as the run was evaluated).
@@ -63,7 +65,7 @@ def metadata(model: ServedSequenceModel, histories: Any) -> dict[str, Any]:
             {"name": "actions", "datatype": "BYTES", "shape": [-1]},
             {"name": "users", "datatype": "BYTES", "shape": [-1]},
             {"name": "candidates", "datatype": "BYTES", "shape": [-1, -1]},
-            *({"name": name, "datatype": "BYTES", "shape": [-1]} for name in model.event_sides),
+            *({"name": name, "datatype": "BYTES", "shape": [-1]} for name in model.event_features),
         ],
         "outputs": [
             {"name": "items", "datatype": "BYTES", "shape": [-1, -1]},
@@ -79,7 +81,8 @@ def metadata(model: ServedSequenceModel, histories: Any) -> dict[str, Any]:
             "actions": model.action_types if model.outputs > 1 else [],
             "exclude_history": model.exclude_history,
             "context": list(model.context),
-            "side_features": list(model.event_sides),
+            "side_features": list(model.event_sides),  # read: needed with every event
+            "event_features": list(model.event_features),  # accepted
             "keeps_histories": histories is not None,
         },
     }
@@ -107,7 +110,7 @@ def parse_query(
     """An infer request -> (the histories (item ids) and what to do with them, the users it
     names)."""
     inputs = decode_inputs(parsed, binary)
-    takes = (*INPUTS, *model.event_sides)
+    takes = (*INPUTS, *model.event_features)
     unknown = sorted(set(inputs) - set(takes))
     if unknown:
         raise ProtocolError(f"unknown input(s) {unknown}: a sequence model takes {', '.join(takes)}")  # fmt: skip
@@ -128,7 +131,7 @@ def parse_query(
             name: _split(values, inputs.get("lengths"), len(items))
             for name, values in event_context(model, inputs, len(items), "history").items()
         }
-    elif given := sorted((set(CONTEXT) | set(model.event_sides)) & set(inputs)):
+    elif given := sorted((set(CONTEXT) | set(model.event_features)) & set(inputs)):
         raise ProtocolError(f"input(s) {given} go with 'history': one per item")
     if kept is not None and new is not None and len(kept) != len(new):
         raise ProtocolError(f"'users' names {len(kept)} users but 'lengths' {len(new)}")
@@ -191,7 +194,7 @@ def event_context(model: ServedSequenceModel, inputs: dict, count: int, what: st
             out["actions"] = model.action_ids(names) if model.action_types else np.zeros(count, np.int64)  # fmt: skip
         except ValueError as error:
             raise ProtocolError(f"input 'actions': {error}") from None
-    for name in model.event_sides:
+    for name in model.event_features:
         if name in inputs:
             shape, values = _bytes_input(inputs, name, 1)
             if shape != [count]:
@@ -314,8 +317,8 @@ async def append_events(service, request: Request, model: ServedSequenceModel) -
     body = await service.read_body(request)
     parsed, binary = parse_body(body, request.headers)
     inputs = decode_inputs(parsed, binary)
-    if not {"users", "items"} <= set(inputs) <= {"users", "items", *CONTEXT, *model.event_sides}:
-        more = ", ".join(repr(name) for name in (*CONTEXT, *model.event_sides))
+    if not {"users", "items"} <= set(inputs) <= {"users", "items", *CONTEXT, *model.event_features}:
+        more = ", ".join(repr(name) for name in (*CONTEXT, *model.event_features))
         raise ProtocolError(f"inputs {sorted(inputs)}: an events request is 'users' and 'items' (and {more})")  # fmt: skip
     (count,), users = _bytes_input(inputs, "users", 1)
     shape, items = _bytes_input(inputs, "items", 1)

@@ -29,9 +29,18 @@ class SideFeatures:
         entries: [{"name", "of": "event" | "item", "prefix"}].
         prefix_bits: the spec's prefix bits.
         scale: what each side row is multiplied by before it is added (`side_scale`).
+        accepted: {name: prefix} of the dataset's event features (features.json
+            "event_features"): a request may send them with its events, read or not.
     """
 
-    def __init__(self, path: Path, entries: list[dict], prefix_bits: int, scale: float = 1.0):
+    def __init__(
+        self,
+        path: Path,
+        entries: list[dict],
+        prefix_bits: int,
+        scale: float = 1.0,
+        accepted: dict[str, int] | None = None,
+    ):
         self.prefix_bits, self.scale = prefix_bits, np.float32(scale)
         self.names = tuple(e["name"] for e in entries)  # the order training sums them in
         reserved = set(REQUEST_INPUTS) & {e["name"] for e in entries if e["of"] == "event"}
@@ -39,6 +48,8 @@ class SideFeatures:
             raise _format.ExportError(f"{path}: event side feature(s) {sorted(reserved)} are named as a request's own inputs")  # fmt: skip
         # event features: name -> the prefix its values are hashed with
         self.events = {e["name"]: int(e["prefix"]) for e in entries if e["of"] == "event"}
+        # what a request may send of each event: the read ones and the dataset's others
+        self.accepted = {**{n: int(p) for n, p in (accepted or {}).items()}, **self.events}
         items = {e["name"]: int(e["prefix"]) for e in entries if e["of"] == "item"}
         self.item_features = tuple(items)
         self.items = np.zeros(0, np.uint64)
@@ -59,15 +70,17 @@ class SideFeatures:
             return np.zeros(0, np.uint64)
         raw = hashing.hash_bytes_list(values)
         missing = np.array([not value for value in values], bool)
-        return hashing.feature_ids(raw, missing, self.events[name], self.prefix_bits)
+        return hashing.feature_ids(raw, missing, self.accepted[name], self.prefix_bits)
 
     def given(self, sides: dict) -> dict[str, list[np.ndarray]]:
         """{feature: per history its events' raw values} -> their ids as int64, as a
         model's context holds them."""
         out = {}
         for name, histories in sides.items():
+            if name not in self.accepted:
+                raise ValueError(f"{name!r} is not an event side feature of this model ({list(self.accepted) or 'none'})")  # fmt: skip
             if name not in self.events:
-                raise ValueError(f"{name!r} is not an event side feature of this model ({list(self.events) or 'none'})")  # fmt: skip
+                continue  # the dataset's, but this model does not read it
             encoded = ([v.encode() if isinstance(v, str) else v for v in values] for values in histories)  # fmt: skip
             out[name] = [self.event_ids(name, values).view(np.int64) for values in encoded]
         return out

@@ -5,7 +5,8 @@ The served queries of the validation histories, with their times and actions, eq
 evaluate's; times and actions change the answer; a request without them, or with an
 unknown action type, is a 400 naming the input; kept histories keep their events' times
 and actions (a kept history extended from its cache answers as the explicit one), and kept
-events appended without them are a 400 for this model.
+events appended without them are a 400 for this model. The dataset's event feature this
+model does not read (the device) is accepted and ignored; a name the dataset lacks is a 400.
 """
 
 from __future__ import annotations
@@ -121,10 +122,19 @@ def test_requests_carry_times_and_actions_and_kept_histories_keep_them(run):
         unknown = {"inputs": [*explicit["inputs"][:2], tensor("actions", ["buy"] * len(names))]}
         refused = client.post(f"{url}/infer", json=unknown)
         assert refused.status_code == 400 and "'buy'" in refused.json()["error"]
+        # the dataset's device, which this model does not read, is accepted and ignored (a
+        # client may send one payload to every version); a name the dataset lacks is not
+        parameters = client.get(url).json()["parameters"]
+        assert parameters["side_features"] == [] and parameters["event_features"] == ["device"]
+        devices = tensor("device", ["tv"] * len(names))
+        ignored = client.post(f"{url}/infer", json={**explicit, "inputs": [*explicit["inputs"], devices]})  # fmt: skip
+        assert ignored.status_code == 200 and ignored.json()["outputs"] == answer["outputs"]
+        colour = client.post(f"{url}/infer", json={**explicit, "inputs": [*explicit["inputs"], {**devices, "name": "colour"}]})  # fmt: skip
+        assert colour.status_code == 400 and "unknown input(s) ['colour']" in colour.json()["error"]
         # kept with their times, a few at a time: the cache extends, the answer is the same
         for start in range(0, len(names), 4):
             part = slice(start, start + 4)
-            events = {"inputs": [tensor("users", ["dan"] * len(names[part])), tensor("items", names[part]), tensor("times", stamps[part], "INT64"), tensor("actions", kinds[part])]}  # fmt: skip
+            events = {"inputs": [tensor("users", ["dan"] * len(names[part])), tensor("items", names[part]), tensor("times", stamps[part], "INT64"), tensor("actions", kinds[part]), tensor("device", ["tv"] * len(names[part]))]}  # fmt: skip
             assert client.post(f"{url}/events", json=events).status_code == 200
             kept = client.post(f"{url}/infer", json={"inputs": [tensor("users", ["dan"])], "parameters": {"k": 5}}).json()  # fmt: skip
         assert kept["outputs"][0] == answer["outputs"][0]
