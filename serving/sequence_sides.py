@@ -49,7 +49,8 @@ class SideFeatures:
         # event features: name -> the prefix its values are hashed with
         self.events = {e["name"]: int(e["prefix"]) for e in entries if e["of"] == "event"}
         # what a request may send of each event: the read ones and the dataset's others
-        self.accepted = {**{n: int(p) for n, p in (accepted or {}).items()}, **self.events}
+        others = {n: int(p) for n, p in (accepted or {}).items() if n not in self.events}
+        self.accepted = {**self.events, **others}
         items = {e["name"]: int(e["prefix"]) for e in entries if e["of"] == "item"}
         self.item_features = tuple(items)
         self.items = np.zeros(0, np.uint64)
@@ -78,7 +79,7 @@ class SideFeatures:
         out = {}
         for name, histories in sides.items():
             if name not in self.accepted:
-                raise ValueError(f"{name!r} is not an event side feature of this model ({list(self.accepted) or 'none'})")  # fmt: skip
+                raise ValueError(f"{name!r} is not an event feature of this model's dataset ({list(self.accepted) or 'none'})")  # fmt: skip
             if name not in self.events:
                 continue  # the dataset's, but this model does not read it
             encoded = ([v.encode() if isinstance(v, str) else v for v in values] for values in histories)  # fmt: skip

@@ -131,6 +131,10 @@ def test_requests_carry_times_and_actions_and_kept_histories_keep_them(run):
         assert ignored.status_code == 200 and ignored.json()["outputs"] == answer["outputs"]
         colour = client.post(f"{url}/infer", json={**explicit, "inputs": [*explicit["inputs"], {**devices, "name": "colour"}]})  # fmt: skip
         assert colour.status_code == 400 and "unknown input(s) ['colour']" in colour.json()["error"]
+        context = {"times": [stamps], "actions": [kinds]}
+        assert model.recommend([names], 5, **context, sides={"device": [["tv"] * len(names)]}) == model.recommend([names], 5, **context)  # fmt: skip
+        with pytest.raises(ValueError, match="'colour' is not an event feature of this model's dataset"):  # fmt: skip
+            model.recommend([names], 5, **context, sides={"colour": [["red"] * len(names)]})
         # kept with their times, a few at a time: the cache extends, the answer is the same
         for start in range(0, len(names), 4):
             part = slice(start, start + 4)
