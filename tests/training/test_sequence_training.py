@@ -6,6 +6,7 @@ numpy; bad configurations are one line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -285,9 +286,25 @@ def test_two_processes_sharing_an_embedding_server_train_as_one_does(events, tmp
     assert np.abs(runs["one"]).max() > 0
 
 
+@pytest.fixture(scope="module")
+def host_runs(events, tmp_path_factory, cli):
+    """keys -> the directory of a finished host-store run of SASRec with them (one run per
+    set of keys, shared by the tests that compare against it)."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(*keys: str) -> Path:
+        if keys not in runs:
+            runs[keys] = tmp_path_factory.mktemp("host_run") / "host"
+            args = ["--config", "sasrec", "--data", str(events), "--run-dir", str(runs[keys])]
+            cli("train", *args, "--quiet", *sets(*keys))
+        return runs[keys]
+
+    return run
+
+
 @pytest.mark.parametrize("placement", ["device/sides", "cache:120", "cache:1000"])
 def test_the_item_table_on_the_devices_trains_as_the_host_store_does(
-    events, tmp_path, cli, placement
+    events, tmp_path, cli, placement, host_runs
 ):
     """`embedding.placement.item = "device"`: the step gathers the batch's item rows from
     a table on the devices and applies the sparse optimizer to them there ("cache:120":
@@ -296,18 +313,19 @@ def test_the_item_table_on_the_devices_trains_as_the_host_store_does(
     none of a batch's); at k = 0 the run trains the loss, ranks and
     checkpointed rows the host store's run trains, and resumes from its checkpoint to
     the same end ("device/sides": the whole table, with side features, whose rows it holds
-    too)."""
+    too). The host store's run is shared by the two caches; "cache:1000" does not resume
+    (the cache of 120 rows does)."""
     from hybridrec.embedding_store import EmbeddingStore
 
     placement, sides = placement.split("/") if "/" in placement else (placement, "")
     keys = ["data.max_steps=16", "hybrid.staleness=0", "checkpoint.every_steps=8"]
     if sides:
         keys.append('model.sequence.side_features=["device", "category"]')
-    runs = {"host": [], "device": [f"embedding.placement.item={placement}"]}
-    for name, extra in runs.items():
-        args = ["--config", "sasrec", "--data", str(events), "--run-dir", str(tmp_path / name)]
-        cli("train", *args, "--quiet", *sets(*keys, *extra))
-    host, device = (json.loads((tmp_path / n / "summary.json").read_text()) for n in runs)
+    placed = [f"embedding.placement.item={placement}"]
+    directories = {"host": host_runs(*keys), "device": tmp_path / "device"}
+    args = ["--config", "sasrec", "--data", str(events), "--run-dir", str(directories["device"])]
+    cli("train", *args, "--quiet", *sets(*keys, *placed))
+    host, device = (json.loads((d / "summary.json").read_text()) for d in directories.values())
     assert not host["device_tables"] and sum(device["device_tables"]["rows"].values()) >= 120
     if placement == "cache:120":  # it held some items, and evicted some for others
         cache = device["device_tables"]["caches"]
@@ -322,16 +340,18 @@ def test_the_item_table_on_the_devices_trains_as_the_host_store_does(
     tables, table = list(job.tables.tables), job.tables.feature_tables["item"]
     ids = job.catalogue.items[:400]
     saved = {}
-    for name in runs:
-        url = str(tmp_path / name / "checkpoints" / "embeddings")
+    for name, directory in directories.items():
+        url = str(directory / "checkpoints" / "embeddings")
         with EmbeddingStore.restore(url, tables, step=16, num_shards=1) as store:
             saved[name] = store.lookup(table, ids, train=False).result()
     np.testing.assert_allclose(saved["device"], saved["host"], atol=1e-5)
+    if placement == "cache:1000":
+        return
     # stopped at step 8 and resumed: the device table is loaded from the checkpoint
     resumed = tmp_path / "resumed"
     args = ["--config", "sasrec", "--data", str(events), "--run-dir", str(resumed), "--quiet"]
-    cli("train", *args, *sets(*keys, *runs["device"], "data.max_steps=8"))
-    cli("train", *args, "--resume", *sets(*keys, *runs["device"]))
+    cli("train", *args, *sets(*keys, *placed, "data.max_steps=8"))
+    cli("train", *args, "--resume", *sets(*keys, *placed))
     again = json.loads((resumed / "summary.json").read_text())
     assert again["steps"] == 16 and abs(again["final_loss"] - device["final_loss"]) < 1e-4
 
