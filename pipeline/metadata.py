@@ -102,6 +102,12 @@ class EventMetadata(_Splits):
         sides = {feature["name"]: feature["table"] for feature in spec.get("event_features") or []}
         return sides | {name: name for name in (spec.get("items") or {}).get("features") or []}
 
+    @property
+    def event_features(self) -> tuple[str, ...]:
+        """The event features' columns (a value per event), in the spec's order."""
+        spec = self.raw.get("spec") or {}
+        return tuple(feature["name"] for feature in spec.get("event_features") or [])
+
     def item_names(self) -> tuple[np.ndarray, pa.Array]:
         """(item ids [n] uint64 ascending, their raw ids [n] large_binary): how each item
         was written in the input (its first occurrence), for serving raw ids."""

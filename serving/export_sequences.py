@@ -41,13 +41,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from flax import nnx
-from hybridrec.common.errors import UserError
 from hybridrec.model.config import REQUEST_INPUTS, SequenceConfig
 from hybridrec.model.sequence import extend_history
 from hybridrec.model.sequence_step import scored
 from hybridrec.pipeline.event_spec import recorded_prefixes
 from hybridrec.pipeline.metadata import EventMetadata
 from hybridrec.serving._format import MODEL_FILE
+from hybridrec.training.defaults import check_request_names
 from hybridrec.training.sequences import Catalogue
 
 RANKING_FILE = "ranking.stablehlo"
@@ -203,24 +203,19 @@ def sequence_features(config: Any, metadata: EventMetadata) -> dict[str, Any]:
 def event_features(metadata: EventMetadata) -> dict[str, int]:
     """{name: prefix} of the dataset's event features (but one named like a request's own
     input, which no request can send)."""
-    spec, tables = metadata.raw["spec"], metadata.side_tables
-    prefixes = recorded_prefixes(spec)
-    names = [feature["name"] for feature in spec.get("event_features") or []]
+    prefixes, tables = recorded_prefixes(metadata.raw["spec"]), metadata.side_tables
+    names = metadata.event_features
     return {name: prefixes[tables[name]] for name in names if name not in REQUEST_INPUTS}
 
 
 def side_features(sequence: SequenceConfig, metadata: EventMetadata) -> list[dict]:
     """[{"name", "of": "event" | "item", "prefix"}] of the features the tower reads."""
-    spec, tables = metadata.raw["spec"], metadata.side_tables
-    events = {feature["name"] for feature in spec.get("event_features") or []}
-    prefixes = recorded_prefixes(spec)
-    reserved = sorted(set(REQUEST_INPUTS) & events & set(sequence.side_features))
-    if reserved:
-        raise UserError(f"model.sequence.side_features: event feature(s) {reserved} are named as a request's own inputs; rename the column in the event spec")  # fmt: skip
+    check_request_names(sequence, metadata)
+    prefixes, tables = recorded_prefixes(metadata.raw["spec"]), metadata.side_tables
     return [
         {
             "name": name,
-            "of": "event" if name in events else "item",
+            "of": "event" if name in metadata.event_features else "item",
             "prefix": prefixes[tables[name]],
         }  # fmt: skip
         for name in sequence.side_features

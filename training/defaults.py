@@ -311,6 +311,19 @@ def side_prefixes(metadata: EventMetadata, features) -> tuple[int, ...]:
     return tuple(dict.fromkeys(prefixes[sides[name]] for name in features))
 
 
+def check_request_names(sequence, metadata: EventMetadata) -> None:
+    """A UserError for an event side feature named like a served request's own input
+    (`REQUEST_INPUTS`): a request sends an event feature by its name, so none could send
+    it (checked at start-up, and at export for runs trained before)."""
+    reserved = [n for n in sequence.side_features if n in metadata.event_features and n in REQUEST_INPUTS]  # fmt: skip
+    if reserved:
+        raise UserError(
+            f"model.sequence.side_features: the event feature {reserved[0]!r} of {metadata.root} "
+            "is named as a served request's own input, so a request could not send it; "
+            "rename its column in the event spec"
+        )
+
+
 def _side_features(sequence, metadata: EventMetadata) -> tuple[str, ...]:
     """Checks `sequence.side_features` against the dataset's; the start-up line."""
     have = metadata.side_tables
@@ -321,14 +334,7 @@ def _side_features(sequence, metadata: EventMetadata) -> tuple[str, ...]:
                 f"model.sequence.side_features: {name!r} is not a side feature of "
                 f"{metadata.root}; it has {listed}"
             )
-    events = {feature["name"] for feature in metadata.raw["spec"].get("event_features") or []}
-    reserved = [name for name in sequence.side_features if name in events and name in REQUEST_INPUTS]  # fmt: skip
-    if reserved:
-        raise UserError(
-            f"model.sequence.side_features: the event feature {reserved[0]!r} of {metadata.root} "
-            "is named as a served request's own input, so a request could not send it; "
-            "rename its column in the event spec"
-        )
+    check_request_names(sequence, metadata)
     if not sequence.side_features:
         return (f"side features: none (the dataset has {', '.join(have)}: model.sequence.side_features)",) if have else ()  # fmt: skip
     return (f"side features: {', '.join(sequence.side_features)}, added to each event's item row",)  # fmt: skip
