@@ -129,7 +129,9 @@ def parse_query(
         new = _split(model.item_ids(items), inputs.get("lengths"), len(items))
         new_context = {
             name: _split(values, inputs.get("lengths"), len(items))
-            for name, values in event_context(model, inputs, len(items), "history").items()
+            for name, values in event_context(
+                model, inputs, len(items), "history", unread=False
+            ).items()
         }
     elif given := sorted((set(CONTEXT) | set(model.event_features)) & set(inputs)):
         raise ProtocolError(f"input(s) {given} go with 'history': one per item")
@@ -173,10 +175,14 @@ def parse_query(
     return query, users
 
 
-def event_context(model: ServedSequenceModel, inputs: dict, count: int, what: str) -> dict:
+def event_context(
+    model: ServedSequenceModel, inputs: dict, count: int, what: str, *, unread: bool
+) -> dict:
     """The request's `times` (INT64 seconds), `actions` (BYTES type names) and event side
     features (BYTES raw values, by the feature's name), one per item of input `what`, as
-    int64 arrays: those given (a model ignores what it does not read)."""
+    int64 arrays: those given (a model ignores what it does not read). The dataset's event
+    features the model does not read are checked, and their ids made only with `unread`
+    (kept histories keep them)."""
     out = {}
     if "times" in inputs:
         datatype, shape, values = inputs["times"]
@@ -199,7 +205,8 @@ def event_context(model: ServedSequenceModel, inputs: dict, count: int, what: st
             shape, values = _bytes_input(inputs, name, 1)
             if shape != [count]:
                 raise ProtocolError(f"input {name!r} must be BYTES [{count}] (one per item of {what!r}), got {shape}")  # fmt: skip
-            out[name] = model.sides.event_ids(name, values).view(np.int64)
+            if unread or name in model.event_sides:
+                out[name] = model.sides.event_ids(name, values).view(np.int64)
     return out
 
 
@@ -327,6 +334,6 @@ async def append_events(service, request: Request, model: ServedSequenceModel) -
     for name, values in (("users", users), ("items", items)):
         if any(not value for value in values):
             raise ProtocolError(f"input {name!r}: an event has an empty id")
-    context = event_context(model, inputs, count, "items")
+    context = event_context(model, inputs, count, "items", unread=True)
     touched = service.histories.append(users, model.item_ids(items), context)
     return JSONResponse({"events": count, "users": touched, **service.histories.stats()})
