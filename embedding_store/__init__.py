@@ -26,7 +26,7 @@ snapshots (fp32, fp16, int8 or int4 rows: `EmbeddingStore.checkpoint(precision=.
 
 from hybridrec.common.sparse_rules import initial_state as initial_optimizer_state
 from hybridrec.embedding_store._arrays import unique_inverse
-from hybridrec.embedding_store._initializers import initial_rows
+from hybridrec.embedding_store._initializers import initial_rows, initializer_salts
 from hybridrec.embedding_store._pooling import FeatureIds, PooledLookup, RaggedIds
 from hybridrec.embedding_store._slot_map import SlotMap
 from hybridrec.embedding_store.checkpoint import latest_checkpoint_step
@@ -79,6 +79,7 @@ __all__ = [
     "UnknownTableError",
     "initial_optimizer_state",
     "initial_rows",
+    "initializer_salts",
     "latest_checkpoint_step",
     "load_tables",
     "route_hash",

@@ -7,10 +7,11 @@ probing, initial values and admission draws must not be correlated.
 from __future__ import annotations
 
 import numpy as np
+from hybridrec.common import splitmix
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
-_MUL2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(splitmix.GOLDEN)
+_MUL1 = np.uint64(splitmix.MUL1)
+_MUL2 = np.uint64(splitmix.MUL2)
 
 SALT_ROUTE = 0x5A17_0001
 SALT_SLOT = 0x5A17_0002

@@ -8,12 +8,13 @@ a rare last float32 bit where libm's log or cos and numpy's round differently.
 from __future__ import annotations
 
 import numpy as np
+from hybridrec.common import splitmix
 from hybridrec.embedding_store._arrays import native
 from hybridrec.embedding_store._hashing import SALT_INIT, mix64, salt_offset, unit_float
 from hybridrec.embedding_store._pools import NATIVE_THREADS, ForkSafePool
 from hybridrec.embedding_store.config import InitializerConfig
 
-_COLUMN = np.uint64(0xD1B54A32D192ED03)  # a column's step between counters
+_COLUMN = np.uint64(splitmix.COLUMN_STEP)  # a column's step between counters
 PART_VALUES = 1 << 19  # a native initialization this large or more is split over threads
 
 # the threads that share a large native initialization (the kernel holds no GIL)
@@ -68,6 +69,13 @@ def initial_rows(
         u2 = high * (1.0 / 4294967296.0)
         values = config.mean + config.stddev * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
     return values.astype(np.float32)
+
+
+def initializer_salts(config: InitializerConfig) -> tuple[int, int]:
+    """(what an id gets added before mixing into its row's key, what each column's counter
+    gets added before mixing): the two offsets of `config`'s initial rows, for a
+    computation of them elsewhere (the step's new rows: `model.device_ids`)."""
+    return salt_offset(SALT_INIT + config.seed), salt_offset(SALT_INIT)
 
 
 def _native_rows(config, ids, dim, first_column, out, at) -> np.ndarray:

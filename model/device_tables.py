@@ -12,7 +12,9 @@ The host maps ids to rows (`training.device_rows`); what the step receives per t
     weights  [B, F, L]   the pooling weight of each (0 for padding)
 
 and once per batch, `NEW_ROWS` [N, dim]: the initial values of every table's new rows (N
-a power of two), so a batch carries only those values.
+a power of two), so a batch carries only those values. A table with `new_rows` set maps
+its ids itself instead (`model.device_ids`): the batch carries its raw ids, `ids`
+[B, F, 2] uint32, and the step makes these arrays from them and its hash table.
 
 The step gathers the U rows once, pools them into the features' embeddings, and after
 the backward pass applies the sparse optimizer to the same U rows (their gradients
@@ -47,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from hybridrec.common import sparse_rules
+from hybridrec.model import device_ids
 from hybridrec.model import sharding as sharding_lib
 from hybridrec.model import step as step_lib
 from hybridrec.model.sharding import batch_sharding, replicated
@@ -56,7 +59,7 @@ P = jax.sharding.PartitionSpec
 ARRAYS = ("slots", "new", "inverse", "weights")  # per table, in the batch
 NEW_ROWS = "table/new_rows"  # and the new rows of them all
 CACHE_ARRAYS = ("state", "evict", "host_scale")  # and per cache
-PER_EXAMPLE = ("inverse", "weights", "host_scale")  # split over the batch axis
+PER_EXAMPLE = ("inverse", "weights", "host_scale", "ids")  # split over the batch axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +94,9 @@ class DeviceTable:
         sharded: split its rows over all devices; False: a replica on every device.
         cache: a hot-row cache of a host table (`rows` its capacity): the host store
             looks up the ids it does not hold.
+        new_rows: the step maps the batch's ids to rows itself, in a hash table on the
+            devices, and gives new ids these initial values (`model.device_ids`); None:
+            the host maps them (`training.device_rows`).
     """
 
     name: str
@@ -100,10 +106,13 @@ class DeviceTable:
     rule: SparseRule
     sharded: bool = False
     cache: bool = False
+    new_rows: device_ids.NewRows | None = None
 
     @property
     def arrays(self) -> tuple[str, ...]:
         """The batch arrays of this table (`array_key(name, ...)`)."""
+        if self.new_rows is not None:
+            return ("ids",)
         return ARRAYS + CACHE_ARRAYS if self.cache else ARRAYS
 
     @property
@@ -118,7 +127,10 @@ class DeviceTable:
     def bytes_per_device(self, num_devices: int) -> int:
         width = self.dim + self.rule.state_width(self.dim)
         total = self.padded_rows(num_devices) * width * 4
-        return total // num_devices if self.sharded else total
+        total = total // num_devices if self.sharded else total
+        if self.new_rows is not None:  # its hash table, on every device
+            total += sum(a.nbytes for a in device_ids.empty_table(self.rows).values())
+        return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +140,11 @@ class DeviceTableLayout:
 
     tables: tuple[DeviceTable, ...]
     num_features: int
+
+    def __post_init__(self):
+        mapped = {table.new_rows is not None for table in self.tables}
+        if len(mapped) > 1:
+            raise ValueError("device tables: the step maps every table's ids or none")
 
     @property
     def host_positions(self) -> tuple[int, ...]:
@@ -166,13 +183,15 @@ def sparse_update(
 def table_specs(layout: DeviceTableLayout, mesh: jax.sharding.Mesh) -> dict[str, dict[str, P]]:
     """The partition specs of `TrainState.tables`: rows over every mesh axis, or none."""
     rows = P(tuple(mesh.axis_names))
-    return {
-        table.name: {
+    specs = {}
+    for table in layout.tables:
+        specs[table.name] = {
             "values": rows if table.sharded else P(),
             "state": rows if table.sharded else P(),
         }
-        for table in layout.tables
-    }
+        if table.new_rows is not None:  # the hash table, replicated
+            specs[table.name].update(dict.fromkeys(device_ids.empty_table(0), P()))
+    return specs
 
 
 def init_tables(
@@ -194,7 +213,18 @@ def init_tables(
             )()
             for key, shape in shapes.items()
         }
+        if table.new_rows is not None:
+            tables[table.name].update(replicated_table(device_ids.empty_table(table.rows), mesh))
     return tables
+
+
+def replicated_table(arrays: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict:
+    """Host arrays (a device table's hash table) as arrays replicated over `mesh`."""
+    sharding = replicated(mesh)
+    return {
+        key: jax.make_array_from_callback(a.shape, sharding, lambda i, a=a: a[i])
+        for key, a in arrays.items()
+    }
 
 
 def batch_shardings(layout: DeviceTableLayout, mesh: jax.sharding.Mesh) -> dict[str, Any]:
@@ -206,9 +236,14 @@ def batch_shardings(layout: DeviceTableLayout, mesh: jax.sharding.Mesh) -> dict[
             per_example = key in PER_EXAMPLE
             sharding = batch_sharding(mesh, 2 + (key != "host_scale")) if per_example else None
             out[array_key(table.name, key)] = sharding or replicated(mesh)
-    if layout.tables:
+    if _host_mapped(layout):
         out[NEW_ROWS] = replicated(mesh)
     return out
+
+
+def _host_mapped(layout: DeviceTableLayout) -> bool:
+    """Whether the host maps some device table's ids (the batch then carries `NEW_ROWS`)."""
+    return any(table.new_rows is None for table in layout.tables)
 
 
 def array_key(table: str, key: str) -> str:
@@ -281,10 +316,34 @@ def update_tables(
             evict = batch[array_key(table.name, "evict")]
             evicted[table.name] = (held["values"][evict], held["state"][evict])
         out[table.name] = {
+            **held,
             "values": held["values"].at[slots].set(new_values),
             "state": held["state"].at[slots].set(new_state),
         }
     return out, evicted
+
+
+def map_batch(
+    layout: DeviceTableLayout, tables: Mapping[str, Mapping[str, jax.Array]], batch: Mapping
+) -> tuple[dict[str, dict[str, jax.Array]], dict[str, jax.Array]]:
+    """(the tables with their hash tables after the batch, the batch with the arrays the
+    host would have made) for the tables whose ids the step maps (`model.device_ids`)."""
+    tables, mapped, fresh_rows, offset = dict(tables), dict(batch), [], 0
+    for table in layout.tables:
+        if table.new_rows is None:
+            continue
+        held = tables[table.name]
+        hashed = {key: held[key] for key in device_ids.empty_table(0)}
+        ids = batch[array_key(table.name, "ids")]
+        hashed, arrays, fresh, distinct = device_ids.map_ids(hashed, ids, table.rows)
+        tables[table.name] = {**held, **hashed}
+        arrays["new"] = jnp.where(fresh, offset + jnp.arange(fresh.shape[0]), -1)
+        fresh_rows.append(device_ids.initial_rows(table.new_rows, *distinct, table.dim))
+        offset += fresh.shape[0]
+        mapped.update({array_key(table.name, key): value for key, value in arrays.items()})
+    if fresh_rows:
+        mapped[NEW_ROWS] = jnp.concatenate(fresh_rows)
+    return tables, mapped
 
 
 def sequence_keys(layout: DeviceTableLayout) -> tuple[str, ...]:
@@ -301,7 +360,7 @@ def sequence_keys(layout: DeviceTableLayout) -> tuple[str, ...]:
 def split_names(layout: DeviceTableLayout) -> tuple[str, ...]:
     """The batch keys a step with `layout`'s device tables reads."""
     names = tuple(array_key(table.name, key) for table in layout.tables for key in table.arrays)
-    return (*names, NEW_ROWS) if layout.tables else names
+    return (*names, NEW_ROWS) if _host_mapped(layout) else names
 
 
 def train_step(
@@ -315,6 +374,9 @@ def train_step(
     gradients of the host's features only; with caches, the last is (those gradients,
     {cache: (values, state) of its evicted rows}).
     """
+    if layout.tables and not _host_mapped(layout):  # the step maps the ids itself
+        tables, batch = map_batch(layout, state.tables, batch)
+        state = state.replace(tables=tables)
     gathered = gather_rows(layout, state.tables, batch)
 
     def objective(params, host, rows):

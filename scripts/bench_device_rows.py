@@ -13,23 +13,31 @@ timed over --batches-timed batches after --warm batches have filled the tables.
     python scripts/bench_device_rows.py --batches 16384 --dim 128
     python scripts/bench_device_rows.py --cache 1048576   # the long tail behind a cache
     python scripts/bench_device_rows.py --fused   # one device table, as the planner fuses them
+    python scripts/bench_device_rows.py --fused --map-in-step   # the step maps the ids
 
 With --cache ROWS the long-tail features' tables (those the data widens) stay in a host
 store with one hot-row cache of ROWS rows on the devices in front of them, as the planner
 fuses caches; `prepare` then also counts, admits and evicts, and reads the admitted rows
 from the store.
 
+With --map-in-step the step maps the ids itself (`embedding.map_ids = "devices"`,
+`model.device_ids`): the host's stages are then `DeviceIds.prepare` (the ids stacked as
+uint32 halves) and the copy to the devices, and `map_ms_bB` times what moved into the
+step: the jitted mapping alone (distinct ids, the hash table's finds and inserts, the new
+rows' initial values) on the devices, its tables carried from batch to batch.
+
 The last line is one JSON object: per batch B, dedupe_ms_bB, prepare_ms_bB,
 device_arrays_ms_bB, host_side_samples_per_s_bB (B over the slowest stage: the ceiling of
 the hybrid loop's rate with device tables), one_thread_samples_per_s_bB (B over the three
 together) and shapes_bB (the distinct sets of array shapes over all the batches: the
 step's compiles); with --cache, cache_hit_rate_bB (of the cached features' lookups in the
-timed batches, the share the cache held).
+timed batches, the share the cache held); with --map-in-step, map_ms_bB.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -38,13 +46,20 @@ import numpy as np
 from hybridrec.embedding_store import EmbeddingStore, SparseOptimizerConfig, TableConfig
 from hybridrec.model import make_mesh
 from hybridrec.model.config import MeshConfig
-from hybridrec.model.device_tables import DeviceTable, DeviceTableLayout, SparseRule
+from hybridrec.model.device_tables import (
+    DeviceTable,
+    DeviceTableLayout,
+    SparseRule,
+    init_tables,
+    map_batch,
+)
 from hybridrec.pipeline.synthetic import (
     CATEGORICAL_PROFILE,
     LONG_TAIL,
     scaled_cardinality,
     zipf_ranks,
 )
+from hybridrec.training.device_ids import DeviceIds, map_on_devices
 from hybridrec.training.device_plan import DevicePlan
 from hybridrec.training.device_rows import DeviceRows
 from hybridrec.training.input import Batch, DataPosition
@@ -52,10 +67,18 @@ from hybridrec.training.input import Batch, DataPosition
 MAX_ROWS = 4_000_000  # rows per device table at the most
 
 
-def _rows(plan_tables: int, dim: int, scale: float, cache: int = 0, fused: bool = False):
+def _rows(
+    plan_tables: int,
+    dim: int,
+    scale: float,
+    cache: int = 0,
+    fused: bool = False,
+    in_step: bool = False,
+):
     """DeviceRows over one table per Criteo feature, Adagrad, every table on the devices;
     with `cache`, the long-tail ones in a host store behind one cache of that many rows;
-    `fused`: the whole tables in one device table, as `embedding.fuse_tables` plans them."""
+    `fused`: the whole tables in one device table, as `embedding.fuse_tables` plans them;
+    `in_step`: DeviceIds, the step mapping the ids."""
     optimizer = SparseOptimizerConfig(name="adagrad", learning_rate=0.05)
     rule = SparseRule(
         optimizer.name,
@@ -105,8 +128,18 @@ def _rows(plan_tables: int, dim: int, scale: float, cache: int = 0, fused: bool 
         all_features=tuple(names),
     )
     mesh = make_mesh(MeshConfig(shape=(1,)), jax.devices()[:1])
+    if in_step:
+        plan = map_on_devices(plan, "devices", configs, platform="any", multi_valued={})
+        return DeviceIds(plan, mesh), cards, names
     rows = DeviceRows(plan, configs, mesh, "sum", store=store, staleness=4 if cache else 0)
     return rows, cards, names
+
+
+def _mapping(rows: DeviceIds):
+    """(the device tables, the jitted mapping of a batch's ids on them) of `rows`."""
+    layout = rows.plan.layout
+    step = jax.jit(functools.partial(map_batch, layout), donate_argnums=(0,))
+    return init_tables(layout, rows.mesh), step
 
 
 def feature_ids(rng, size: int, feature: int, card: int) -> np.ndarray:
@@ -155,17 +188,29 @@ def main() -> None:
     parser.add_argument(
         "--fused", action="store_true", help="the whole tables in one (embedding.fuse_tables)"
     )
+    parser.add_argument(
+        "--map-in-step", action="store_true", help="the step maps the ids (embedding.map_ids)"
+    )
     args = parser.parse_args()
     summary = {}
     for size in args.batches:
         rows, cards, names = _rows(
-            len(CATEGORICAL_PROFILE), args.dim, args.cardinality_scale, args.cache, args.fused
+            len(CATEGORICAL_PROFILE),
+            args.dim,
+            args.cardinality_scale,
+            args.cache,
+            args.fused,
+            args.map_in_step,
         )
+        tables, mapping = _mapping(rows) if args.map_in_step else (None, None)
+        mapped = 0.0
         batches = _batches(args.warm + args.batches_timed, size, cards, names, seed=size)
         shapes = set()  # each distinct set of the step's input shapes is one compile
         for batch in batches[: args.warm]:  # their copies compile as the step does
             prepared = rows.prepare(batch)
-            jax.block_until_ready(rows.device_arrays(prepared, slice(None)))
+            arrays = rows.device_arrays(prepared, slice(None))
+            if mapping is not None:  # the warm batches fill the tables
+                tables, _ = jax.block_until_ready(mapping(tables, arrays))
             shapes.add(_shapes(prepared))
         timed = batches[args.warm :]
         before = dict(rows.summary().get("caches", {}).get("cache", {}))
@@ -176,9 +221,13 @@ def main() -> None:
             deduped_at = time.perf_counter()
             prepared = rows.prepare(batch, deduped)
             prepared_at = time.perf_counter()
-            jax.block_until_ready(rows.device_arrays(prepared, slice(None)))
+            arrays = jax.block_until_ready(rows.device_arrays(prepared, slice(None)))
             times += np.diff([start, deduped_at, prepared_at, time.perf_counter()])
             shapes.add(_shapes(prepared))
+            if mapping is not None:
+                start = time.perf_counter()
+                tables, _ = jax.block_until_ready(mapping(tables, arrays))
+                mapped += time.perf_counter() - start
         dedupe, prepare, transfer = times / len(timed)
         rate, one_thread = size / max(dedupe, prepare, transfer), size / (times.sum() / len(timed))
         print(
@@ -188,6 +237,9 @@ def main() -> None:
             f"on one thread; {len(shapes)} batch shapes in {len(batches)} batches",
             flush=True,
         )
+        if mapping is not None:
+            summary[f"map_ms_b{size}"] = round(mapped / len(timed) * 1e3, 2)
+            print(f"  in the step: the ids mapped in {summary[f'map_ms_b{size}']} ms", flush=True)
         if args.cache:
             held = rows.summary()
             after = held["caches"]["cache"]

@@ -124,6 +124,11 @@ class EmbeddingConfig:
     # the devices in front of the host table) with the same options, ROWS its capacity
     # (default: planned from the budget), e.g. "cache:50000"
     placement: dict[str, str] = dataclasses.field(default_factory=dict)
+    # who maps a batch's ids to the rows of the tables held whole on the devices: "host"
+    # (training.device_rows: deduplicated and looked up beside the step), "devices" (the
+    # step, in a hash table on the devices: model.device_ids; single-valued features, no
+    # hot-row caches, click logs), "auto" = the devices on an accelerator, the host on CPU
+    map_ids: Literal["auto", "host", "devices"] = "auto"
 
     def __post_init__(self):
         if (

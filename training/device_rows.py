@@ -427,7 +427,7 @@ class DeviceRows:
             slots = np.flatnonzero(self._touched[table.name])
             if not len(slots):
                 continue
-            values, opt_state = _take_rows(state.tables[table.name], slots, self.mesh)
+            values, opt_state = take_rows(state.tables[table.name], slots, self.mesh)
             ids = self._resident[table.name][slots]
             if self._writes:
                 write = store.write_rows(self.plan.store_tables[table.name], ids, values, opt_state)
@@ -458,7 +458,7 @@ class DeviceRows:
             self._maps[table.name].insert(ids, np.arange(len(ids), dtype=np.int64))
             self._ids[table.name][: len(ids)] = self._resident[table.name][: len(ids)] = ids
             self._used[table.name] = len(ids)
-            tables[table.name] = _filled(state.tables[table.name], values, opt_state)
+            tables[table.name] = filled_table(state.tables[table.name], values, opt_state)
         return state.replace(tables=tables)
 
 
@@ -466,7 +466,7 @@ def _ratio(part: int, whole: int) -> float:
     return round(part / max(whole, 1), 4)
 
 
-def _take_rows(table: Mapping[str, jax.Array], slots: np.ndarray, mesh: Any):
+def take_rows(table: Mapping[str, jax.Array], slots: np.ndarray, mesh: Any):
     """(values, state) host copies of a device table's `slots` (on every process)."""
     index = replicated_array(slots.astype(np.int32), mesh)
     values, state = _taker(mesh)(dict(table), index)
@@ -478,7 +478,7 @@ def _taker(mesh: Any):
     return jax.jit(lambda t, i: (t["values"][i], t["state"][i]), out_shardings=replicated(mesh))
 
 
-def _filled(table: Mapping[str, jax.Array], values: np.ndarray, state: np.ndarray) -> dict:
+def filled_table(table: Mapping[str, jax.Array], values: np.ndarray, state: np.ndarray) -> dict:
     """The device table with rows [0, n) set to `values` / `state`, the rest zeros."""
     out = {}
     for key, rows in (("values", values), ("state", state)):

@@ -54,6 +54,7 @@ from hybridrec.training.defaults import (
     resolve_sequence_auto,
     side_prefixes,
 )
+from hybridrec.training.device_ids import DeviceIds, plan_click_log_tables
 from hybridrec.training.device_plan import DevicePlan, plan_devices
 from hybridrec.training.device_rows import DeviceRows
 from hybridrec.training.hybrid import HybridLoop
@@ -100,23 +101,23 @@ class Job:
         """Whether some tables are trained on the devices."""
         return bool(self.devices and self.devices.layout.tables)
 
-    def device_rows(self, store: Any) -> DeviceRows | None:
+    def device_rows(self, store: Any) -> DeviceRows | DeviceIds | None:
         """The host side of the device tables (id -> row maps) in front of `store`, None
         without any."""
         if not self.device_tables:
             return None
-        tables = {table.name: table for table in self.tables.tables}
         shared = self.shared_store
+        # trainers sharing servers: the chief writes the rows, the others wait for it
+        writes = {
+            "writes": self.is_chief or not shared,
+            "written": (lambda: self.barrier("device-rows-written")) if shared else None,
+        }
+        if self.devices.layout.tables[0].new_rows is not None:  # the step maps the ids
+            return DeviceIds(self.devices, self.mesh, **writes)
+        tables = {table.name: table for table in self.tables.tables}
+        pooling, staleness = self.config.embedding.pooling, self.config.hybrid.staleness
         return DeviceRows(
-            self.devices,
-            tables,
-            self.mesh,
-            self.config.embedding.pooling,
-            store=store,
-            staleness=self.config.hybrid.staleness,
-            # trainers sharing servers: the chief writes the rows, the others wait for it
-            writes=self.is_chief or not shared,
-            written=(lambda: self.barrier("device-rows-written")) if shared else None,
+            self.devices, tables, self.mesh, pooling, store=store, staleness=staleness, **writes
         )
 
     @property
@@ -374,24 +375,15 @@ def prepare(
         else config.embedding.num_shards or default_local_shards(),
         id_map=id_map,
     )
-    host_only = no_caches = None
-    if addresses and process_count > 1 and not config.data.global_order:
-        # each process reads its own rows of the files, so its device tables would take
-        # other ids than the others'; one trainer process in front of servers may use them
-        host_only = (
-            "the trainer processes share embedding servers and each reads its own rows "
-            "(data.global_order = true lets them keep tables on the devices)"
-        )
-    elif addresses and process_count > 1:
-        # every process sees the global batch, but a row admitted into a cache would be
-        # read from the servers by each process at its own time: the replicas could differ
-        no_caches = "several trainer processes share the embedding servers"
-    elif config.model.layout == "towers":
-        host_only = "model.layout = 'towers' places each tower's tables itself"
-    elif follow:
-        host_only = "a followed stream brings new ids without end"
     _check_tower(config, metadata)
-    devices = plan_devices(config, metadata, mesh, tables, host_only=host_only, no_caches=no_caches)
+    devices = plan_click_log_tables(
+        config,
+        metadata,
+        mesh,
+        tables,
+        shared_servers=bool(addresses) and process_count > 1,
+        follow=follow,
+    )
     return Job(
         config=config,
         metadata=metadata,
@@ -438,6 +430,11 @@ def _prepare_sequences(
     addresses = tuple(servers.addresses if servers else config.embedding.servers)
     if config.model.layout == "towers":
         raise ConfigError("model.layout = 'towers' is DMT's, for click logs, not sequence towers")
+    if config.embedding.map_ids == "devices":
+        raise ConfigError(
+            "embedding.map_ids = 'devices' is for click logs: a packed batch of histories "
+            "holds its items once already (use 'auto' or 'host')"
+        )
     mesh = make_mesh(config.mesh)
     config, choices = resolve_sequence_auto(
         config, metadata, math.lcm(mesh.devices.size, process_count)

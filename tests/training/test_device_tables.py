@@ -52,52 +52,75 @@ def _assert_same_rows(a: Path, b: Path, step: int) -> None:
     np.testing.assert_allclose(values_a, values_b, rtol=1e-4, atol=2e-6)
 
 
-def _like_host_then_resumed(run, tmp_path: Path, name: str, placement: list[str]):
-    """Trains 24 steps with every table in the store and with `placement`, and asserts
-    that at staleness 0 both run the same math: losses, evaluation and the rows of the
-    mid-run and final checkpoints (every row's latest value, wherever it was trained)
-    agree. Then resumes the placed run's checkpoint to step 36 as a host-only run
-    ("<name>_to_host") and with `placement` again, the host run from its own, and asserts
-    that all three agree.
+def _like_host_then_resumed(run, tmp_path: Path, placements: dict[str, list[str]]):
+    """Trains 24 steps with every table in the store and with each of `placements`, and
+    asserts that at staleness 0 they all run the same math: losses, evaluation and the
+    rows of the mid-run and final checkpoints (every row's latest value, wherever it was
+    trained) agree. Then resumes each placed run's checkpoint to step 36 as a host-only
+    run ("<name>_to_host") and with its placement again, the host run from its own, and
+    asserts that all agree.
 
-    Returns the summaries (host, placed, resumed host-only, resumed placed) and what the
-    placed run printed.
+    Returns per placement the summaries (host, placed, resumed host-only, resumed placed)
+    and what the placed run printed.
     """
     steps = ["data.max_steps=24", "checkpoint.every_steps=12"]
-    host, _ = run(tmp_path / "host", *steps, "embedding.device_budget=0")
-    placed, printed = run(tmp_path / name, *steps, *placement)
-    assert placed["final_loss"] == pytest.approx(host["final_loss"], rel=1e-4)
-    assert placed["eval"]["auc"] == pytest.approx(host["eval"]["auc"], abs=1e-4)
-    for step in (12, 24):
-        _assert_same_rows(tmp_path / "host", tmp_path / name, step)
-
-    shutil.copytree(tmp_path / name, tmp_path / f"{name}_to_host")
     more = ["data.max_steps=36", "checkpoint.every_steps=12"]
-    to_host, _ = run(tmp_path / f"{name}_to_host", *more, "embedding.device_budget=0", resume=True)
-    again, _ = run(tmp_path / name, *more, *placement, resume=True)
+    host, _ = run(tmp_path / "host", *steps, "embedding.device_budget=0")
+    out = {}
+    for name, placement in placements.items():
+        placed, printed = run(tmp_path / name, *steps, *placement)
+        assert placed["final_loss"] == pytest.approx(host["final_loss"], rel=1e-4)
+        assert placed["eval"]["auc"] == pytest.approx(host["eval"]["auc"], abs=1e-4)
+        for step in (12, 24):
+            _assert_same_rows(tmp_path / "host", tmp_path / name, step)
+        shutil.copytree(tmp_path / name, tmp_path / f"{name}_to_host")
+        to_host, _ = run(
+            tmp_path / f"{name}_to_host", *more, "embedding.device_budget=0", resume=True
+        )
+        again, _ = run(tmp_path / name, *more, *placement, resume=True)
+        out[name] = (placed, to_host, again), printed
     on_host, _ = run(tmp_path / "host", *more, "embedding.device_budget=0", resume=True)
-    assert to_host["steps"] == again["steps"] == on_host["steps"] == 36
-    for resumed in (to_host, again):
-        assert resumed["eval"]["auc"] == pytest.approx(on_host["eval"]["auc"], abs=1e-4)
-    for resumed in (f"{name}_to_host", name):
-        _assert_same_rows(tmp_path / "host", tmp_path / resumed, 36)
-    return (host, placed, to_host, again), printed
+    for name, ((_, to_host, again), _) in out.items():
+        assert to_host["steps"] == again["steps"] == on_host["steps"] == 36
+        for resumed in (to_host, again):
+            assert resumed["eval"]["auc"] == pytest.approx(on_host["eval"]["auc"], abs=1e-4)
+        for resumed in (f"{name}_to_host", name):
+            _assert_same_rows(tmp_path / "host", tmp_path / resumed, 36)
+    return {name: ((host, *runs), printed) for name, (runs, printed) in out.items()}
 
 
 def test_device_tables_train_like_the_host_store_and_restore_anywhere(
     cli, dataset, tmp_path, training, small_model
 ):
+    """Whole tables on the devices, their ids mapped to rows by the host and by the step
+    (`embedding.map_ids`), against the host store."""
+
     def run(run_dir, *keys, resume=False):
         return _train(cli, training, small_model, dataset, run_dir, *keys, resume=resume)
 
-    (host, devices, _, on_devices), printed = _like_host_then_resumed(
-        run, tmp_path, "devices", SHARDED
+    runs = _like_host_then_resumed(
+        run,
+        tmp_path,
+        {
+            "devices": [*SHARDED, "embedding.map_ids=host"],
+            "mapped": [*SHARDED, "embedding.map_ids=devices"],
+        },
     )
-    assert "device tables: 26 of 26 tables on the devices (13 replicated, 13 split by rows)" in (
-        printed
-    )
-    assert host["device_tables"] == {} and devices["device_tables"]["lookups"] == 24 * 256 * 26
-    assert on_devices["device_tables"]["rows"]  # the rows came back onto the devices
+    for (host, devices, _, on_devices), printed in runs.values():
+        assert (
+            "device tables: 26 of 26 tables on the devices (13 replicated, 13 split by rows)"
+            in printed
+        )
+        assert host["device_tables"] == {} and devices["device_tables"]["lookups"] == 24 * 256 * 26
+        rows = devices["device_tables"]["rows"]
+        assert rows and on_devices["device_tables"]["rows"]  # the rows came back onto the devices
+        assert sum(on_devices["device_tables"]["rows"].values()) > sum(rows.values())
+    printed = {name: text for name, (_, text) in runs.items()}
+    assert "ids mapped to rows on the devices, in the step" in printed["mapped"]
+    assert "ids mapped to rows on the devices" not in printed["devices"]
+    # both ways give the tables the same rows (the same distinct ids)
+    mapped, host_mapped = runs["mapped"][0][1], runs["devices"][0][1]
+    assert mapped["device_tables"]["rows"] == host_mapped["device_tables"]["rows"]
 
 
 # hot-row caches in front of host tables, beside whole tables on the devices and host-only
@@ -120,7 +143,9 @@ def test_hot_row_caches_train_like_the_host_store_and_restore_into_host_only(
 
     # cached rows (trained on the devices) and the others (in the store) run the host
     # store's math; the caches start empty on resume and fill from the store
-    (_, cached, _, again), printed = _like_host_then_resumed(run, tmp_path, "cached", CACHED)
+    (_, cached, _, again), printed = _like_host_then_resumed(run, tmp_path, {"cached": CACHED})[
+        "cached"
+    ]
     assert "3 of them with a hot-row cache on the devices" in printed
     assert "C3: host store, hot-row cache of 64 rows, replicated" in printed
     assert "C12: host store, hot-row cache of" in printed and "rows, split by rows" in printed
@@ -290,6 +315,18 @@ def _refused(dataset: Path, run_dir: Path, *keys: str) -> str:
             "embedding table 'C3' on the devices (features C3) is full: 10 rows",
         ),
         (
+            [
+                "embedding.fuse_tables=false",
+                "embedding.placement.C3=device:10",
+                "embedding.map_ids=devices",
+            ],
+            "embedding table 'C3' on the devices (features C3) is full: its 10 rows hold 10 ids",
+        ),
+        (
+            ["embedding.placement.C4=cache:5000", "embedding.map_ids=devices"],
+            "embedding.placement.C4 = 'cache:5000', but ids are mapped to rows in the step",
+        ),
+        (
             ["embedding.capacity=50", "embedding.placement.C3=device"],
             "embedding.placement.C3 = 'device': its features'",
         ),
@@ -310,6 +347,8 @@ def _refused(dataset: Path, run_dir: Path, *keys: str) -> str:
         "budget_too_small",
         "admission",
         "table_full",
+        "table_full_ids_mapped_in_the_step",
+        "cache_with_ids_mapped_in_the_step",
         "ids_past_capacity",
         "cache_budget_too_small",
         "cache_of_unplaceable_table",
