@@ -9,18 +9,16 @@ itself, before the forward pass, and makes the arrays the host would have made (
 `new`, `inverse`, `weights`, the new rows' values), so the rest of the step
 (`model.device_tables`) is unchanged:
 
-1. **Distinct ids.** The global batch's ids are sorted, with both halves as keys. Each
-   occurrence gets its index among the distinct ids.
-2. **Find.** Open addressing with linear probing over `keys_hi`, `keys_lo` and
+1. **Find or insert.** Open addressing with linear probing over `keys_hi`, `keys_lo` and
    `slot_rows` [C]. C is a power of two at least twice the table's rows, so the table is
-   at most half full. Probing goes on while some id has found neither its key nor an
-   empty slot.
-3. **New ids.** Ids not found take the next free rows, in sorted order. Every device and
+   at most half full. Every occurrence of the global batch probes at once, in rounds:
+   one at its key takes the key's row; one at an empty slot claims it (the lowest index
+   wins a contested slot), and a winner takes the next free row. Every device and
    process runs the same program over the same global batch, so every replica of the
-   table agrees. They are inserted in rounds: each pending id claims the empty slot it
-   stands at (a scatter-min: the lowest index wins a contested slot) and the others move
-   on past it.
-4. **Initial values.** The store's initializer (`embedding_store._initializers`), computed
+   table agrees. The other occurrences of a new id find its key the round after.
+2. **Distinct rows.** The occurrences' rows are sorted (one int32 array) and each
+   occurrence finds its row's index among the distinct ones by binary search.
+3. **Initial values.** The store's initializer (`embedding_store._initializers`), computed
    in uint32 halves (splitmix64's 64-bit products from 16-bit limbs): the same mixed bits
    as the store's. The float steps run in float32, where the store's run in float64 and
    round once, so a value can differ from the store's in its last bit or two.
@@ -44,6 +42,8 @@ import numpy as np
 from hybridrec.common import splitmix
 
 U32 = jnp.uint32
+WINDOW = 8  # slots a probe looks at per round: a few rounds, where one slot a round took
+# as many rounds as the longest probe (21 at a third full, 426k ids a batch)
 HASH_KEYS = ("keys_hi", "keys_lo", "slot_rows", "row_hi", "row_lo", "trained_at")
 COUNTERS = ("clock", "used", "full")  # int32 scalars
 
@@ -172,85 +172,107 @@ def _home(high: jax.Array, low: jax.Array, slots: int) -> jax.Array:
     return (_fmix32(low ^ _fmix32(high ^ U32(0x9E3779B9))) & U32(slots - 1)).astype(jnp.int32)
 
 
-def find(
-    table: Mapping[str, jax.Array], high: jax.Array, low: jax.Array, active: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """(the row of each `active` id, -1 where the table does not hold it; the slot each
-    probe stopped at: the id's own, or for one not held the empty slot it would take)."""
-    slot_rows = table["slot_rows"]
-    slots = slot_rows.shape[0]
-
-    def probing(carry):
-        return ~jnp.all(carry[2])
-
-    def probe(carry):
-        at, row, done = carry
-        held = slot_rows[at]
-        hit = (held >= 0) & (table["keys_hi"][at] == high) & (table["keys_lo"][at] == low)
-        row = jnp.where(hit & ~done, held, row)
-        stop = done | hit | (held < 0)
-        return jnp.where(stop, at, (at + 1) & (slots - 1)), row, stop
-
-    start = (_home(high, low, slots), jnp.full(high.shape, -1, jnp.int32), ~active)
-    at, row, _ = jax.lax.while_loop(probing, probe, start)
-    return row, at
-
-
-def insert(
+def find_or_insert(
     table: Mapping[str, jax.Array],
     high: jax.Array,
     low: jax.Array,
-    rows: jax.Array,
-    at: jax.Array,
-    pending: jax.Array,
-) -> dict[str, jax.Array]:
-    """The table with the `pending` ids (distinct, none of them held) mapped to `rows`,
-    each starting from the slot `find` stopped at. In rounds: an id at a free slot claims
-    it (the lowest index wins), an id at a taken one moves on."""
-    slots = table["slot_rows"].shape[0]
-    index = jnp.arange(high.shape[0], dtype=jnp.int32)
+    capacity_rows: int,
+    given: jax.Array | None = None,
+) -> tuple[dict[str, jax.Array], jax.Array]:
+    """(the table, each id's row [n]): the ids it holds find their rows; each id it does
+    not hold is inserted once, however often it occurs, and takes the next free row (or
+    `given`'s). An id past `capacity_rows` gets the scratch row and sets `full`.
 
-    def inserting(carry):
-        return jnp.any(carry[4])
+    In rounds, every occurrence at once, each looking at `WINDOW` slots from where it
+    stands. During them `slot_rows` holds a row (a key held before the batch), -1 (empty)
+    or, below -1, a claim: the index of the occurrence that won the slot this batch. The
+    first slot of the window that ends the probe decides: a held key that is the
+    occurrence's id gives its row; a claim whose winner has its id gives the winner's
+    row; an empty slot is claimed (a scatter-min: the lowest index wins; a loser looks at
+    the winner next round). A window without one moves the probe on. Winners take the
+    next free rows in index order. The keys are written once, after the rounds, so
+    the rounds only read them (a key array written and read in one round is copied whole
+    each round: XLA's CPU and GPU compilers both copy it)."""
+    slots, n = table["slot_rows"].shape[0], high.shape[0]
+    index = jnp.arange(n, dtype=jnp.int32)
+    claim = index - (n + 1)  # below -1, the empty mark; the lowest index the lowest
+    scratch = capacity_rows
+    keys_hi, keys_lo = table["keys_hi"], table["keys_lo"]
+    window = jnp.arange(WINDOW, dtype=jnp.int32)
+
+    def pending(carry):
+        return jnp.any(carry[-1])
+
+    def first(values, k):
+        return jnp.take_along_axis(values, k[:, None], axis=1)[:, 0]
 
     def round_(carry):
-        keys_hi, keys_lo, slot_rows, at, pending = carry
-        free = slot_rows[at] < 0
-        claims = jnp.full(slots, high.shape[0], jnp.int32)
-        claims = claims.at[jnp.where(pending & free, at, slots)].min(index, mode="drop")
-        won = pending & free & (claims[at] == index)
-        target = jnp.where(won, at, slots)
-        keys_hi = keys_hi.at[target].set(high, mode="drop")
-        keys_lo = keys_lo.at[target].set(low, mode="drop")
-        slot_rows = slot_rows.at[target].set(rows, mode="drop")
-        moving = pending & ~free
-        at = jnp.where(moving, (at + 1) & (slots - 1), at)
-        return keys_hi, keys_lo, slot_rows, at, pending & ~won
+        slot_rows, used, at, row, won_at, waiting = carry
+        seen = (at[:, None] + window) & (slots - 1)  # [n, WINDOW] slots from `at` on
+        held = slot_rows[seen]
+        mine = (keys_hi[seen] == high[:, None]) & (keys_lo[seen] == low[:, None])
+        winner = jnp.clip(held + (n + 1), 0, n - 1)  # of a claimed slot
+        same = (held < -1) & (high[winner] == high[:, None]) & (low[winner] == low[:, None])
+        stop = ((held >= 0) & mine) | same | (held == -1)
+        k = jnp.argmax(stop, axis=1)  # the first slot that ends the probe, if any
+        ends = waiting & jnp.any(stop, axis=1)
+        at_k, held_k = first(seen, k), first(held, k)
+        found = ends & (held_k >= 0)
+        same_k = ends & (held_k < -1)
+        empty = ends & (held_k == -1)
+        slot_rows = slot_rows.at[jnp.where(empty, at_k, slots)].min(claim, mode="drop")
+        won = empty & (slot_rows[at_k] == claim)
+        given_row = used + jnp.cumsum(won, dtype=jnp.int32) - 1 if given is None else given
+        new_row = jnp.where(given_row < capacity_rows, given_row, scratch)
+        row = jnp.where(found, held_k, jnp.where(won, new_row, row))
+        row = jnp.where(same_k, row[first(winner, k)], row)
+        won_at = jnp.where(won, at_k, won_at)
+        # on: past a window without an end; a lost claim looks at its winner next round
+        at = jnp.where(waiting & ~ends, (at + WINDOW) & (slots - 1), at)
+        at = jnp.where(empty & ~won, at_k, at)
+        used = used + jnp.sum(won & (new_row < scratch), dtype=jnp.int32)
+        return slot_rows, used, at, row, won_at, waiting & ~(found | won | same_k)
 
-    start = (table["keys_hi"], table["keys_lo"], table["slot_rows"], at, pending)
-    keys_hi, keys_lo, slot_rows, _, _ = jax.lax.while_loop(inserting, round_, start)
-    return {**table, "keys_hi": keys_hi, "keys_lo": keys_lo, "slot_rows": slot_rows}
-
-
-def distinct(high: jax.Array, low: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(distinct ids' high and low halves [n], ascending, the rest zeros; which of the n
-    are distinct ids; each id's index among them [n])."""
-    n = high.shape[0]
-    sorted_high, sorted_low, order = jax.lax.sort(
-        (high, low, jnp.arange(n, dtype=jnp.int32)), num_keys=2
+    start = (
+        table["slot_rows"],
+        table["used"],
+        _home(high, low, slots),
+        jnp.full(n, scratch, jnp.int32),
+        jnp.full(n, slots, jnp.int32),
+        jnp.ones(n, bool),
     )
-    first = jnp.concatenate(
-        [
-            jnp.ones(1, bool),
-            (sorted_high[1:] != sorted_high[:-1]) | (sorted_low[1:] != sorted_low[:-1]),
-        ]
-    )
-    group = jnp.cumsum(first, dtype=jnp.int32) - 1
-    inverse = jnp.zeros(n, jnp.int32).at[order].set(group)
-    target = jnp.where(first, group, n)
-    unique_high = jnp.zeros(n, U32).at[target].set(sorted_high, mode="drop")
-    unique_low = jnp.zeros(n, U32).at[target].set(sorted_low, mode="drop")
-    return unique_high, unique_low, jnp.arange(n) <= group[-1], inverse
+    slot_rows, used, _, row, won_at, _ = jax.lax.while_loop(pending, round_, start)
+    # the claims become rows (an id past the rows: its slot empty again), the keys written
+    placed = won_at < slots
+    fits = placed & (row < scratch)
+    slot_rows = slot_rows.at[won_at].set(jnp.where(fits, row, -1), mode="drop")
+    at_fit = jnp.where(fits, won_at, slots)
+    row_at = jnp.where(fits, row, table["row_hi"].shape[0])
+    return {
+        **table,
+        "slot_rows": slot_rows,
+        "keys_hi": keys_hi.at[at_fit].set(high, mode="drop"),
+        "keys_lo": keys_lo.at[at_fit].set(low, mode="drop"),
+        "row_hi": table["row_hi"].at[row_at].set(high, mode="drop"),
+        "row_lo": table["row_lo"].at[row_at].set(low, mode="drop"),
+        "used": used,
+        "full": table["full"] | jnp.any(placed & ~fits).astype(jnp.int32),
+    }, row
+
+
+def distinct_rows(row: jax.Array, scratch: int) -> tuple[jax.Array, jax.Array]:
+    """(the distinct rows of `row` [n], ascending, padded with the scratch row; each
+    occurrence's index among them [n]). One sort of the rows alone, and a binary search
+    for the indices: a sort carrying a second array is several times slower (XLA's CPU
+    sort: 200 against 30 ms for 426k rows)."""
+    n = row.shape[0]
+    ordered = jnp.sort(row)
+    first = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
+    target = jnp.where(first, jnp.cumsum(first, dtype=jnp.int32) - 1, n)
+    top = jnp.iinfo(jnp.int32).max  # after every row: the padding keeps them sorted
+    distinct = jnp.full(n, top, jnp.int32).at[target].set(ordered, mode="drop")
+    inverse = jnp.searchsorted(distinct, row).astype(jnp.int32)
+    return jnp.where(distinct == top, scratch, distinct), inverse
 
 
 def map_ids(
@@ -262,53 +284,31 @@ def map_ids(
     Returns (the hash table after the batch: new ids inserted, the rows it trains stamped
     with the clock; {"slots" [n]: the batch's distinct rows, padded with the scratch row,
     "inverse" [B, F, 1], "weights" [B, F, 1]}; which of the n distinct rows are new;
-    the distinct ids' halves [2, n], for their initial values), with n = B * F.
+    the distinct rows' ids as halves [2, n], for their initial values), with n = B * F.
     """
     batch, features = ids.shape[:2]
-    high, low, valid, inverse = distinct(ids[..., 1].reshape(-1), ids[..., 0].reshape(-1))
-    row, at = find(table, high, low, valid)
-    fresh = valid & (row < 0)
-    used = table["used"]
-    given = used + jnp.cumsum(fresh, dtype=jnp.int32) - 1
-    fits = fresh & (given < capacity_rows)
-    table = insert(table, high, low, given, at, fits)
-    scratch = capacity_rows
-    row = jnp.where(fresh, jnp.where(fits, given, scratch), row)
-    row = jnp.where(valid, row, scratch)
-    placed = jnp.where(fits, given, capacity_rows + 1)  # out of range: dropped
+    before = table["used"]
+    table, row = find_or_insert(
+        table, ids[..., 1].reshape(-1), ids[..., 0].reshape(-1), capacity_rows
+    )
+    slots, inverse = distinct_rows(row, capacity_rows)
+    fresh = (slots >= before) & (slots < capacity_rows)  # rows given in this batch
     clock = table["clock"] + 1
-    count = jnp.sum(fresh, dtype=jnp.int32)
-    table = {
-        **table,
-        "row_hi": table["row_hi"].at[placed].set(high, mode="drop"),
-        "row_lo": table["row_lo"].at[placed].set(low, mode="drop"),
-        "trained_at": table["trained_at"].at[row].set(clock),
-        "clock": clock,
-        "used": jnp.minimum(used + count, capacity_rows),
-        "full": table["full"] | (used + count > capacity_rows).astype(jnp.int32),
-    }
+    table = {**table, "trained_at": table["trained_at"].at[slots].set(clock), "clock": clock}
     arrays = {
-        "slots": row,
+        "slots": slots,
         "inverse": inverse.reshape(batch, features, 1),
         "weights": jnp.ones((batch, features, 1), jnp.float32),
     }
-    return table, arrays, fits, jnp.stack([high, low])
+    return table, arrays, fresh, jnp.stack([table["row_hi"][slots], table["row_lo"][slots]])
 
 
 def filled(table: Mapping[str, jax.Array], high: jax.Array, low: jax.Array) -> dict:
     """The table holding the distinct ids `high`, `low` [n] at rows [0, n) (a restore:
     `training.device_ids`), none of them trained since."""
-    n = high.shape[0]
-    everyone = jnp.ones(n, bool)
-    _, at = find(table, high, low, everyone)
-    rows = jnp.arange(n, dtype=jnp.int32)
-    table = insert(table, high, low, rows, at, everyone)
-    return {
-        **table,
-        "row_hi": table["row_hi"].at[rows].set(high),
-        "row_lo": table["row_lo"].at[rows].set(low),
-        "used": jnp.asarray(n, jnp.int32),
-    }
+    rows = jnp.arange(high.shape[0], dtype=jnp.int32)
+    table, _ = find_or_insert(table, high, low, table["row_hi"].shape[0] - 1, given=rows)
+    return table
 
 
 def split_ids(ids: np.ndarray) -> np.ndarray:

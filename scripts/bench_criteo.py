@@ -207,6 +207,8 @@ def _train(
         "device_lookup_fraction": _device_fraction(summary),
         # of the cached tables' lookups, the share their hot-row caches held (None: none)
         "cache_hit_rate": (summary.get("device_tables") or {}).get("cache_hit_rate"),
+        # whether the step mapped the device tables' ids (embedding.map_ids), not the host
+        "ids_in_step": bool((summary.get("device_tables") or {}).get("mapped_on_devices")),
         # XLA compile seconds inside the steady window (a new batch shape compiles the step)
         "steady_compile_s": round(last.get("compile_s", 0.0) - first.get("compile_s", 0.0), 2),
         "compiles": summary.get("compiles"),

@@ -35,7 +35,8 @@ distinct_ids_long_tail; per shape and batch B (criteo_dlrm; the MLPerf shape's k
 with "mlperf_"): dense_only_samples_per_s_bB, hybrid_samples_per_s_bB (staleness 4),
 hybrid_sync_samples_per_s_bB (staleness 0), hybrid_host_samples_per_s_bB (--host-only),
 hybrid_over_dense_bB, auc_bB, host_cores_bB, device_peak_gb_bB, wait_ms_bB, device_ms_bB,
-device_lookup_fraction_bB (the lookups the devices' tables served),
+device_lookup_fraction_bB (the lookups the devices' tables served), ids_in_step_bB
+(whether the step mapped the device tables' ids: `embedding.map_ids`, "auto" on a GPU),
 steady_compile_s_bB; with --profile, device_busy_ms_bB (the time something ran on the
 busiest device, where the trace shows the device);
 and mlperf_shape_samples_per_s, the MLPerf shape's best hybrid rate over the batches
@@ -172,6 +173,7 @@ def _hybrid(data, shape, batch, staleness, args, work, env, extra=(), tag=""):
         "device_peak_gb": None if peak is None else round(peak / 2**30, 2),
         "peak_rss_gb": round(result["peak_rss_gb"], 2),
         "device_lookup_fraction": result["device_lookup_fraction"],
+        "ids_in_step": result["ids_in_step"],
         "steady_compile_s": result["steady_compile_s"],
         **{name: result[name] for name in ("wait_ms", "step_ms", "device_ms", "update_ms")},
         "profile": profile,
@@ -229,6 +231,7 @@ def _report(results: Results, info: dict, distinct: tuple[int, int]) -> dict:
                     "device_lookup_fraction",
                 ):  # fmt: skip
                     keyed[name] = main[name]
+                keyed["ids_in_step"] = main.get("ids_in_step")
                 keyed["steady_compile_s"] = main.get("steady_compile_s")
             if hybrid and hybrid.get("profile"):  # printed below the table
                 profiles.append((f"{shape}, batch {batch}, k4", hybrid["profile"]))

@@ -10,6 +10,8 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
              the hybrid loop against the dense step alone, with a profile of the last steps;
   device_rows  scripts/bench_device_rows.py --fused at batch 16384: the host's side of the
              device tables per batch, each of its three stages, on this host's cores;
+  device_ids  the same with the ids mapped in the step (--map-in-step): the host's stages
+             left, and the mapping's time on the device (map_ms_b16384);
   roundtrip  `hybridrec quickstart`: generate -> preprocess -> train -> evaluate -> export ->
              serve;
   hstu_time  scripts/bench_hstu.py at 4k tokens a row with HSTU's time-gap bias (64
@@ -21,7 +23,7 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
 
     python scripts/gpu_check.py --out DIR [--rehearse] [--budget SECONDS] [--steps ...]
 
-DIR receives each step's log (STEP.log; device_rows's in bench_gpu.log), the tests' JUnit
+DIR receives each step's log (STEP.log; device_rows's and device_ids's in bench_gpu.log), the tests' JUnit
 XML and gpu_check.json, which is also the last line printed.
 """
 
@@ -82,7 +84,7 @@ REHEARSAL_TESTS = ["tests/model/test_hstu_attention.py", "-k", "lowers or bucket
 
 
 # steps whose output goes on in another step's log: at most 8 files come back
-SHARED_LOGS = {"device_rows": "bench_gpu"}
+SHARED_LOGS = {"device_rows": "bench_gpu", "device_ids": "bench_gpu"}
 
 
 def _steps(
@@ -102,6 +104,8 @@ def _steps(
         hstu_time = [*hstu, "--time-buckets", "8"]
         sequences = ["--users", "200", "--items", "2000", "--mean-events", "10"]
         sequences += ["--longest", "200", "--steps", "6", "--repeats", "1", "--token-budget", "800"]
+        # the ids mapped in the step, as "auto" has it on a GPU (the CPU's "auto" is the host)
+        bench += ["--set", "embedding.map_ids=devices"]
     else:
         hstu, tests, workers = ["--min-seconds", "0.5", "--extra-blocks", "128"], TESTS, "8"
         bench = ["--rows", "1000000", "--batches", "16384", "--samples", "1000000"]
@@ -124,6 +128,7 @@ def _steps(
         ("tests", [*pytest, *tests], 180),
         ("bench_gpu", [python, "scripts/bench_gpu.py", *bench], 150),
         ("device_rows", [python, "scripts/bench_device_rows.py", "--fused", *device_rows], 30),
+        ("device_ids", [python, "scripts/bench_device_rows.py", "--fused", "--map-in-step", *device_rows], 30),
         ("roundtrip", [python, "-m", "hybridrec", "quickstart", "--rows", rows, "--out", str(work / "quickstart")], 60),
         # last, in what the budget leaves: the kernel with HSTU's time-gap bias, and the
         # sequence loop (the item rows in the host store and on the device)
@@ -263,6 +268,7 @@ def main(argv=None) -> None:
             "tests",
             "bench_gpu",
             "device_rows",
+            "device_ids",
             "roundtrip",
             "hstu_time",
             "sequences",
@@ -306,7 +312,7 @@ def main(argv=None) -> None:
             start = log.stat().st_size if name in SHARED_LOGS and log.exists() else 0
             result = _run(command, log, cap, env, append=name in SHARED_LOGS)
             summary["steps"][name] = {**result, "cap_s": round(cap)}
-            if name in ("hstu", "hstu_time", "bench_gpu", "device_rows", "sequences"):
+            if name in ("hstu", "hstu_time", "bench_gpu", "device_rows", "device_ids", "sequences"):
                 summary[name] = _last_json(log, start)  # this step's own lines only
             elif name == "tests":
                 summary[name] = _test_results(log, args.out / "tests.xml")

@@ -32,7 +32,8 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     assert summary["rehearse"] and summary["device"]["platform"] == "cpu"
     steps = summary["steps"]
     assert list(steps) == [
-        "hstu", "tests", "bench_gpu", "device_rows", "roundtrip", "hstu_time", "sequences",
+        "hstu", "tests", "bench_gpu", "device_rows", "device_ids", "roundtrip", "hstu_time",
+        "sequences",
     ]  # fmt: skip
     assert all(step["rc"] == 0 and not step["timed_out"] for step in steps.values()), steps
     hstu = summary["hstu"]  # the kernel, interpreted, against the reference
@@ -44,8 +45,11 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     assert summary["tests"]["failures"] == summary["tests"]["errors"] == 0
     stages = summary["device_rows"]  # the host's side of the device tables
     assert stages["host_side_samples_per_s_b256"] > 0 and stages["shapes_b256"] >= 1
+    in_step = summary["device_ids"]  # the same, the ids mapped in the step
+    assert in_step["map_ms_b256"] > 0 and in_step["dedupe_ms_b256"] == 0
     bench = summary["bench_gpu"]
     assert bench["hybrid_over_dense_b256"] > 0 and bench["mlperf_shape_samples_per_s"] > 0
+    assert bench["ids_in_step_b256"] and bench["mlperf_ids_in_step_b256"]  # as on a GPU
     assert summary["roundtrip"]["finished"] and 0.5 < summary["roundtrip"]["auc"] < 1
     loop = summary["sequences"]["models"]  # the HSTU loop, item rows on the host and device
     assert loop["hstu"]["tokens_per_s"] > 0 and loop["hstu_device"]["loop_over_dense"] > 0

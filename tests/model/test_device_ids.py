@@ -67,16 +67,27 @@ def _colliding_ids(table_rows: int, count: int) -> np.ndarray:
 
 
 class DictTable:
-    """The reference: a dict from id to row; a batch's new ids take rows in ascending order."""
+    """The reference: a dict from id to row. Which of a batch's new ids takes which new row
+    is the table's choice; `check` asserts what must hold and learns the choice."""
 
     def __init__(self, rows: int):
         self.rows, self.of = rows, {}
 
-    def map(self, batch: np.ndarray) -> np.ndarray:
-        for value in sorted(set(batch.ravel().tolist())):
-            if value not in self.of and len(self.of) < self.rows:
-                self.of[value] = len(self.of)
-        return np.vectorize(lambda v: self.of.get(v, self.rows), otypes=[np.int64])(batch)
+    def check(self, batch: np.ndarray, at: np.ndarray) -> None:
+        """`at`: the table's row of each id of `batch`."""
+        seen = dict(self.of)
+        for value, row in zip(batch.ravel().tolist(), at.ravel().tolist(), strict=True):
+            if value in seen:  # held, or new and met before in this batch: one row
+                assert row == seen[value], (value, row, seen[value])
+            else:
+                seen[value] = row
+        new = {v: r for v, r in seen.items() if v not in self.of}
+        given = sorted(r for r in new.values() if r < self.rows)
+        room = min(len(new), self.rows - len(self.of))
+        # the next free rows, each once, as many as there is room for; the rest scratch
+        assert given == list(range(len(self.of), len(self.of) + room))
+        assert sum(r == self.rows for r in new.values()) == len(new) - room
+        self.of.update({v: r for v, r in new.items() if r < self.rows})
 
 
 def _map(table, batch: np.ndarray, rows: int):
@@ -84,52 +95,61 @@ def _map(table, batch: np.ndarray, rows: int):
     return jax.jit(device_ids.map_ids, static_argnums=2)(table, ids, rows)
 
 
+def _rows_of(arrays) -> np.ndarray:
+    return np.asarray(arrays["slots"])[np.asarray(arrays["inverse"])[..., 0]]
+
+
 def test_ids_map_to_rows_like_a_dict_through_collisions_and_a_restore():
     rows = 300
     pool = _colliding_ids(rows, 280)
     table = {key: jnp.asarray(value) for key, value in device_ids.empty_table(rows).items()}
     reference = DictTable(rows)
-    seen = set()
     for step in range(1, 6):
         batch = RNG.choice(pool[: 120 + 40 * step], size=(32, 5))  # repeats within and across
+        held = len(reference.of)
         table, arrays, fresh, distinct = _map(table, batch, rows)
-        slots = np.asarray(arrays["slots"])
-        inverse = np.asarray(arrays["inverse"])[..., 0]
-        np.testing.assert_array_equal(slots[inverse], reference.map(batch))
+        at = _rows_of(arrays)
+        reference.check(batch, at)
         np.testing.assert_array_equal(np.asarray(arrays["weights"]), 1.0)
-        # the new rows are the batch's ids the table did not hold, each once
+        slots = np.asarray(arrays["slots"])
+        assert len(set(slots[slots < rows].tolist())) == len(set(at.ravel().tolist()))
+        # the new rows are the batch's ids the table did not hold, each once, with their ids
         new_ids = device_ids.joined_ids(*np.asarray(distinct))[np.asarray(fresh)]
-        assert sorted(new_ids.tolist()) == sorted(set(batch.ravel().tolist()) - seen)
-        seen |= set(batch.ravel().tolist())
-        assert int(table["used"]) == len(seen) and int(table["clock"]) == step
+        assert sorted(new_ids.tolist()) == sorted(v for v, r in reference.of.items() if r >= held)
+        assert int(table["used"]) == len(reference.of) and int(table["clock"]) == step
         # each row knows its id, and the rows the batch trained carry its step
-        held = device_ids.joined_ids(table["row_hi"], table["row_lo"])[: len(seen)]
-        assert {int(v): r for r, v in enumerate(held)} == reference.of
+        ids = device_ids.joined_ids(table["row_hi"], table["row_lo"])[: len(reference.of)]
+        assert {int(v): r for r, v in enumerate(ids)} == reference.of
         trained = np.flatnonzero(np.asarray(table["trained_at"])[:rows] == step)
-        np.testing.assert_array_equal(trained, np.unique(slots[inverse]))
+        np.testing.assert_array_equal(trained, np.unique(at))
     assert not int(table["full"])
 
     # a restore: the held ids inserted at their rows find the same rows
     restored = {key: jnp.asarray(value) for key, value in device_ids.empty_table(rows).items()}
-    restored = jax.jit(device_ids.filled)(
-        restored, table["row_hi"][: len(seen)], table["row_lo"][: len(seen)]
-    )
-    batch = RNG.choice(pool[:200], size=(16, 5))
-    _, again, _, _ = _map(restored, batch, rows)
-    _, before, _, _ = _map(table, batch, rows)
-    for arrays in (again, before):
-        at = np.asarray(arrays["slots"])[np.asarray(arrays["inverse"])[..., 0]]
-        np.testing.assert_array_equal(at, reference.map(batch))
+    held = len(reference.of)
+    restored = jax.jit(device_ids.filled)(restored, table["row_hi"][:held], table["row_lo"][:held])
+    assert int(restored["used"]) == held
+    batch = RNG.choice(pool, size=(16, 5))
+    unseen = set(batch.ravel().tolist()) - set(reference.of)
+    assert unseen and len(unseen) < len(set(batch.ravel().tolist()))
+    for hashed in (restored, table):
+        _, arrays, fresh, distinct = _map(hashed, batch, rows)
+        copy = DictTable(rows)
+        copy.of = dict(reference.of)
+        copy.check(batch, _rows_of(arrays))
+        new_ids = device_ids.joined_ids(*np.asarray(distinct))[np.asarray(fresh)]
+        assert set(new_ids.tolist()) == unseen
 
 
 def test_a_batch_past_the_tables_rows_uses_the_scratch_row_and_says_so():
     rows = 20
     table = {key: jnp.asarray(value) for key, value in device_ids.empty_table(rows).items()}
     batch = np.arange(1, 31, dtype=np.uint64).reshape(10, 3) << np.uint64(40)
+    batch = np.concatenate([batch, batch[::-1]])  # each id twice
     table, arrays, fresh, _ = _map(table, batch, rows)
-    at = np.asarray(arrays["slots"])[np.asarray(arrays["inverse"])[..., 0]]
-    np.testing.assert_array_equal(at, DictTable(rows).map(batch))  # the first 20 ids by value
-    assert (at == rows).sum() == 10 and int(np.asarray(fresh).sum()) == rows
+    reference = DictTable(rows)
+    reference.check(batch, _rows_of(arrays))
+    assert len(reference.of) == rows and int(np.asarray(fresh).sum()) == rows
     assert int(table["used"]) == rows and int(table["full"]) == 1
 
 
