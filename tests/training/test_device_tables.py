@@ -254,13 +254,19 @@ def test_device_tables_of_two_trainer_processes_sharing_a_shard_server(
             drift = np.abs(values - host_values).max(axis=1)
             assert drift.max() < 5e-3, drift.max()
             assert np.median(drift) < 1e-6 and np.mean(drift > 1e-4) < 0.01, np.sort(drift)[-20:]
+        # resumed with the ids mapped in the step: each process's step maps the global
+        # batch's ids alike, the chief writes the rows back
         more = small_model(*SYNC, "data.max_steps=30", "checkpoint.every_steps=12", *MIXED,
-                           "data.global_order=true")  # fmt: skip
-        cli(*launch, "--", *training.args(dataset, run_dir, *more, "--resume"),
-            env=env, timeout=240)  # fmt: skip
+                           "data.global_order=true", "embedding.map_ids=devices")  # fmt: skip
+        result = cli(*launch, "--", *training.args(dataset, run_dir, *more, "--resume"),
+                     env=env, timeout=240)  # fmt: skip
+        assert "ids mapped to rows on the devices, in the step" in result.stdout
         first, second = summaries()
-        assert first["steps"] == 30 and first["device_tables"]["rows"]
+        assert first["steps"] == 30 and first["device_tables"]["mapped_on_devices"]
         assert first["device_tables"] == second["device_tables"]
+        rows = sum(first["device_tables"]["rows"].values())
+        ids, _ = _rows(run_dir, 30)
+        assert 0 < rows <= len(ids)  # the device tables' rows among the server's
         # a cache there is a one-line error naming the key, from each trainer
         refused = subprocess.run(
             [sys.executable, "-m", "hybridrec", *launch, "--", *training.args(
