@@ -16,8 +16,8 @@ itself, before the forward pass, and makes the arrays the host would have made (
    wins a contested slot), and a winner takes the next free row. Every device and
    process runs the same program over the same global batch, so every replica of the
    table agrees. The other occurrences of a new id find its key the round after.
-2. **Distinct rows.** The occurrences' rows are sorted (one int32 array) and each
-   occurrence finds its row's index among the distinct ones by binary search.
+2. **Distinct rows.** The occurrences' rows are sorted (int32) and each occurrence gets
+   its row's index among the distinct ones.
 3. **Initial values.** The store's initializer (`embedding_store._initializers`), computed
    in uint32 halves (splitmix64's 64-bit products from 16-bit limbs): the same mixed bits
    as the store's. The float steps run in float32, where the store's run in float64 and
@@ -33,6 +33,7 @@ and train the scratch row, and the host raises at its next write-back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,6 +69,10 @@ class NewRows:
     first_column: int = 0
     a: float = 0.0
     b: float = 0.0
+
+
+ROW_BYTES = 4 * 12 + 12  # a row's share of its table's hash arrays on every device, at most:
+# 12 bytes a slot (key halves, row) and under 4 slots a row, and its id and stamp
 
 
 def capacity(rows: int) -> int:
@@ -190,9 +195,13 @@ def find_or_insert(
     occurrence's id gives its row; a claim whose winner has its id gives the winner's
     row; an empty slot is claimed (a scatter-min: the lowest index wins; a loser looks at
     the winner next round). A window without one moves the probe on. Winners take the
-    next free rows in index order. The keys are written once, after the rounds, so
-    the rounds only read them (a key array written and read in one round is copied whole
-    each round: XLA's CPU and GPU compilers both copy it)."""
+    next free rows in index order. A winner past the rows gives its slot back and takes
+    the scratch row; from then on an id that reaches an empty slot is past the rows too
+    and takes the scratch row without a claim (held ids are still found: a key comes
+    before the first empty slot from its home), so claims never fill the slots. The keys
+    are written once, after the rounds, so the rounds only read them (a key array
+    written and read in one round is copied whole each round: XLA's CPU and GPU
+    compilers both copy it)."""
     slots, n = table["slot_rows"].shape[0], high.shape[0]
     index = jnp.arange(n, dtype=jnp.int32)
     claim = index - (n + 1)  # below -1, the empty mark; the lowest index the lowest
@@ -207,7 +216,7 @@ def find_or_insert(
         return jnp.take_along_axis(values, k[:, None], axis=1)[:, 0]
 
     def round_(carry):
-        slot_rows, used, at, row, won_at, waiting = carry
+        full, slot_rows, used, at, row, won_at, waiting = carry
         seen = (at[:, None] + window) & (slots - 1)  # [n, WINDOW] slots from `at` on
         held = slot_rows[seen]
         mine = (keys_hi[seen] == high[:, None]) & (keys_lo[seen] == low[:, None])
@@ -219,21 +228,27 @@ def find_or_insert(
         at_k, held_k = first(seen, k), first(held, k)
         found = ends & (held_k >= 0)
         same_k = ends & (held_k < -1)
-        empty = ends & (held_k == -1)
+        late = ends & (held_k == -1) & (full > 0)  # a new id once the rows ran out
+        empty = ends & (held_k == -1) & (full == 0)
         slot_rows = slot_rows.at[jnp.where(empty, at_k, slots)].min(claim, mode="drop")
         won = empty & (slot_rows[at_k] == claim)
         given_row = used + jnp.cumsum(won, dtype=jnp.int32) - 1 if given is None else given
-        new_row = jnp.where(given_row < capacity_rows, given_row, scratch)
-        row = jnp.where(found, held_k, jnp.where(won, new_row, row))
-        row = jnp.where(same_k, row[first(winner, k)], row)
-        won_at = jnp.where(won, at_k, won_at)
+        fits = won & (given_row < capacity_rows)
+        over = won & ~fits  # its slot given back
+        slot_rows = slot_rows.at[jnp.where(over, at_k, slots)].set(-1, mode="drop")
+        row = jnp.where(found, held_k, jnp.where(fits, given_row, row))
+        row = jnp.where(same_k, row[first(winner, k)], jnp.where(over | late, scratch, row))
+        won_at = jnp.where(fits, at_k, won_at)
         # on: past a window without an end; a lost claim looks at its winner next round
         at = jnp.where(waiting & ~ends, (at + WINDOW) & (slots - 1), at)
         at = jnp.where(empty & ~won, at_k, at)
-        used = used + jnp.sum(won & (new_row < scratch), dtype=jnp.int32)
-        return slot_rows, used, at, row, won_at, waiting & ~(found | won | same_k)
+        used = used + jnp.sum(fits, dtype=jnp.int32)
+        full = full | jnp.any(over).astype(jnp.int32)
+        waiting = waiting & ~(found | won | same_k | late)
+        return full, slot_rows, used, at, row, won_at, waiting
 
     start = (
+        table["full"],
         table["slot_rows"],
         table["used"],
         _home(high, low, slots),
@@ -241,30 +256,48 @@ def find_or_insert(
         jnp.full(n, slots, jnp.int32),
         jnp.ones(n, bool),
     )
-    slot_rows, used, _, row, won_at, _ = jax.lax.while_loop(pending, round_, start)
-    # the claims become rows (an id past the rows: its slot empty again), the keys written
-    placed = won_at < slots
-    fits = placed & (row < scratch)
-    slot_rows = slot_rows.at[won_at].set(jnp.where(fits, row, -1), mode="drop")
-    at_fit = jnp.where(fits, won_at, slots)
-    row_at = jnp.where(fits, row, table["row_hi"].shape[0])
+    full, slot_rows, used, _, row, won_at, _ = jax.lax.while_loop(pending, round_, start)
+    # the claims become rows, the keys and the rows' ids are written
+    slot_rows = slot_rows.at[won_at].set(row, mode="drop")
+    row_at = jnp.where(won_at < slots, row, table["row_hi"].shape[0])
     return {
         **table,
         "slot_rows": slot_rows,
-        "keys_hi": keys_hi.at[at_fit].set(high, mode="drop"),
-        "keys_lo": keys_lo.at[at_fit].set(low, mode="drop"),
+        "keys_hi": keys_hi.at[won_at].set(high, mode="drop"),
+        "keys_lo": keys_lo.at[won_at].set(low, mode="drop"),
         "row_hi": table["row_hi"].at[row_at].set(high, mode="drop"),
         "row_lo": table["row_lo"].at[row_at].set(low, mode="drop"),
         "used": used,
-        "full": table["full"] | jnp.any(placed & ~fits).astype(jnp.int32),
+        "full": full,
     }, row
 
 
 def distinct_rows(row: jax.Array, scratch: int) -> tuple[jax.Array, jax.Array]:
     """(the distinct rows of `row` [n], ascending, padded with the scratch row; each
-    occurrence's index among them [n]). One sort of the rows alone, and a binary search
-    for the indices: a sort carrying a second array is several times slower (XLA's CPU
-    sort: 200 against 30 ms for 426k rows)."""
+    occurrence's index among them [n]).
+
+    On a GPU one sort of the rows carrying their positions (CUB's radix sort of pairs),
+    the indices scattered back. On a CPU, where XLA's sort carrying a second array is
+    several times slower than of one (200 against 30 ms for 426k rows), a sort of the
+    rows alone and a binary search per occurrence."""
+    return jax.lax.platform_dependent(
+        row,
+        cpu=functools.partial(_distinct_by_search, scratch=scratch),
+        default=functools.partial(_distinct_by_order, scratch=scratch),
+    )
+
+
+def _distinct_by_order(row: jax.Array, scratch: int) -> tuple[jax.Array, jax.Array]:
+    n = row.shape[0]
+    ordered, order = jax.lax.sort((row, jnp.arange(n, dtype=jnp.int32)), num_keys=1)
+    first = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
+    group = jnp.cumsum(first, dtype=jnp.int32) - 1
+    distinct = jnp.full(n, scratch, jnp.int32)
+    distinct = distinct.at[jnp.where(first, group, n)].set(ordered, mode="drop")
+    return distinct, jnp.zeros(n, jnp.int32).at[order].set(group)
+
+
+def _distinct_by_search(row: jax.Array, scratch: int) -> tuple[jax.Array, jax.Array]:
     n = row.shape[0]
     ordered = jnp.sort(row)
     first = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])

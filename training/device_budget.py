@@ -62,6 +62,7 @@ def plan_by_lookups(
     devices: int,
     *,
     caches: bool = True,
+    row_overhead: int = 0,
 ) -> int:
     """Gives the tables in `weighed` rows on the devices by the lookups each byte serves
     (their bands of ids, densest first over all tables, until the budget is spent);
@@ -73,12 +74,13 @@ def plan_by_lookups(
     cache that gets fewer is a ConfigError); the rest stay on the host only. A table's
     first rows (`_segments`) are granted whole or not at all, so no grant falls below the
     smallest cache. Without `caches`, each table is one piece: whole or host only.
+    `row_overhead`: bytes a row costs on every device besides its values and state.
     """
     segments = []  # (value per byte, table index, rows, bytes per row, whole or nothing)
     per_row = []  # bytes per device of one row, and its layout
     for index, (_, layout, _, row_bytes, forced, most, bands, whole_ok) in enumerate(weighed):
         sharded, _ = split_layout(layout, (most + 1) * row_bytes, devices)
-        cost = row_bytes / devices if sharded else row_bytes
+        cost = (row_bytes / devices if sharded else row_bytes) + row_overhead
         per_row.append((cost, "sharded" if sharded else "replicated"))
         if caches:
             pieces = _values(_segments(bands, most), forced, whole_ok and not forced)
@@ -111,7 +113,7 @@ def plan_by_lookups(
                 raise _cache_too_small(budget, budget_note, budget - used, spec_table)
             continue
         sharded, per_device = split_layout(layout, (planned + 1) * row_bytes, devices)
-        used += per_device
+        used += per_device + (planned + 1) * row_overhead
         chosen.append((spec_table, planned, sharded, store_name, not whole))
     return used
 

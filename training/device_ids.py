@@ -87,18 +87,38 @@ def plan_click_log_tables(
     elif follow:
         host_only = "a followed stream brings new ids without end"
     mode, platform = config.embedding.map_ids, mesh.devices.flat[0].platform
+    multi_valued = {f.name: f.multi_valued for f in metadata.categorical}
+    auto_on_host = mode == "auto" and any(multi_valued.values())
+    if auto_on_host:
+        mode = "host"  # a bag's ids are the host's to map; the run keeps its caches
+    overhead = 0
     if not host_only and maps_on_devices(mode, platform):
         no_caches = (
             no_caches or f"ids are mapped to rows in the step (embedding.map_ids = {mode!r})"
         )
-    plan = plan_devices(config, metadata, mesh, tables, host_only=host_only, no_caches=no_caches)
-    return map_on_devices(
+        overhead = device_ids.ROW_BYTES  # the hash table's, on every device
+    plan = plan_devices(
+        config,
+        metadata,
+        mesh,
+        tables,
+        host_only=host_only,
+        no_caches=no_caches,
+        row_overhead=overhead,
+    )
+    mapped = map_on_devices(
         plan,
         mode,
         {table.name: table for table in tables.tables},
         platform=platform,
-        multi_valued={f.name: f.multi_valued for f in metadata.categorical},
+        multi_valued=multi_valued,
     )
+    if auto_on_host and plan.layout.tables:
+        line = (
+            "  ids mapped to rows on the host (multi-valued features; embedding.map_ids = 'auto')"
+        )
+        mapped = dataclasses.replace(mapped, lines=(*mapped.lines, line))
+    return mapped
 
 
 def maps_on_devices(mode: str, platform: str) -> bool:
@@ -244,8 +264,8 @@ class DeviceIds:
                 raise UserError(
                     f"embedding table {table.name!r} on the devices (features "
                     f"{', '.join(features[:4])}{', ...' if len(features) > 4 else ''}) is "
-                    f"full: its {table.rows:,} rows hold {used:,} ids and batches since step "
-                    f"{self._written_at} brought more new ones; give its tables more rows "
+                    f"full: its {table.rows:,} rows hold {used:,} ids and the batches since the "
+                    "last write-back brought more new ones; give its tables more rows "
                     '(embedding.placement.TABLE = "device:ROWS", or a larger '
                     'embedding.capacity) or the host ("host")'
                 )

@@ -159,6 +159,7 @@ def plan_devices(
     host_only: str | None = None,
     no_caches: str | None = None,
     stats: dict[str, dict] | None = None,
+    row_overhead: int = 0,
 ) -> DevicePlan:
     """The run's device tables.
 
@@ -169,6 +170,9 @@ def plan_devices(
             caches (None: it can); a forced cache then is a ConfigError.
         stats: per feature its statistics (`distinct_estimate`, ...), where the dataset
             keeps them elsewhere than a click log's metadata (None: the metadata's).
+        row_overhead: bytes a row of a whole table costs on every device besides its
+            values and state, split by rows or not (the hash table of ids mapped in the
+            step: `model.device_ids.ROW_BYTES`).
     """
     embedding = config.embedding
     features = metadata.categorical
@@ -197,14 +201,21 @@ def plan_devices(
     if stats is None:
         stats = (metadata.raw.get("stats") or {}).get("categorical") or {}
     candidates, cached, weighed = _classify(
-        config, metadata, tables, spec_tables, stats, devices, no_caches
+        config, metadata, tables, spec_tables, stats, devices, no_caches, row_overhead
     )
     chosen, used = _choose_whole(candidates, cached, budget, budget_note, no_caches)
     given = [c for c in cached if c[1]]
     used = plan_caches(given, chosen, budget, budget_note, used, devices)
     # the others by lookups per byte: whole where a table's rows all earn their place
     used = plan_by_lookups(
-        weighed, chosen, budget, budget_note, used, devices, caches=not no_caches
+        weighed,
+        chosen,
+        budget,
+        budget_note,
+        used,
+        devices,
+        caches=not no_caches,
+        row_overhead=row_overhead,
     )
     # no statistics: what is left, shared equally
     rest = [c for c in cached if not c[1] and not no_caches]
@@ -228,7 +239,7 @@ def _budget(device_budget: int, mesh: Any) -> tuple[int, str]:
     return int(free * AUTO_FRACTION), f"auto: {AUTO_FRACTION:.0%} of {size_text(free)} free {where}"
 
 
-def _classify(config, metadata, tables, spec_tables, stats, devices, no_caches):
+def _classify(config, metadata, tables, spec_tables, stats, devices, no_caches, overhead=0):
     """Each spec table the devices may hold, by how it is to be placed: (candidates, cached,
     weighed).
 
@@ -301,6 +312,7 @@ def _classify(config, metadata, tables, spec_tables, stats, devices, no_caches):
             cached.append((spec_table, 0, "", store_name, row_bytes, False, most))  # unknown size
             continue
         sharded, per_device = split_layout(forced_layout, (rows + 1) * row_bytes, devices)
+        per_device += (rows + 1) * overhead
         candidates.append(
             (per_device, spec_table, rows, sharded, store_name, where != "auto", row_bytes)
         )

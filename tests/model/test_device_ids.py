@@ -153,6 +153,37 @@ def test_a_batch_past_the_tables_rows_uses_the_scratch_row_and_says_so():
     assert int(table["used"]) == rows and int(table["full"]) == 1
 
 
+def test_a_batch_of_more_new_ids_than_slots_ends_and_says_so():
+    """Claims of ids past the rows can fill every slot: the probing stops after a sweep."""
+    rows = 100
+    slots = device_ids.capacity(rows)
+    table = {key: jnp.asarray(value) for key, value in device_ids.empty_table(rows).items()}
+    batch = RNG.integers(1, 2**64, (slots + 50, 2), dtype=np.uint64)
+    table, arrays, fresh, _ = _map(table, batch, rows)
+    at = _rows_of(arrays)
+    assert int(table["full"]) == 1 and int(table["used"]) == rows
+    assert int(np.asarray(fresh).sum()) == rows and np.sum(at < rows) == rows
+    held = device_ids.joined_ids(table["row_hi"], table["row_lo"])[:rows]
+    np.testing.assert_array_equal(held[at[at < rows]], batch[at < rows])
+    # the next batch still finds the ids the table holds
+    _, arrays, fresh, _ = _map(table, batch[:40], rows)
+    np.testing.assert_array_equal(_rows_of(arrays), at[:40])
+
+
+def test_the_distinct_rows_are_the_same_by_either_way():
+    """By a sort carrying the positions (GPUs) and by a sort and a binary search (CPUs)."""
+    for n, top in ((1, 5), (4096, 50), (4096, 100_000)):
+        row = jnp.asarray(RNG.integers(0, top + 1, n), jnp.int32)  # top: the scratch row
+        by_order = jax.jit(device_ids._distinct_by_order, static_argnums=1)(row, top)
+        by_search = jax.jit(device_ids._distinct_by_search, static_argnums=1)(row, top)
+        for got in (by_order, by_search):
+            distinct, inverse = (np.asarray(a) for a in got)
+            unique = np.unique(np.asarray(row))
+            np.testing.assert_array_equal(distinct[: len(unique)], unique)
+            assert np.all(distinct[len(unique) :] == top)
+            np.testing.assert_array_equal(distinct[inverse], np.asarray(row))
+
+
 @pytest.mark.parametrize("rows", [1, 1000, 100_000])
 def test_the_hash_table_is_at_most_half_full(rows):
     slots = device_ids.capacity(rows)

@@ -3,6 +3,8 @@ accelerator or where asked, the host where the tables or features need it, said 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hybridrec.common.errors import ConfigError
 from hybridrec.embedding_store import TableConfig
@@ -10,6 +12,7 @@ from hybridrec.embedding_store.config import InitializerConfig
 from hybridrec.model.device_tables import DeviceTable, DeviceTableLayout, SparseRule
 from hybridrec.training.device_ids import map_on_devices, maps_on_devices
 from hybridrec.training.device_plan import DevicePlan
+from hybridrec.training.job import load_config, prepare
 
 RULE = SparseRule("adagrad", 0.05)
 
@@ -65,3 +68,24 @@ def test_caches_and_multi_valued_features_keep_the_host_mapping_or_are_one_line_
         DeviceTableLayout(
             (_mapped(_plan(), "devices", "cpu").layout.tables[0], _plan(True).layout.tables[1]), 3
         )
+
+
+def _devices(dataset, *keys: str) -> DevicePlan:
+    config = load_config("quickstart", [f"data.path={json.dumps(str(dataset))}", *keys])
+    return prepare(config).devices
+
+
+def test_the_hash_tables_count_in_the_device_budget(dataset):
+    """A budget that holds every table's values and optimizer state, but not their hash
+    tables as well: mapped in the step, fewer tables go onto the devices, within it."""
+    whole = _devices(dataset, "embedding.map_ids=host", "embedding.device_budget=-1")
+    assert len(whole.layout.tables) == 1 and not whole.layout.caches  # fused: one table
+    values = whole.layout.tables[0].bytes_per_device(1)
+    budget = int(values * 1.2)
+    keys = [f"embedding.device_budget={budget}", "embedding.fuse_tables=false"]
+    on_host = _devices(dataset, "embedding.map_ids=host", *keys)
+    in_step = _devices(dataset, "embedding.map_ids=devices", *keys)
+    assert in_step.lines[-1].startswith("  ids mapped to rows on the devices, in the step")
+    assert all(t.new_rows is not None for t in in_step.layout.tables) and not in_step.layout.caches
+    assert 0 < len(in_step.layout.whole) < len(on_host.layout.whole)
+    assert sum(t.bytes_per_device(1) for t in in_step.layout.tables) <= budget
