@@ -15,7 +15,7 @@ itself, before the forward pass, and makes the arrays the host would have made (
    one at its key takes the key's row; one at an empty slot claims it (the lowest index
    wins a contested slot), and a winner takes the next free row. Every device and
    process runs the same program over the same global batch, so every replica of the
-   table agrees. The other occurrences of a new id find its key the round after.
+   table agrees. The other occurrences of a new id find its claim the round after.
 2. **Distinct rows.** The occurrences' rows are sorted (int32) and each occurrence gets
    its row's index among the distinct ones.
 3. **Initial values.** The store's initializer (`embedding_store._initializers`), computed
@@ -45,8 +45,9 @@ from hybridrec.common import splitmix
 U32 = jnp.uint32
 WINDOW = 8  # slots a probe looks at per round: a few rounds, where one slot a round took
 # as many rounds as the longest probe (21 at a third full, 426k ids a batch)
-HASH_KEYS = ("keys_hi", "keys_lo", "slot_rows", "row_hi", "row_lo", "trained_at")
 COUNTERS = ("clock", "used", "full")  # int32 scalars
+ROW_BYTES = 4 * 12 + 12  # a row's share of its table's hash arrays on every device, at most:
+# 12 bytes a slot (key halves, row) and under 4 slots a row, and its id and stamp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +70,6 @@ class NewRows:
     first_column: int = 0
     a: float = 0.0
     b: float = 0.0
-
-
-ROW_BYTES = 4 * 12 + 12  # a row's share of its table's hash arrays on every device, at most:
-# 12 bytes a slot (key halves, row) and under 4 slots a row, and its id and stamp
 
 
 def capacity(rows: int) -> int:
