@@ -34,7 +34,7 @@ from hybridrec.model.sharding import replicated
 from hybridrec.pipeline import DatasetMetadata
 from hybridrec.training.config import TrainConfig
 from hybridrec.training.device_plan import DevicePlan, plan_devices
-from hybridrec.training.device_rows import Prepared, filled_table, take_rows
+from hybridrec.training.device_rows import Prepared, filled_table, restored_rows, take_rows
 from hybridrec.training.input import Batch
 from hybridrec.training.tables import TablePlan
 
@@ -288,17 +288,7 @@ class DeviceIds:
         rows of their features (after a restore)."""
         tables = dict(state.tables)
         for table in self.tables:
-            ids, values, opt_state = store.read_rows(
-                self.plan.store_tables[table.name],
-                self.plan.prefixes[table.name],
-                self.plan.prefix_bits,
-            )
-            if len(ids) > table.rows:
-                raise UserError(
-                    f"the checkpoint holds {len(ids):,} rows of embedding table {table.name!r}, "
-                    f"more than the {table.rows:,} planned on the devices; set "
-                    f'embedding.placement.{table.name} = "device:ROWS" with more rows, or "host"'
-                )
+            ids, values, opt_state = restored_rows(self.plan, table, store)
             empty = device_ids.empty_table(table.rows)
             empty["clock"][...] = self._written_at
             hashed = replicated_table(empty, self.mesh)

@@ -444,22 +444,27 @@ class DeviceRows:
         tables = dict(state.tables)
         self._reset()
         for table in self.plan.layout.whole:
-            ids, values, opt_state = store.read_rows(
-                self.plan.store_tables[table.name],
-                self.plan.prefixes[table.name],
-                self.plan.prefix_bits,
-            )
-            if len(ids) > table.rows:
-                raise UserError(
-                    f"the checkpoint holds {len(ids):,} rows of embedding table {table.name!r}, "
-                    f"more than the {table.rows:,} planned on the devices; set "
-                    f'embedding.placement.{table.name} = "device:ROWS" with more rows, or "host"'
-                )
+            ids, values, opt_state = restored_rows(self.plan, table, store)
             self._maps[table.name].insert(ids, np.arange(len(ids), dtype=np.int64))
             self._ids[table.name][: len(ids)] = self._resident[table.name][: len(ids)] = ids
             self._used[table.name] = len(ids)
             tables[table.name] = filled_table(state.tables[table.name], values, opt_state)
         return state.replace(tables=tables)
+
+
+def restored_rows(plan: DevicePlan, table: Any, store: Any) -> tuple[np.ndarray, ...]:
+    """(ids, values, optimizer state) of device table `table`'s rows in a restored
+    `store`; a UserError if they are more than the table's rows."""
+    ids, values, state = store.read_rows(
+        plan.store_tables[table.name], plan.prefixes[table.name], plan.prefix_bits
+    )
+    if len(ids) > table.rows:
+        raise UserError(
+            f"the checkpoint holds {len(ids):,} rows of embedding table {table.name!r}, "
+            f"more than the {table.rows:,} planned on the devices; set "
+            f'embedding.placement.{table.name} = "device:ROWS" with more rows, or "host"'
+        )
+    return ids, values, state
 
 
 def _ratio(part: int, whole: int) -> float:
