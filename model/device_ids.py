@@ -46,6 +46,8 @@ U32 = jnp.uint32
 WINDOW = 8  # slots a probe looks at per round: a few rounds, where one slot a round took
 # as many rounds as the longest probe (21 at a third full, 426k ids a batch)
 COUNTERS = ("clock", "used", "full")  # int32 scalars
+# a device table's hash-table arrays: per slot, per row (the scratch row too), counters
+KEYS = ("keys_hi", "keys_lo", "slot_rows", "row_hi", "row_lo", "trained_at", *COUNTERS)
 ROW_BYTES = 4 * 12 + 12  # a row's share of its table's hash arrays on every device, at most:
 # 12 bytes a slot (key halves, row) and under 4 slots a row, and its id and stamp
 
@@ -76,6 +78,12 @@ def capacity(rows: int) -> int:
     """Slots of the hash table of a device table of `rows` rows: a power of two at least
     twice the rows (the scratch row included)."""
     return 1 << max(10, (2 * (rows + 1) - 1).bit_length())
+
+
+def table_bytes(rows: int) -> int:
+    """Bytes of the hash-table arrays of a device table of `rows` rows, on every device:
+    three 4-byte arrays per slot, three per row and the counters."""
+    return 12 * capacity(rows) + 12 * (rows + 1) + 4 * len(COUNTERS)
 
 
 def empty_table(rows: int) -> dict[str, np.ndarray]:

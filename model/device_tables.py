@@ -129,7 +129,7 @@ class DeviceTable:
         total = self.padded_rows(num_devices) * width * 4
         total = total // num_devices if self.sharded else total
         if self.new_rows is not None:  # its hash table, on every device
-            total += sum(a.nbytes for a in device_ids.empty_table(self.rows).values())
+            total += device_ids.table_bytes(self.rows)
         return total
 
 
@@ -190,7 +190,7 @@ def table_specs(layout: DeviceTableLayout, mesh: jax.sharding.Mesh) -> dict[str,
             "state": rows if table.sharded else P(),
         }
         if table.new_rows is not None:  # the hash table, replicated
-            specs[table.name].update(dict.fromkeys(device_ids.empty_table(0), P()))
+            specs[table.name].update(dict.fromkeys(device_ids.KEYS, P()))
     return specs
 
 
@@ -327,13 +327,12 @@ def map_batch(
     layout: DeviceTableLayout, tables: Mapping[str, Mapping[str, jax.Array]], batch: Mapping
 ) -> tuple[dict[str, dict[str, jax.Array]], dict[str, jax.Array]]:
     """(the tables with their hash tables after the batch, the batch with the arrays the
-    host would have made) for the tables whose ids the step maps (`model.device_ids`)."""
+    host would have made), for a layout whose tables all map their ids in the step
+    (`model.device_ids`)."""
     tables, mapped, fresh_rows, offset = dict(tables), dict(batch), [], 0
-    for table in layout.tables:
-        if table.new_rows is None:
-            continue
+    for table in layout.tables:  # every one maps its ids (`DeviceTableLayout`)
         held = tables[table.name]
-        hashed = {key: held[key] for key in device_ids.empty_table(0)}
+        hashed = {key: held[key] for key in device_ids.KEYS}
         ids = batch[array_key(table.name, "ids")]
         hashed, arrays, fresh, distinct = device_ids.map_ids(hashed, ids, table.rows)
         tables[table.name] = {**held, **hashed}
@@ -341,8 +340,7 @@ def map_batch(
         fresh_rows.append(device_ids.initial_rows(table.new_rows, *distinct, table.dim))
         offset += fresh.shape[0]
         mapped.update({array_key(table.name, key): value for key, value in arrays.items()})
-    if fresh_rows:
-        mapped[NEW_ROWS] = jnp.concatenate(fresh_rows)
+    mapped[NEW_ROWS] = jnp.concatenate(fresh_rows)
     return tables, mapped
 
 

@@ -293,8 +293,8 @@ class DeviceIds:
             empty["clock"][...] = self._written_at
             hashed = replicated_table(empty, self.mesh)
             halves = device_ids.split_ids(np.asarray(ids, np.uint64))
-            high, low = (replicated_table({"h": halves[:, i]}, self.mesh)["h"] for i in (1, 0))
-            hashed = _filler(self.mesh)(hashed, high, low)
+            held = replicated_table({"high": halves[:, 1], "low": halves[:, 0]}, self.mesh)
+            hashed = _filler(self.mesh)(hashed, held["high"], held["low"])
             filled = filled_table(state.tables[table.name], values, opt_state)
             tables[table.name] = {**filled, **hashed}
             self._used[table.name] = len(ids)

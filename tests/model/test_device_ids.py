@@ -188,3 +188,6 @@ def test_the_distinct_rows_are_the_same_by_either_way():
 def test_the_hash_table_is_at_most_half_full(rows):
     slots = device_ids.capacity(rows)
     assert slots & (slots - 1) == 0 and slots >= 2 * (rows + 1)
+    empty = device_ids.empty_table(rows)
+    assert tuple(empty) == device_ids.KEYS
+    assert device_ids.table_bytes(rows) == sum(a.nbytes for a in empty.values())
