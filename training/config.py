@@ -39,6 +39,10 @@ class DataConfig:
     epochs: int = 1  # passes over the training split (when max_steps = 0)
     max_steps: int = 0  # stop after this many steps; 0 = run `epochs` epochs
     prefetch: int = 4  # batches decoded ahead by the input thread
+    # threads reading and shuffling the Parquet windows after the current one, a window
+    # each (so up to this many windows of `shuffle_buffer` rows are held ahead);
+    # 0 = auto: half the machine's cores, at most 8 (1 on a 2-core machine)
+    read_threads: int = 0
     # every training process reads the global batch stream and keeps its rows: the data
     # order is the same for any number of processes, so a run resumed on another count
     # goes on as it would have; false: each reads its own share of the files (less I/O)
@@ -50,9 +54,16 @@ class DataConfig:
     def __post_init__(self):
         if self.batch_size < 0 or self.eval_batch_size < 0:
             raise ValueError("data.batch_size (0 = auto) and eval_batch_size must be >= 0")
-        if self.epochs < 1 or self.max_steps < 0 or self.shuffle_buffer < 0 or self.prefetch < 1:
+        if (
+            self.epochs < 1
+            or self.max_steps < 0
+            or self.shuffle_buffer < 0
+            or self.prefetch < 1
+            or self.read_threads < 0
+        ):
             raise ValueError(
-                "data.epochs and prefetch must be >= 1; max_steps, shuffle_buffer >= 0"
+                "data.epochs and prefetch must be >= 1; max_steps, shuffle_buffer and "
+                "read_threads (0 = auto) >= 0"
             )
 
 

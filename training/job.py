@@ -58,7 +58,7 @@ from hybridrec.training.device_ids import DeviceIds, plan_click_log_tables
 from hybridrec.training.device_plan import DevicePlan, plan_devices
 from hybridrec.training.device_rows import DeviceRows
 from hybridrec.training.hybrid import HybridLoop
-from hybridrec.training.input import Batch, ParquetReader
+from hybridrec.training.input import Batch, ParquetReader, default_read_threads
 from hybridrec.training.layouts import FlatLayout, SequenceLayout, TowerLayout
 from hybridrec.training.run_store import default_local_shards, open_store
 from hybridrec.training.sequences import (
@@ -183,6 +183,7 @@ class Job:
             shard_count=1 if whole else self.process_count,
             pad_final=not train,
             id_map=self.id_map,
+            read_threads=self.config.data.read_threads or default_read_threads(),
         )
         return reader, rows
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline import ManifestEntry, read_shards
 from hybridrec.training.input import Batch, Columns, rows_from_arrow
-from hybridrec.training.rows import concat_rows, slice_rows
+from hybridrec.training.rows import concat_rows, ids_of, slice_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,7 @@ class StreamReader:
             yield Batch(
                 dense=np.ascontiguousarray(merged["dense"], np.float32),
                 labels=np.ascontiguousarray(merged["label"], np.float32),
-                ids=dict(merged["ids"]),
+                ids=ids_of(merged, self.columns.categorical),
                 valid=np.ones(len(merged["label"]), bool),
                 position=StreamPosition(shard, offset, produced, tuple(pieces)),
             )

@@ -122,3 +122,59 @@ def test_too_few_rows_for_one_batch_is_a_user_error(files):
         _reader(files[:1], batch_size=4096)
     with pytest.raises(UserError, match="cannot be shared"):
         _reader(files, shard_index=0, shard_count=4)
+
+
+def _same_batches(expected, got):
+    assert len(expected) == len(got)
+    for a, b in zip(expected, got, strict=True):
+        _check_rows(b)
+        assert a.position == b.position
+        np.testing.assert_array_equal(a.labels, b.labels)
+        np.testing.assert_array_equal(a.dense, b.dense)
+        for name in ("C1", "C2"):
+            np.testing.assert_array_equal(a.ids[name], b.ids[name])
+        np.testing.assert_array_equal(a.ids["M"].offsets, b.ids["M"].offsets)
+        np.testing.assert_array_equal(a.ids["M"].values, b.ids["M"].values)
+
+
+@pytest.mark.parametrize("threads", [2, 5])
+def test_windows_read_ahead_on_several_threads_give_the_same_stream(files, threads):
+    """The windows after the current one are read on `read_threads` threads, in the
+    stream's order: the same batches and positions as one thread, also when the same
+    reader is asked for another position while windows are being read ahead."""
+    options = dict(seed=3, shuffle_buffer=400)
+    one = _reader(files, **options)
+    total = one.batches_per_epoch * 2 + 3
+    expected = list(one.batches(num_batches=total))
+    reader = _reader(files, read_threads=threads, **options)
+    _same_batches(expected, list(reader.batches(num_batches=total)))
+    partial = reader.batches(num_batches=total, position=expected[9].position)
+    _same_batches(expected[10:14], [next(partial) for _ in range(4)])
+    _same_batches(expected[60:], list(reader.batches(total, expected[59].position)))
+
+
+class _Counted(ParquetReader):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read = []
+
+    def _read_window(self, epoch, index, groups):
+        self.read.append((epoch, index))
+        return super()._read_window(epoch, index, groups)
+
+
+def test_no_window_past_the_end_of_the_stream_is_read(files):
+    options = dict(label="label", dense=["I1"], categorical=["C1", "M", "C2"], multi=["M"])
+    reader = _Counted(files, **options, batch_size=64, shuffle_buffer=400, read_threads=4)
+    windows = len(reader._epoch_windows(0))
+    list(reader.batches(num_batches=reader.batches_per_epoch))  # one epoch: its windows
+    assert sorted(reader.read) == [(0, index) for index in range(windows)]
+    reader = _Counted(files, **options, batch_size=64, shuffle_buffer=400, read_threads=4)
+    list(reader.batches(num_batches=3))  # 192 rows: the first window only
+    assert reader.read == [(0, 0)]
+    assert reader.position_after(3).window == 0
+
+
+def test_read_threads_below_one_is_a_user_error(files):
+    with pytest.raises(UserError, match="read_threads"):
+        _reader(files, read_threads=0)
