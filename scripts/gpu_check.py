@@ -12,6 +12,8 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
              device tables per batch, each of its three stages, on this host's cores;
   device_ids  the same with the ids mapped in the step (--map-in-step): the host's stages
              left, and the mapping's time on the device (map_ms_b16384);
+  input      scripts/bench_input.py at batch 16384 on bench_gpu's data: the Parquet reader
+             alone with 1, 2, 4 and 8 window-reading threads (data.read_threads);
   roundtrip  `hybridrec quickstart`: generate -> preprocess -> train -> evaluate -> export ->
              serve;
   hstu_time  scripts/bench_hstu.py at 4k tokens a row with HSTU's time-gap bias (64
@@ -23,7 +25,8 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
 
     python scripts/gpu_check.py --out DIR [--rehearse] [--budget SECONDS] [--steps ...]
 
-DIR receives each step's log (STEP.log; device_rows's and device_ids's in bench_gpu.log), the tests' JUnit
+DIR receives each step's log (STEP.log; device_rows's, device_ids's and input's in
+bench_gpu.log), the tests' JUnit
 XML and gpu_check.json, which is also the last line printed.
 """
 
@@ -84,7 +87,7 @@ REHEARSAL_TESTS = ["tests/model/test_hstu_attention.py", "-k", "lowers or bucket
 
 
 # steps whose output goes on in another step's log: at most 8 files come back
-SHARED_LOGS = {"device_rows": "bench_gpu", "device_ids": "bench_gpu"}
+SHARED_LOGS = {"device_rows": "bench_gpu", "device_ids": "bench_gpu", "input": "bench_gpu"}
 
 
 def _steps(
@@ -101,6 +104,8 @@ def _steps(
         bench += ["--samples", "12800", "--rounds", "1"]
         rows = "20000"
         device_rows = ["--batches", "256", "--warm", "1", "--batches-timed", "2"]
+        reader = ["--rows", "12000", "--eval-fraction", "0.25", "--batch-size", "256"]
+        reader += ["--threads", "1", "2"]
         hstu_time = [*hstu, "--time-buckets", "8"]
         sequences = ["--users", "200", "--items", "2000", "--mean-events", "10"]
         sequences += ["--longest", "200", "--steps", "6", "--repeats", "1", "--token-budget", "800"]
@@ -112,6 +117,7 @@ def _steps(
         bench += ["--rounds", "3", "--profile"]
         rows = "200000"
         device_rows = ["--batches", "16384", "--batches-timed", "30"]
+        reader = ["--rows", "1000000", "--threads", "1", "2", "4", "8"]
         hstu_time = ["--min-seconds", "0.5", "--lengths", "4096", "--time-buckets", "64"]
         # the HSTU preset's hybrid loop over 1M items at a GPU's token budget
         sequences = ["--items", "1000000", "--users", "20000", "--steps", "100"]
@@ -119,6 +125,7 @@ def _steps(
     sequences += ["--models", "hstu", "hstu_device", "--cache", str(work / "sequences")]
     bench += ["--shapes", "criteo_dlrm", "mlperf", "--staleness", "4"]
     bench += ["--cache", str(work / "bench_gpu"), "--fresh"]
+    reader += ["--cache", str(work / "bench_gpu")]  # bench_gpu's data, preprocessed
     tests = selected or tests
     pytest = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout", "180"]
     pytest += ["-p", "gpu_check_failures"]  # each failure's report as it happens
@@ -129,6 +136,7 @@ def _steps(
         ("bench_gpu", [python, "scripts/bench_gpu.py", *bench], 150),
         ("device_rows", [python, "scripts/bench_device_rows.py", "--fused", *device_rows], 30),
         ("device_ids", [python, "scripts/bench_device_rows.py", "--fused", "--map-in-step", *device_rows], 30),
+        ("input", [python, "scripts/bench_input.py", *reader], 30),
         ("roundtrip", [python, "-m", "hybridrec", "quickstart", "--rows", rows, "--out", str(work / "quickstart")], 60),
         # last, in what the budget leaves: the kernel with HSTU's time-gap bias, and the
         # sequence loop (the item rows in the host store and on the device)
@@ -269,6 +277,7 @@ def main(argv=None) -> None:
             "bench_gpu",
             "device_rows",
             "device_ids",
+            "input",
             "roundtrip",
             "hstu_time",
             "sequences",
@@ -312,12 +321,12 @@ def main(argv=None) -> None:
             start = log.stat().st_size if name in SHARED_LOGS and log.exists() else 0
             result = _run(command, log, cap, env, append=name in SHARED_LOGS)
             summary["steps"][name] = {**result, "cap_s": round(cap)}
-            if name in ("hstu", "hstu_time", "bench_gpu", "device_rows", "device_ids", "sequences"):
-                summary[name] = _last_json(log, start)  # this step's own lines only
-            elif name == "tests":
+            if name == "tests":
                 summary[name] = _test_results(log, args.out / "tests.xml")
             elif name == "roundtrip":
                 summary[name] = _roundtrip(work)
+            else:
+                summary[name] = _last_json(log, start)  # this step's own lines only
             print(
                 f"   {name}: {json.dumps({**result, name: summary.get(name)})[:1500]}", flush=True
             )

@@ -32,8 +32,8 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     assert summary["rehearse"] and summary["device"]["platform"] == "cpu"
     steps = summary["steps"]
     assert list(steps) == [
-        "hstu", "tests", "bench_gpu", "device_rows", "device_ids", "roundtrip", "hstu_time",
-        "sequences",
+        "hstu", "tests", "bench_gpu", "device_rows", "device_ids", "input", "roundtrip",
+        "hstu_time", "sequences",
     ]  # fmt: skip
     assert all(step["rc"] == 0 and not step["timed_out"] for step in steps.values()), steps
     hstu = summary["hstu"]  # the kernel, interpreted, against the reference
@@ -47,6 +47,9 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     assert stages["host_side_samples_per_s_b256"] > 0 and stages["shapes_b256"] >= 1
     in_step = summary["device_ids"]  # the same, the ids mapped in the step
     assert in_step["map_ms_b256"] > 0 and in_step["dedupe_ms_b256"] == 0
+    reader = summary["input"]  # the Parquet reader alone, on bench_gpu's data
+    assert reader["rows_per_s_t1"] > 0 and reader["rows_per_s_t2"] > 0
+    assert reader["batch_size"] == 256 and reader["best_threads"] in (1, 2)
     bench = summary["bench_gpu"]
     assert bench["hybrid_over_dense_b256"] > 0 and bench["mlperf_shape_samples_per_s"] > 0
     assert bench["ids_in_step_b256"] and bench["mlperf_ids_in_step_b256"]  # as on a GPU
