@@ -341,6 +341,26 @@ def map_ids(
     return table, arrays, fresh, jnp.stack([table["row_hi"][slots], table["row_lo"][slots]])
 
 
+def batch_major(ids: jax.Array, processes: int) -> jax.Array:
+    """A batch's `ids` array as the host sends it -> [B, F, 2], example b's feature f at
+    [b, f].
+
+    The host sends each process's ids feature by feature: process p's block of the B / P
+    rows holds its [F, B / P, 2] ids laid end to end (its columns as the reader holds
+    them, so the host transposes nothing); the step puts them back in example order."""
+    batch, features = ids.shape[:2]
+    local = batch // processes
+    by_feature = ids.reshape(processes, features, local, 2)
+    return by_feature.transpose(0, 2, 1, 3).reshape(batch, features, 2)
+
+
+def feature_major(ids: np.ndarray) -> np.ndarray:
+    """[F, b, 2] ids of one process (host numpy) -> the [b, F, 2] block it sends
+    (`batch_major` undoes it in the step): a view when `ids` is contiguous."""
+    features, local = ids.shape[:2]
+    return np.ascontiguousarray(ids).reshape(local, features, 2)
+
+
 def filled(table: Mapping[str, jax.Array], high: jax.Array, low: jax.Array) -> dict:
     """The table holding the distinct ids `high`, `low` [n] at rows [0, n) (a restore:
     `training.device_ids`), none of them trained since."""

@@ -333,7 +333,7 @@ def map_batch(
     for table in layout.tables:  # every one maps its ids (`DeviceTableLayout`)
         held = tables[table.name]
         hashed = {key: held[key] for key in device_ids.KEYS}
-        ids = batch[array_key(table.name, "ids")]
+        ids = device_ids.batch_major(batch[array_key(table.name, "ids")], jax.process_count())
         hashed, arrays, fresh, distinct = device_ids.map_ids(hashed, ids, table.rows)
         tables[table.name] = {**held, **hashed}
         arrays["new"] = jnp.where(fresh, offset + jnp.arange(fresh.shape[0]), -1)

@@ -21,8 +21,8 @@ fuses caches; `prepare` then also counts, admits and evicts, and reads the admit
 from the store.
 
 With --map-in-step the step maps the ids itself (`embedding.map_ids = "devices"`,
-`model.device_ids`): the host's stages are then `DeviceIds.prepare` (the ids stacked as
-uint32 halves) and the copy to the devices, and `map_ms_bB` times what moved into the
+`model.device_ids`): the host's stages are then `DeviceIds.prepare` (the features' id
+columns stacked, [F, B, 2] uint32 halves) and the copy to the devices, and `map_ms_bB` times what moved into the
 step: the jitted mapping alone (distinct ids, the hash table's finds and inserts, the new
 rows' initial values) on the devices, its tables carried from batch to batch.
 

@@ -191,3 +191,21 @@ def test_the_hash_table_is_at_most_half_full(rows):
     empty = device_ids.empty_table(rows)
     assert tuple(empty) == device_ids.KEYS
     assert device_ids.table_bytes(rows) == sum(a.nbytes for a in empty.values())
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_the_hosts_feature_by_feature_blocks_are_put_back_in_example_order(processes):
+    """Each process sends its ids as its columns end to end (`feature_major`, no host
+    transposition); the global batch the processes' blocks make, put back by the step
+    (`batch_major`), is every example's features in order."""
+    local, features = 6, 5
+    ids = RNG.integers(0, 2**64, (processes * local, features), dtype=np.uint64)
+    blocks = [
+        device_ids.feature_major(device_ids.split_ids(np.stack(list(part.T))))
+        for part in np.split(ids, processes)
+    ]
+    sent = np.concatenate(blocks)  # make_global_batch: process p's rows at [p*b, (p+1)*b)
+    assert sent.shape == (processes * local, features, 2)
+    got = jax.jit(device_ids.batch_major, static_argnums=1)(jnp.asarray(sent), processes)
+    np.testing.assert_array_equal(np.asarray(got), device_ids.split_ids(ids))
+    assert not np.array_equal(sent, device_ids.split_ids(ids))  # not themselves in order
