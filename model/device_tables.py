@@ -14,7 +14,8 @@ The host maps ids to rows (`training.device_rows`); what the step receives per t
 and once per batch, `NEW_ROWS` [N, dim]: the initial values of every table's new rows (N
 a power of two), so a batch carries only those values. A table with `new_rows` set maps
 its ids itself instead (`model.device_ids`): the batch carries its raw ids, `ids`
-[B, F, 2] uint32, and the step makes these arrays from them and its hash table.
+[B, F, 2] uint32 (each process's block holding its [F, b, 2] ids laid end to end,
+`device_ids.batch_major`), and the step makes these arrays from them and its hash table.
 
 The step gathers the U rows once, pools them into the features' embeddings, and after
 the backward pass applies the sparse optimizer to the same U rows (their gradients

@@ -10,7 +10,8 @@ split. Shuffling is exact and resumable without saving any buffered rows:
 
 So the position after any batch is just `(epoch, window, offset)`: on resume the
 reader re-reads that window's row groups, recomputes its permutation and skips
-`offset` rows. Memory is bounded by one window (plus one batch).
+`offset` rows. Memory is bounded by `read_threads` + 1 windows (the current one and those
+read ahead, a thread each) plus one batch.
 
 Batches have a static shape (the jitted step compiles once): training drops the
 last partial batch of an epoch, evaluation pads it and marks the padding rows
@@ -150,8 +151,9 @@ def _padding(columns: Columns, rows: int) -> Rows:
 
 def _numbers(column: pa.ChunkedArray, dtype: type, order: np.ndarray | None, out: np.ndarray):
     """Writes a numeric column into `out`, in `order` (a permutation of its rows) if given:
-    the chunks (row groups) as one array, then one gather of it."""
-    chunks = [chunk.to_numpy() for chunk in column.chunks]
+    its chunks (a window's row groups) put end to end when there are several, then one
+    gather."""
+    chunks = [chunk.to_numpy(zero_copy_only=False) for chunk in column.chunks]
     values = chunks[0] if len(chunks) == 1 else np.concatenate(chunks or [np.zeros(0, dtype)])
     if order is None:
         out[...] = values
@@ -174,9 +176,9 @@ def rows_from_arrow(
     table: pa.Table, columns: Columns, where: str, order: np.ndarray | None = None
 ) -> Rows:
     """The rows of `table` (in `order`, a permutation of them, when given), its
-    single-valued ids in one block (`training.rows.blocked`). Each column is copied once:
-    the dense features are gathered a feature at a time and turned into [n, d] rows in
-    one transposing copy (a third of the time of gathering rows of a stacked [n, d])."""
+    single-valued ids in one block (`training.rows.blocked`). Each column is gathered once
+    into its place: the dense features a feature at a time, then turned into [n, d] rows
+    in one transposing copy (a third of the time of gathering rows of a stacked [n, d])."""
     rows = table.num_rows
     singles = [name for name in columns.categorical if name not in columns.multi]
     try:
@@ -218,6 +220,7 @@ class ParquetReader:
         shard_index, shard_count: this reader reads files[shard_index::shard_count].
         pad_final: pad the last partial batch (evaluation) instead of dropping it.
         id_map: maps each batch's ids to bucket ids (`training.learned_hash.IdMap`), or None.
+        read_threads: windows read (and shuffled) ahead, each on a thread of its own.
     """
 
     def __init__(
@@ -289,6 +292,7 @@ class ParquetReader:
         # threads while this one's batches go out
         self._ahead: dict[tuple[int, int], Future] = {}
         self._windows: dict[int, list[list[_RowGroup]]] = {}  # the epochs' windows, as cut
+        self._streams = 0  # `batches` calls so far: the last one owns the windows ahead
         self._workers: ThreadPoolExecutor | None = None
 
     @classmethod
@@ -343,17 +347,23 @@ class ParquetReader:
             raise UserError(f"{path}: row group {group.index}: {error}") from None
 
     def _read_window(self, epoch: int, index: int, groups: list[_RowGroup]) -> Rows:
-        """A window's rows, permuted when the reader shuffles (each column copied once)."""
+        """A window's rows, permuted when the reader shuffles (each column gathered once)."""
         tables = [self._read_group(group) for group in groups]
-        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        names = [f"{self.files[g.file]} row group {g.index}" for g in groups]
+        where = names[0]
+        if len(groups) > 1:
+            where += f" (or one of the {len(groups) - 1} read with it)"
+        try:  # files of other column types (int32 ids, float64 features) are widened
+            table = pa.concat_tables(tables, promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+            other = [n for n, t in zip(names, tables, strict=True) if t.schema != tables[0].schema]  # fmt: skip
+            raise UserError(
+                f"{(other or names)[0]}: its columns do not match those of {names[0]} ({error})"
+            ) from None
         order = None
         if self.shuffle_buffer > 0:
             rng = np.random.default_rng([self.seed, epoch, index])
             order = rng.permutation(table.num_rows)
-        first = groups[0]
-        where = f"{self.files[first.file]} row group {first.index}"
-        if len(groups) > 1:
-            where += f" (or one of the {len(groups) - 1} read with it)"
         rows = rows_from_arrow(table, self.columns, where, order)
         if self.id_map is not None:
             mapped = self.id_map.apply(ids_of(rows, self.columns.categorical))
@@ -404,11 +414,14 @@ class ParquetReader:
                 yield epoch, index
             start += sum(group.rows for group in windows[index])
 
-    def _drop_ahead(self) -> None:
-        """Forgets the windows read ahead (waiting for the reads in flight)."""
+    def _drop_ahead(self, wait: bool = True) -> None:
+        """Forgets the windows read ahead: the reads not started are cancelled, those in
+        flight waited for (`wait`: their memory is free before new reads start) or left to
+        end on their threads."""
         ahead, self._ahead = self._ahead, {}
         for future in ahead.values():
-            future.cancel() or future.exception()
+            if not future.cancel() and wait:
+                future.exception()
 
     def position_after(self, batches: int) -> DataPosition:
         """Where this reader's stream stands after `batches` batches from the start of
@@ -433,7 +446,15 @@ class ParquetReader:
         `num_batches` counts from the start of training (position.batches), so a
         resumed stream ends where the uninterrupted one would. None: one epoch.
         """
-        position = position or DataPosition()
+        self._streams += 1
+        stream = self._streams
+        try:
+            yield from self._batches(num_batches, position or DataPosition())
+        finally:  # a stream closed or dropped early: forget the windows read for it
+            if self._streams == stream:  # (unless a newer stream took the reader over)
+                self._drop_ahead(wait=False)
+
+    def _batches(self, num_batches: int | None, position: DataPosition) -> Iterator[Batch]:
         if num_batches is None:
             num_batches = self.batches_per_epoch
         epoch, window, offset, produced = (

@@ -178,3 +178,35 @@ def test_no_window_past_the_end_of_the_stream_is_read(files):
 def test_read_threads_below_one_is_a_user_error(files):
     with pytest.raises(UserError, match="read_threads"):
         _reader(files, read_threads=0)
+
+
+def test_a_stream_closed_early_forgets_its_windows_but_not_a_newer_streams(files):
+    reader = _reader(files, seed=3, shuffle_buffer=400, read_threads=3)
+    total = reader.batches_per_epoch
+    expected = list(_reader(files, seed=3, shuffle_buffer=400).batches(total))
+    first = reader.batches(total)
+    _same_batches(expected[:3], [next(first) for _ in range(3)])
+    assert reader._ahead  # windows read ahead for it
+    first.close()
+    assert not reader._ahead
+    first, second = reader.batches(total), reader.batches(total, expected[19].position)
+    next(first)
+    _same_batches(expected[20:22], [next(second) for _ in range(2)])
+    first.close()  # an older stream's end leaves the newer one's windows
+    assert reader._ahead
+    _same_batches(expected[22:], list(second))
+
+
+def test_row_groups_whose_columns_do_not_match_name_the_file(tmp_path):
+    paths = []
+    for index, ids in enumerate([np.arange(500, dtype=np.uint64), [f"x{i}" for i in range(500)]]):
+        table = pa.table({"label": np.zeros(500, np.float32), "I1": np.zeros(500, np.float32), "C1": ids})  # fmt: skip
+        paths.append(tmp_path / f"part-{index}.parquet")
+        pq.write_table(table, paths[-1], row_group_size=250)
+    reader = ParquetReader(
+        paths, label="label", dense=["I1"], categorical=["C1"], batch_size=64, shuffle_buffer=1000
+    )
+    with pytest.raises(UserError, match="its columns do not match those of") as error:
+        list(reader.batches())
+    assert "part-0.parquet row group" in str(error.value)  # both files are named
+    assert "part-1.parquet row group" in str(error.value) and "C1" in str(error.value)
