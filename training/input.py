@@ -30,17 +30,17 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from hybridrec.common.errors import UserError
-from hybridrec.embedding_store import FeatureIds, RaggedIds
+from hybridrec.embedding_store import FeatureIds
 from hybridrec.pipeline import DatasetMetadata
 from hybridrec.training.rows import (
+    Columns,
     Rows,
-    blocked,
     concat_rows,
     ids_of,
-    ragged_take,
+    padding_rows,
+    rows_from_arrow,
     slice_rows,
 )
 
@@ -96,107 +96,10 @@ class Batch:
 
 
 @dataclasses.dataclass(frozen=True)
-class Columns:
-    """A split's columns. A batch's ids follow `categorical`: the order of the tower's
-    features, the spec's, whatever the placement and whichever features are bags."""
-
-    label: str
-    dense: tuple[str, ...]
-    categorical: tuple[str, ...]
-    multi: tuple[str, ...] = ()  # those of `categorical` that are multi-valued
-
-    def __post_init__(self):
-        unknown = sorted(set(self.multi) - set(self.categorical))
-        if unknown:
-            raise ValueError(f"multi-valued columns {unknown} are not categorical columns")
-
-    @classmethod
-    def of_dataset(cls, metadata: DatasetMetadata) -> Columns:
-        return cls(
-            metadata.label_column,
-            tuple(metadata.dense_columns),
-            tuple(f.name for f in metadata.categorical),
-            tuple(f.name for f in metadata.categorical if f.multi_valued),
-        )
-
-    @property
-    def all(self) -> list[str]:
-        return [self.label, *self.dense, *self.categorical]
-
-
-@dataclasses.dataclass(frozen=True)
 class _RowGroup:
     file: int
     index: int
     rows: int
-
-
-def _padding(columns: Columns, rows: int) -> Rows:
-    ids: dict[str, FeatureIds] = {
-        name: (
-            RaggedIds(values=np.zeros(0, np.uint64), offsets=np.zeros(rows + 1, np.int64))
-            if name in columns.multi
-            else np.zeros(rows, np.uint64)
-        )
-        for name in columns.categorical
-    }
-    return blocked(
-        {
-            "label": np.zeros(rows, np.float32),
-            "dense": np.zeros((rows, len(columns.dense)), np.float32),
-            "ids": ids,
-        }
-    )
-
-
-def _numbers(column: pa.ChunkedArray, dtype: type, order: np.ndarray | None, out: np.ndarray):
-    """Writes a numeric column into `out`, in `order` (a permutation of its rows) if given:
-    its chunks (a window's row groups) put end to end when there are several, then one
-    gather."""
-    chunks = [chunk.to_numpy(zero_copy_only=False) for chunk in column.chunks]
-    values = chunks[0] if len(chunks) == 1 else np.concatenate(chunks or [np.zeros(0, dtype)])
-    if order is None:
-        out[...] = values
-    else:  # mode="clip": `order` is in range, and "raise" would gather into a buffer first
-        np.take(values.astype(dtype, copy=False), order, out=out, mode="clip")
-
-
-def _ragged(column: pa.ChunkedArray, order: np.ndarray | None) -> RaggedIds:
-    array = column.combine_chunks()
-    lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = array.flatten().to_numpy().astype(np.uint64, copy=False)
-    if order is None:
-        return RaggedIds(values=values, offsets=offsets)
-    return ragged_take(values, offsets, order)
-
-
-def rows_from_arrow(
-    table: pa.Table, columns: Columns, where: str, order: np.ndarray | None = None
-) -> Rows:
-    """The rows of `table` (in `order`, a permutation of them, when given), its
-    single-valued ids in one block (`training.rows.blocked`). Each column is gathered once
-    into its place: the dense features a feature at a time, then turned into [n, d] rows
-    in one transposing copy (a third of the time of gathering rows of a stacked [n, d])."""
-    rows = table.num_rows
-    singles = [name for name in columns.categorical if name not in columns.multi]
-    try:
-        label = np.empty(rows, np.float32)
-        _numbers(table.column(columns.label), np.float32, order, label)
-        dense_t = np.empty((len(columns.dense), rows), np.float32)
-        for row, name in enumerate(columns.dense):
-            _numbers(table.column(name), np.float32, order, dense_t[row])
-        single = np.empty((len(singles), rows), np.uint64)
-        for row, name in enumerate(singles):
-            _numbers(table.column(name), np.uint64, order, single[row])
-        ragged = {name: _ragged(table.column(name), order) for name in columns.multi}
-    except (KeyError, pa.ArrowInvalid, ValueError, TypeError) as error:
-        raise UserError(f"{where}: unexpected column layout: {error}") from None
-    out: Rows = {"label": label, "dense": np.ascontiguousarray(dense_t.T), "ids": ragged}
-    if singles:
-        out["single"], out["names"] = single, tuple(singles)
-    return out
 
 
 class ParquetReader:
@@ -474,7 +377,7 @@ class ParquetReader:
             windows = self._epoch_windows(epoch)
             if window >= len(windows):  # epoch's rows exhausted: pad (eval) the last batch
                 missing = self.batch_size - pending_rows
-                rows = concat_rows([*pending, _padding(self.columns, missing)])
+                rows = concat_rows([*pending, padding_rows(self.columns, missing)])
                 valid = np.arange(self.batch_size) < pending_rows
                 pending, pending_rows = [], 0
                 produced += 1
