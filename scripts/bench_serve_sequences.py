@@ -2,15 +2,18 @@
 
 1. A generated event log whose training split holds about --items distinct items
    (popularity flattened, --zipf, so that nearly every item occurs), preprocessed, and
-   SASRec (max_length --history) trained one epoch through the hybrid loop; exported at
-   fp32, fp16 and int8. Cached under --cache by its arguments.
+   SASRec (max_length --history) trained --epochs epochs through the hybrid loop (the
+   preset's item-table learning rate, or --sparse-learning-rate); exported at fp32, fp16
+   and int8. Cached under --cache by its arguments.
 2. A real `hybridrec serve` process on a loopback port (--keep-histories): --clients
    closed-loop clients for --duration seconds, each request one user's history of
    --history raw item ids (drawn from the catalogue) asking for the top --k items, the
    history excluded: p50 / p99 latency and requests/s. The clients run on the same
    machine and count against it.
 3. Recall@k of the int8 and the fp16 exports' top-k against the fp32 export's, on the
-   validation split's histories.
+   validation split's histories; and how far the model is from chance: its last training
+   loss against ln(catalogue) (a sampled softmax's corrected loss at chance), and the
+   fp32 export's HR@10 on those histories' validation items.
 4. The kept-history cache: a user's query from its cached keys and values plus one new
    event, against computing the whole history (in process, one user a call, the tower's
    part only), and end to end over HTTP (a request naming the user after one appended
@@ -21,7 +24,7 @@
 
 The last line is one JSON object: catalogue, p50_ms, p99_ms, requests_per_s, errors,
 recall_at_k_int8 and recall_at_k_fp16 (k = --k), cached_speedup (the tower's part), cached_request_p50_ms,
-full_request_p50_ms, cached_request_speedup.
+full_request_p50_ms, cached_request_speedup, train_loss, loss_at_chance, hr_at_10_valid.
 """
 
 from __future__ import annotations
@@ -49,11 +52,16 @@ def trained_exports(args) -> tuple[Path, dict[str, Path]]:
 
     events = args.items * args.events_per_item
     users = max(events // args.mean_events, 1)
-    root = Path(args.cache) / f"serve_seq_i{args.items}_e{args.events_per_item}_h{args.history}"
-    data, run = root / "data", root / "run"
+    base = Path(args.cache) / f"serve_seq_i{args.items}_e{args.events_per_item}_h{args.history}"
+    # another training of the same data: its run and exports in a folder of their own
+    variant = f"ep{args.epochs}" if args.epochs != 1 else ""
+    if args.sparse_learning_rate is not None:
+        variant += f"_slr{args.sparse_learning_rate:g}"
+    root = base / variant.strip("_") if variant else base
+    data, run = base / "data", root / "run"
     exports = {precision: root / f"export_{precision}" for precision in PRECISIONS}
     if not (run / "summary.json").exists():
-        _train(args, data, run, root, events, users)
+        _train(args, data, run, base, events, users)
     for precision, path in exports.items():  # each made once
         if not (path / "1" / "manifest.json").exists():
             export_run(run, path, precision=precision, name="sequences")
@@ -82,13 +90,15 @@ def _train(args, data: Path, run: Path, root: Path, events: int, users: int) -> 
             inputs=[str(raw / "events.csv")], output=str(data), spec=str(raw / "events.toml")
         )
         run_event_preprocess(settings)
-    print("== train SASRec one epoch", file=sys.stderr, flush=True)
+    print(f"== train SASRec {args.epochs} epoch(s)", file=sys.stderr, flush=True)
+    rate = args.sparse_learning_rate
     config = load_config(
         "sasrec",
         [
             f"data.path={json.dumps(str(data))}",
             f"model.sequence.max_length={args.history}",
-            "data.epochs=1",
+            f"data.epochs={args.epochs}",
+            *([f"embedding.optimizer.learning_rate={rate}"] if rate is not None else []),
             "data.token_budget=8192",
             "eval.every_steps=0",
             "embedding.capacity=4000000",
@@ -113,19 +123,38 @@ def history_bodies(model, count: int, length: int, k: int, seed: int) -> list[by
     return bodies
 
 
-def recall(data: Path, fp32, other, k: int, users: int) -> float:
-    """Mean |top-k of `other` ∩ top-k of fp32| / k over validation histories."""
+def validation_histories(data: Path, users: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """(histories, validation items) of up to `users` users of the validation split, each
+    history its events before the validation item."""
     from hybridrec.pipeline.metadata import read_dataset
     from hybridrec.training.sequences import Histories
 
     histories = Histories.read(read_dataset(data), "valid")
     chosen = np.linspace(0, len(histories) - 1, min(users, len(histories))).astype(int)
+    ends = histories.offsets[chosen + 1]
+    chosen = chosen[ends - 1 > histories.offsets[chosen]]  # a history before its item
     queries = [histories.items[histories.offsets[h] : histories.offsets[h + 1] - 1] for h in chosen]
-    queries = [q for q in queries if len(q)]
+    return queries, histories.items[histories.offsets[chosen + 1] - 1]
+
+
+def recall(queries: list[np.ndarray], fp32, other, k: int) -> float:
+    """Mean |top-k of `other` ∩ top-k of fp32| / k over the histories `queries`."""
     exact, _ = fp32.top_k(fp32.encode(queries)[0], k, queries)
     approximate, _ = other.top_k(other.encode(queries)[0], k, queries)
     found = [len(np.intersect1d(a, b)) for a, b in zip(exact, approximate, strict=True)]
     return float(np.mean(found) / k)
+
+
+def hit_rate(queries: list[np.ndarray], targets: np.ndarray, model, k: int = 10) -> float:
+    """The fraction of histories whose next item is among the model's top k."""
+    top, _ = model.top_k(model.encode(queries)[0], k, queries)
+    return float(np.mean([target in items for items, target in zip(top, targets, strict=True)]))
+
+
+def last_train_loss(run: Path) -> float:
+    """The training loss of the run's last train record."""
+    records = (run / "metrics.jsonl").read_text().splitlines()
+    return float([json.loads(line) for line in records if '"kind": "train"' in line][-1]["loss"])
 
 
 def cached_speedup(model, length: int, users: int, seed: int) -> float:
@@ -206,6 +235,10 @@ def main() -> None:
     parser.add_argument("--mean-events", type=int, default=40, help="mean events a user")
     parser.add_argument("--zipf", type=float, default=0.0, help="popularity exponent")
     parser.add_argument("--history", type=int, default=200, help="events a request carries")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs SASRec trains")
+    parser.add_argument(
+        "--sparse-learning-rate", type=float, help="the item table's (default: the preset's)"
+    )
     parser.add_argument("--k", type=int, default=100, help="items a request asks for")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of load")
@@ -220,15 +253,20 @@ def main() -> None:
     fp32 = ServedSequenceModel(fp32_dir, max_batch=64)
     catalogue = len(fp32.catalogue)
     print(f"== catalogue of {catalogue:,} items; recall of int8, fp16", file=sys.stderr, flush=True)  # fmt: skip
+    queries, targets = validation_histories(data, args.recall_users)
     recalls = {}
     for precision in ("int8", "fp16"):
         other = ServedSequenceModel(exports[precision], max_batch=64)
-        recalls[precision] = recall(data, fp32, other, args.k, args.recall_users)
+        recalls[precision] = recall(queries, fp32, other, args.k)
         del other
+    hr10 = hit_rate(queries, targets, fp32)
+    loss, chance = last_train_loss(fp32_dir.parent / "run"), float(np.log(catalogue))
     speedup = cached_speedup(fp32, args.history, 32, seed=3)
     print(
         f"   recall@{args.k} against fp32: int8 {recalls['int8']:.4f}, fp16 "
-        f"{recalls['fp16']:.4f}; cached history: the tower's part {speedup:.1f}x faster",
+        f"{recalls['fp16']:.4f}; cached history: the tower's part {speedup:.1f}x faster; "
+        f"the model's last training loss {loss:.3f} (chance: ln {catalogue:,} = {chance:.3f}), "
+        f"validation HR@10 {hr10:.4f}",
         file=sys.stderr,
         flush=True,
     )
@@ -257,6 +295,9 @@ def main() -> None:
         "cached_request_p50_ms": round(cached_ms, 2),
         "full_request_p50_ms": round(full_ms, 2),
         "cached_request_speedup": round(full_ms / cached_ms, 2),
+        "train_loss": round(loss, 4),
+        "loss_at_chance": round(chance, 4),
+        "hr_at_10_valid": round(hr10, 4),
     }
     print(
         f"[bench_serve_sequences] {catalogue:,} items, histories of {args.history}, top-"

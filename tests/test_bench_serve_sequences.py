@@ -1,9 +1,11 @@
 """scripts/bench_serve_sequences.py at a tiny size: it generates, trains, exports, serves
-under load, measures int8 and fp16 recall and the kept-history cache, and ends with its keys."""
+under load, measures int8 and fp16 recall, the kept-history cache and how far its model is from
+chance, and ends with its keys."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +26,7 @@ def test_a_small_run_ends_with_its_keys(tmp_path):
     assert 0.8 < summary["recall_at_k_int8"] <= summary["recall_at_k_fp16"] <= 1
     for key in ("cached_speedup", "cached_request_p50_ms", "full_request_p50_ms"):
         assert summary[key] > 0, key
+    # how far the served model is from chance: ln of its catalogue, its loss, its hit rate
+    assert abs(summary["loss_at_chance"] - math.log(summary["catalogue"])) < 1e-3
+    assert 0 < summary["train_loss"] < 2 * summary["loss_at_chance"]
+    assert 0 <= summary["hr_at_10_valid"] <= 1
