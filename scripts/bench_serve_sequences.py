@@ -2,9 +2,10 @@
 
 1. A generated event log whose training split holds about --items distinct items
    (popularity flattened, --zipf, so that nearly every item occurs), preprocessed, and
-   SASRec (max_length --history) trained --epochs epochs through the hybrid loop (the
-   preset's item-table learning rate, or --sparse-learning-rate); exported at fp32, fp16
-   and int8. Cached under --cache by its arguments.
+   SASRec (max_length --history) trained through the hybrid loop, the preset's 20 epochs
+   (or --epochs) at its item-table learning rate (or --sparse-learning-rate); exported at
+   fp32, fp16 and int8. Cached under --cache by its arguments: the log once, each training
+   of it in a folder of its own.
 2. A real `hybridrec serve` process on a loopback port (--keep-histories): --clients
    closed-loop clients for --duration seconds, each request one user's history of
    --history raw item ids (drawn from the catalogue) asking for the top --k items, the
@@ -53,11 +54,10 @@ def trained_exports(args) -> tuple[Path, dict[str, Path]]:
     events = args.items * args.events_per_item
     users = max(events // args.mean_events, 1)
     base = Path(args.cache) / f"serve_seq_i{args.items}_e{args.events_per_item}_h{args.history}"
-    # another training of the same data: its run and exports in a folder of their own
-    variant = f"ep{args.epochs}" if args.epochs != 1 else ""
+    training = f"ep{args.epochs}"  # each training of the log: its run and exports
     if args.sparse_learning_rate is not None:
-        variant += f"_slr{args.sparse_learning_rate:g}"
-    root = base / variant.strip("_") if variant else base
+        training += f"_slr{args.sparse_learning_rate:g}"
+    root = base / training
     data, run = base / "data", root / "run"
     exports = {precision: root / f"export_{precision}" for precision in PRECISIONS}
     if not (run / "summary.json").exists():
@@ -235,7 +235,7 @@ def main() -> None:
     parser.add_argument("--mean-events", type=int, default=40, help="mean events a user")
     parser.add_argument("--zipf", type=float, default=0.0, help="popularity exponent")
     parser.add_argument("--history", type=int, default=200, help="events a request carries")
-    parser.add_argument("--epochs", type=int, default=1, help="epochs SASRec trains")
+    parser.add_argument("--epochs", type=int, help="epochs SASRec trains (default: the preset's)")
     parser.add_argument(
         "--sparse-learning-rate", type=float, help="the item table's (default: the preset's)"
     )
@@ -247,6 +247,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from hybridrec.serving.sequence_model import ServedSequenceModel
+    from hybridrec.training.job import load_config
+
+    if args.epochs is None:
+        args.epochs = load_config("sasrec", []).data.epochs
 
     data, exports = trained_exports(args)
     fp32_dir = exports["fp32"]
