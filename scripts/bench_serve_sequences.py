@@ -46,8 +46,8 @@ REPO = Path(__file__).resolve().parent.parent
 PRECISIONS = ("fp32", "fp16", "int8")
 
 
-def trained_exports(args) -> tuple[Path, dict[str, Path]]:
-    """(data, {precision: export}) for fp32, fp16 and int8, made once per set of
+def trained_exports(args) -> tuple[Path, Path, dict[str, Path]]:
+    """(data, run, {precision: export}) for fp32, fp16 and int8, made once per set of
     arguments."""
     from hybridrec.serving.export import export_run
 
@@ -65,7 +65,7 @@ def trained_exports(args) -> tuple[Path, dict[str, Path]]:
     for precision, path in exports.items():  # each made once
         if not (path / "1" / "manifest.json").exists():
             export_run(run, path, precision=precision, name="sequences")
-    return data, exports
+    return data, run, exports
 
 
 def _train(args, data: Path, run: Path, root: Path, events: int, users: int) -> None:
@@ -137,24 +137,25 @@ def validation_histories(data: Path, users: int) -> tuple[list[np.ndarray], np.n
     return queries, histories.items[histories.offsets[chosen + 1] - 1]
 
 
-def recall(queries: list[np.ndarray], fp32, other, k: int) -> float:
-    """Mean |top-k of `other` ∩ top-k of fp32| / k over the histories `queries`."""
-    exact, _ = fp32.top_k(fp32.encode(queries)[0], k, queries)
+def recall(queries: list[np.ndarray], exact: np.ndarray, other) -> float:
+    """Mean |top-k of `other` ∩ `exact`| / k over the histories `queries`, `exact` [n, k]
+    the fp32 export's top-k of them."""
+    k = exact.shape[1]
     approximate, _ = other.top_k(other.encode(queries)[0], k, queries)
     found = [len(np.intersect1d(a, b)) for a, b in zip(exact, approximate, strict=True)]
     return float(np.mean(found) / k)
 
 
-def hit_rate(queries: list[np.ndarray], targets: np.ndarray, model, k: int = 10) -> float:
-    """The fraction of histories whose next item is among the model's top k."""
-    top, _ = model.top_k(model.encode(queries)[0], k, queries)
+def hit_rate(top: np.ndarray, targets: np.ndarray) -> float:
+    """The fraction of rows of `top` [n, k] that hold their history's next item."""
     return float(np.mean([target in items for items, target in zip(top, targets, strict=True)]))
 
 
 def last_train_loss(run: Path) -> float:
     """The training loss of the run's last train record."""
-    records = (run / "metrics.jsonl").read_text().splitlines()
-    return float([json.loads(line) for line in records if '"kind": "train"' in line][-1]["loss"])
+    from hybridrec.training.run_log import read_records
+
+    return float([record for record in read_records(run) if record["kind"] == "train"][-1]["loss"])
 
 
 def cached_speedup(model, length: int, users: int, seed: int) -> float:
@@ -252,19 +253,21 @@ def main() -> None:
     if args.epochs is None:
         args.epochs = load_config("sasrec", []).data.epochs
 
-    data, exports = trained_exports(args)
+    data, run, exports = trained_exports(args)
     fp32_dir = exports["fp32"]
     fp32 = ServedSequenceModel(fp32_dir, max_batch=64)
     catalogue = len(fp32.catalogue)
     print(f"== catalogue of {catalogue:,} items; recall of int8, fp16", file=sys.stderr, flush=True)  # fmt: skip
     queries, targets = validation_histories(data, args.recall_users)
+    # fp32's top max(k, 10) once: its first k for recall (ties in catalogue order), 10 for HR@10
+    top, _ = fp32.top_k(fp32.encode(queries)[0], max(args.k, 10), queries)
     recalls = {}
     for precision in ("int8", "fp16"):
         other = ServedSequenceModel(exports[precision], max_batch=64)
-        recalls[precision] = recall(queries, fp32, other, args.k)
+        recalls[precision] = recall(queries, top[:, : args.k], other)
         del other
-    hr10 = hit_rate(queries, targets, fp32)
-    loss, chance = last_train_loss(fp32_dir.parent / "run"), float(np.log(catalogue))
+    hr10 = hit_rate(top[:, :10], targets)
+    loss, chance = last_train_loss(run), float(np.log(catalogue))
     speedup = cached_speedup(fp32, args.history, 32, seed=3)
     print(
         f"   recall@{args.k} against fp32: int8 {recalls['int8']:.4f}, fp16 "
