@@ -163,8 +163,11 @@ class SequenceConfig:
     heads: int = 1
     # width of each head's queries, keys and values; 0 = the embedding dim / heads
     head_dim: int = 0
-    # dropout rate on the input embeddings and, for SASRec, after attention and the FFN
+    # dropout rate on the input embeddings (item rows with their positions)
     dropout: float = 0.2
+    # dropout rate inside each block: SASRec after its attention and its FFN, HSTU on the
+    # gated attention output before its projection; -1 = `dropout`
+    block_dropout: float = -1.0
     # HSTU's relative-position bias: buckets per head, and the distance the last starts at
     # (0 = max_length)
     buckets: int = 32
@@ -213,6 +216,10 @@ class SequenceConfig:
             raise ValueError("sequence.blocks and heads must be >= 1, head_dim >= 0 (0 = auto)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"sequence.dropout must be within [0, 1), got {self.dropout}")
+        if not (0.0 <= self.block_dropout < 1.0 or self.block_dropout == -1.0):
+            raise ValueError(
+                f"sequence.block_dropout must be within [0, 1) (-1: dropout), got {self.block_dropout}"
+            )
         if self.buckets < 1 or self.max_distance < 0:
             raise ValueError("sequence.buckets must be >= 1 and max_distance >= 0")
         if self.action_inputs < -1:
@@ -233,6 +240,11 @@ class SequenceConfig:
             raise ValueError(
                 "sequence.actions must be >= 0 (0 = the dataset's), ranking_hidden >= 1"
             )
+
+    @property
+    def block_rate(self) -> float:
+        """The dropout rate inside the blocks."""
+        return self.dropout if self.block_dropout == -1.0 else self.block_dropout
 
     @property
     def retrieval(self) -> bool:

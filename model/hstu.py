@@ -4,7 +4,7 @@ One block, with x: [batch, length, dim] and a row packing several histories (seg
 
     u, v, q, k = split(silu(linear(layer_norm(x))))          # per head
     attended   = hstu_attention(q, k, v, segments, relative bias)
-    x          = x + linear(layer_norm(attended) * u)          # the gated output
+    x          = x + linear(dropout(layer_norm(attended) * u))  # the gated output
 
 The attention is pointwise (SiLU of each score over a fixed norm, no softmax) with a learned
 bias per head and distance bucket and, with `time_buckets`, per head and bucket of the
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from hybridrec.model.hstu_attention import hstu_attention, hstu_attention_cached
-from hybridrec.model.layers import linear, place_positions
+from hybridrec.model.layers import dropout, linear, place_positions
 
 
 class HSTUBlock(nnx.Module):
@@ -52,9 +52,12 @@ class HSTUBlock(nnx.Module):
     def _time_bias(self):
         return None if self.time_bias is None else self.time_bias[...]
 
-    def __call__(self, x: jax.Array, segments: jax.Array, times=None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, segments: jax.Array, times=None, *, rate: float = 0.0, rng=None
+    ) -> jax.Array:
         """x: [batch, length, dim]; segments: [batch, length] int32 (negative: padding);
-        times: [batch, length] int32 event times in seconds (with the time bias)."""
+        times: [batch, length] int32 event times in seconds (with the time bias); `rate`:
+        dropout on the gated attention output (with an `rng`, in training)."""
         u, v, q, k = self._uvqk(x)
         attended = hstu_attention(
             q,
@@ -69,7 +72,7 @@ class HSTUBlock(nnx.Module):
             times=times,
             time_bias=self._time_bias(),
         )
-        return self._gated(x, attended, u)
+        return self._gated(x, attended, u, rate, rng)
 
     def extend(self, x, positions, key_count, cache_k, cache_v, prefix, times=None):
         """The block at a history's new positions, over its cached keys and values.
@@ -105,10 +108,10 @@ class HSTUBlock(nnx.Module):
         shape = (batch, length, self.heads, self.head_dim)
         return u, v.reshape(shape), q.reshape(shape), k.reshape(shape)
 
-    def _gated(self, x, attended, u):
+    def _gated(self, x, attended, u, rate: float = 0.0, rng=None):
         batch, length = x.shape[:2]
         attended = self.norm_attended(attended.reshape(batch, length, -1))
-        return x + self.out(attended * u)
+        return x + self.out(dropout(attended * u, rate, rng))
 
 
 class HSTUEncoder(nnx.Module):
@@ -144,9 +147,12 @@ class HSTUEncoder(nnx.Module):
             setattr(self, f"block_{index}", block)
         self.norm_out = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
-    def __call__(self, x: jax.Array, segments: jax.Array, times=None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, segments: jax.Array, times=None, *, rate: float = 0.0, rng=None
+    ) -> jax.Array:
+        keys = [None] * self.num_blocks if rng is None else jax.random.split(rng, self.num_blocks)
         for index in range(self.num_blocks):
-            x = getattr(self, f"block_{index}")(x, segments, times)
+            x = getattr(self, f"block_{index}")(x, segments, times, rate=rate, rng=keys[index])
         return self.norm_out(x)
 
     def extend(self, x, positions, key_count, cache_k, cache_v, prefix, times=None):

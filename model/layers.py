@@ -101,3 +101,11 @@ def place_positions(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.A
         new, jnp.clip(index, 0, count - 1).reshape(*index.shape, *trailing), axis=1
     )
     return jnp.where(inside.reshape(*inside.shape, *trailing), gathered, cache)
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+    """Inverted dropout of `x` at `rate`; the identity without an `rng` (evaluation)."""
+    if rng is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)

@@ -32,15 +32,7 @@ from flax import nnx
 from hybridrec.model.config import SequenceConfig
 from hybridrec.model.hstu import HSTUEncoder
 from hybridrec.model.hstu_attention import live_pairs
-from hybridrec.model.layers import linear, place_positions
-
-
-def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
-    """Inverted dropout of `x` at `rate`; the identity without an `rng` (evaluation)."""
-    if rng is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+from hybridrec.model.layers import dropout, linear, place_positions
 
 
 def _norm(dim: int, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -147,7 +139,11 @@ class SASRec(nnx.Module):
     def __init__(self, config: SequenceConfig, *, dim: int, dtype, rngs: nnx.Rngs):
         if config.reads_times:
             raise ValueError("sequence.time_buckets is HSTU's time-gap bias; SASRec reads no times (set it to 0)")  # fmt: skip
-        self.rate, self.num_blocks = config.dropout, config.blocks
+        self.rate, self.block_rate, self.num_blocks = (
+            config.dropout,
+            config.block_rate,
+            config.blocks,
+        )
         head_dim = config.head_dim or max(dim // config.heads, 1)
         self.positions = _Positions(
             dim, config.max_length, rngs=rngs, action_types=max(config.action_inputs, 0)
@@ -164,7 +160,7 @@ class SASRec(nnx.Module):
         x = self.positions(x, positions, self.rate, keys[0], actions)
         live = live_pairs(segments)[:, None]  # [R, 1, L, L]
         for index in range(self.num_blocks):
-            x = getattr(self, f"block_{index}")(x, live, self.rate, keys[index + 1])
+            x = getattr(self, f"block_{index}")(x, live, self.block_rate, keys[index + 1])
         return self.norm_out(x)
 
     def cache_shape(self) -> tuple[int, int, int]:
@@ -190,7 +186,7 @@ class HSTU(nnx.Module):
     """HSTU over packed rows: `tower(x, segments, positions, rng=None) -> [R, L, D]`."""
 
     def __init__(self, config: SequenceConfig, *, dim: int, dtype, rngs: nnx.Rngs):
-        self.rate = config.dropout
+        self.rate, self.block_rate = config.dropout, config.block_rate
         self.positions = _Positions(
             dim, config.max_length, rngs=rngs, action_types=max(config.action_inputs, 0)
         )
@@ -208,8 +204,10 @@ class HSTU(nnx.Module):
         )
 
     def __call__(self, x, segments, positions, rng=None, *, times=None, actions=None) -> jax.Array:  # fmt: skip
-        x = self.positions(x, positions, self.rate, rng, actions)
-        return self.encoder(x, jnp.where(segments >= 0, segments, -1), times)
+        keys = (None, None) if rng is None else jax.random.split(rng)
+        x = self.positions(x, positions, self.rate, keys[0], actions)
+        segments = jnp.where(segments >= 0, segments, -1)
+        return self.encoder(x, segments, times, rate=self.block_rate, rng=keys[1])
 
     def cache_shape(self) -> tuple[int, int, int]:
         block = self.encoder.block_0

@@ -47,7 +47,7 @@ _LAZY = {
     "Preprocess": "hybridrec.pipeline.job",
     "PreprocessConfig": "hybridrec.pipeline.config",
     "PreprocessResult": "hybridrec.pipeline.job",
-    "SplitRule": "hybridrec.pipeline._chunks",
+    "SplitRule": "hybridrec.pipeline._splits",
     "count_lines": "hybridrec.pipeline._chunks",
     "follow": "hybridrec.pipeline.follow",
     "generate": "hybridrec.pipeline.synthetic",

@@ -20,15 +20,15 @@ import os
 import zlib
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from hybridrec.common.errors import UserError
-from hybridrec.pipeline import _header, _parquet, hashing
+from hybridrec.pipeline import _header, _parquet
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._parse import BlockParser, ParsedBlock
+from hybridrec.pipeline._splits import SplitRule
 from hybridrec.pipeline.spec import FeatureSpec
 from hybridrec.pipeline.stats import PartialStats
 
@@ -255,26 +255,6 @@ def count_lines(chunk: Chunk, block_bytes: int) -> int:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class SplitRule:
-    """Train/eval assignment.
-
-    `position`: the last `eval_fraction` of input lines (over all files, in input
-    order) is eval. `hash`: a line is eval when splitmix64(hash of its bytes) falls
-    in the first `eval_fraction` of the 64-bit range.
-    """
-
-    mode: str
-    eval_fraction: float
-    eval_start_line: int  # position mode: first global line index of eval
-
-    def is_eval(self, global_lines: np.ndarray, row_hashes: np.ndarray) -> np.ndarray:
-        if self.mode == "position":
-            return global_lines >= self.eval_start_line
-        threshold = np.uint64(min(int(self.eval_fraction * 2.0**64), 2**64 - 1))
-        return hashing.splitmix64(row_hashes) < threshold
-
-
 class SplitWriter:
     """Streams one split of one chunk into a Parquet file with ~ROW_GROUP_ROWS row groups."""
 
@@ -347,7 +327,7 @@ def process_chunk(
             parser.schema,
             compression,
         )
-        for name in ("train", "eval")
+        for name in split.names
     }
     hash_split = split.mode == "hash"
     if chunk.format == "parquet":
@@ -370,10 +350,11 @@ def process_chunk(
             record = {"file": chunk.path, **where, "reason": reason, "detail": detail, **what}
             rejected.append(json.dumps(record))
         global_lines = global_first_line + (block_first - first_line) + parsed.line_offsets
-        is_eval = split.is_eval(global_lines, parsed.row_hashes)
-        for name, mask in (("train", ~is_eval), ("eval", is_eval)):
+        assigned = split.assign(global_lines, parsed.row_hashes)
+        for index, name in enumerate(split.names):
+            mask = assigned == index
             part = parsed.table.filter(pa.array(mask)) if not mask.all() else parsed.table
-            stats.rows_by_split[name] += part.num_rows
+            stats.rows_by_split[name] = stats.rows_by_split.get(name, 0) + part.num_rows
             writers[name].write(part)
             if name == "train":
                 stats.add_table(part, spec)

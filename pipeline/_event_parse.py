@@ -1,7 +1,8 @@
 """Vectorized parsing of event logs: text blocks and Parquet batches -> `EventBlock`s.
 
 Three inputs give the same events:
-- delimited text (one event a line; a one-byte delimiter or runs of whitespace);
+- delimited text (one event a line; a delimiter of one to four bytes, such as `,` or
+  MovieLens' `::`, or runs of whitespace);
 - the `user_per_line` form (`user item item ...`: integer ids, oldest item first);
 - Parquet (columns by name; strings, integers, or timestamps for the time).
 Every cell is reduced to bytes (`Cells`: a buffer with a start and a length per row), so
@@ -22,6 +23,7 @@ import pyarrow.compute as pc
 from hybridrec.pipeline import hashing
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._parse import binary_cells, line_text, parse_floats, parse_ints
+from hybridrec.pipeline._text_fields import text_fields, text_lines
 from hybridrec.pipeline.event_spec import EventSpec
 
 REASONS = (
@@ -32,7 +34,6 @@ REASONS = (
     "bad_time",
     "bad_action",
 )
-_SPACE, _TAB, _NEWLINE = 32, 9, 10
 _ISO_DIGITS = (0, 1, 2, 3, 5, 6, 8, 9)  # YYYY-MM-DD
 _TIME_DIGITS = (11, 12, 14, 15)  # HH:MM
 _MS_ABOVE = 10**11  # auto: unix times above this are milliseconds (after 5138 in seconds)
@@ -262,44 +263,6 @@ _FORMAT_NAMES = {
 }
 
 
-# ---- rows ----------------------------------------------------------------------------------
-
-
-def _lines(block: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(buffer, line starts, line ends without the newline or a CR before it)."""
-    if block and not block.endswith(b"\n"):
-        block += b"\n"  # the last line of a file may lack its newline
-    buffer = np.frombuffer(block, np.uint8)
-    newlines = np.flatnonzero(buffer == _NEWLINE)
-    starts = np.zeros(len(newlines), np.int64)
-    starts[1:] = newlines[:-1] + 1
-    ends = newlines.astype(np.int64)
-    carriage = (ends > starts) & (buffer[np.maximum(ends - 1, 0)] == 13)
-    return buffer, starts, ends - carriage
-
-
-def _fields(buffer, line_starts, line_ends, delimiter: str):
-    """Every field of every line: (starts, ends, line of each), in order."""
-    if delimiter == "whitespace":
-        blank = (buffer == _SPACE) | (buffer == _TAB) | (buffer == _NEWLINE) | (buffer == 13)
-        previous = np.concatenate([[True], blank[:-1]])
-        following = np.concatenate([blank[1:], [True]])
-        starts = np.flatnonzero(~blank & previous)
-        ends = np.flatnonzero(~blank & following) + 1
-    else:
-        # every field ends at a delimiter or at its line's end (before a CR)
-        separators = np.flatnonzero((buffer == ord(delimiter)) | (buffer == _NEWLINE))
-        is_newline = buffer[separators] == _NEWLINE
-        starts = np.zeros(len(separators), np.int64)
-        starts[1:] = separators[:-1] + 1
-        ends = separators.astype(np.int64)
-        ends[is_newline] = line_ends
-        lines = np.cumsum(is_newline) - is_newline
-        return starts, ends, lines
-    lines = np.searchsorted(line_ends, starts, side="left")
-    return starts.astype(np.int64), ends.astype(np.int64), lines
-
-
 class EventParser:
     """Parses the blocks of one spec; build once per worker and reuse.
 
@@ -319,8 +282,8 @@ class EventParser:
     def parse_text(self, block: bytes, where, seen_format: str = "") -> EventBlock:
         """A block of complete lines; `where(line)` names a line of it ("FILE: line N");
         `seen_format` is the time format the input's earlier blocks were read in."""
-        buffer, line_starts, line_ends = _lines(block)
-        starts, ends, field_lines = _fields(buffer, line_starts, line_ends, self.spec.delimiter)
+        buffer, line_starts, line_ends = text_lines(block)
+        starts, ends, field_lines = text_fields(buffer, line_starts, line_ends, self.spec.delimiter)
         per_line = np.bincount(field_lines, minlength=len(line_starts))
         if self.spec.format == "user_per_line":
             return self._user_lines(

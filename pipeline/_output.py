@@ -124,7 +124,7 @@ def publish(
     remove_previous(out)
     rejected_files = _rename_in_order(out, temp_dir, stats, "rejected")
     splits = {}
-    for split in ("train", "eval"):
+    for split in ("train", "valid", "eval") if config.valid_fraction else ("train", "eval"):
         files = _rename_in_order(out, temp_dir, stats, split)
         rows = sum(count for name, _, count in stats.files if name == split)
         splits[split] = {"rows": rows, "files": files}
@@ -133,7 +133,11 @@ def publish(
         "hash_scheme": hashing.hash_scheme(spec.prefix_bits),
         "spec": spec.to_json(),
         "splits": splits,
-        "split_rule": {"mode": config.split, "eval_fraction": config.eval_fraction},
+        "split_rule": {
+            "mode": config.split,
+            "eval_fraction": config.eval_fraction,
+            **({"valid_fraction": config.valid_fraction} if config.valid_fraction else {}),
+        },
         "inputs": list(config.inputs),
         "input_format": config.input_format,
         "input_files": input_files,

@@ -32,41 +32,51 @@ def split_written_chunk(
     temp_dir: str,
     key: str,
     row_lines: np.ndarray,
-    first_eval_line: int,
+    first_lines: dict[str, int],
     *,
     spec: FeatureSpec,
     schema: pa.Schema,
     compression: str,
 ) -> PartialStats:
-    """Moves the rows of `train/chunk-KEY.parquet` at or after `first_eval_line` to eval.
+    """Moves the rows of `train/chunk-KEY.parquet` from `first_lines["valid"]` on to valid
+    and from `first_lines["eval"]` on to eval.
 
-    Used for the one chunk a position split falls inside: the parse step wrote all its
+    Used for a chunk a position split's boundary falls inside: the parse step wrote all its
     rows to train before the input's total line count was known.
 
     Args:
         row_lines: [rows] int64, chunk-local line index of each row of the file.
-        first_eval_line: chunk-local line index where eval begins.
+        first_lines: chunk-local line index where each later split begins, in line
+            order ("valid" with a valid split, then "eval"; a line past the chunk: none
+            of it).
 
     Returns:
-        Statistics of the rows that stay in train (rows_by_split and files of both).
+        Statistics of the rows that stay in train (rows_by_split and files of every split).
     """
     source = FileSystems.join(temp_dir, "train", f"chunk-{key}.parquet")
     staged = FileSystems.join(temp_dir, "train", f"chunk-{key}.parquet.split")
+    names = ("train", *first_lines)
     writers = {
-        "train": SplitWriter(staged, schema, compression),
-        "eval": SplitWriter(
-            FileSystems.join(temp_dir, "eval", f"chunk-{key}.parquet"), schema, compression
-        ),
+        name: SplitWriter(
+            staged if name == "train" else FileSystems.join(temp_dir, name, f"chunk-{key}.parquet"),
+            schema,
+            compression,
+        )
+        for name in names
     }
+    starts = np.array([first_lines[name] for name in names[1:]], np.int64)
+    if np.any(np.diff(starts) < 0):
+        raise ValueError(f"split starts out of line order: {first_lines}")
     stats = PartialStats(source=key)
     row = 0
     with FileSystems.open(source) as handle:
         for batch in pq.ParquetFile(handle).iter_batches(batch_size=ROW_GROUP_ROWS):
             table = pa.Table.from_batches([batch], schema)
-            is_eval = row_lines[row : row + table.num_rows] >= first_eval_line
+            # each row's split: how many of the later splits' starts its line is at or past
+            assigned = np.searchsorted(starts, row_lines[row : row + table.num_rows], "right")
             row += table.num_rows
-            for name, mask in (("train", ~is_eval), ("eval", is_eval)):
-                part = table.filter(pa.array(mask))
+            for index, name in enumerate(names):
+                part = table.filter(pa.array(assigned == index))
                 writers[name].write(part)
                 if name == "train":
                     stats.add_table(part, spec)

@@ -21,6 +21,10 @@ class PreprocessConfig:
     input_format: str = "auto"  # auto: .parquet/.pq names are Parquet, others text
     split: str = "position"  # position: last eval_fraction of lines is eval; hash: by row hash
     eval_fraction: float = 0.1  # fraction of rows in the eval split, in [0, 1)
+    # fraction of rows in a "valid" split for tuning and stopping (click logs): under a
+    # position split the lines just before eval's, under a hash split a range of the row
+    # hash beside eval's; 0 = none
+    valid_fraction: float = 0.0
     chunk_mb: float = 32.0  # uncompressed text is cut into equal chunks of at most this many MB
     block_mb: float = 16.0  # MB of text parsed per batch
     compression: str = "zstd"  # Parquet codec
@@ -44,6 +48,11 @@ class PreprocessConfig:
             raise UserError(f"--compression must be one of {', '.join(COMPRESSIONS)}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise UserError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        if not 0.0 <= self.valid_fraction < 1.0 or self.eval_fraction + self.valid_fraction >= 1:
+            raise UserError(
+                f"--valid-fraction must be in [0, 1) and leave rows to train beside "
+                f"--eval-fraction {self.eval_fraction:g}, got {self.valid_fraction:g}"
+            )
         if self.chunk_mb <= 0 or self.block_mb <= 0 or self.bucket_mb <= 0:
             raise UserError("--chunk-mb, --block-mb and --bucket-mb must be positive")
         if self.dask_workers < 0:

@@ -147,7 +147,9 @@ class EventSpec:
     name: str  # dataset name, recorded in metadata.json
     # delimited: one event a row; user_per_line: `user item item ...` a line, oldest first
     format: Literal["delimited", "user_per_line"] = "delimited"
-    delimiter: str = ","  # one byte, or "whitespace" (runs of spaces and tabs)
+    # the field separator: one to four bytes (",", "\t", MovieLens' "::"), or "whitespace"
+    # (runs of spaces and tabs)
+    delimiter: str = ","
     header: bool = False  # text: the first line of every file names `columns`
     columns: tuple[str, ...] = ()  # delimited: every field of a row, in order
     user: str = ""  # delimited: the column holding the user id
@@ -170,10 +172,13 @@ class EventSpec:
 
     def __post_init__(self):
         if self.delimiter != "whitespace" and (
-            len(self.delimiter.encode()) != 1 or self.delimiter in "\r\n"
+            not 1 <= len(self.delimiter.encode()) <= 4
+            or "\r" in self.delimiter
+            or "\n" in self.delimiter
         ):
             raise ValueError(
-                f"delimiter must be one byte (not a newline) or 'whitespace', got {self.delimiter!r}"
+                "delimiter must be one to four bytes (no newline) or 'whitespace', got "
+                f"{self.delimiter!r}"
             )
         if self.format == "user_per_line":
             if self.columns or self.user or self.item or self.time or self.action:

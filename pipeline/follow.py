@@ -42,7 +42,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 from hybridrec.common.errors import UserError
 from hybridrec.common.files import atomic_write_text, fsync_directory
-from hybridrec.pipeline import _chunks, manifest, metadata
+from hybridrec.pipeline import _chunks, _splits, manifest, metadata
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._parse import BlockParser
 from hybridrec.pipeline.event_follow import EventFiles
@@ -231,7 +231,7 @@ def process_file(
     try:
         chunks = _chunks.list_chunks([path], _WHOLE_FILE, spec=spec)
         (chunk,) = chunks  # one chunk per file
-        split = _chunks.SplitRule("position", 0.0, eval_start_line=2**62)  # every row trains
+        split = _splits.SplitRule("position", 0.0, eval_start_line=2**62)  # every row trains
         stats, rejected = _chunks.process_chunk(
             chunk, spec=spec, parser=parser, first_line=0, global_first_line=0, split=split,
             temp_dir=directory, block_bytes=block_bytes, compression=compression,

@@ -4,8 +4,10 @@ event spec (`kind = "events"`, pipeline.event_spec), with a reason for every col
 A sample is an event log when it has a **user-like** and an **item-like** column (ids that
 repeat: a user acts many times, an item is acted on by many users; named so, or the two
 columns of most distinct repeated values) and a **time-like** one (ISO dates or times,
-epoch seconds or milliseconds), or when its lines are `user item item ...` integer tokens
-of varying length (the user-per-line form of the public sequential benchmarks).
+epoch seconds or milliseconds), or no time and no column that can be a click label (the
+`user item` pairs of the SASRec paper's files, a `user,item` CSV: each user's events in
+file order), or when its lines are `user item item ...` integer tokens of varying length
+(the user-per-line form of the public sequential benchmarks).
 Then:
 - a rating-like column (a name such as rating / score / stars, small numbers) becomes the
   action, cut at a threshold into negative and positive;
@@ -89,6 +91,8 @@ def propose_user_per_line(path, lines: list[str]) -> ProposedEventSpec:
             'delimiter = "whitespace"',
             "max_length = 200",
             "min_events = 3",
+            "# no times: an item a user has twice is a repeat (Yelp's), not a duplicate row",
+            "drop_duplicates = false",
             "",
             "[split]",
             'kind = "leave_one_out"',
@@ -111,11 +115,13 @@ def propose_events(
     guesses: dict[int, ColumnGuess] = {}
     times = [(i, _time_kind([v for v in c if v])) for i, c in enumerate(columns)]
     times = [(i, kind) for i, kind in times if kind]
-    if not times:
-        return None
-    named_time = [i for i, _ in times if TIME_NAMES.search(names[i])]
-    time_index, time_format = next(((i, k) for i, k in times if i in named_time), times[0])
-    guesses[time_index] = ColumnGuess(names[time_index], "time", f"{time_format} times")
+    time_index, time_format = None, ""
+    if times:
+        named_time = [i for i, _ in times if TIME_NAMES.search(names[i])]
+        time_index, time_format = next(((i, k) for i, k in times if i in named_time), times[0])
+        guesses[time_index] = ColumnGuess(names[time_index], "time", f"{time_format} times")
+    elif label_present:
+        return None  # no time, and a column that can be a click label: a click log
     ids = _id_columns(names, columns, exclude={time_index}, named_only=label_present)
     if ids is None:
         return None
@@ -134,7 +140,7 @@ def propose_events(
         elif (
             action is None
             and all(n is not None for n in numbers)
-            and (RATING_NAMES.search(names[index]) or (len(distinct) <= 11 and max(numbers) <= 10))
+            and _rating_like(names[index], present)
         ):
             top = max(numbers)
             threshold = 3.5 if top <= 5 else top * 0.7
@@ -181,6 +187,9 @@ def _id_columns(names, columns, exclude, named_only: bool):
         candidates.append((distinct, index))
     if len(candidates) < 2:
         return None
+    ids = [c for c in candidates if not _rating_like(names[c[1]], columns[c[1]])]
+    if len(ids) >= 2:  # a rating's few values repeat too, but it is no id
+        candidates = ids
     user = next((i for _, i in candidates if USER_NAMES.search(names[i])), None)
     item = next((i for _, i in candidates if ITEM_NAMES.search(names[i]) and i != user), None)
     if user is not None and item is not None:
@@ -206,6 +215,14 @@ def _id_columns(names, columns, exclude, named_only: bool):
         item,
         f"repeated ids, {_distinct(columns[item])}",
     )
+
+
+def _rating_like(name: str, values: list[str]) -> bool:
+    """A rating: named so, or small numbers (at most 11 values, none above 10)."""
+    numbers = [number(v) for v in values if v]
+    if not numbers or any(n is None for n in numbers):
+        return False
+    return bool(RATING_NAMES.search(name)) or (len(set(numbers)) <= 11 and max(numbers) <= 10)
 
 
 def _distinct(values) -> str:
@@ -240,8 +257,16 @@ def _toml(path, delimiter, header, names, guesses, time_format, action, rows) ->
         f"columns = [{', '.join(_quote(n) for n in names)}]",
         f"user = {_quote(by_kind['user'])}",
         f"item = {_quote(by_kind['item'])}",
-        f"time = {_quote(by_kind['time'])}",
-        f"time_format = {_quote(time_format)}",
+    ]
+    if "time" in by_kind:
+        lines += [f"time = {_quote(by_kind['time'])}", f"time_format = {_quote(time_format)}"]
+    else:
+        lines += [
+            "# no time column: each user's events in the order of the file, and an event",
+            "# equal to an earlier one is a repeat, not a duplicate row",
+            "drop_duplicates = false",
+        ]
+    lines += [
         "max_length = 200  # events of history kept per example",
         "min_events = 3  # fewer: the user is left out (counted)",
     ]
@@ -255,7 +280,8 @@ def _toml(path, delimiter, header, names, guesses, time_format, action, rows) ->
     for guess in guesses:
         if guess.kind == "event feature":
             lines += ["", "[[event_features]]", f"name = {_quote(guess.name)}"]
-    lines += ["", "[split]", 'kind = "leave_one_out"  # or "time" with width = "1d", windows = 1']
+    split = 'kind = "leave_one_out"' + ('  # or "time" with width = "1d", windows = 1' if "time" in by_kind else "")  # fmt: skip
+    lines += ["", "[split]", split]
     return "\n".join(lines) + "\n"
 
 

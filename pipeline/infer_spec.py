@@ -32,7 +32,10 @@ from hybridrec.pipeline.spec import FeatureSpec
 
 SAMPLE_ROWS = 2000  # rows read from the start of the file
 SAMPLE_BYTES = 8 << 20  # at most this many (decompressed) bytes
-SEPARATORS = ("\t", ",", ";", "|")
+# tried in this order, the widest split that fits winning; runs of whitespace only when
+# none of them fits (text with spaces in a field would otherwise split on them)
+SEPARATORS = ("\t", ",", ";", "|", "::")
+WHITESPACE = "whitespace"
 # a separator fits when it splits at least this share of the lines into the same number
 # of fields; the other lines are left out of the sample (and reported)
 MIN_FITTING_SHARE = 0.95
@@ -46,7 +49,14 @@ _TIMESTAMP = re.compile(
     r"|^\d{1,2}:\d{2}(:\d{2})?$|^\d{4}/\d{2}/\d{2}( \d{2}:\d{2}(:\d{2})?)?$"
 )
 _EPOCH_SECONDS = (946_684_800, 4_102_444_800)  # 2000-01-01 .. 2100-01-01
-_SEPARATOR_NAMES = {"\t": "tab", ",": "comma", ";": "semicolon", "|": "pipe"}
+_SEPARATOR_NAMES = {
+    "\t": "tab",
+    ",": "comma",
+    ";": "semicolon",
+    "|": "pipe",
+    "::": "'::'",
+    WHITESPACE: "whitespace",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +86,8 @@ def propose_spec(path: str | Path, *, max_rows: int = SAMPLE_ROWS):
     numbered = _read_lines(path, max_rows)
     if infer_events.user_per_line([line for _, line in numbered]):
         return infer_events.propose_user_per_line(path, [line for _, line in numbered])
-    delimiter, width = _guess_separator(path, [line for _, line in numbered])
-    rows = [line.split(delimiter) for _, line in numbered]
+    delimiter, width = _guess_separator(path, numbered)
+    rows = [split_fields(line, delimiter) for _, line in numbered]
     fits = [len(row) == width for row in rows]
     skipped = tuple(number for (number, _), fit in zip(numbered, fits, strict=True) if not fit)
     rows = [row for row, fit in zip(rows, fits, strict=True) if fit]
@@ -93,6 +103,12 @@ def propose_spec(path: str | Path, *, max_rows: int = SAMPLE_ROWS):
     )  # fmt: skip
     if events is not None:
         return dataclasses.replace(events, skipped_lines=skipped)
+    if len(delimiter.encode()) != 1:
+        raise UserError(
+            f"{path}: fields separated by {_SEPARATOR_NAMES[delimiter]}, which a click log's "
+            "spec does not take (one byte: tab, comma, ...), and no user and item columns "
+            "make it an event log"
+        )
     guesses = _guess_kinds(path, names, columns)
     spec = _build_spec(path, delimiter, header, names, columns, guesses)
     toml = _to_toml(spec, guesses, len(data))
@@ -147,20 +163,40 @@ def _read_lines(path: Path, max_rows: int) -> list[tuple[int, str]]:
     return lines
 
 
-def _guess_separator(path: Path, lines: list[str]) -> tuple[str, int]:
+def split_fields(line: str, delimiter: str) -> list[str]:
+    """A line's fields at `delimiter` ("whitespace": runs of spaces and tabs)."""
+    return line.split() if delimiter == WHITESPACE else line.split(delimiter)
+
+
+def _guess_separator(path: Path, numbered: list[tuple[int, str]]) -> tuple[str, int]:
     """The separator that splits most lines (MIN_FITTING_SHARE) into the same number (> 1)
-    of fields, the widest such split if several do; returns (separator, fields)."""
+    of fields, the widest such split if several do (whitespace only when no other does);
+    returns (separator, fields)."""
+    lines = [line for _, line in numbered]
     best, best_width = None, 1
-    for separator in SEPARATORS:
-        widths = Counter(line.count(separator) + 1 for line in lines)
+    for separator in (*SEPARATORS, WHITESPACE):
+        if best is not None and separator == WHITESPACE:
+            break
+        widths = Counter(len(split_fields(line, separator)) for line in lines)
         width, count = widths.most_common(1)[0]
         if count >= MIN_FITTING_SHARE * len(lines) and width > best_width:
             best, best_width = separator, width
     if best is None:
-        raise UserError(
+        message = (
             f"{path}: no separator ({', '.join(_SEPARATOR_NAMES.values())}) splits "
             f"{MIN_FITTING_SHARE:.0%} of the lines into the same number of fields"
         )
+        for separator in SEPARATORS:  # a multi-byte separator the lines hold, but unevenly
+            if len(separator) == 1 or not any(separator in line for line in lines):
+                continue
+            counts = [len(split_fields(line, separator)) for line in lines]
+            width, count = Counter(counts).most_common(1)[0]
+            number, odd = next((n, c) for (n, _), c in zip(numbered, counts, strict=True) if c != width)  # fmt: skip
+            message += (
+                f"; {_SEPARATOR_NAMES[separator]} splits {count:,} of the {len(lines):,} sample "
+                f"lines into {width} fields, but line {number} into {odd}"
+            )
+        raise UserError(message)
     return best, best_width
 
 

@@ -30,7 +30,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
-from hybridrec.pipeline import _chunks, _launch, _output, _parquet, _placement
+from hybridrec.pipeline import _chunks, _launch, _output, _parquet, _placement, _splits
 from hybridrec.pipeline._parse import BlockParser
 from hybridrec.pipeline.config import PreprocessConfig
 from hybridrec.pipeline.spec import FeatureSpec, load_spec
@@ -85,10 +85,11 @@ class _ParseChunkFn(beam.DoFn):
     The chunk's statistics and rejected rows go to files under the temp directory.
     """
 
-    def __init__(self, spec, *, split_mode, eval_fraction, temp_dir, block_bytes, compression, progress_dir):  # fmt: skip
+    def __init__(self, spec, *, split_mode, eval_fraction, valid_fraction, temp_dir, block_bytes, compression, progress_dir):  # fmt: skip
         self.spec = spec
         self.split_mode = split_mode
         self.eval_fraction = eval_fraction
+        self.valid_fraction = valid_fraction
         self.temp_dir = temp_dir
         self.block_bytes = block_bytes
         self.compression = compression
@@ -102,9 +103,12 @@ class _ParseChunkFn(beam.DoFn):
         self.parquet_parser = _parquet.ParquetParser(self.spec)
 
     def process(self, chunk: _chunks.Chunk):
-        # position split: eval starts beyond any line for now
-        eval_start = 0 if self.split_mode == "hash" else 2**62
-        split = _chunks.SplitRule(self.split_mode, self.eval_fraction, eval_start_line=eval_start)
+        if self.split_mode == "hash":  # final here
+            split = _splits.SplitRule(
+                "hash", self.eval_fraction, eval_start_line=0, valid_fraction=self.valid_fraction
+            )
+        else:  # every row to train for now: `_PlaceRowsFn` moves the tail to valid and eval
+            split = _splits.SplitRule("position", self.eval_fraction, eval_start_line=2**62)
         progress_path = (
             os.path.join(self.progress_dir, f"chunk-{chunk.key}.json")
             if self.progress_dir
@@ -141,14 +145,15 @@ class _PlaceRowsFn(beam.DoFn):
     """Gives a parsed chunk its final line numbers and split; emits its statistics.
 
     Rejected rows get file line numbers (the chunk's first line added); under a position
-    split a chunk past the eval boundary moves to eval whole, and the one chunk holding
-    the boundary is split in two.
+    split a chunk past the eval (or valid) boundary moves there whole, and a chunk holding
+    a boundary is split.
     """
 
-    def __init__(self, spec, *, split_mode, eval_fraction, temp_dir, compression):
+    def __init__(self, spec, *, split_mode, eval_fraction, valid_fraction, temp_dir, compression):  # fmt: skip
         self.spec = spec
         self.split_mode = split_mode
         self.eval_fraction = eval_fraction
+        self.valid_fraction = valid_fraction
         self.temp_dir = temp_dir
         self.compression = compression
 
@@ -166,31 +171,39 @@ class _PlaceRowsFn(beam.DoFn):
         rejected_lines = self._renumber_rejected(placed, stats)
         if self.split_mode == "hash" or not stats.rows_by_split["train"]:
             return stats
-        total = placed.total_lines
-        eval_start = total - int(round(total * self.eval_fraction))
-        first_eval = eval_start - placed.global_first_line  # chunk-local
-        if first_eval >= placed.lines:
-            return stats  # all train
-        if first_eval <= 0:  # all eval
-            if "://" not in self.temp_dir:
-                os.makedirs(os.path.join(self.temp_dir, "eval"), exist_ok=True)
-            FileSystems.rename(
-                [_temp_path(self.temp_dir, "train", key, "parquet")],
-                [_temp_path(self.temp_dir, "eval", key, "parquet")],
-            )
-            moved = stats.counts_only()
-            moved.rows_by_split = {"train": 0, "eval": stats.rows_by_split["train"]}
-            moved.files = [("eval" if f[0] == "train" else f[0], *f[1:]) for f in stats.files]
-            return moved
+        bounds = _splits.PositionSplit.of(
+            placed.total_lines, self.eval_fraction, self.valid_fraction
+        )
+        first, last = placed.global_first_line, placed.global_first_line + placed.lines - 1
+        whole = bounds.split_of(first)
+        if whole == bounds.split_of(last):  # the chunk lies in one split
+            return stats if whole == "train" else self._move(stats, key, whole)
         header = (
             self.spec.header and placed.chunk.format == "text" and placed.chunk.chunk_index == 0
         )
         row_lines = _placement.kept_lines(placed.lines, rejected_lines, header)
+        starts = {"valid": bounds.valid_start, "eval": bounds.eval_start}
+        if not self.valid_fraction:
+            del starts["valid"]
         train = _placement.split_written_chunk(
-            self.temp_dir, key, row_lines, first_eval,
+            self.temp_dir, key, row_lines, {name: start - first for name, start in starts.items()},
             spec=self.spec, schema=self.schema, compression=self.compression,
         )  # fmt: skip
         return stats.with_train_stats_of(train)
+
+    def _move(self, stats: PartialStats, key: str, split: str) -> PartialStats:
+        """A chunk written to train, moved whole to `split` (its counts without train's
+        statistics)."""
+        if "://" not in self.temp_dir:
+            os.makedirs(os.path.join(self.temp_dir, split), exist_ok=True)
+        FileSystems.rename(
+            [_temp_path(self.temp_dir, "train", key, "parquet")],
+            [_temp_path(self.temp_dir, split, key, "parquet")],
+        )
+        moved = stats.counts_only()
+        moved.rows_by_split = {"train": 0, "eval": 0, split: stats.rows_by_split["train"]}
+        moved.files = [(split if f[0] == "train" else f[0], *f[1:]) for f in stats.files]
+        return moved
 
     def _renumber_rejected(self, placed: PlacedChunk, stats: PartialStats) -> np.ndarray:
         """Adds the chunk's first line to its rejected rows; returns their chunk-local lines."""
@@ -212,7 +225,7 @@ class _PlaceRowsFn(beam.DoFn):
 class Preprocess(beam.PTransform):
     """Chunks -> Parquet and rejected-row files under `temp_dir` + one combined PartialStats.
 
-    Writes `<temp_dir>/{train,eval}/chunk-KEY.parquet` and, for chunks with rejected rows,
+    Writes `<temp_dir>/{train,valid,eval}/chunk-KEY.parquet` and, for chunks with rejected rows,
     `<temp_dir>/rejected/chunk-KEY.jsonl`; `PartialStats.files` lists them as
     (kind, chunk key, rows).
 
@@ -230,12 +243,14 @@ class Preprocess(beam.PTransform):
         block_bytes,
         compression="zstd",
         progress_dir=None,
+        valid_fraction=0.0,
     ):
         super().__init__()
         self.parse_fn = _ParseChunkFn(
             spec,
             split_mode=split_mode,
             eval_fraction=eval_fraction,
+            valid_fraction=valid_fraction,
             temp_dir=temp_dir,
             block_bytes=block_bytes,
             compression=compression,
@@ -245,6 +260,7 @@ class Preprocess(beam.PTransform):
             spec,
             split_mode=split_mode,
             eval_fraction=eval_fraction,
+            valid_fraction=valid_fraction,
             temp_dir=temp_dir,
             compression=compression,
         )
@@ -315,6 +331,7 @@ def run_preprocess(
                 spec,
                 split_mode=config.split,
                 eval_fraction=config.eval_fraction,
+                valid_fraction=config.valid_fraction,
                 temp_dir=temp_dir,
                 block_bytes=config.block_bytes,
                 compression=config.compression,

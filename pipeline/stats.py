@@ -73,6 +73,9 @@ class IdSample:
         return result
 
 
+SPLITS = ("train", "valid", "eval")  # a click-log dataset's splits (valid: on request)
+
+
 @dataclasses.dataclass
 class PartialStats:
     """Counts and statistics of part of the input; merge with `merge`."""
@@ -99,7 +102,8 @@ class PartialStats:
     dense_parts: list = dataclasses.field(default_factory=list)
 
     def counts_only(self) -> PartialStats:
-        """These counts without the train-split statistics (for input that went to eval)."""
+        """These counts without the train-split statistics (for input that went to valid or
+        eval)."""
         return PartialStats(
             rows_read=self.rows_read,
             lines=self.lines,
@@ -121,7 +125,7 @@ class PartialStats:
             crlf_lines=self.crlf_lines,
             empty_files=list(self.empty_files),
         )
-        result.files = [f for f in self.files if f[0] not in ("train", "eval")] + train.files
+        result.files = [f for f in self.files if f[0] not in SPLITS] + train.files
         return result
 
     def add_table(self, table: pa.Table, spec) -> None:

@@ -1,19 +1,26 @@
-"""Sequential recommendation quality the field's way: SASRec and HSTU on the Amazon Sports /
-Toys and Yelp histories (one user per line), leave-one-out, full ranking, the checkpoint
-chosen on validation HR@10, its test metrics, mean and spread over seeds.
+"""Sequential recommendation quality the field's way, with the presets as a user gets them:
+SASRec and HSTU on the Amazon Sports / Toys and Yelp histories (one user per line),
+leave-one-out, full ranking, test metrics of the checkpoint the run kept as its best on
+validation, mean and spread over seeds.
 
     python scripts/quality_sequences.py --data-dir ../shared/data/sequential_amazon_yelp \
-        --datasets toys sports --towers sasrec hstu --seeds 0 1 2
+        --datasets toys sports yelp --towers sasrec hstu --seeds 0 1 2
+
+Each dataset goes through the commands a user runs: `hybridrec spec --sample FILE` (its
+proposal as it is), `hybridrec preprocess`, then per tower and seed `hybridrec train
+--config TOWER --set seed=SEED` (nothing else: the run evaluates its validation split,
+keeps its best checkpoint and stops when it no longer improves) and `hybridrec evaluate
+--split test` (which reads the best checkpoint). `--set KEY=VALUE` (and `TOWER+KEY=VALUE`,
+e.g. `hstu+model.sequence.time_buckets=0`) are for sweeps only: a figure measured with them
+is not the presets'.
 
 `--datasets generated` adds the generator's event log (`hybridrec generate --events`, with
-times, actions and item features; `--users`). A tower may carry config keys after `+`:
-`--towers hstu hstu+model.sequence.time_buckets=0` compares HSTU with and without its
-time-gap bias.
+times, actions and item features; `--users`).
 
-Each run is `hybridrec train --config TOWER` with an evaluation of the validation split and
-a checkpoint every `--eval-every` steps (all kept), then `hybridrec evaluate --split test
---step BEST`. The last line is one JSON object: `hr10_<dataset>_<tower>`,
-`ndcg10_<dataset>_<tower>` (test means) and `runs` (every run's figures).
+The last line is one JSON object: `hr10_<dataset>_<tower>`, `ndcg10_<dataset>_<tower>`
+(test means, with `_std`), `wall_s_<dataset>_<tower>` (the training command's wall time)
+and `best_s_<dataset>_<tower>` (from the run's start to its best checkpoint), means over the
+seeds, and `runs` (every run's figures).
 """
 
 from __future__ import annotations
@@ -33,22 +40,18 @@ FILES = {
 }
 # published full-ranking test HR@10 / NDCG@10 (the data's README)
 PUBLISHED = {
-    "sports": {"SASRec": (0.0350, 0.0192), "ICLRec": (0.0437, 0.0238), "ICSRec": (0.0565, 0.0335)},
-    "toys": {"SASRec": (0.0675, 0.0374), "ICLRec": (0.0834, 0.0480), "ICSRec": (0.1055, 0.0657)},
+    "sports": {
+        "SASRec": (0.0350, 0.0192),
+        "SASRec+SS": (0.0569, 0.0314),
+        "ICSRec": (0.0565, 0.0335),
+    },
+    "toys": {
+        "SASRec": (0.0675, 0.0374),
+        "SASRec+SS": (0.0970, 0.0580),
+        "ICSRec": (0.1055, 0.0657),
+    },
     "yelp": {"SASRec": (0.0274, 0.0136), "ICLRec": (0.0409, 0.0207)},
 }
-SPEC = """kind = "events"
-name = "{name}"
-format = "user_per_line"
-delimiter = "whitespace"
-header = false
-max_length = {max_length}
-min_events = 3
-drop_duplicates = false
-
-[split]
-kind = "leave_one_out"
-"""
 
 
 def hybridrec(*args: str) -> str:
@@ -60,13 +63,14 @@ def hybridrec(*args: str) -> str:
     return result.stdout
 
 
-def preprocess(name: str, source: Path, work: Path, max_length: int) -> Path:
+def preprocess(name: str, source: Path, work: Path) -> Path:
+    """The file through `hybridrec spec --sample` (its proposal unchanged) and `preprocess`."""
     out = work / "data" / name
     if (out / "_SUCCESS").exists():
         return out
     spec = work / f"{name}.toml"
     spec.parent.mkdir(parents=True, exist_ok=True)
-    spec.write_text(SPEC.format(name=name, max_length=max_length))
+    hybridrec("spec", "--sample", str(source), "--out", str(spec), "--overwrite")
     hybridrec("preprocess", "-i", str(source), "--spec", str(spec), "-o", str(out))
     return out
 
@@ -82,46 +86,37 @@ def generated(work: Path, users: int) -> Path:
     return out
 
 
-def train_and_test(data: Path, run: Path, tower: str, seed: int, args) -> dict:
+def train_and_test(data: Path, run: Path, tower: str, seed: int, sweep: list[str]) -> dict:
+    """One run of `tower` at `seed` (and the sweep's keys, if any): its test figures at
+    the checkpoint it kept, its validation figure there, and its times."""
     name = tower
     tower, *extra = tower.split("+")
-    keys = [
-        f"seed={seed}",
-        f"data.epochs={args.epochs}",
-        f"data.token_budget={args.token_budget}",
-        f"model.sequence.max_length={args.max_length}",
-        f"eval.every_steps={args.eval_every}",
-        f"checkpoint.every_steps={args.eval_every}",
-        "checkpoint.keep=1000",
-        "log.every_steps=200",
-        *args.set,
-        *extra,
-    ]
+    keys = [f"seed={seed}", *sweep, *extra]
     started = time.time()
     hybridrec(
         "train", "--config", tower, "--data", str(data), "--run-dir", str(run), "--overwrite",
         *[item for key in keys for item in ("--set", key)],
     )  # fmt: skip
     seconds = time.time() - started
-    evals = [
-        json.loads(line)
-        for line in (run / "metrics.jsonl").read_text().splitlines()
-        if '"kind": "eval"' in line
-    ]
-    best = max(evals, key=lambda record: (record["hr@10"], -record["step"]))
+    summary = json.loads((run / "summary.json").read_text())
+    best = summary.get("best") or {}
     test = json.loads(
-        hybridrec(
-            "evaluate", "--run", str(run), "--split", "test", "--step", str(best["step"]), "--json"
-        )
+        hybridrec("evaluate", "--run", str(run), "--split", "test", "--json")
         .strip()
         .splitlines()[-1]
     )
+    if best and test["step"] != best["step"]:
+        sys.exit(f"{run}: evaluate read step {test['step']}, the run's best is {best['step']}")
     return {
         "tower": name,
         "seed": seed,
-        "best_step": best["step"],
-        "valid_hr10": best["hr@10"],
-        "train_seconds": round(seconds, 1),
+        "steps": summary["steps"],
+        "best_step": test["step"],
+        "valid_hr10": best.get("value"),
+        "stopped": summary.get("stopped"),
+        "wall_s": round(seconds, 1),
+        "best_s": best.get("wall_seconds_to_best"),
+        "train_seconds": summary["train_seconds"],
         **{key: test[key] for key in test if key.startswith(("hr@", "ndcg@", "mrr"))},
     }
 
@@ -132,14 +127,12 @@ def main() -> None:
         "--data-dir", type=Path, default=Path("../shared/data/sequential_amazon_yelp")
     )
     parser.add_argument("--work", type=Path, default=Path("/tmp/hybridrec-seq-quality"))
-    parser.add_argument("--datasets", nargs="+", default=["toys", "sports"], choices=[*sorted(FILES), "generated"])  # fmt: skip
+    parser.add_argument("--datasets", nargs="+", default=["toys", "sports", "yelp"], choices=[*sorted(FILES), "generated"])  # fmt: skip
     parser.add_argument("--towers", nargs="+", default=["sasrec", "hstu"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--epochs", type=int, default=100)
-    parser.add_argument("--max-length", type=int, default=50)
-    parser.add_argument("--token-budget", type=int, default=2000)
-    parser.add_argument("--eval-every", type=int, default=500)
-    parser.add_argument("--set", action="append", default=[], help="more config keys, k=v")
+    parser.add_argument(
+        "--set", action="append", default=[], help="a sweep's config key, k=v (not the presets')"
+    )
     parser.add_argument("--users", type=int, default=20000, help="--datasets generated: users")
     args = parser.parse_args()
     runs, result = [], {}
@@ -150,20 +143,20 @@ def main() -> None:
             source = args.data_dir / FILES[name]
             if not source.exists():
                 sys.exit(f"{source}: not found (--data-dir)")
-            data = preprocess(name, source, args.work, args.max_length)
+            data = preprocess(name, source, args.work)
         for tower in args.towers:
             figures = []
             for seed in args.seeds:
-                run = train_and_test(
-                    data, args.work / "runs" / f"{name}_{tower}_{seed}", tower, seed, args
-                )
+                run_dir = args.work / "runs" / f"{name}_{tower}_{seed}"
+                run = train_and_test(data, run_dir, tower, seed, args.set)
                 run["dataset"] = name
                 runs.append(run)
                 figures.append(run)
                 print(
                     f"{name} {tower} seed {seed}: test HR@10 {run['hr@10']:.4f} NDCG@10 "
-                    f"{run['ndcg@10']:.4f} (best valid HR@10 {run['valid_hr10']:.4f} at step "
-                    f"{run['best_step']}, {run['train_seconds']:.0f}s)",
+                    f"{run['ndcg@10']:.4f} (best valid HR@10 {run['valid_hr10'] or 0:.4f} at step "
+                    f"{run['best_step']} of {run['steps']}, {run['best_s'] or 0:.0f} s to it, "
+                    f"{run['wall_s']:.0f} s in all)",
                     flush=True,
                 )
             for key, short in (("hr@10", "hr10"), ("ndcg@10", "ndcg10")):
@@ -171,6 +164,10 @@ def main() -> None:
                 result[f"{short}_{name}_{tower}"] = round(statistics.mean(values), 4)
                 spread = statistics.stdev(values) if len(values) > 1 else 0.0
                 result[f"{short}_{name}_{tower}_std"] = round(spread, 4)
+            for key in ("wall_s", "best_s"):
+                result[f"{key}_{name}_{tower}"] = round(
+                    statistics.mean(run[key] or 0.0 for run in figures), 1
+                )
             published = (
                 ", ".join(
                     f"{model} {hr:.4f}/{ndcg:.4f}"
@@ -181,11 +178,13 @@ def main() -> None:
             print(
                 f"{name} {tower}: test HR@10 {result[f'hr10_{name}_{tower}']:.4f} ± "
                 f"{result[f'hr10_{name}_{tower}_std']:.4f}, NDCG@10 "
-                f"{result[f'ndcg10_{name}_{tower}']:.4f} over {len(figures)} seeds "
-                f"(published HR@10/NDCG@10: {published})",
+                f"{result[f'ndcg10_{name}_{tower}']:.4f} over {len(figures)} seeds, "
+                f"{result[f'best_s_{name}_{tower}']:.0f} s to the best checkpoint "
+                f"(published HR@10/NDCG@10: {published})"
+                + (f" [sweep: {' '.join(args.set)}]" if args.set else ""),
                 flush=True,
             )
-    print(json.dumps({**result, "runs": runs}))
+    print(json.dumps({**result, "sweep": args.set, "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def export_run(
     metadata = read_dataset(config.data.path)
     sequences = isinstance(metadata, EventMetadata)
     checkpoints = RunCheckpoints(run_dir, keep=config.checkpoint.keep)
-    step = checkpoints.resolve_step(step, "export")
+    step, step_reason = checkpoints.choose_step(step, "export")
     plan = plan_tables(config.embedding, metadata.categorical)  # the tables the run trained
     base = _delta_base(out, delta_from, run_dir, step, precision)
     progress = None if quiet else Progress("export", total=len(plan.tables) + 1, unit="parts")
@@ -166,6 +166,7 @@ def export_run(
         "version": int(final.name),
         "name": name,
         "step": int(step),
+        "step_reason": step_reason,
         "precision": precision,
         "kind": "full" if base is None else "delta",
         "base_version": None if base is None else base["version"],

@@ -107,11 +107,12 @@ def evaluate(
     run: str | Path,
     *,
     split: str | None = None,
-    step: int | None = None,
+    step: int | str | None = None,
     data: str | Path | None = None,
     quiet: bool = True,
 ) -> dict[str, Any]:
-    """A run's checkpoint (the newest complete one, or `step`) on a split (the run's eval
-    split, or `split`): AUC, logloss, NE and calibration for click logs, HR@K / NDCG@K /
-    MRR by full ranking for user histories; also written under `run/eval/`."""
+    """A run's checkpoint (the best it kept, else the newest complete one; or `step`: a
+    number, "best", "latest") on a split (the run's eval split, or `split`): AUC, logloss,
+    NE and calibration for click logs, HR@K / NDCG@K / MRR by full ranking for user
+    histories; also written under `run/eval/`."""
     return evaluate_lib.evaluate_checkpoint(run, step=step, split=split, data=data, quiet=quiet)

@@ -160,33 +160,46 @@ class RunCheckpoints:
             raise UserError(f"{path}: unreadable checkpoint pointer: {error}") from None
 
     def resolve_step(self, step: int | str | None, purpose: str) -> int:
-        """`step` when the run holds a complete checkpoint of it; None: the newest complete
-        one; "best": the kept best (`checkpoint.keep_best`). A one-line UserError otherwise,
-        naming what `purpose` (e.g. "export") needs."""
+        """The step `choose_step` picks (without its reason)."""
+        return self.choose_step(step, purpose)[0]
+
+    def choose_step(self, step: int | str | None, purpose: str) -> tuple[int, str]:
+        """(step, why) of the checkpoint to `purpose` (e.g. "export"): `step` when the run
+        holds a complete checkpoint of it; "best": the kept best (`checkpoint.keep_best`);
+        "latest": the newest complete one; None: the best when the run recorded one, else
+        the newest. A one-line UserError when there is none, naming what to do."""
         run_dir = self.root.parent
+        best = self.best()
+        if step is None and best is not None and int(best["step"]) in self.complete_steps():
+            step = "best"
         if step == "best":
-            best = self.best()
             if best is None:
                 raise UserError(
-                    f"{run_dir}: no best checkpoint recorded (train with checkpoint.keep_best "
-                    "= METRIC, and checkpoints at steps that are evaluated)"
+                    f"{run_dir}: no best checkpoint recorded (a run keeps one when it evaluates "
+                    "a validation split: checkpoint.keep_best = auto or a metric); use --step "
+                    "latest or a step number"
                 )
-            step = int(best["step"])
-        if step is None:
-            step = self.latest_step()
-            if step is None:
+            return int(best["step"]), (
+                f"the best checkpoint: validation {best['metric']} {best['value']:.4f} "
+                "(--step latest: the newest)"
+            )
+        if step in (None, "latest"):
+            latest = self.latest_step()
+            if latest is None:
                 raise UserError(
                     f"{run_dir}: no complete checkpoint to {purpose} (training stopped before "
                     f"its first); continue it with `hybridrec train --resume --run-dir {run_dir}`"
                 )
-            return step
+            return latest, "the newest checkpoint" + (
+                "" if step == "latest" else " (the run recorded no best)"
+            )
         complete = self.complete_steps()
         if step not in complete:
             have = ", ".join(map(str, complete)) or "none"
             raise UserError(
                 f"{run_dir}: no complete checkpoint at step {step} (complete steps: {have})"
             )
-        return step
+        return int(step), "as asked (--step)"
 
     def complete_steps(self) -> list[int]:
         """Steps of the complete checkpoints still in the run directory, ascending: those

@@ -210,7 +210,10 @@ class HybridConfig:
 class EvalConfig:
     """Evaluation on the eval split."""
 
-    every_steps: int = 0  # evaluate every this many steps; 0 = only at the end
+    # evaluate every this many steps; 0 = only at the end; -1 = auto: about once an epoch
+    # where the run keeps its best checkpoint (`checkpoint.keep_best`), bounded in steps
+    # and by the evaluation's share of the time (`training.stopping`), else 0
+    every_steps: int = -1
     max_batches: int = (
         0  # batches per periodic evaluation; 0 = the whole split (final: always whole)
     )
@@ -223,8 +226,11 @@ class EvalConfig:
     ranking: Literal["full", "sampled_100"] = "full"
 
     def __post_init__(self):
-        if self.every_steps < 0 or self.max_batches < 0:
-            raise ValueError("eval.every_steps and eval.max_batches must be >= 0")
+        if self.every_steps < -1 or self.max_batches < 0:
+            raise ValueError(
+                "eval.every_steps must be >= 0 (-1: auto) and eval.max_batches >= 0, got "
+                f"{self.every_steps} and {self.max_batches}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -234,9 +240,12 @@ class CheckpointConfig:
     every_steps: int = 0  # checkpoint every this many steps; 0 = only at the end
     keep: int = 2  # complete checkpoints kept
     # an evaluation metric ("hr@10", "ndcg@10", "auc", "logloss", ...): the checkpoint with
-    # its best value on the eval split (at a step evaluated and checkpointed) is kept besides
-    # the newest `keep`, and `--step best` names it; lower is better for "logloss" and "ne"
-    keep_best: str = ""
+    # its best value on the eval split is kept besides the newest `keep` (every evaluation
+    # then checkpoints), and `evaluate` / `export` read it by default; lower is better for
+    # "logloss" and "ne". "auto": the task's metric (HR@10, AUC) where the run evaluates a
+    # validation split of its own (sequence runs; click logs with a "valid" split), else
+    # none; "" = none
+    keep_best: str = "auto"
     # embedding rows and optimizer state on disk: fp32 (exact), fp16, or int8 / int4 row-wise
     # quantized (per-row scale and bias; ids exact); a restore reads the precision it was written at
     precision: Literal["fp32", "fp16", "int8", "int4"] = "fp32"
@@ -244,6 +253,23 @@ class CheckpointConfig:
     def __post_init__(self):
         if self.every_steps < 0 or self.keep < 1:
             raise ValueError("checkpoint.every_steps must be >= 0 and keep >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoppingConfig:
+    """When a run that keeps its best checkpoint stops before `data.epochs`
+    (`training.stopping`; docs/training.md, "Training that stops at its best")."""
+
+    # evaluations in a row without a better `checkpoint.keep_best` figure after which the
+    # run stops (data.epochs is then a cap); 0 = never early; -1 = auto: 5 where the run
+    # keeps a best checkpoint, else 0
+    patience: int = -1
+
+    def __post_init__(self):
+        if self.patience < -1:
+            raise ValueError(
+                f"train.patience must be >= 0 (0 = off, -1 = auto), got {self.patience}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -280,6 +306,7 @@ class TrainConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)  # device mesh
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # evaluation schedule
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)  # saves
+    train: StoppingConfig = dataclasses.field(default_factory=StoppingConfig)  # early stop
     log: LogConfig = dataclasses.field(default_factory=LogConfig)  # metrics output
     seed: int = 0  # dense initialization and data order
 

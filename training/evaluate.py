@@ -131,7 +131,8 @@ def evaluate_checkpoint(
     distributed: dict[str, Any] | None = None,
     quiet: bool = True,
 ) -> dict[str, Any]:
-    """Evaluates the checkpoint of `run_dir` at `step` (default: the newest complete one).
+    """Evaluates the checkpoint of `run_dir` at `step` (default: the best the run kept,
+    else the newest complete one; `step_reason` in the result says which).
 
     Args:
         data: a preprocessed directory to evaluate on instead of the run's own data; its
@@ -157,7 +158,7 @@ def evaluate_checkpoint(
         run_dir, keep=job.config.checkpoint.keep, keep_best=job.config.checkpoint.keep_best
     )
     try:
-        step = checkpoints.resolve_step(step, "evaluate")
+        step, why = checkpoints.choose_step(step, "evaluate")
         state = checkpoints.restore_dense(step, job.new_state())
         store = job.open_store(checkpoints, step, remote=False)
         try:
@@ -174,7 +175,7 @@ def evaluate_checkpoint(
     finally:
         checkpoints.close()
     split = split or job.config.data.eval_split
-    results = {"step": step, "split": split, "data": str(dataset), **results}
+    results = {"step": step, "step_reason": why, "split": split, "data": str(dataset), **results}
     if job.is_chief:
         name = f"step_{step:08d}_{split}"
         if not own_data:

@@ -51,7 +51,8 @@ class EpochSource:
         self.reader, self.rows = job.reader(
             config.data.train_split, batch_size=self.batch_size, train=True
         )
-        self.last_step = config.data.max_steps or config.data.epochs * self.reader.batches_per_epoch
+        self.steps_per_epoch = self.reader.batches_per_epoch
+        self.last_step = config.data.max_steps or config.data.epochs * self.steps_per_epoch
         self.position = DataPosition()
         self.samples = 0
         # sequence runs: positions trained, of the rows' max_length each

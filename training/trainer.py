@@ -34,9 +34,9 @@ from hybridrec.common.errors import UserError
 from hybridrec.common.files import append_line
 from hybridrec.common.progress import Progress
 from hybridrec.embedding_store.remote import ServerSet
+from hybridrec.training import stopping
 from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.defaults import choose_decay
-from hybridrec.training.evaluate import evaluate, metric_names
+from hybridrec.training.evaluate import evaluate
 from hybridrec.training.follow import FollowOptions, InitialModel, stream_source
 from hybridrec.training.job import Job, prepare
 from hybridrec.training.meters import CompileMeter, IntervalMeter, StoreMeter, device_memory
@@ -47,6 +47,7 @@ from hybridrec.training.run_log import RunLog
 from hybridrec.training.sequence_eval import evaluate_sequences
 from hybridrec.training.sequence_stream import SequenceStreamSource
 from hybridrec.training.sources import EpochSource, Segment, StreamSource
+from hybridrec.training.stopping import Patience
 
 SUMMARY_FILE = "summary.json"
 PUBLISHED_FILE = "published.jsonl"  # one line per published export: step, version, position
@@ -114,16 +115,8 @@ class Trainer:
             if self.job.is_chief:
                 clear_run_dir(self.run_dir, self.job.config.data.path)
             self.job.barrier("run-dir-cleared")
-        self.checkpoints = RunCheckpoints(
-            self.run_dir, keep=config.checkpoint.keep, keep_best=config.checkpoint.keep_best
-        )
+        self.checkpoints = RunCheckpoints(self.run_dir, keep=config.checkpoint.keep)
         self.checkpoints.check_start(resume=resume)  # before the start-up lines, not after
-        best = config.checkpoint.keep_best
-        if best and best not in metric_names(self.job):
-            shown = ", ".join(sorted(metric_names(self.job)))
-            raise UserError(
-                f"checkpoint.keep_best = {best!r} is not a metric of this run ({shown})"
-            )
         if follow is None:
             self.source: EpochSource | StreamSource | SequenceStreamSource = EpochSource(self.job)
         else:
@@ -132,24 +125,15 @@ class Trainer:
         # run's config.json keeps "auto", so that a run resumed with more steps decays to
         # its new end instead of training on at the rate's floor
         self._saved_config = self.job.config
-        if follow is None and not self.source.evaluates:
-            data = self.job.config.data
-            self.job = dataclasses.replace(
-                self.job,
-                choices=(
-                    *self.job.choices,
-                    f"evaluation: none: split {data.eval_split!r} of {data.path} has no files "
-                    "(preprocess --eval-fraction > 0 makes one)",
-                ),
-            )
-        optimizer, reason = choose_decay(self.job.config.optimizer, self.source.last_step)
-        if reason:
-            self.job = dataclasses.replace(
-                self.job,
-                config=dataclasses.replace(self.job.config, optimizer=optimizer),
-                choices=(*self.job.choices, reason),
-            )
+        self.job, self.schedule = stopping.schedule_run(
+            self.job,
+            evaluates=self.source.evaluates,
+            steps_per_epoch=getattr(self.source, "steps_per_epoch", 0),
+            last_step=self.source.last_step,
+            follow=follow is not None,
+        )
         self.config = self.job.config
+        self.checkpoints.keep_best = self.schedule.rule.metric
         last, step = self.source.last_step, self.checkpoints.latest_step() if resume else None
         if step is not None and last and step >= last and (self.run_dir / SUMMARY_FILE).exists():
             raise UserError(
@@ -157,6 +141,8 @@ class Trainer:
                 f"ends at step {last} (data.max_steps, data.epochs); raise one of them "
                 "(--set data.epochs=N) to train it further"
             )
+        if step is not None:
+            stopping.check_not_stopped(self.checkpoints, self.schedule.rule, step, self.job)
         self._given_store = store
         self.store = None
         self.loop = None
@@ -192,6 +178,8 @@ class Trainer:
         elif self.init is not None:
             self.state = self.init.restore_dense(self.state)
         self.seconds = source.restore(saved)
+        self.patience = Patience(self.schedule.rule, (saved or {}).get("stopping"))
+        self.started = time.monotonic() - float((saved or {}).get("wall_seconds", 0.0))
         if self._given_store is not None and resume_step is not None:
             raise UserError("a given embedding store cannot resume a run: let the trainer open it")
         if self._given_store is None and resume_step is None and self.init is not None:
@@ -232,7 +220,7 @@ class Trainer:
             self.run_dir, profile_from, config.log.profile_steps, next_step=self.step + 1
         )
         self.train_step = job.train_step()
-        self.eval_step = job.eval_step() if source.evaluates or source.windows else None
+        self.eval_step = job.eval_step() if self.schedule.evaluates or source.windows else None
         try:
             for segment in source.segments(self.step, stop):
                 if segment is None:  # idle: what is due by the clock
@@ -242,10 +230,11 @@ class Trainer:
             self._save()
             if self.publish:
                 self._publish()
-            if self.step == source.last_step and not self.eval_results and source.evaluates:
+            if self.step == source.last_step and not self.eval_results and self.schedule.evaluates:
                 # resumed at its last step (stopped after the final checkpoint, before its
                 # summary): the final evaluation it did not get
                 self._evaluate(self.step, final=True)
+                self._keep_best(self.step)
             summary = self._summary()
         finally:
             self.profiler.close()  # a failed run's trace (never raises)
@@ -279,8 +268,9 @@ class Trainer:
                 step = self.step + 1
                 end = stop.is_set() or index == segment.size - 1
                 save_now, publish_now = self._due_by_clock()
+                eval_now = self.schedule.evaluates and is_due(step, self.patience.every, last)
                 save_now = save_now or is_due(step, config.checkpoint.every_steps, last)
-                eval_now = self.source.evaluates and is_due(step, config.eval.every_steps, last)
+                save_now = save_now or (eval_now and bool(self.checkpoints.keep_best))
                 loop_pauses = save_now or eval_now or publish_now
                 self.profiler.before(step)
                 result = loop.progress(quiesce=loop_pauses or end)
@@ -297,11 +287,13 @@ class Trainer:
                 if is_due(step, config.log.every_steps, last) or end:
                     self._log(step, wait=end)
                 with self.meter.paused():  # saving and evaluating are not training time
+                    if eval_now:  # first: the checkpoint keeps the evaluation's count
+                        self._evaluate(step, final=step == last)
                     self._save_and_publish(save_now, publish_now)
                     if eval_now:
-                        self._evaluate(step, final=step == last)
-                if end:  # quiesced above: every update up to this step is applied
-                    break  # stopping: what the loop read ahead is not trained
+                        self._keep_best(step)
+                if end or self.patience.exhausted:  # quiesced above: every update up to
+                    break  # this step is applied; what the loop read ahead is not trained
                 if loop_pauses:
                     loop.resume()
 
@@ -324,17 +316,28 @@ class Trainer:
     def _evaluate(self, step: int, *, final: bool) -> None:
         if self.job.shared_store:  # every process's updates applied before any reads rows
             self.job.barrier(f"evaluate-{step}")
+        started = time.monotonic()
         self.eval_results = evaluate(
             self.job,
             self.state,
             self.store,
             self.eval_step,
+            split=self.schedule.split,
             max_batches=0 if final else self.config.eval.max_batches,
             progress_name="evaluate" if final and self.progress else None,
         )
         self.log.write("eval", step, **self.eval_results)
-        if self.checkpoints.keep_best:
-            self._keep_best(step)
+        seconds = {"train_seconds": self.seconds, "wall_seconds": time.monotonic() - self.started}
+        self.patience.update(step, self.eval_results, seconds)
+        if self.patience.adaptive:  # the first evaluation of an auto interval, measured
+            seconds = time.monotonic() - started
+            note = self.patience.widen(self.seconds, seconds, self.job.process_count)
+            if note:
+                self.log.write("eval_interval", step, every_steps=self.patience.every)
+                if self.progress:
+                    self.progress.note(note)
+        if self.patience.exhausted and self.progress:
+            self.progress.note(f"stopping at step {step}: {self.patience.stopped}")
 
     def _evaluate_window(self, index: int) -> None:
         """An event stream's shard, evaluated before it is trained (window T -> T + 1)."""
@@ -354,9 +357,13 @@ class Trainer:
         """Records `step` as the best checkpoint if its metric is; the previous best, no
         longer protected, then goes (every process: Orbax coordinates the dense deletes)."""
         job, metric = self.job, self.config.checkpoint.keep_best
+        if not metric:
+            return
         better = job.is_chief and self.checkpoints.record_eval(step, self.eval_results)
         if better:
-            self.log.write("best", step, **{metric: self.eval_results[metric]})
+            self.log.write(
+                "best", step, **{metric: self.eval_results[metric]}, **self.patience.best_seconds
+            )
         job.barrier(f"best-checkpoint-{step}")
         if job.is_chief:
             self.checkpoints.prune()
@@ -392,7 +399,12 @@ class Trainer:
         if step == self.saved_step:
             return
         self.checkpoints.save_dense(step, self.state)
-        record = {**self.source.record(), "seconds": self.seconds}
+        record = {
+            **self.source.record(),
+            "seconds": self.seconds,
+            "wall_seconds": time.monotonic() - self.started,
+            "stopping": self.patience.record(),
+        }
         self.checkpoints.save_position(step, job.process_index, record)
         job.barrier(f"checkpoint-parts-{step}")
         if job.is_chief:  # replicas are identical; remote shards are shared
@@ -445,6 +457,7 @@ class Trainer:
             **self._tokens_per_s(),
             "final_loss": self.meter.last_loss,
             "eval": self.eval_results,
+            **self.patience.summary(stopped_at_cap=self.step == self.source.last_step),
             "staleness_bound": self.config.hybrid.staleness,
             "staleness_max": int(gate.max_staleness) if gate else 0,
             "staleness_histogram": gate.histogram.tolist() if gate else [],

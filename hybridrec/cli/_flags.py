@@ -116,10 +116,11 @@ def add_tls_flags(parser: argparse.ArgumentParser, *, cert_help: str, ca_help: s
 
 
 def checkpoint_step(text: str) -> int | str:
-    """--step's value: a checkpoint step, or "best" (the kept best, checkpoint.keep_best)."""
-    if text == "best":
+    """--step's value: a checkpoint step, "best" (the kept best, checkpoint.keep_best) or
+    "latest" (the newest complete one)."""
+    if text in ("best", "latest"):
         return text
     try:
         return int(text)
     except ValueError:
-        raise UserError(f"--step {text!r} is neither a step number nor 'best'") from None
+        raise UserError(f"--step {text!r} is neither a step number, 'best' nor 'latest'") from None

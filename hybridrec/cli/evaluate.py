@@ -23,7 +23,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--step",
         type=_flags.checkpoint_step,
-        help="checkpoint step, or best (checkpoint.keep_best); default: the newest complete",
+        help="checkpoint step, best (checkpoint.keep_best) or latest; default: the best when "
+        "the run kept one, else the newest complete",
     )
     parser.add_argument("--split", help="data split (default: the run's eval split)")
     parser.add_argument(
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> int:
         else:
             on = results["split"] + (f" of {args.data}" if args.data else "")
             print(
-                f"{run_name(args.run)} step {results['step']} on {on}: {describe(results)}\n"
-                f"written to {results['output']}"
+                f"{run_name(args.run)} step {results['step']} ({results['step_reason']}) on "
+                f"{on}: {describe(results)}\nwritten to {results['output']}"
             )
     return 0

@@ -31,7 +31,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--step",
         type=_flags.checkpoint_step,
-        help="checkpoint step, or best (checkpoint.keep_best); default: the newest complete",
+        help="checkpoint step, best (checkpoint.keep_best) or latest; default: the best when "
+        "the run kept one, else the newest complete",
     )
     parser.add_argument(
         "--precision",
@@ -47,7 +48,8 @@ def main(argv: list[str]) -> int:
     )
     megabytes = 1 << 20
     print(
-        f"exported step {summary['step']} of {args.run} as {summary['name']!r} version "
+        f"exported step {summary['step']} ({summary['step_reason']}) of {args.run} as "
+        f"{summary['name']!r} version "
         f"{summary['version']} ({summary['precision']}) in {summary['seconds']:.1f} s\n"
         f"  {summary['path']}: {summary['total_bytes'] / megabytes:.1f} MiB "
         f"(embeddings {summary['embedding_bytes'] / megabytes:.1f} MiB, id index "

@@ -44,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="click logs: fraction of rows for eval (default 0.1)",
     )
+    parser.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=None,
+        help="click logs: fraction of rows for a 'valid' split that training tunes and stops "
+        "on (the lines just before eval's; default 0: none)",
+    )
     parser.add_argument("--chunk-mb", type=float, default=32.0,
                         help="uncompressed input is cut into equal chunks of at most this size (MB); .gz files are one chunk each")  # fmt: skip
     parser.add_argument("--block-mb", type=float, default=16.0, help="bytes parsed per batch (MB)")
@@ -155,8 +162,17 @@ def main(argv: list[str]) -> int:
     if args.stats:
         raise UserError("--stats applies to --follow only")
     events = spec_kind(args.spec) == "events"
-    if events and (args.split is not None or args.eval_fraction is not None):
-        flag = "--split" if args.split is not None else "--eval-fraction"
+    given = [
+        flag
+        for flag, value in (
+            ("--split", args.split),
+            ("--eval-fraction", args.eval_fraction),
+            ("--valid-fraction", args.valid_fraction),
+        )
+        if value is not None
+    ]
+    if events and given:
+        flag = given[0]
         raise UserError(
             f"{flag} is for click logs: the event spec {args.spec} splits by its [split] table "
             "(leave_one_out or time windows)"
@@ -168,6 +184,7 @@ def main(argv: list[str]) -> int:
         input_format=args.input_format,
         split=args.split or "position",
         eval_fraction=0.1 if args.eval_fraction is None else args.eval_fraction,
+        valid_fraction=args.valid_fraction or 0.0,
         bucket_mb=args.bucket_mb,
         chunk_mb=args.chunk_mb,
         block_mb=args.block_mb,
@@ -195,6 +212,8 @@ def _follow(args: argparse.Namespace, beam_args: list[str]) -> int:
 
     if not args.stats:
         raise UserError("--follow needs --stats REFERENCE_DATA (its spec and statistics are used)")
+    if args.valid_fraction is not None:
+        raise UserError("--valid-fraction is for a dataset of files, not --follow: a stream trains every row")  # fmt: skip
     config = FollowConfig(
         inputs=args.input,
         output=args.output,

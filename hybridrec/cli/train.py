@@ -60,6 +60,15 @@ def _print_summary(summary: dict[str, Any]) -> None:
         )
     if evaluation:
         lines.append(f"  eval            {describe(evaluation)}")
+    best = summary.get("best") or {}
+    if best.get("step") is not None:
+        lines += [
+            f"  best            step {best['step']}: validation {best['metric']} "
+            f"{best['value']:.4f}, {best.get('wall_seconds_to_best', 0):,.0f} s after the start "
+            f"({best.get('train_seconds_to_best', 0):,.0f} s of training); `evaluate` and "
+            "`export` read it",
+            f"  stopped         {summary['stopped']}",
+        ]
     if summary.get("profile"):
         lines += format_summary(summary["profile"])
     lines += [

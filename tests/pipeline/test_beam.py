@@ -45,7 +45,9 @@ def test_a_file_is_cut_into_equal_chunks(tmp_path):
     assert [(c.start, c.end) for c in list_chunks([str(path)], 1000)] == [(0, -1)]
 
 
-def run_transform(path, temp_dir, *, chunk_bytes, block_bytes, split_mode="position", check=None):
+def run_transform(
+    path, temp_dir, *, chunk_bytes, block_bytes, split_mode="position", check=None, valid=0.0
+):
     chunks = list_chunks([str(path)], chunk_bytes)
     # the DirectRunner's engine itself: the DirectRunner would try Prism first (see runners)
     pipeline = test_pipeline.TestPipeline(runner=FnApiRunner())
@@ -58,6 +60,7 @@ def run_transform(path, temp_dir, *, chunk_bytes, block_bytes, split_mode="posit
             eval_fraction=0.25,
             temp_dir=str(temp_dir),
             block_bytes=block_bytes,
+            valid_fraction=valid,
         )
     )
     if check:
@@ -146,6 +149,39 @@ def test_ids_and_split_do_not_depend_on_chunking(raw_file, tmp_path, split_mode)
             if number not in BAD
         }
         assert len(last & set(positions)) > 100
+
+
+@pytest.mark.parametrize("split_mode", ["position", "hash"])
+def test_a_valid_split_takes_the_lines_before_eval_and_leaves_eval_alone(
+    raw_file, tmp_path, split_mode
+):
+    """--valid-fraction: under a position split the 15% of lines before eval's 25%, under a
+    hash split a range of the hash beside eval's; eval is the same rows as without it, and
+    train keeps every other row (its statistics of train rows only), for any chunking."""
+    path, lines = raw_file
+
+    def c3(split, root):
+        return read_split(root, split).column("C3").to_pylist() if (root / split).exists() else []
+
+    run_transform(path, tmp_path / "plain", chunk_bytes=10**9, block_bytes=10**8, split_mode=split_mode)  # fmt: skip
+    for name, chunk_bytes in (("one", 10**9), ("many", 61_111)):
+        root = tmp_path / name
+        run_transform(
+            path, root, chunk_bytes=chunk_bytes, block_bytes=20_000, split_mode=split_mode, valid=0.15
+        )  # fmt: skip
+        assert c3("eval", root) == c3("eval", tmp_path / "plain")
+        train, valid = c3("train", root), c3("valid", root)
+        assert sorted(train + valid) == sorted(c3("train", tmp_path / "plain"))
+        if split_mode == "position":  # lines 2251 - 450 .. 2250
+            expected = [
+                criteo_reference_row(line)["C3"]
+                for number, line in enumerate(lines[1800:2250], start=1801)
+                if number not in BAD
+            ]
+            assert valid == expected
+        else:
+            assert 0.1 * ROWS < len(valid) < 0.2 * ROWS
+    assert c3("valid", tmp_path / "one") == c3("valid", tmp_path / "many")
 
 
 def test_statistics_match_numpy(raw_file, tmp_path):
