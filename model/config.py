@@ -200,6 +200,19 @@ class SequenceConfig:
     # where negatives come from: "catalogue" (uniformly from the training items), "batch"
     # (the batch's own next items, so by popularity), "mixed" (half each)
     negatives_from: Literal["catalogue", "batch", "mixed"] = "catalogue"
+    # each negative's logit corrected by -log(N q), q its sampling probability, so that the
+    # sampled softmax estimates the full one (false: the raw logits)
+    sampling_correction: bool = True
+    # the retrieval loss: "softmax" (the cross-entropy of the next item against the
+    # negatives) or "gbce" (gSASRec's generalized binary cross-entropy, the positive's term
+    # raised to the power beta calibrated by `gbce_t` and the negatives' share of the catalogue)
+    loss: Literal["softmax", "gbce"] = "softmax"
+    gbce_t: float = 0.75
+    # SASRec's block: "sasrec" (pre-norm attention and a ReLU feed-forward, residuals added)
+    # or "ligr" (eSASRec's: pre-norm, each residual gated by a sigmoid of its input, a
+    # SwiGLU feed-forward of `ffn_multiplier` x dim)
+    block: Literal["sasrec", "ligr"] = "sasrec"
+    ffn_multiplier: int = 1
     # "retrieval": the next item by the sampled softmax; "ranking": the next event's action
     # type scored from its item at its position (DLRMv3's form: BCE per action, AUC and NE
     # per action in evaluation; needs a dataset with actions); "both": the two losses summed
@@ -236,6 +249,11 @@ class SequenceConfig:
             raise ValueError(f"sequence.temperature must be > 0, got {self.temperature}")
         if self.negatives < 1:
             raise ValueError(f"sequence.negatives must be >= 1, got {self.negatives}")
+        if not 0.0 <= self.gbce_t <= 1.0 or self.ffn_multiplier < 1:
+            raise ValueError(
+                f"sequence.gbce_t must be within [0, 1] and ffn_multiplier >= 1, got "
+                f"{self.gbce_t} and {self.ffn_multiplier}"
+            )
         if self.actions < 0 or self.ranking_hidden < 1:
             raise ValueError(
                 "sequence.actions must be >= 0 (0 = the dataset's), ranking_hidden >= 1"
@@ -390,6 +408,9 @@ class DenseOptimizerConfig:
     initial_accumulator: float = 0.1
     # clip the dense gradient to this global L2 norm before the update; 0 = no clipping
     gradient_clip_norm: float = 0.0
+    # adam: decoupled weight decay of the dense parameters (AdamW), times the learning rate
+    # each step; 0 = none
+    weight_decay: float = 0.0
     # shampoo: largest rows/cols of one preconditioner block (matrices are cut into blocks)
     shampoo_block_size: int = 128
     # shampoo: steps between recomputations of the preconditioners' inverse 4th roots;
@@ -417,6 +438,11 @@ class DenseOptimizerConfig:
                 raise ValueError(f"{name} must be within [0, 1)")
         if self.epsilon <= 0 or self.initial_accumulator < 0 or self.gradient_clip_norm < 0:
             raise ValueError("epsilon must be > 0; initial_accumulator, gradient_clip_norm >= 0")
+        if self.weight_decay < 0 or (self.weight_decay and self.name != "adam"):
+            raise ValueError(
+                f"optimizer.weight_decay must be >= 0 and is adam's (AdamW), got "
+                f"{self.weight_decay} for {self.name}"
+            )
         if self.shampoo_block_size < 1 or self.shampoo_precondition_every < 1:
             raise ValueError(
                 "shampoo_block_size and shampoo_precondition_every must be >= 1, got "

@@ -13,7 +13,8 @@ objective (`model.sequence_step`) compares with item rows. Attention never cross
 segment and never looks ahead: the mask is block-diagonal and causal.
 
     SASRec   (Kang & McAuley 2018) learned absolute positions, pre-norm blocks of causal
-             softmax self-attention and a two-layer feed-forward network
+             softmax self-attention and a two-layer feed-forward network (or eSASRec's
+             gated blocks with a SwiGLU feed-forward, `sequence.block = "ligr"`)
     HSTU     (Zhai et al. 2024) learned absolute positions, then HSTU blocks (pointwise SiLU
              attention with a relative-position bias, a time-gap bias when
              `sequence.time_buckets` > 0, and a gated output, `model.hstu`)
@@ -128,9 +129,36 @@ class SASRecBlock(nnx.Module):
         attended = jnp.swapaxes(jnp.einsum("bhij,bhjd->bhid", weights, v), 1, 2)
         attended = attended.reshape(rows, length, -1)
         keys = (None, None) if rng is None else jax.random.split(rng)
-        x = x + dropout(self.out(attended), rate, keys[0])
+        return self._residuals(x, self.out(attended), rate, keys)
+
+    def _residuals(self, x, attended, rate: float, keys) -> jax.Array:
+        """The attention's output and then the feed-forward's, each added to x."""
+        x = x + dropout(attended, rate, keys[0])
         hidden = jax.nn.relu(self.ffn_in(self.norm_ffn(x)))
         return x + dropout(self.ffn_out(hidden), rate, keys[1])
+
+
+class LiGRBlock(SASRecBlock):
+    """eSASRec's block (LinkedIn's LiGR layer): pre-norm attention and a SwiGLU
+    feed-forward, each residual gated by a sigmoid of its normalized input:
+    x + sigmoid(g(norm(x))) * attention(norm(x)); then the same with the feed-forward."""
+
+    def __init__(self, dim: int, *, heads: int, head_dim: int, multiplier: int, dtype, rngs):
+        super().__init__(dim, heads=heads, head_dim=head_dim, dtype=dtype, rngs=rngs)
+        hidden = multiplier * dim
+        self.ffn_in = linear(dim, 2 * hidden, (None, "mlp"), dtype=dtype, rngs=rngs)
+        self.ffn_out = linear(hidden, dim, ("mlp", None), dtype=dtype, rngs=rngs)
+        self.gate_attention = linear(dim, dim, (None, "mlp"), dtype=dtype, rngs=rngs)
+        self.gate_ffn = linear(dim, dim, (None, "mlp"), dtype=dtype, rngs=rngs)
+
+    def _residuals(self, x, attended, rate: float, keys) -> jax.Array:
+        gate = jax.nn.sigmoid(self.gate_attention(self.norm_attention(x)))
+        x = x + gate * dropout(attended, rate, keys[0])
+        normed = self.norm_ffn(x)
+        value, gate_in = jnp.split(self.ffn_in(normed), 2, axis=-1)
+        hidden = jax.nn.silu(gate_in) * value
+        gate = jax.nn.sigmoid(self.gate_ffn(normed))
+        return x + gate * dropout(self.ffn_out(hidden), rate, keys[1])
 
 
 class SASRec(nnx.Module):
@@ -149,7 +177,15 @@ class SASRec(nnx.Module):
             dim, config.max_length, rngs=rngs, action_types=max(config.action_inputs, 0)
         )
         for index in range(config.blocks):
-            block = SASRecBlock(dim, heads=config.heads, head_dim=head_dim, dtype=dtype, rngs=rngs)
+            if config.block == "ligr":
+                block = LiGRBlock(
+                    dim, heads=config.heads, head_dim=head_dim, multiplier=config.ffn_multiplier,
+                    dtype=dtype, rngs=rngs,
+                )  # fmt: skip
+            else:
+                block = SASRecBlock(
+                    dim, heads=config.heads, head_dim=head_dim, dtype=dtype, rngs=rngs
+                )
             setattr(self, f"block_{index}", block)
         self.norm_out = _norm(dim, dtype, rngs)
 

@@ -15,7 +15,9 @@ store like any embedding), and everything else as indices into them:
 
 The loss at a position is the cross-entropy of its next item against the negatives,
 whose logits are corrected by -log(N q) so that the sampled softmax estimates the full
-one (Bengio & Senecal; Yi et al. 2019); a negative equal to the target is masked. The
+one (Bengio & Senecal; Yi et al. 2019; `sampling_correction`), or gSASRec's generalized
+binary cross-entropy of the raw logits (`loss = "gbce"`); a negative equal to the target
+is masked. The
 gradient with respect to `rows` sums over every position an item appears at, as inputs,
 targets and negatives: one sparse update per distinct item.
 """
@@ -113,15 +115,30 @@ def _retrieval(config, outputs, rows, batch, hit_mask=None) -> tuple[jax.Array, 
     negatives = scored(rows[batch["negatives"]], config)
     positive = jnp.sum(outputs * targets, axis=-1) / config.temperature  # [R, L]
     negative = jnp.einsum("rld,nd->rln", outputs, negatives) / config.temperature
-    negative = negative - batch["negative_logq"]
     if hit_mask is None:
         hit_mask = batch["negatives"][None, None, :] == batch["targets"][..., None]
-    negative = jnp.where(hit_mask, -1e9, negative)
-    logits = jnp.concatenate([positive[..., None], negative], axis=-1)
-    cross_entropy = jax.nn.logsumexp(logits, axis=-1) - positive
+    if config.loss == "gbce":  # its beta calibrates for the sampling instead
+        losses = _gbce(config, positive, negative, hit_mask, batch["negative_logq"])
+    else:
+        if config.sampling_correction:
+            negative = negative - batch["negative_logq"]
+        negative = jnp.where(hit_mask, -1e9, negative)
+        logits = jnp.concatenate([positive[..., None], negative], axis=-1)
+        losses = jax.nn.logsumexp(logits, axis=-1) - positive
     weights = batch["weights"]
     count = jnp.sum(weights)
-    return jnp.sum(cross_entropy * weights) / jnp.maximum(count, 1.0), count
+    return jnp.sum(losses * weights) / jnp.maximum(count, 1.0), count
+
+
+def _gbce(config, positive, negative, hit_mask, negative_logq) -> jax.Array:
+    """gSASRec's generalized binary cross-entropy at each position (Petrov & Macdonald
+    2023): -beta log sigmoid(positive) - sum log(1 - sigmoid(negative)), with beta =
+    alpha (t (1 - 1/alpha) + 1/alpha), alpha the negatives' share of the catalogue
+    (exp of the mean log(N q): N / C for uniform sampling) and t = `gbce_t`."""
+    alpha = jnp.minimum(jnp.exp(jnp.mean(negative_logq)), 1.0)
+    beta = alpha * (config.gbce_t * (1.0 - 1.0 / alpha) + 1.0 / alpha)
+    negatives = jnp.sum(jnp.where(hit_mask, 0.0, jax.nn.softplus(negative)), axis=-1)
+    return beta * jax.nn.softplus(-positive) + negatives
 
 
 def _ranking(config, model, outputs, rows, batch) -> jax.Array:

@@ -119,6 +119,14 @@ def make_optimizer(
             epsilon=config.epsilon,
             matrix_epsilon=config.shampoo_epsilon,
         )
+    elif config.weight_decay:
+        optimizer = optax.adamw(
+            schedule,
+            b1=config.beta1,
+            b2=config.beta2,
+            eps=config.epsilon,
+            weight_decay=config.weight_decay,
+        )
     else:
         optimizer = optax.adam(schedule, b1=config.beta1, b2=config.beta2, eps=config.epsilon)
     if config.gradient_clip_norm > 0:

@@ -16,9 +16,11 @@ LENGTH, DIM = 16, 32
 
 
 def tower(name: str, objective: str = "retrieval"):
+    name, _, block = name.partition("+")  # sasrec+ligr: eSASRec's gated blocks
     config = SequenceConfig(
         max_length=LENGTH, blocks=2, heads=2, dropout=0.0, attention="reference",
         objective=objective, actions=3 if objective != "retrieval" else 0,
+        block=block or "sasrec", ffn_multiplier=2,
     )  # fmt: skip
     return build_sequence_tower(name, config, dim=DIM, dtype=None, rngs=nnx.Rngs(3))
 
@@ -36,7 +38,7 @@ def empty(model, batch):
     return jnp.zeros(shape), jnp.zeros(shape)
 
 
-@pytest.mark.parametrize("name", ["sasrec", "hstu"])
+@pytest.mark.parametrize("name", ["sasrec", "sasrec+ligr", "hstu"])
 @pytest.mark.parametrize("objective", ["retrieval", "both"])
 def test_extend_equals_the_full_forward_pass(name, objective):
     model = tower(name, objective)

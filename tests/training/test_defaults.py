@@ -178,3 +178,16 @@ def test_a_default_bottom_mlp_follows_a_configured_dim_and_a_configured_one_stay
     assert resolve_auto(follows, metadata, divisor=1)[0].model.dlrm.bottom_mlp == (512, 256, 64, 32)
     stays = config_lib.load(TrainConfig, None, [*base, "model.dlrm.bottom_mlp=[64, 16]"])
     assert resolve_auto(stays, metadata, divisor=1)[0].model.dlrm.bottom_mlp == (64, 16)
+
+
+def test_weight_decay_is_decoupled_and_adams_alone():
+    import jax.numpy as jnp
+    from hybridrec.model.step import make_optimizer
+
+    optimizer, _ = make_optimizer(DenseOptimizerConfig(weight_decay=0.1))
+    params = {"w": jnp.ones(3)}
+    updates, _ = optimizer.update({"w": jnp.zeros(3)}, optimizer.init(params), params)
+    # a zero gradient: the update is the decay alone, -rate * decay * w (AdamW)
+    np.testing.assert_allclose(updates["w"], -1e-3 * 0.1 * np.ones(3), rtol=1e-5)
+    with pytest.raises(ValueError, match="weight_decay must be >= 0 and is adam's"):
+        DenseOptimizerConfig(name="sgd", weight_decay=0.1)

@@ -208,6 +208,42 @@ def test_sampled_softmax_with_every_item_as_negative_is_the_full_softmax(tower):
     np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
 
 
+@pytest.mark.parametrize("gbce_t", [0.0, 0.75])
+def test_gbce_and_the_uncorrected_softmax_against_numpy(tower, gbce_t):
+    """`loss = "gbce"`: beta log sigmoid of the positive (beta = 1 at t = 0: plain binary
+    cross-entropy) and log(1 - sigmoid) of each negative but the target, raw logits;
+    `sampling_correction = false`: the cross-entropy without -log(N q)."""
+    import dataclasses
+
+    config, graphdef, params = tower
+    rng = np.random.default_rng(4)
+    batch = _batch(rng, negatives=6)
+    batch["negative_logq"] = np.full(6, np.log(6 / 12), np.float32)  # alpha = 6 / 12
+    rows = jnp.asarray(rng.normal(size=(12, 8)).astype(np.float32))
+    out = np.asarray(nnx.merge(graphdef, params)(rows[batch["inputs"]], batch["segments"], batch["positions"]))  # fmt: skip
+    logits = np.einsum("rld,nd->rln", out, np.asarray(rows))
+    positive = np.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+    negative = logits[..., batch["negatives"]]
+    hit = batch["negatives"][None, None, :] == batch["targets"][..., None]
+    weights = batch["weights"]
+
+    def softplus(x):
+        return np.logaddexp(0.0, x)
+
+    alpha = 0.5
+    beta = alpha * (gbce_t * (1 - 1 / alpha) + 1 / alpha)
+    gbce = beta * softplus(-positive) + np.where(hit, 0.0, softplus(negative)).sum(-1)
+    gbce_config = dataclasses.replace(config, loss="gbce", gbce_t=gbce_t)
+    loss = retrieval_loss(gbce_config, graphdef, params, rows, batch)[0]
+    np.testing.assert_allclose(float(loss), (gbce * weights).sum() / weights.sum(), rtol=1e-5)
+    plain = dataclasses.replace(config, sampling_correction=False)
+    masked = np.where(hit, -1e9, negative)
+    both = np.concatenate([positive[..., None], masked], -1)
+    cross_entropy = np.log(np.exp(both - both.max(-1, keepdims=True)).sum(-1)) + both.max(-1) - positive  # fmt: skip
+    loss = retrieval_loss(plain, graphdef, params, rows, batch)[0]
+    np.testing.assert_allclose(float(loss), (cross_entropy * weights).sum() / weights.sum(), rtol=1e-5)  # fmt: skip
+
+
 def test_outputs_do_not_see_other_segments_or_the_future(tower):
     config, graphdef, params = tower
     rng = np.random.default_rng(2)

@@ -126,6 +126,26 @@ def test_a_resumed_run_keeps_the_best_and_the_count(events, tmp_path):
     assert RunCheckpoints(resumed).best()["step"] == expected["best"]["step"]
 
 
+@pytest.mark.devices(8, launched=True)
+@pytest.mark.parametrize("keys", [STOPS, ["data.epochs=2"]], ids=["patience", "auto"])
+def test_two_processes_stop_at_the_same_step_with_the_same_best(events, tmp_path, cli, keys):
+    """Every process counts the same evaluations (their figures are gathered), so all stop
+    together; an auto interval is fixed once, on the chief's measurement, for all."""
+    sets = [item for key in (*SMALL, *OVERFIT, *keys) for item in ("--set", key)]
+    launch = ["launch", "--num-processes", "2", "--devices-per-process", "4", "--timeout", "200"]
+    run = tmp_path / "two"
+    common = ["--data", str(events), "--config", "sasrec", "--quiet", *sets]
+    cli(*launch, "--", "train", "--run-dir", str(run), *common, timeout=240)
+    two = [json.loads((run / "processes" / f"summary_{i}.json").read_text()) for i in range(2)]
+    assert two[0]["processes"] == 2
+    for key in ("steps", "stopped", "eval_every_steps"):
+        assert two[0][key] == two[1][key], key
+    best = [{k: v for k, v in s["best"].items() if not k.endswith("_to_best")} for s in two]
+    assert best[0] == best[1]
+    if keys is STOPS:
+        assert two[0]["stopped"].startswith("patience")
+
+
 def test_a_click_log_with_a_valid_split_stops_on_it_and_reports_eval(tmp_path, cli, small_model):
     """`preprocess --valid-fraction`: the run keeps its best by validation AUC on "valid",
     and `evaluate` reads that checkpoint on "eval", the split its figures are reported on."""
