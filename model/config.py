@@ -138,11 +138,6 @@ class DHENConfig:
             raise ValueError(f"dhen.attention_heads must be >= 1, got {self.attention_heads}")
 
 
-# what a served sequence model's requests name their own inputs (infer and events): an
-# event side feature comes with each event by its name, so it may not take one of these
-REQUEST_INPUTS = ("history", "lengths", "times", "actions", "users", "candidates", "items")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SequenceConfig:
     """SASRec and HSTU over packed user histories (`model.tower = "sasrec" | "hstu"`).
@@ -151,7 +146,8 @@ class SequenceConfig:
     a segment); every position predicts the next item (docs/training.md, "Sequences").
     """
 
-    # positions per packed row: the longest history the tower reads at once
+    # positions per packed row: the longest history the tower reads at once; 0 = auto: the
+    # training histories' 99th percentile of length, at most 200 (training.defaults)
     max_length: int = 200
     # a history longer than a row: "split" into consecutive pieces of one row, every event
     # trained once (a piece does not see the one before it), or "truncate" to its most
@@ -166,7 +162,9 @@ class SequenceConfig:
     # dropout rate on the input embeddings (item rows with their positions)
     dropout: float = 0.2
     # dropout rate inside each block: SASRec after its attention and its FFN, HSTU on the
-    # gated attention output before its projection; -1 = `dropout`
+    # gated attention output before its projection; -1 = the tower's own: SASRec's
+    # `dropout`, HSTU's none (on Amazon Toys, HSTU's validation HR@10 fell with it:
+    # docs/training.md, "The sequence presets")
     block_dropout: float = -1.0
     # HSTU's relative-position bias: buckets per head, and the distance the last starts at
     # (0 = max_length)
@@ -223,8 +221,8 @@ class SequenceConfig:
     ranking_hidden: int = 256
 
     def __post_init__(self):
-        if self.max_length < 2:
-            raise ValueError(f"sequence.max_length must be >= 2, got {self.max_length}")
+        if self.max_length < 2 and self.max_length != 0:
+            raise ValueError(f"sequence.max_length must be >= 2 (0: auto), got {self.max_length}")
         if self.blocks < 1 or self.heads < 1 or self.head_dim < 0:
             raise ValueError("sequence.blocks and heads must be >= 1, head_dim >= 0 (0 = auto)")
         if not 0.0 <= self.dropout < 1.0:
@@ -259,10 +257,11 @@ class SequenceConfig:
                 "sequence.actions must be >= 0 (0 = the dataset's), ranking_hidden >= 1"
             )
 
-    @property
-    def block_rate(self) -> float:
-        """The dropout rate inside the blocks."""
-        return self.dropout if self.block_dropout == -1.0 else self.block_dropout
+    def block_rate(self, tower: str) -> float:
+        """The dropout rate inside the blocks of `tower` ("sasrec", "hstu")."""
+        if self.block_dropout != -1.0:
+            return self.block_dropout
+        return self.dropout if tower == "sasrec" else 0.0
 
     @property
     def retrieval(self) -> bool:

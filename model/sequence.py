@@ -167,11 +167,8 @@ class SASRec(nnx.Module):
     def __init__(self, config: SequenceConfig, *, dim: int, dtype, rngs: nnx.Rngs):
         if config.reads_times:
             raise ValueError("sequence.time_buckets is HSTU's time-gap bias; SASRec reads no times (set it to 0)")  # fmt: skip
-        self.rate, self.block_rate, self.num_blocks = (
-            config.dropout,
-            config.block_rate,
-            config.blocks,
-        )
+        self.rate, self.num_blocks = config.dropout, config.blocks
+        self.block_rate = config.block_rate("sasrec")
         head_dim = config.head_dim or max(dim // config.heads, 1)
         self.positions = _Positions(
             dim, config.max_length, rngs=rngs, action_types=max(config.action_inputs, 0)
@@ -222,7 +219,7 @@ class HSTU(nnx.Module):
     """HSTU over packed rows: `tower(x, segments, positions, rng=None) -> [R, L, D]`."""
 
     def __init__(self, config: SequenceConfig, *, dim: int, dtype, rngs: nnx.Rngs):
-        self.rate, self.block_rate = config.dropout, config.block_rate
+        self.rate, self.block_rate = config.dropout, config.block_rate("hstu")
         self.positions = _Positions(
             dim, config.max_length, rngs=rngs, action_types=max(config.action_inputs, 0)
         )

@@ -19,6 +19,9 @@ from hybridrec.common import config
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.pipeline.spec import repeated_name
 
+# what a served sequence model's requests name their own inputs (infer and events): an
+# event side feature comes with each event by its name, so it may not take one of these
+REQUEST_INPUTS = ("history", "lengths", "times", "actions", "users", "candidates", "items")
 _WIDTH = re.compile(r"^(\d+)([smhdw])$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 

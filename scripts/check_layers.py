@@ -48,17 +48,12 @@ MAY_IMPORT = {
     "cli": {"common", "pipeline", "embedding_store", "model", "training", "serving", "hybridrec"},
     "hybridrec": {"cli", "common", "training", "serving"},  # the commands and the Python API
 }
-# what `hybridrec serve` loads: it must run without the training code
-SERVING_RUNTIME = {
-    "hybridrec.serving.server",
-    "hybridrec.serving.model",
-    "hybridrec.serving.batching",
-    "hybridrec.serving.inputs",
-    "hybridrec.serving.protocol",
-    "hybridrec.serving.bags",
-    "hybridrec.serving._format",
-    "hybridrec.serving.quantize",
-}
+# what `hybridrec serve` and `hybridrec.load_model` load: every module these import at
+# their top level, and so on (a package's __init__ with each of its modules), must run
+# without the training code, the dense towers' modules and what trains them
+SERVING_ROOTS = ("hybridrec.cli.serve", "hybridrec.serving.server", "hybridrec.serving.load")
+SERVING_FORBIDDEN = ("hybridrec.training", "hybridrec.model")
+SERVING_FORBIDDEN_EXTERNAL = ("flax", "optax", "orbax")
 LIBRARY = {"common", "pipeline", "embedding_store", "model", "training", "serving"}
 
 
@@ -117,6 +112,62 @@ def _imports(path: Path, module: str) -> Iterator[tuple[str, str | None, int]]:
                 yield base, alias.name, node.lineno
 
 
+def _top_imports(path: Path, module: str) -> Iterator[tuple[str, str | None, int]]:
+    """`_imports` run when the module is imported: those outside functions and classes."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    nodes = list(tree.body)
+    while nodes:
+        node = nodes.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module if is_package else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    anchor = anchor.rpartition(".")[0]
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:
+                yield base, alias.name, node.lineno
+        else:  # if / try / with blocks at the top level run too
+            nodes[:0] = [
+                child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)
+            ]
+
+
+def serving_runtime(repo: Path = REPO) -> tuple[dict[str, str], list[str]]:
+    """The modules `hybridrec serve` loads ({module: the module that first loads it}, from
+    SERVING_ROOTS through top-level imports and parent packages) and the findings: each
+    import among them of SERVING_FORBIDDEN or SERVING_FORBIDDEN_EXTERNAL."""
+    known = modules(repo)
+    loaded: dict[str, str] = {root: "" for root in SERVING_ROOTS if root in known}
+    queue, findings = list(loaded), []
+    while queue:
+        module = queue.pop(0)
+        path = known[module]
+        parents = [module.rsplit(".", depth)[0] for depth in range(1, module.count("."))]
+        targets = [(parent, None, 0) for parent in parents if parent in known]
+        targets += list(_top_imports(path, module))
+        for imported, name, line in targets:
+            full = f"{imported}.{name}" if name else imported
+            target = _resolve(full, known)
+            where = f"{path.relative_to(repo)}:{line}"
+            if target is None:
+                if imported.split(".")[0] in SERVING_FORBIDDEN_EXTERNAL:
+                    findings.append(f"{where}: {module} (loaded by serve) -> {imported}")
+                continue
+            if target.startswith(SERVING_FORBIDDEN):
+                findings.append(f"{where}: {module} (loaded by serve) -> {target}")
+            elif target not in loaded:
+                loaded[target] = module
+                queue.append(target)
+    return loaded, list(dict.fromkeys(findings))
+
+
 def _resolve(name: str, known: dict[str, Path]) -> str | None:
     while name:
         if name in known:
@@ -154,10 +205,6 @@ def check(repo: Path = REPO) -> Report:
             source_layer, target_layer = package(module), package(target)
             if source_layer != target_layer and target_layer not in MAY_IMPORT[source_layer]:
                 report.against_layering.append(f"{where}:{line}: {module} -> {target}")
-            if module in SERVING_RUNTIME and target_layer == "training":
-                report.against_layering.append(
-                    f"{where}:{line}: {module} (loaded by serve) -> {target}"
-                )
             private_name = name is not None and name.startswith("_") and name != "__version__"
             if private_name and f"{imported}.{name}" not in known:
                 report.private_imports.append(f"{where}:{line}: {module} takes {imported}.{name}")
@@ -170,6 +217,7 @@ def check(repo: Path = REPO) -> Report:
         lines = len(path.read_text().splitlines())
         if lines > MAX_LINES:
             report.long_files.append(f"{where}: {lines} lines")
+    report.against_layering += serving_runtime(repo)[1]
     report.cycles = _cycles(edges)
     for kind in ("against_layering", "private_imports"):
         setattr(report, kind, list(dict.fromkeys(getattr(report, kind))))
@@ -220,6 +268,9 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def main() -> int:
     report = check()
+    if "--serving-runtime" in sys.argv[1:]:  # every module `hybridrec serve` loads, and why
+        for module, by in serving_runtime()[0].items():
+            print(f"serving runtime: {module}" + (f" (loaded by {by})" if by else " (a root)"))
     for component in report.cycles:
         print("cycle:", " <-> ".join(component))
     for kind in ("against_layering", "private_imports", "processes", "long_files"):
@@ -234,6 +285,7 @@ def main() -> int:
                 "private_imports": len(report.private_imports),
                 "processes": len(report.processes),
                 "long_files": len(report.long_files),
+                "serving_runtime_modules": len(serving_runtime()[0]),
             }
         )
     )

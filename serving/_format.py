@@ -37,6 +37,12 @@ MODEL_FILE = "model.stablehlo"
 FEATURES_FILE = "features.json"
 TABLES_DIR = "tables"
 PRECISIONS = ("fp32", "fp16", "int8")
+# a sequence run's export, besides MODEL_FILE (its encoder) and the tables
+RANKING_FILE = "ranking.stablehlo"  # the ranking head, with the ranking objective
+EXTEND_FILE = "extend.stablehlo"  # the encoder from cached keys and values
+CATALOGUE_FILE = "catalogue.npy"  # the training items' ids, the ranking's candidates
+ITEM_NAMES_FILE = "item_names.parquet"  # each item's raw id
+ITEM_SIDES_FILE = "item_sides.parquet"  # item side features' ids, with side_features
 _TEMPORARY_PREFIX = ".incomplete-"
 
 

@@ -41,20 +41,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from flax import nnx
-from hybridrec.model.config import REQUEST_INPUTS, SequenceConfig
+from hybridrec.model.config import SequenceConfig
 from hybridrec.model.sequence import extend_history
 from hybridrec.model.sequence_step import scored
-from hybridrec.pipeline.event_spec import recorded_prefixes
+from hybridrec.pipeline.event_spec import REQUEST_INPUTS, recorded_prefixes
 from hybridrec.pipeline.metadata import EventMetadata
-from hybridrec.serving._format import MODEL_FILE
+from hybridrec.serving._format import (
+    CATALOGUE_FILE,
+    EXTEND_FILE,
+    ITEM_NAMES_FILE,
+    ITEM_SIDES_FILE,
+    MODEL_FILE,
+    RANKING_FILE,
+)
 from hybridrec.training.defaults import check_request_names
 from hybridrec.training.sequences import Catalogue
-
-RANKING_FILE = "ranking.stablehlo"
-EXTEND_FILE = "extend.stablehlo"
-CATALOGUE_FILE = "catalogue.npy"
-ITEM_NAMES_FILE = "item_names.parquet"
-ITEM_SIDES_FILE = "item_sides.parquet"
 
 
 def with_reference_attention(config: Any) -> Any:

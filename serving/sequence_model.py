@@ -23,13 +23,8 @@ import numpy as np
 import pyarrow.parquet as pq
 from hybridrec.pipeline import hashing
 from hybridrec.serving import _format
+from hybridrec.serving._format import CATALOGUE_FILE, EXTEND_FILE, ITEM_NAMES_FILE, RANKING_FILE
 from hybridrec.serving.catalogue import ExactCatalogue
-from hybridrec.serving.export_sequences import (
-    CATALOGUE_FILE,
-    EXTEND_FILE,
-    ITEM_NAMES_FILE,
-    RANKING_FILE,
-)
 from hybridrec.serving.model import (
     DefaultRows,
     ServedVersion,

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from hybridrec.model.config import REQUEST_INPUTS
 from hybridrec.pipeline import hashing
+from hybridrec.pipeline.event_spec import REQUEST_INPUTS
 from hybridrec.serving import _format
-from hybridrec.serving.export_sequences import ITEM_SIDES_FILE
+from hybridrec.serving._format import ITEM_SIDES_FILE
 from hybridrec.serving.sequence_query import CONTEXT
 
 

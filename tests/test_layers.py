@@ -43,7 +43,10 @@ def test_the_check_finds_what_it_looks_for(tmp_path):
         "training/a.py": "from hybridrec.training import b\n",  # a cycle a <-> b
         "training/b.py": "from hybridrec.training.a import _helper\n",  # private name
         "serving/__init__.py": "",
-        "serving/server.py": "from hybridrec.training import a\n",  # serve loads training
+        "serving/server.py": "from hybridrec.training import a\nfrom hybridrec.serving import helper\n",  # serve loads training
+        # ... and, through a module it loads, the towers' code and Flax (a function's own
+        # import runs only when called: not counted)
+        "serving/helper.py": "import flax.nnx\nfrom hybridrec.model import step\n\n\ndef f():\n    import optax\n",
         "embedding_store/spawn.py": 'COMMAND = ["python", "-m", "hybridrec", "serve"]\n',
         "pipeline/long.py": "x = 1\n" * (check_layers.MAX_LINES + 1),
         "hybridrec/__init__.py": "",
@@ -58,7 +61,11 @@ def test_the_check_finds_what_it_looks_for(tmp_path):
     assert [f.split(": ", 1)[1] for f in report.against_layering] == [
         "hybridrec.model.step -> hybridrec.embedding_store",
         "hybridrec.serving.server (loaded by serve) -> hybridrec.training.a",
+        "hybridrec.serving.helper (loaded by serve) -> flax.nnx",
+        "hybridrec.serving.helper (loaded by serve) -> hybridrec.model.step",
     ]
+    loaded, _ = check_layers.serving_runtime(tmp_path)
+    assert loaded["hybridrec.serving.helper"] == "hybridrec.serving.server"
     assert report.private_imports == [
         "training/b.py:1: hybridrec.training.b takes hybridrec.training.a._helper"
     ]

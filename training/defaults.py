@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from hybridrec.common.errors import ConfigError, UserError
-from hybridrec.model.config import REQUEST_INPUTS, DenseOptimizerConfig, choose_tower
+from hybridrec.model.config import DenseOptimizerConfig, choose_tower
 from hybridrec.model.custom import tower_kind
 from hybridrec.pipeline import DatasetMetadata, EventMetadata
-from hybridrec.pipeline.event_spec import recorded_prefixes
+from hybridrec.pipeline.event_spec import REQUEST_INPUTS, recorded_prefixes
 from hybridrec.training.config import TrainConfig
 
 AUTO_STEPS_PER_EPOCH = 200  # data.batch_size = 0 aims at about this many steps per epoch
@@ -223,7 +224,15 @@ def resolve_auto(
 
 # sequence runs (event-log datasets): the "auto" values
 AUTO_SEQUENCE_TOWER = "hstu"
-AUTO_SEQUENCE_TOKENS = 8192  # data.batch_size = 0: rows of max_length holding about this many
+# data.batch_size = 0 (auto): rows of max_length holding the training positions / this many
+# (enough steps an epoch for a small dataset: docs/training.md, "The sequence presets")...
+AUTO_SEQUENCE_STEPS_PER_EPOCH = 50
+# ... within this range of positions a batch (the top times the data-parallel devices: full
+# devices for a large dataset)
+AUTO_SEQUENCE_TOKENS = (1024, 8192)
+# model.sequence.max_length = 0 (auto): the training histories' 99th percentile of length,
+# rounded up to a multiple of 8, at most this (the presets' cap, ML-1M's 200)
+AUTO_SEQUENCE_MAX_LENGTH = 200
 AUTO_TIME_BUCKETS = 64  # HSTU's time-gap bias: half-octave buckets up to 2^32 s
 AUTO_SEQUENCE_DIM = 64  # embedding.dim = 0 (SASRec's and HSTU's published widths: 50 to 64)
 
@@ -247,6 +256,7 @@ def resolve_sequence_auto(
     else:
         tower_reason = f"model.tower = {tower!r} as configured"
     sequence, data = config.model.sequence, config.data
+    sequence, length_reason = choose_sequence_length(sequence, metadata)
     if data.token_budget and data.token_budget < sequence.max_length:
         raise UserError(
             f"data.token_budget = {data.token_budget} is smaller than one history row "
@@ -258,8 +268,7 @@ def resolve_sequence_auto(
     elif data.batch_size:
         rows, rows_reason = data.batch_size, "data.batch_size as configured"
     else:
-        rows = max(AUTO_SEQUENCE_TOKENS // sequence.max_length, 1)
-        rows_reason = f"data.batch_size = 0 (auto): about {AUTO_SEQUENCE_TOKENS:,} positions"
+        rows, rows_reason = choose_sequence_rows(sequence.max_length, metadata, divisor)
     rows = -(-rows // divisor) * divisor
     action_types = (metadata.raw.get("spec") or {}).get("action_types") or []
     if sequence.ranking and not action_types:
@@ -296,6 +305,7 @@ def resolve_sequence_auto(
     )
     return resolved, (
         f"tower: {tower_reason}",
+        *length_reason,
         f"batch: {rows} rows of {sequence.max_length} positions ({rows_reason})",
         f"embedding dim: {dim_reason}",
         f"embedding learning rate: {rate_reason}",
@@ -303,6 +313,42 @@ def resolve_sequence_auto(
         *action_reason,
         *side_reason,
         *split_reason,
+    )
+
+
+def training_positions(metadata: EventMetadata) -> int:
+    """Positions an epoch trains: each training history of n events predicts n - 1."""
+    lengths = metadata.sequence.get("history_length") or {}
+    return int(lengths.get("count", 0) * max(lengths.get("mean", 1.0) - 1.0, 0.0))
+
+
+def choose_sequence_length(sequence, metadata: EventMetadata) -> tuple[Any, tuple[str, ...]]:
+    """`sequence` with `max_length` = 0 (auto) made concrete: the 99th percentile of the
+    training histories' lengths rounded up to a multiple of 8, within [8,
+    AUTO_SEQUENCE_MAX_LENGTH] (a row that holds 99% of the histories whole; attention's
+    cost grows with the square of a row's length); and a start-up line."""
+    if sequence.max_length:
+        return sequence, ()
+    p99 = int((metadata.sequence.get("history_length") or {}).get("p99", AUTO_SEQUENCE_MAX_LENGTH))
+    length = min(max(-(-p99 // 8) * 8, 8), AUTO_SEQUENCE_MAX_LENGTH)
+    return dataclasses.replace(sequence, max_length=length), (
+        f"history length: model.sequence.max_length = 0 (auto): {length}, the training "
+        f"histories' 99th percentile ({p99} events) within [8, {AUTO_SEQUENCE_MAX_LENGTH}]",
+    )
+
+
+def choose_sequence_rows(length: int, metadata: EventMetadata, divisor: int) -> tuple[int, str]:
+    """The rows of `length` positions an "auto" batch has, and why: the epoch's training
+    positions / AUTO_SEQUENCE_STEPS_PER_EPOCH, within AUTO_SEQUENCE_TOKENS (the top times
+    `divisor`, the data-parallel devices), rounded to a multiple of `divisor`."""
+    low, high = AUTO_SEQUENCE_TOKENS
+    positions = training_positions(metadata)
+    tokens = min(max(positions // AUTO_SEQUENCE_STEPS_PER_EPOCH, low), high * divisor)
+    rows = max(-(-tokens // length), 1)
+    rows = -(-rows // divisor) * divisor
+    return rows, (
+        f"data.batch_size = 0 (auto): about {rows * length:,} positions, {AUTO_SEQUENCE_STEPS_PER_EPOCH} "
+        f"steps an epoch of {positions:,} training positions within [{low:,}, {high * divisor:,}]"
     )
 
 
