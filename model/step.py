@@ -119,16 +119,13 @@ def make_optimizer(
             epsilon=config.epsilon,
             matrix_epsilon=config.shampoo_epsilon,
         )
-    elif config.weight_decay:
-        optimizer = optax.adamw(
-            schedule,
-            b1=config.beta1,
-            b2=config.beta2,
-            eps=config.epsilon,
-            weight_decay=config.weight_decay,
+    else:  # AdamW with a weight decay; plain Adam (its own optimizer state) without
+        adam = (
+            functools.partial(optax.adamw, weight_decay=config.weight_decay)
+            if config.weight_decay
+            else optax.adam
         )
-    else:
-        optimizer = optax.adam(schedule, b1=config.beta1, b2=config.beta2, eps=config.epsilon)
+        optimizer = adam(schedule, b1=config.beta1, b2=config.beta2, eps=config.epsilon)
     if config.gradient_clip_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(config.gradient_clip_norm), optimizer)
     return optimizer, schedule

@@ -95,48 +95,40 @@ def package(module: str) -> str:
 
 def _imports(path: Path, module: str) -> Iterator[tuple[str, str | None, int]]:
     """(imported module, imported name or None, line) for every import in a file."""
-    is_package = path.name == "__init__.py"
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield alias.name, None, node.lineno
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = module if is_package else module.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    anchor = anchor.rpartition(".")[0]
-                base = f"{anchor}.{base}" if base else anchor
-            for alias in node.names:
-                yield base, alias.name, node.lineno
+        yield from _named(node, module, path.name == "__init__.py")
 
 
 def _top_imports(path: Path, module: str) -> Iterator[tuple[str, str | None, int]]:
     """`_imports` run when the module is imported: those outside functions and classes."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    is_package = path.name == "__init__.py"
-    nodes = list(tree.body)
+    nodes = list(ast.parse(path.read_text(), filename=str(path)).body)
     while nodes:
         node = nodes.pop(0)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield alias.name, None, node.lineno
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = module if is_package else module.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    anchor = anchor.rpartition(".")[0]
-                base = f"{anchor}.{base}" if base else anchor
-            for alias in node.names:
-                yield base, alias.name, node.lineno
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield from _named(node, module, path.name == "__init__.py")
         else:  # if / try / with blocks at the top level run too
             nodes[:0] = [
                 child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)
             ]
+
+
+def _named(node: ast.AST, module: str, is_package: bool) -> Iterator[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) of an import statement."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name, None, node.lineno
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            anchor = module if is_package else module.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                anchor = anchor.rpartition(".")[0]
+            base = f"{anchor}.{base}" if base else anchor
+        for alias in node.names:
+            yield base, alias.name, node.lineno
 
 
 def serving_runtime(repo: Path = REPO) -> tuple[dict[str, str], list[str]]:
