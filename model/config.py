@@ -247,11 +247,10 @@ class SequenceConfig:
             raise ValueError(f"sequence.temperature must be > 0, got {self.temperature}")
         if self.negatives < 1:
             raise ValueError(f"sequence.negatives must be >= 1, got {self.negatives}")
-        if not 0.0 <= self.gbce_t <= 1.0 or self.ffn_multiplier < 1:
-            raise ValueError(
-                f"sequence.gbce_t must be within [0, 1] and ffn_multiplier >= 1, got "
-                f"{self.gbce_t} and {self.ffn_multiplier}"
-            )
+        if not 0.0 <= self.gbce_t <= 1.0:
+            raise ValueError(f"sequence.gbce_t must be within [0, 1], got {self.gbce_t}")
+        if self.ffn_multiplier < 1:
+            raise ValueError(f"sequence.ffn_multiplier must be >= 1, got {self.ffn_multiplier}")
         if self.actions < 0 or self.ranking_hidden < 1:
             raise ValueError(
                 "sequence.actions must be >= 0 (0 = the dataset's), ranking_hidden >= 1"

@@ -42,10 +42,13 @@ SHARED = ("rows", "negatives", "negative_logq")
 
 
 def scored(vectors: jax.Array, config: SequenceConfig) -> jax.Array:
-    """Vectors as the score compares them: L2-normalized for cosine similarity."""
+    """Vectors as the score compares them: L2-normalized for cosine similarity. The norm
+    is floored before its square root, so a zero vector (a padded position of a tower
+    with no normalization of its own) gets a zero gradient rather than 0/0."""
     vectors = vectors.astype(jnp.float32)
     if config.similarity == "cosine":
-        return vectors / jnp.maximum(jnp.linalg.norm(vectors, axis=-1, keepdims=True), 1e-6)
+        squared = jnp.sum(jnp.square(vectors), axis=-1, keepdims=True)
+        return vectors * jax.lax.rsqrt(jnp.maximum(squared, 1e-12))
     return vectors
 
 

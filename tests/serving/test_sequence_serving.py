@@ -99,9 +99,14 @@ def run(tmp_path_factory):
     )
 
 
+def scored(rows: np.ndarray) -> np.ndarray:
+    """Rows as the preset's cosine scores compare them: L2-normalized."""
+    return rows / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1e-6)
+
+
 def reference_top_k(run, k: int, exclude: bool) -> np.ndarray:
     """[Q, k] catalogue items by evaluate's scores, best first, ties in catalogue order."""
-    scores = run.outputs @ run.rows.T
+    scores = run.outputs @ scored(run.rows).T
     if exclude:
         for q, history in enumerate(run.users):
             scores[q, np.isin(run.catalogue, history)] = -np.inf

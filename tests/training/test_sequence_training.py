@@ -109,14 +109,15 @@ def test_evaluation_ranks_equal_scoring_every_item(events, tmp_path):
             job, state, store, job.eval_step(), histories, max_batches=0, progress=None
         )
 
-        def rows(ids):
-            return (
+        def rows(ids):  # as the preset's cosine scores compare them: L2-normalized
+            found = (
                 store.lookup_features(
                     {"item": ids}, feature_tables=job.tables.feature_tables, train=False
                 )
                 .result()
                 .embeddings[:, 0]
             )
+            return found / np.maximum(np.linalg.norm(found, axis=-1, keepdims=True), 1e-6)
 
         catalogue = job.catalogue.items
         scores = outputs @ rows(catalogue).T  # [queries, items]

@@ -258,6 +258,20 @@ def test_outputs_do_not_see_other_segments_or_the_future(tower):
     assert same[:9].all() and not same[9:12].all() and same[12:].all()
 
 
+def test_cosine_scores_of_a_zero_vector_have_a_finite_gradient():
+    """A tower's padded position can be exactly zero (no normalization of its own):
+    cosine scoring must not turn it into 0/0 in the backward pass."""
+    from hybridrec.model.sequence_step import scored
+
+    config = SequenceConfig(max_length=8, similarity="cosine")
+    vectors = np.zeros((3, 4), np.float32)
+    vectors[1] = [3.0, 4.0, 0.0, 0.0]
+    out = scored(jnp.asarray(vectors), config)
+    np.testing.assert_allclose(np.asarray(out)[1], [0.6, 0.8, 0.0, 0.0], rtol=1e-6)
+    gradient = jax.grad(lambda v: jnp.sum(scored(v, config) * 2.0))(jnp.asarray(vectors))
+    assert np.isfinite(np.asarray(gradient)).all()
+
+
 def test_count_above_matches_numpy():
     rng = np.random.default_rng(3)
     queries = rng.normal(size=(7, 4)).astype(np.float32)
