@@ -234,14 +234,23 @@ def test_kernel_lowers_to_triton_for_a_hopper_gpu():
 
 
 def _cuda_text(traced) -> str:
-    """The lowering of `traced` for CUDA, as an H100 would get it."""
-    try:
-        from jax._src.pallas.triton import gpu_info
-    except ImportError:  # older JAX lowers without asking for a device
-        gpu_info = None
+    """The lowering of `traced` for CUDA, as an H100 would get it. Newer JAX asks the host
+    for its GPU while lowering a Triton kernel (jax._src.gpu_info from 0.12.1, the Pallas
+    Triton package before); on a host without one, the H100's description stands in."""
+    import importlib
+
     from jax.experimental.pallas import triton as plgpu
 
-    if gpu_info is not None and hasattr(gpu_info, "get_gpu_info") and not ON_GPU:
+    gpu_info = None
+    for name in ("jax._src.gpu_info", "jax._src.pallas.triton.gpu_info"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # older JAX lowers without asking for a device
+            continue
+        if hasattr(module, "get_gpu_info"):
+            gpu_info = module
+            break
+    if gpu_info is not None and hasattr(plgpu, "get_gpu_info_from_version") and not ON_GPU:
         original = gpu_info.get_gpu_info
         gpu_info.get_gpu_info = lambda: plgpu.get_gpu_info_from_version(plgpu.GpuVersion.H100)
         try:
