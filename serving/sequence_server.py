@@ -40,11 +40,12 @@ import json
 from typing import Any
 
 import numpy as np
-from hybridrec.serving.histories import MISSING
+from hybridrec.serving.histories import MISSING, KeptHistories
 from hybridrec.serving.protocol import ProtocolError, decode_inputs, parse_body
 from hybridrec.serving.sequence_model import ServedSequenceModel
 from hybridrec.serving.sequence_query import CONTEXT, SequenceQuery
 from hybridrec.serving.sequence_sides import describe
+from hybridrec.serving.service import Service
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -52,7 +53,7 @@ INPUTS = ("history", "lengths", "times", "actions", "users", "candidates")
 DEFAULT_K = 10
 
 
-def metadata(model: ServedSequenceModel, histories: Any) -> dict[str, Any]:
+def metadata(model: ServedSequenceModel, histories: KeptHistories | None) -> dict[str, Any]:
     """`GET /v2/models/{name}` of a sequence model."""
     return {
         "name": model.name,
@@ -105,7 +106,11 @@ def _parameter(parsed: dict, name: str, default: Any) -> Any:
 
 
 def parse_query(
-    model: ServedSequenceModel, parsed: dict, binary: bytes, histories: Any, max_rows: int
+    model: ServedSequenceModel,
+    parsed: dict,
+    binary: bytes,
+    histories: KeptHistories | None,
+    max_rows: int,
 ) -> tuple[SequenceQuery, list[bytes]]:
     """An infer request -> (the histories (item ids) and what to do with them, the users it
     names)."""
@@ -234,7 +239,7 @@ def _user_context(model, users, kept, kept_context, new, new_context) -> dict | 
     return out or None
 
 
-def _kept(users: list[bytes], histories: Any, *, new_events: bool):
+def _kept(users: list[bytes], histories: KeptHistories | None, *, new_events: bool):
     """(each user's kept item ids, {name: their values} of what else was kept)."""
     if histories is None:
         raise ProtocolError(
@@ -272,7 +277,7 @@ def _split(ids: np.ndarray, lengths: Any, total: int) -> list[np.ndarray]:
     return np.split(ids, np.cumsum(values)[:-1])
 
 
-async def infer(service, request: Request, model: ServedSequenceModel) -> Response:
+async def infer(service: Service, request: Request, model: ServedSequenceModel) -> Response:
     body = await service.read_body(request)
     parsed, binary = parse_body(body, request.headers)
     query, users = parse_query(model, parsed, binary, service.histories, service.options.max_rows)
@@ -316,7 +321,7 @@ async def infer(service, request: Request, model: ServedSequenceModel) -> Respon
     return Response(json.dumps(response).encode(), media_type="application/json")
 
 
-async def append_events(service, request: Request, model: ServedSequenceModel) -> Response:
+async def append_events(service: Service, request: Request, model: ServedSequenceModel) -> Response:
     if service.histories is None:
         raise ProtocolError(
             "this server keeps no histories: start it with `hybridrec serve --keep-histories N`"
