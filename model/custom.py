@@ -25,8 +25,10 @@ so a wrong signature or output shape is one line before anything compiles.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,7 +37,45 @@ from flax import nnx
 from hybridrec.common.errors import ConfigError
 from hybridrec.model.config import SEQUENCE_TOWERS
 
-KINDS = ("pooled", "sequence")
+
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """What the contract gives a tower of one kind: the keyword arguments of its
+    `__init__`, abstract inputs to call it on, and the output shape it must return."""
+
+    arguments: tuple[str, ...]
+    inputs: Callable[[int, int, dict[str, int]], tuple[Any, ...]]  # (batch, length, dims)
+    output: Callable[[int, int, int], tuple[int, ...]]  # (batch, length, dim) -> shape
+    what: str  # the output, in words
+
+
+def _pooled_inputs(batch: int, length: int, dims: dict[str, int]) -> tuple[Any, ...]:
+    embeddings = jnp.zeros((batch, dims["num_features"], dims["embedding_dim"]), jnp.float32)
+    return embeddings, jnp.zeros((batch, dims["num_dense"]), jnp.float32)
+
+
+def _sequence_inputs(batch: int, length: int, dims: dict[str, int]) -> tuple[Any, ...]:
+    segments = jnp.zeros((batch, length), jnp.int32)
+    x = jnp.zeros((batch, length, dims["embedding_dim"]), jnp.float32)
+    return x, segments, segments, None
+
+
+# a tower's `kind` -> its contract (the module's doc)
+CONTRACTS = {
+    "pooled": Contract(
+        ("num_dense", "num_features", "embedding_dim", "dtype", "rngs"),
+        _pooled_inputs,
+        lambda batch, length, dim: (batch,),
+        "logits [B]",
+    ),
+    "sequence": Contract(
+        ("dim", "max_length", "dtype", "rngs"),
+        _sequence_inputs,
+        lambda batch, length, dim: (batch, length, dim),
+        "[R, L, D] outputs",
+    ),
+}
+KINDS = tuple(CONTRACTS)
 
 
 def is_import_path(tower: str) -> bool:
@@ -112,16 +152,16 @@ def build_custom_tower(
     rngs: nnx.Rngs,
 ) -> nnx.Module:
     cls = import_tower(path)
-    if getattr(cls, "kind", "pooled") == "sequence":
-        given = {"dim": embedding_dim, "max_length": max_length, "dtype": dtype, "rngs": rngs}
-    else:
-        given = {
-            "num_dense": num_dense,
-            "num_features": num_features,
-            "embedding_dim": embedding_dim,
-            "dtype": dtype,
-            "rngs": rngs,
-        }
+    offered = {
+        "num_dense": num_dense,
+        "num_features": num_features,
+        "embedding_dim": embedding_dim,
+        "dim": embedding_dim,
+        "max_length": max_length,
+        "dtype": dtype,
+        "rngs": rngs,
+    }
+    given = {name: offered[name] for name in CONTRACTS[getattr(cls, "kind", "pooled")].arguments}
     _arguments(path, cls, given, tower_config)
     return cls(**given, **tower_config)
 
@@ -134,15 +174,10 @@ def check_tower(build, *, kind: str, path: str, dims: dict[str, int]) -> None:
     if jax.tree.leaves(rest):
         raise ConfigError(f"{path}: a tower holds only nnx.Param state (found other variables)")
     batch, length, dim = 4, 8, dims["embedding_dim"]
+    contract = CONTRACTS[kind]
 
     def call(params):
-        module = nnx.merge(graphdef, params)
-        if kind == "sequence":
-            x = jnp.zeros((batch, length, dim), jnp.float32)
-            segments = jnp.zeros((batch, length), jnp.int32)
-            return module(x, segments, segments, None)
-        embeddings = jnp.zeros((batch, dims["num_features"], dim), jnp.float32)
-        return module(embeddings, jnp.zeros((batch, dims["num_dense"]), jnp.float32))
+        return nnx.merge(graphdef, params)(*contract.inputs(batch, length, dims))
 
     try:
         out = jax.eval_shape(call, params)
@@ -151,10 +186,10 @@ def check_tower(build, *, kind: str, path: str, dims: dict[str, int]) -> None:
             f"{path}: calling the tower as the contract does failed "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
         ) from None
-    expected = (batch, length, dim) if kind == "sequence" else (batch,)
+    expected = contract.output(batch, length, dim)
     shape = getattr(out, "shape", None)
     if shape != expected:
-        what = "[R, L, D] outputs" if kind == "sequence" else "logits [B]"
+        what = contract.what
         raise ConfigError(
             f"{path}: returns shape {list(shape) if shape is not None else type(out).__name__} "
             f"for {what} {list(expected)}"

@@ -139,6 +139,15 @@ def compute_dtype(config: ModelConfig):
     return jnp.bfloat16 if config.compute_dtype == "bfloat16" else None
 
 
+def _no_head(tower: nnx.Module, sequence, **_) -> nnx.Module:
+    return tower
+
+
+# a user's tower's kind -> what wraps it: a sequence tower gets the ranking head its
+# `model.sequence` objective asks for (`model.sequence.with_ranking_head`)
+HEADS = {"pooled": _no_head, "sequence": with_ranking_head}
+
+
 def build_tower(
     config: ModelConfig,
     *,
@@ -175,10 +184,9 @@ def build_tower(
             dtype=compute_dtype(config),
             rngs=rngs,
         )
-        if tower_kind(config.tower) != "sequence":
-            return tower
+        head = HEADS[tower_kind(config.tower)]  # a sequence tower's ranking head, if any
         dtype = compute_dtype(config)
-        return with_ranking_head(tower, config.sequence, dim=embedding_dim, dtype=dtype, rngs=rngs)
+        return head(tower, config.sequence, dim=embedding_dim, dtype=dtype, rngs=rngs)
     if config.tower in SEQUENCE_TOWERS:  # over packed histories: `model.sequence`
         return build_sequence_tower(
             config.tower, config.sequence, dim=embedding_dim, dtype=compute_dtype(config), rngs=rngs

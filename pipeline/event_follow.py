@@ -267,6 +267,7 @@ class EventFiles:
     """
 
     kind = "events"
+    folders = ("shards", "rejected", "dead_letter", "items", "state")  # the stream's directory
 
     def __init__(self, out: Path, reference: str, *, block_bytes: int, compression: str, snapshot_every: int = 50):  # fmt: skip
         self.out, self.reference = out, Path(reference)

@@ -264,6 +264,7 @@ class ClickFiles:
     """The click-log side of `follow`: each file parsed into its shard by the Beam step."""
 
     kind = "clicks"
+    folders = ("shards", "rejected", "dead_letter")  # what the stream's directory holds
 
     def __init__(self, out: Path, reference: str, *, block_bytes: int, compression: str):
         self.spec = open_stream_dataset(out, reference)
@@ -382,6 +383,18 @@ class FollowSummary:
     kind: str = "clicks"  # or "events": an event log's stream
     events: int = 0  # event logs: new events in the shards
     targets: int = 0  # event logs: of them, the next-item targets (a new user's first is not)
+    folders: tuple[str, ...] = ("shards", "rejected", "dead_letter")  # what the output holds
+
+    def line(self) -> str:
+        """One line of what was followed: files, rows, rejects (and an event log's events)."""
+        line = (
+            f"followed for {self.seconds:.1f}s: {self.files} files -> {self.rows:,} rows "
+            f"({self.rows / max(self.seconds, 1e-9):,.0f} rows/s), {self.rejected_rows:,} "
+            f"rows rejected, {len(self.dead_letters)} dead letters"
+        )
+        if self.events:
+            line += f"; {self.events:,} events, {self.targets:,} new targets for their users"
+        return line
 
 
 def follow(
@@ -410,7 +423,7 @@ def follow(
     entries = _recover(out)
     files.recover(entries)
     watcher = FileWatcher(config, {entry.source for entry in entries})
-    seq, summary = len(entries), FollowSummary(kind=files.kind)
+    seq, summary = len(entries), FollowSummary(kind=files.kind, folders=files.folders)
     started = last_new = time.monotonic()
     temp_dir = out / TEMP_DIR
     while not stop.is_set():

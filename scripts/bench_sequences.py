@@ -165,7 +165,8 @@ def dense_figures(job, store, repeats: int) -> dict:
 
 
 def bench_model(name: str, data: Path, args) -> dict:
-    from hybridrec.training.job import load_config, prepare
+    from hybridrec.training.job import load_config
+    from hybridrec.training.tasks import prepare
     from hybridrec.training.trainer import Trainer
 
     keys = [

@@ -4,14 +4,19 @@
 
 Reads every module of the installed namespace (`hybridrec.*`, mapped from the repository's
 folders as pyproject.toml does) and reports:
-  - import cycles between modules (imports inside functions count);
+  - import cycles between modules (imports inside functions count; those under
+    `if TYPE_CHECKING:`, for annotations only, do not);
   - edges against the layering: a package importing one above it, or what `serve` loads
     (the served model, server and its inputs) importing training code;
   - private names taken from another module (`from x import _name`), and private modules
     taken from another package;
   - a library package starting a hybridrec process (`python -m hybridrec...`): starting
     processes is the commands' work;
-  - files over MAX_LINES lines.
+  - files over MAX_LINES lines;
+  - branches on the kind of run (`if` / `while` / `x if ... else y` testing `.sequences`,
+    "sequence(s)" or "events", `EventMetadata` or `tower_kind(...)`) in the model, training,
+    serving and command packages outside the task modules: the task decides
+    (`training.task`), the rest asks it.
 The last line printed is one JSON object with the counts. tests/test_layers.py runs it.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -55,6 +61,11 @@ SERVING_ROOTS = ("hybridrec.cli.serve", "hybridrec.serving.server", "hybridrec.s
 SERVING_FORBIDDEN = ("hybridrec.training", "hybridrec.model")
 SERVING_FORBIDDEN_EXTERNAL = ("flax", "optax", "orbax")
 LIBRARY = {"common", "pipeline", "embedding_store", "model", "training", "serving"}
+# where a branch on the kind of run is a finding (`kind_branches`), and the task modules,
+# the one place that decides it
+KIND_CHECKED = {"model", "training", "serving", "cli"}
+TASK_MODULES = ("hybridrec.training.task", "hybridrec.training.tasks")
+KIND_TEST = re.compile(r"\.sequences\b|[\"'](?:sequences?|events)[\"']|EventMetadata|tower_kind\(")
 
 
 @dataclass
@@ -64,6 +75,7 @@ class Report:
     private_imports: list[str] = field(default_factory=list)
     processes: list[str] = field(default_factory=list)
     long_files: list[str] = field(default_factory=list)
+    kind_branches: list[str] = field(default_factory=list)
 
     def findings(self) -> int:
         return (
@@ -72,6 +84,7 @@ class Report:
             + len(self.private_imports)
             + len(self.processes)
             + len(self.long_files)
+            + len(self.kind_branches)
         )
 
 
@@ -94,10 +107,26 @@ def package(module: str) -> str:
 
 
 def _imports(path: Path, module: str) -> Iterator[tuple[str, str | None, int]]:
-    """(imported module, imported name or None, line) for every import in a file."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    for node in ast.walk(tree):
+    """(imported module, imported name or None, line) for every import in a file that can
+    run: those under `if TYPE_CHECKING:` are for annotations only and never do."""
+    nodes = [ast.parse(path.read_text(), filename=str(path))]
+    while nodes:
+        node = nodes.pop()
+        if _type_checking(node):
+            nodes += node.orelse
+            continue
         yield from _named(node, module, path.name == "__init__.py")
+        nodes += ast.iter_child_nodes(node)
+
+
+def _type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _top_imports(path: Path, module: str) -> Iterator[tuple[str, str | None, int]]:
@@ -109,6 +138,8 @@ def _top_imports(path: Path, module: str) -> Iterator[tuple[str, str | None, int
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield from _named(node, module, path.name == "__init__.py")
+        elif _type_checking(node):
+            nodes[:0] = node.orelse
         else:  # if / try / with blocks at the top level run too
             nodes[:0] = [
                 child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)
@@ -179,6 +210,16 @@ def _starts_hybridrec(path: Path) -> Iterator[int]:
                     yield node.lineno
 
 
+def _kind_branches(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, test) of each branch whose test names the kind of run (`KIND_TEST`)."""
+    source = path.read_text()
+    for node in ast.walk(ast.parse(source, filename=str(path))):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            test = ast.get_source_segment(source, node.test) or ""
+            if KIND_TEST.search(test):
+                yield node.lineno, test
+
+
 def check(repo: Path = REPO) -> Report:
     """Reads the repository's modules and returns what breaks the layering."""
     known = modules(repo)
@@ -206,6 +247,9 @@ def check(repo: Path = REPO) -> Report:
         if package(module) in LIBRARY:
             for line in _starts_hybridrec(path):
                 report.processes.append(f"{where}:{line}: {module} starts a hybridrec process")
+        if package(module) in KIND_CHECKED and not module.startswith(TASK_MODULES):
+            for line, test in _kind_branches(path):
+                report.kind_branches.append(f"{where}:{line}: {module} branches on {test}")
         lines = len(path.read_text().splitlines())
         if lines > MAX_LINES:
             report.long_files.append(f"{where}: {lines} lines")
@@ -265,7 +309,7 @@ def main() -> int:
             print(f"serving runtime: {module}" + (f" (loaded by {by})" if by else " (a root)"))
     for component in report.cycles:
         print("cycle:", " <-> ".join(component))
-    for kind in ("against_layering", "private_imports", "processes", "long_files"):
+    for kind in ("against_layering", "private_imports", "processes", "long_files", "kind_branches"):
         for finding in getattr(report, kind):
             print(f"{kind.replace('_', ' ')}: {finding}")
     print(
@@ -277,6 +321,7 @@ def main() -> int:
                 "private_imports": len(report.private_imports),
                 "processes": len(report.processes),
                 "long_files": len(report.long_files),
+                "kind_branches": len(report.kind_branches),
                 "serving_runtime_modules": len(serving_runtime()[0]),
             }
         )

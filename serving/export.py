@@ -28,11 +28,12 @@ from hybridrec.embedding_store import checkpoint as store_checkpoint
 from hybridrec.model import abstract_train_state, eval_step, make_mesh
 from hybridrec.pipeline.hashing import hash_scheme
 from hybridrec.pipeline.id_map import ARRAYS_FILE, MAP_FILE
-from hybridrec.pipeline.metadata import EventMetadata, read_dataset
+from hybridrec.pipeline.metadata import read_dataset
 from hybridrec.serving import _format, delta
 from hybridrec.serving.export_sequences import with_reference_attention, write_sequence_parts
 from hybridrec.serving.quantize import encode_table
 from hybridrec.training import RunCheckpoints, load_config, plan_tables, require_run_dir
+from hybridrec.training.tasks import task_of
 
 PLATFORMS = ("cpu", "cuda")  # where the exported tower runs
 
@@ -127,7 +128,7 @@ def export_run(
     name = _model_name(name, out)
     config = load_config(None, [], run_dir)
     metadata = read_dataset(config.data.path)
-    sequences = isinstance(metadata, EventMetadata)
+    task = task_of(metadata)  # its name is the export's kind: what serves it
     checkpoints = RunCheckpoints(run_dir, keep=config.checkpoint.keep)
     step, step_reason = checkpoints.choose_step(step, "export")
     plan = plan_tables(config.embedding, metadata.categorical)  # the tables the run trained
@@ -135,7 +136,7 @@ def export_run(
     progress = None if quiet else Progress("export", total=len(plan.tables) + 1, unit="parts")
     temporary, final = _format.new_version_dir(out)
     try:
-        features = _write_model(temporary, run_dir, config, metadata, checkpoints, step)
+        features = MODEL_WRITERS[task.name](temporary, run_dir, config, metadata, checkpoints, step)
         if progress:
             progress.update(1)
         table_summaries, base = _write_tables(
@@ -153,7 +154,7 @@ def export_run(
             "step": int(step),
             "precision": precision,
         }
-        manifest = _manifest(about, sequences, run_dir, table_summaries, files, base)
+        manifest = _manifest(about, task.name, run_dir, table_summaries, files, base)
         _format.commit(temporary, final, manifest)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -183,16 +184,9 @@ def _model_name(name: str | None, out: Path) -> str:
     return name
 
 
-def _write_model(temporary: Path, run_dir: Path, config, metadata, checkpoints, step: int) -> dict:
-    """The run's model at `step` into `temporary`: a click-log run's tower (StableHLO), a
-    sequence run's encoder, heads and item parts; returns the features they add."""
-    sequences = isinstance(metadata, EventMetadata)
-    restored = with_reference_attention(config) if sequences else config
-    graphdef, params = _restore_params(run_dir, restored, metadata, step)
-    if sequences:
-        model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
-        trained = _trained_shards(checkpoints, step, metadata)
-        return write_sequence_parts(temporary, model, config, metadata, trained)
+def _write_tower(temporary: Path, run_dir: Path, config, metadata, checkpoints, step: int) -> dict:
+    """A click-log run's tower at `step` into `temporary` (StableHLO); no features added."""
+    graphdef, params = _restore_params(run_dir, config, metadata, step)
     tower = export_tower(
         graphdef,
         params,
@@ -204,7 +198,22 @@ def _write_model(temporary: Path, run_dir: Path, config, metadata, checkpoints, 
     return {}
 
 
-def _manifest(about: dict, sequences: bool, run_dir: Path, tables, files, base) -> dict:
+def _write_sequence_model(
+    temporary: Path, run_dir: Path, config, metadata, checkpoints, step: int
+) -> dict:
+    """A sequence run's encoder, heads and item parts at `step` into `temporary`; returns
+    the features they add (`serving.export_sequences`)."""
+    graphdef, params = _restore_params(run_dir, with_reference_attention(config), metadata, step)
+    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
+    trained = _trained_shards(checkpoints, step, metadata)
+    return write_sequence_parts(temporary, model, config, metadata, trained)
+
+
+# a task's name (`training.task.Task.name`, the manifest's kind) -> its model's writer
+MODEL_WRITERS = {"clicks": _write_tower, "sequences": _write_sequence_model}
+
+
+def _manifest(about: dict, kind: str, run_dir: Path, tables, files, base) -> dict:
     """The version's manifest: `about` (name, version, step, precision), what it holds and
     where it comes from; a delta names its base and the length of its chain."""
     manifest = {
@@ -212,7 +221,7 @@ def _manifest(about: dict, sequences: bool, run_dir: Path, tables, files, base) 
         "format_version": _format.FORMAT_VERSION,
         "name": about["name"],
         "version": about["version"],
-        "kind": "sequences" if sequences else "clicks",
+        "kind": kind,
         "run_dir": str(run_dir.resolve()),
         "step": about["step"],
         "precision": about["precision"],

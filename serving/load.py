@@ -15,16 +15,33 @@ def export_kind(path: str | Path) -> str:
     return manifest.get("kind", "clicks")
 
 
+def _click_model(path: str | Path, **options: Any) -> Any:
+    from hybridrec.serving.model import ServedModel
+
+    return ServedModel(path, **options)
+
+
+def _sequence_model(path: str | Path, **options: Any) -> Any:
+    from hybridrec.serving.sequence_model import ServedSequenceModel
+
+    return ServedSequenceModel(path, **options)
+
+
+# an export's kind (the name of the task that trained it, `training.task.Task.name`) ->
+# its served model; each imported only when an export of its kind is loaded
+SERVED_MODELS = {"clicks": _click_model, "sequences": _sequence_model}
+
+
 def load_export(path: str | Path, *, max_batch: int, checksums: bool = True) -> Any:
     """The export at `path` (a version, or a base: its newest), ready to serve: a
     `ServedModel` for a click-log run, a `ServedSequenceModel` for a sequence run."""
-    if export_kind(path) == "sequences":
-        from hybridrec.serving.sequence_model import ServedSequenceModel
-
-        return ServedSequenceModel(path, max_batch=max_batch, checksums=checksums)
-    from hybridrec.serving.model import ServedModel
-
-    return ServedModel(path, max_batch=max_batch, checksums=checksums)
+    kind = export_kind(path)
+    if kind not in SERVED_MODELS:
+        raise _format.ExportError(
+            f"{_format.resolve(path)}: an export of kind {kind!r}, which this version of "
+            f"hybridrec does not serve ({', '.join(SERVED_MODELS)})"
+        )
+    return SERVED_MODELS[kind](path, max_batch=max_batch, checksums=checksums)
 
 
 def load_model(path: str | Path, *, max_batch: int = 256) -> Any:

@@ -155,7 +155,8 @@ class ServedModel(ServedVersion):
             always checked).
     """
 
-    kind = "clicks"
+    kind = "clicks"  # the manifest's kind (the task that trained it)
+    takes_events = False  # rows carry their own features: no kept histories to append to
 
     def __init__(self, path: str | Path, *, max_batch: int = 256, checksums: bool = True):
         super().__init__(path, checksums=checksums)
@@ -331,6 +332,10 @@ class ServedModel(ServedVersion):
         """
         ids, dense = self.encode_rows(lines)
         return self.predict(ids, dense)[0]
+
+    def work(self) -> str:
+        """What it has done, for the server's closing line."""
+        return f"{self.rows_scored:,} rows scored"
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -54,7 +54,8 @@ class ServedSequenceModel(ServedVersion):
         checksums: check every file's sha256 against the manifest first.
     """
 
-    kind = "sequences"
+    kind = "sequences"  # the manifest's kind (the task that trained it)
+    takes_events = True  # users' histories may be kept and appended to (POST .../events)
 
     def __init__(self, path: str | Path, *, max_batch: int = 64, checksums: bool = True):
         super().__init__(path, checksums=checksums)
@@ -471,6 +472,10 @@ class ServedSequenceModel(ServedVersion):
                 )
                 answers[i] = SequenceAnswer(scores, None, truncated, unseen)
         return answers
+
+    def work(self) -> str:
+        """What it has done, for the server's closing line."""
+        return f"{self.histories_encoded:,} histories encoded"
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -177,7 +177,7 @@ def _model_routes(service: Service) -> list[Route]:
             Route(prefix + "/ready", _guarded(service, model_ready)),
             Route(prefix + "/infer", _guarded(service, infer), methods=["POST"]),
         ]
-        if service.model.kind == "sequences":
+        if service.model.takes_events:
             routes.append(Route(prefix + "/events", _guarded(service, events), methods=["POST"]))
     return routes
 
@@ -312,10 +312,7 @@ def serve(
 def _print_stopped(server, started: float) -> None:
     service = server.config.app.state.service
     current = service.model
-    if current.kind == "sequences":
-        work = f"{current.histories_encoded:,} histories encoded by version {current.version}"
-    else:
-        work = f"{current.rows_scored:,} rows scored by version {current.version}"
+    work = f"{current.work()} by version {current.version}"
     kept = ""
     if service.histories is not None:
         stats = service.histories.stats()

@@ -61,7 +61,7 @@ class Service:
         self.options = options
         self.histories = None
         if options.keep_histories:
-            if model.kind != "sequences":
+            if not model.takes_events:
                 raise UserError("--keep-histories is for exports of sequence runs")
             self.histories = KeptHistories(
                 options.keep_histories,

@@ -28,6 +28,7 @@ def test_the_repository_has_no_cycle_no_edge_against_the_layering_and_no_long_fi
     assert report.private_imports == []
     assert report.processes == []
     assert report.long_files == []
+    assert report.kind_branches == []
 
 
 def test_the_check_finds_what_it_looks_for(tmp_path):
@@ -42,6 +43,13 @@ def test_the_check_finds_what_it_looks_for(tmp_path):
         "training/__init__.py": "",
         "training/a.py": "from hybridrec.training import b\n",  # a cycle a <-> b
         "training/b.py": "from hybridrec.training.a import _helper\n",  # private name
+        # a branch on the kind of run outside the task modules; inside them, the task's own
+        "training/job.py": "def reader(job):\n    return 1 if job.sequences else 2\n",
+        "training/tasks/__init__.py": "",
+        "training/tasks/one.py": 'def f(m):\n    if m.kind == "events":\n        return 1\n',
+        # an annotation-only import makes no cycle
+        "training/c.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from hybridrec.training import d\n",
+        "training/d.py": "from hybridrec.training import c\n",
         "serving/__init__.py": "",
         "serving/server.py": "from hybridrec.training import a\nfrom hybridrec.serving import helper\n",  # serve loads training
         # ... and, through a module it loads, the towers' code and Flax (a function's own
@@ -71,6 +79,9 @@ def test_the_check_finds_what_it_looks_for(tmp_path):
     ]
     assert len(report.processes) == 1 and "embedding_store/spawn.py:1" in report.processes[0]
     assert report.long_files == [f"pipeline/long.py: {check_layers.MAX_LINES + 1} lines"]
+    assert report.kind_branches == [
+        "training/job.py:2: hybridrec.training.job branches on job.sequences"
+    ]
 
 
 def test_an_install_adds_one_top_level_name(tmp_path):

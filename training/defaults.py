@@ -25,7 +25,6 @@ from typing import Any
 
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.model.config import DenseOptimizerConfig, choose_tower
-from hybridrec.model.custom import tower_kind
 from hybridrec.pipeline import DatasetMetadata, EventMetadata
 from hybridrec.pipeline.event_spec import REQUEST_INPUTS, recorded_prefixes
 from hybridrec.training.config import TrainConfig
@@ -177,12 +176,6 @@ def resolve_auto(
         divisor: the global batch must divide evenly by this (devices, processes); 1 where
             only the tables matter (an embedding server resolving a trainer's config).
     """
-    if tower_kind(config.model.tower) == "sequence":
-        raise UserError(
-            f"model.tower = {config.model.tower!r} reads user histories, but "
-            f"{metadata.root} is a click-log dataset; preprocess an event log "
-            "(a spec with kind = 'events') or pick a click-log tower"
-        )
     tower, tower_reason = choose_tower(
         config.model.tower, len(metadata.dense_columns), len(metadata.categorical)
     )
@@ -247,11 +240,6 @@ def resolve_sequence_auto(
         tower, tower_reason = (
             AUTO_SEQUENCE_TOWER,
             (f"model.tower = 'auto': {AUTO_SEQUENCE_TOWER}, the dataset holds user histories"),
-        )
-    elif tower_kind(tower) != "sequence":
-        raise UserError(
-            f"model.tower = {tower!r} reads click-log features, but {metadata.root} holds user "
-            f"histories (kind 'events'): use model.tower = 'sasrec' or 'hstu' (--config sasrec)"
         )
     else:
         tower_reason = f"model.tower = {tower!r} as configured"

@@ -8,34 +8,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from hybridrec.common.errors import UserError
-from hybridrec.common.progress import Progress
-from hybridrec.model import StreamingMetrics, local_rows
 from hybridrec.pipeline import read_metadata
 from hybridrec.pipeline.hashing import hash_scheme
 from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.job import Job, load_config, prepare
-from hybridrec.training.layouts import feature_ids
+from hybridrec.training.job import Job, load_config
 from hybridrec.training.run_dir import require_run_dir
-from hybridrec.training.sequence_baselines import ranking_metrics
-from hybridrec.training.sequence_eval import evaluate_sequences
+from hybridrec.training.tasks import prepare
 
 
 def metric_names(job: Job) -> set[str]:
     """The metrics `evaluate` gives for the job's run (what `checkpoint.keep_best` names)."""
-    if not job.sequences:
-        return {"auc", "logloss", "ne", "calibration"}
-    sequence = job.config.model.sequence
-    names = set()
-    if sequence.retrieval:
-        base = ranking_metrics(np.zeros(1))
-        names |= {
-            f"{k}{suffix}" for k in base for suffix in ("", "_history_kept", "_history_excluded")
-        }
-    if sequence.ranking:
-        names |= {"auc", "ne"}
-    return names
+    return job.task.metric_names(job.config)
 
 
 def evaluate(
@@ -48,57 +32,23 @@ def evaluate(
     max_batches: int = 0,
     progress_name: str | None = None,
 ) -> dict[str, float]:
-    """Metrics of `state` with `store`'s embeddings on a split (every process returns them).
-
-    Every process evaluates its own share of the files; predictions are gathered so
-    every process returns the same numbers. Lookups neither admit ids nor count them.
+    """Metrics of `state` with `store`'s embeddings on a split (default: the eval split),
+    the same on every process; the task's (`Task.evaluate`). Lookups neither admit ids
+    nor count them.
 
     Args:
         max_batches: evaluate at most this many batches (0 = the whole split).
         progress_name: show a progress line under this name (None = quiet).
     """
-    config = job.config
-    if job.sequences:
-        return evaluate_sequences(
-            job,
-            state,
-            store,
-            eval_step,
-            job.catalogue,
-            split=split or config.data.eval_split,
-            max_batches=max_batches,
-            progress_name=progress_name,
-        )
-    batch_size = config.data.eval_batch_size or config.data.batch_size
-    reader, rows = job.reader(split or config.data.eval_split, batch_size=batch_size, train=False)
-    num_batches = reader.batches_per_epoch
-    if max_batches:
-        num_batches = min(num_batches, max_batches)
-    metrics = StreamingMetrics()
-    progress = Progress(progress_name, total=num_batches, unit="batches") if progress_name else None
-    layout = job.layout(batch_size, rows)
-    for batch in reader.batches(num_batches=num_batches):
-        pooled = store.lookup_features(
-            feature_ids(batch, layout.rows, layout.features),
-            feature_tables=job.tables.feature_tables,
-            pooling=config.embedding.pooling,
-            train=False,
-        ).result()
-        out = eval_step(state, layout.device_batch(batch, pooled.embeddings))
-        if job.tower_parallel:  # every process read the whole batch: compare in global order
-            probabilities, labels, valid = job.global_rows(out), batch.labels, batch.valid
-        else:
-            probabilities, labels, valid = (
-                job.gather(local_rows(out)),
-                job.gather(batch.labels[rows]),
-                job.gather(batch.valid[rows]),
-            )
-        metrics.update(probabilities[valid], labels[valid])
-        if progress:
-            progress.update(1)
-    if progress:
-        progress.close()
-    return {key: float(value) for key, value in metrics.result().items()}
+    return job.task.evaluate(
+        job,
+        state,
+        store,
+        eval_step,
+        split=split or job.config.data.eval_split,
+        max_batches=max_batches,
+        progress_name=progress_name,
+    )
 
 
 def describe(results: dict[str, Any]) -> str:

@@ -12,8 +12,6 @@ from hybridrec.pipeline.metadata import read_dataset
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.job import Job, load_config
 from hybridrec.training.run_dir import require_run_dir
-from hybridrec.training.sequence_stream import SequenceStreamSource
-from hybridrec.training.sources import StreamSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +29,10 @@ class FollowOptions:
     init_step: int | str | None = None  # its step (None: the newest, "best": the kept best)
 
 
-def stream_source(job: Job, follow: FollowOptions) -> StreamSource | SequenceStreamSource:
-    """The source of a follow run: an event stream's histories, or click-log rows."""
-    source = SequenceStreamSource if job.sequences else StreamSource
-    return source(
+def stream_source(job: Job, follow: FollowOptions) -> Any:
+    """The source of a follow run (the task's: an event stream's histories, or click-log
+    rows; `training.sources.StreamSource`'s interface)."""
+    return job.task.stream_source(
         job,
         flush_after=follow.flush_after,
         poll_interval=follow.poll_interval,

@@ -6,16 +6,18 @@ Where the embedding store lives in a job of several processes:
 * with in-process shards every process holds a full replica: each reads the whole
   global batch stream (deterministically), trains on its slice of it, and applies
   the all-gathered gradients of the global batch, so the replicas stay identical.
-Sequence runs read the whole global batch on every process: with replicas each looks
-up and updates all of its rows; with servers the chief alone does, for all of them
-(`SequenceLayout`).
+Sequence runs read the whole global batch on every process (`Task.whole_batch`): with
+replicas each looks up and updates all of its rows; with servers the chief alone does, for
+all of them (`SequenceLayout`).
+
+What depends on the kind of run (its data, steps, metrics and stream) the job asks its
+task (`training.task`); `training.tasks.prepare` makes the job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,58 +25,32 @@ from typing import Any
 import jax
 import numpy as np
 from hybridrec.common import config as config_lib
-from hybridrec.common.errors import ConfigError, UserError
+from hybridrec.common.errors import UserError
 from hybridrec.embedding_store import EmbeddingStore
 from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, ServerSet
-from hybridrec.model import (
-    create_train_state,
-    device_tables,
-    make_eval_step,
-    make_mesh,
-    make_train_step,
-    maybe_initialize_distributed,
-)
-from hybridrec.model.sequence_step import make_sequence_eval_step, make_sequence_train_step
-from hybridrec.model.tower_parallel import (
-    check_layout,
-    make_tower_mesh,
-    make_tower_parallel_eval_step,
-    make_tower_parallel_train_step,
-)
+from hybridrec.model import create_train_state, device_tables
 from hybridrec.model.towers import check_user_tower
-from hybridrec.pipeline import DatasetMetadata, EventMetadata, read_dataset
-from hybridrec.pipeline.id_map import read_id_map
-from hybridrec.pipeline.metadata import ITEM_FEATURE
+from hybridrec.pipeline import DatasetMetadata, EventMetadata
 from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from hybridrec.training.config import PRESET_DIR, TrainConfig
-from hybridrec.training.defaults import (
-    check_batch_size,
-    item_table_rows,
-    resolve_auto,
-    resolve_sequence_auto,
-    side_prefixes,
-)
-from hybridrec.training.device_ids import DeviceIds, plan_click_log_tables
-from hybridrec.training.device_plan import DevicePlan, plan_devices
+from hybridrec.training.device_ids import DeviceIds
+from hybridrec.training.device_plan import DevicePlan
 from hybridrec.training.device_rows import DeviceRows
 from hybridrec.training.hybrid import HybridLoop
-from hybridrec.training.input import Batch, ParquetReader, default_read_threads
-from hybridrec.training.layouts import FlatLayout, SequenceLayout, TowerLayout
-from hybridrec.training.run_store import default_local_shards, open_store
-from hybridrec.training.sequences import (
-    Catalogue,
-    Histories,
-    SequenceReader,
-    packed_reader,
-)
-from hybridrec.training.tables import TablePlan, plan_tables, resolve_tables
+from hybridrec.training.input import Batch
+from hybridrec.training.run_store import open_store
+from hybridrec.training.sequences import Catalogue, Histories
+from hybridrec.training.tables import TablePlan
+from hybridrec.training.task import Task
 from jax.experimental import multihost_utils
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One process's view of a run: config, data, devices and tables (see `prepare`)."""
+    """One process's view of a run: its task, config, data, devices and tables
+    (`training.tasks.prepare` makes it)."""
 
+    task: Task  # the kind of run: click logs or user histories (`training.tasks`)
     config: TrainConfig
     metadata: DatasetMetadata | EventMetadata
     mesh: jax.sharding.Mesh
@@ -90,11 +66,6 @@ class Job:
     # sequence runs: the training split's histories and their items (training.sequences)
     histories: Histories | None = None
     catalogue: Catalogue | None = None
-
-    @property
-    def sequences(self) -> bool:
-        """A run over user histories (an event-log dataset, a sequence tower)."""
-        return self.metadata.kind == "events"
 
     @property
     def device_tables(self) -> bool:
@@ -127,9 +98,10 @@ class Job:
 
     @property
     def rows_from_chief(self) -> bool:
-        """Sequence runs of several trainer processes sharing embedding servers: the chief
-        looks up each batch's rows for all and applies their update (`SequenceLayout`)."""
-        return self.sequences and self.shared_store and not self.device_tables
+        """Runs reading the whole global batch on each of several trainer processes sharing
+        embedding servers: the chief looks up each batch's rows for all and applies their
+        update (`SequenceLayout`)."""
+        return self.task.whole_batch and self.shared_store and not self.device_tables
 
     @property
     def shared_store(self) -> bool:
@@ -150,47 +122,10 @@ class Job:
     def num_features(self) -> int:
         return len(self.tables.feature_tables)
 
-    def reader(self, split: str, *, batch_size: int, train: bool) -> tuple[ParquetReader, slice]:
-        """A reader of `split` and the rows of each of its batches this process uses.
-
-        Normally each process reads its own share of the files in local batches (slice
-        = all rows). Training with replicated in-process stores or `data.global_order`,
-        or a split with fewer files than processes, reads the global batch stream on
-        every process instead and the slice picks this process's rows.
-        """
-        if self.sequences:
-            return self.sequence_reader(split, train=train), slice(None)
-        metadata = self.metadata
-        files = metadata.split_files(split)
-        if not files:
-            raise UserError(f"{self.config.data.path}: split {split!r} has no files")
-        whole = (
-            (train and (self.replicated_store or self.config.data.global_order))
-            or self.tower_parallel  # a tower's devices take its features of every row
-            or len(files) < self.process_count
-        )
-        local_size = batch_size // self.process_count
-        rows = slice(None)
-        if whole and self.process_count > 1:
-            rows = slice(self.process_index * local_size, (self.process_index + 1) * local_size)
-        reader = ParquetReader.of_dataset(
-            metadata,
-            files,
-            batch_size=batch_size if whole else local_size,
-            seed=self.config.seed,
-            shuffle_buffer=self.config.data.shuffle_buffer if train else 0,
-            shard_index=0 if whole else self.process_index,
-            shard_count=1 if whole else self.process_count,
-            pad_final=not train,
-            id_map=self.id_map,
-            read_threads=self.config.data.read_threads or default_read_threads(),
-        )
-        return reader, rows
-
-    def sequence_reader(self, split: str, *, train: bool) -> SequenceReader:
-        """Packed batches of a split's histories (`training.sequences`)."""
-        histories = self.histories if split == self.config.data.train_split else None
-        return packed_reader(self.config, self.metadata, split, histories, self.catalogue, train)
+    def reader(self, split: str, *, batch_size: int, train: bool) -> tuple[Any, slice]:
+        """A reader of `split` and the rows of each of its batches this process uses (the
+        task's `reader`)."""
+        return self.task.reader(self, split, batch_size=batch_size, train=train)
 
     def gather(self, array: np.ndarray) -> np.ndarray:
         """Concatenates every process's rows in process order (a collective when multi-process)."""
@@ -226,46 +161,17 @@ class Job:
             state = state.replace(tables=device_tables.init_tables(self.devices.layout, self.mesh))
         return state
 
-    def layout(self, batch_size: int, rows: slice = slice(None)) -> FlatLayout | TowerLayout:
+    def layout(self, batch_size: int, rows: slice = slice(None)) -> Any:
         """How a batch of `batch_size` (this process's `rows` of it) meets the devices."""
-        if self.sequences:
-            return SequenceLayout(
-                self.mesh,
-                ranking=self.config.model.sequence.ranking,
-                from_chief=self.rows_from_chief,
-                dim=self.config.embedding.dim,
-                on_devices=self.device_tables,
-                cached=self.device_tables and bool(self.devices.layout.caches),
-            )
-        if self.tower_parallel:
-            names = [feature.name for feature in self.metadata.categorical]
-            return TowerLayout(self.mesh, self.config.model.towers, names, batch_size)
-        return FlatLayout(self.mesh, rows)
+        return self.task.layout(self, batch_size, rows)
 
     def train_step(self) -> Any:
-        """The jitted train step of the run's layout."""
-        if self.sequences:
-            return make_sequence_train_step(
-                self.mesh,
-                self.config.model.sequence,
-                self.config.seed,
-                rows_from_chief=self.rows_from_chief,
-                tables=self.devices.layout if self.device_tables else None,
-            )
-        if self.tower_parallel:
-            return make_tower_parallel_train_step(self.mesh, self.config.model.towers)
-        if self.device_tables:
-            return device_tables.make_train_step(self.mesh, self.devices.layout)
-        return make_train_step(self.mesh)
+        """The jitted train step of the run's task and layout."""
+        return self.task.train_step(self)
 
     def eval_step(self) -> Any:
-        """The jitted eval step of the run's layout: probabilities [B] (sequence runs:
-        the tower's output at every position)."""
-        if self.sequences:
-            return make_sequence_eval_step(self.mesh, self.config.model.sequence)
-        if self.tower_parallel:
-            return make_tower_parallel_eval_step(self.mesh, self.config.model.towers)
-        return make_eval_step(self.mesh)
+        """The jitted eval step of the run's task and layout."""
+        return self.task.eval_step(self)
 
     def hybrid_loop(
         self,
@@ -282,9 +188,9 @@ class Job:
         `data.prefetch`, `embedding.pooling`), this job's mesh, tables and processes;
         `device_rows` (from `device_rows(store)`) when some tables are on the devices."""
         config = self.config
-        layout = self.layout(self.config.data.batch_size, rows)
-        if device_rows is not None and not self.sequences:
-            layout = FlatLayout(self.mesh, rows, self.devices.host_features)
+        layout = self.task.loop_layout(
+            self, config.data.batch_size, rows, device_tables=device_rows is not None
+        )
         return HybridLoop(
             batches,
             state=state,
@@ -300,8 +206,8 @@ class Job:
             steps_ahead=config.hybrid.steps_ahead,
             first_step=first_step,
             prefetch=config.data.prefetch,
-            # a sequence step's row gradients are the whole batch's already (SequenceLayout)
-            replicated=self.replicated_store and not self.sequences,
+            # a step over the whole global batch has the whole batch's row gradients already
+            replicated=self.replicated_store and not self.task.whole_batch,
             gather=self.gather,
             # with k = 0 the step always waits for the host work: nothing to yield to
             nice=config.hybrid.background_nice if config.hybrid.staleness else 0,
@@ -314,174 +220,41 @@ class Job:
         return open_store(self, checkpoints, step, remote=remote)
 
 
-def prepare(
+def new_job(
+    task: Task,
     config: TrainConfig,
+    metadata: DatasetMetadata | EventMetadata,
+    mesh: jax.sharding.Mesh,
+    tables: TablePlan,
     *,
-    distributed: dict[str, Any] | None = None,
-    servers: ServerSet | None = None,
-    follow: bool = False,
+    servers: ServerSet | None,
+    addresses: tuple[str, ...],
+    **fields: Any,
 ) -> Job:
-    """Joins the multi-process job (if any) and checks the config against the data and devices.
-
-    Args:
-        config: the run's configuration.
-        distributed: coordinator / num_processes / process_id of a multi-process job.
-        servers: the remote shard servers as the command resolved them; None:
-            `embedding.servers`, no token.
-        follow: the run trains a followed stream (no tables on the devices: new ids
-            arrive without end).
-    """
-    maybe_initialize_distributed(**(distributed or {}))
-    if not config.data.path:
-        raise UserError(
-            "no data: pass --data DIR (a `hybridrec preprocess` output) or set data.path"
-        )
-    metadata = read_dataset(config.data.path)
-    process_count = jax.process_count()
-    if metadata.kind == "events":
-        return _prepare_sequences(config, metadata, servers=servers, follow=follow)
-    addresses = tuple(servers.addresses if servers else config.embedding.servers)
-    towers = config.model.towers
-    if config.model.layout == "towers":
-        if process_count > 1 and not addresses:
-            raise ConfigError(
-                "model.layout = 'towers' in a multi-process job needs embedding servers "
-                "(embedding.servers): a tower's processes update only its tables"
-            )
-        mesh = make_tower_mesh(len(towers))
-    else:
-        mesh = make_mesh(config.mesh)
-    # the "auto" values become concrete here and are saved so in the run's config.json
-    config, choices = resolve_auto(config, metadata, math.lcm(mesh.devices.size, process_count))
-    for name, size in (
-        ("data.batch_size", config.data.batch_size),
-        ("data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size),
-    ):
-        check_batch_size(name, size, mesh)
-        if config.model.layout == "towers":
-            check_layout(mesh, towers, size)
-    id_map = None
-    if config.embedding.id_map:
-        id_map = read_id_map(config.embedding.id_map, config.embedding.id_map_kind)
-        choices = (
-            *choices,
-            f"id map: {config.embedding.id_map_kind} mapping of {config.embedding.id_map} "
-            f"({id_map.total_buckets():,} rows for {len(id_map.features)} features)",
-        )
-    tables, plan_lines = resolve_tables(
-        config,
-        metadata,
-        config.embedding.num_shards
-        if addresses
-        else config.embedding.num_shards or default_local_shards(),
-        id_map=id_map,
-    )
-    _check_tower(config, metadata)
-    devices = plan_click_log_tables(
-        config,
-        metadata,
-        mesh,
-        tables,
-        shared_servers=bool(addresses) and process_count > 1,
-        follow=follow,
-    )
+    """A task's job of this process: its embedding-server fields from `servers` (as the
+    command resolved them) and `addresses`, the other fields as given."""
     return Job(
+        task=task,
         config=config,
         metadata=metadata,
         mesh=mesh,
         process_index=jax.process_index(),
-        process_count=process_count,
+        process_count=jax.process_count(),
         tables=tables,
-        **_server_fields(addresses, servers),
-        choices=(*choices, *plan_lines, *devices.lines),
-        id_map=id_map,
-        devices=devices,
+        servers=addresses,
+        server_token=servers.token if servers else None,
+        retry_timeout=servers.retry_timeout if servers else DEFAULT_RETRY_TIMEOUT,
+        **fields,
     )
 
 
-def _server_fields(addresses: tuple[str, ...], servers: ServerSet | None) -> dict[str, Any]:
-    """A Job's embedding-server fields: the addresses, the token, the retry timeout."""
-    return {
-        "servers": addresses,
-        "server_token": servers.token if servers else None,
-        "retry_timeout": servers.retry_timeout if servers else DEFAULT_RETRY_TIMEOUT,
-    }
-
-
-def _check_tower(config: TrainConfig, metadata: DatasetMetadata | EventMetadata) -> None:
+def check_tower_inputs(config: TrainConfig, metadata: DatasetMetadata | EventMetadata) -> None:
     """A user's tower against the contract, with the dataset's inputs (model/custom.py)."""
     check_user_tower(
         config.model,
         num_dense=len(metadata.dense_columns),
         num_features=len(metadata.categorical),
         embedding_dim=config.embedding.dim,
-    )
-
-
-def _prepare_sequences(
-    config: TrainConfig, metadata: EventMetadata, *, servers: ServerSet | None, follow: bool
-) -> Job:
-    """`prepare` for a dataset of user histories (a sequence tower over packed rows); a
-    stream of them (`follow`) starts from its reference's catalogue."""
-    streamed = "stream" in metadata.raw
-    if streamed != follow:
-        fix = "train it with `train --follow`" if streamed else "not a stream (`preprocess --follow --stats` makes one of it)"  # fmt: skip
-        raise UserError(f"{metadata.root} {'is a stream of' if streamed else 'holds'} user histories: {fix}")  # fmt: skip
-    process_count = jax.process_count()
-    addresses = tuple(servers.addresses if servers else config.embedding.servers)
-    if config.model.layout == "towers":
-        raise ConfigError("model.layout = 'towers' is DMT's, for click logs, not sequence towers")
-    if config.embedding.map_ids == "devices":
-        raise ConfigError(
-            "embedding.map_ids = 'devices' is for click logs: a packed batch of histories "
-            "holds its items once already (use 'auto' or 'host')"
-        )
-    mesh = make_mesh(config.mesh)
-    config, choices = resolve_sequence_auto(
-        config, metadata, math.lcm(mesh.devices.size, process_count)
-    )
-    check_batch_size(
-        "data.eval_batch_size", config.data.eval_batch_size or config.data.batch_size, mesh
-    )
-    _check_tower(config, metadata)
-    sequence = config.model.sequence
-    histories = None
-    if not streamed:
-        histories = Histories.read(
-            metadata, config.data.train_split, times=sequence.reads_times,
-            sides=sequence.side_features,
-        )  # fmt: skip
-    catalogue = Catalogue.of(histories) if histories is not None else Catalogue.of_run(metadata, config.data.train_split, 0)  # fmt: skip
-    tables = plan_tables(config.embedding, metadata.categorical)
-    # the item table goes to the devices (whole, or a cache of it) where placed there (it
-    # grows with the catalogue: the host store stays the default)
-    placed = config.embedding.placement.get(ITEM_FEATURE.table, "auto") not in ("auto", "host")
-    devices = plan_devices(
-        config, metadata, mesh, tables,
-        host_only=None if placed else 'the item rows stay in the host store unless embedding.placement.item = "device"',
-        no_caches="several trainer processes share the embedding servers" if addresses and process_count > 1 else None,
-        stats={ITEM_FEATURE.name: {"distinct_estimate": item_table_rows(metadata, sequence)}},
-    )  # fmt: skip
-    if sequence.side_features:  # the item table holds the side features' rows too
-        extra = side_prefixes(metadata, sequence.side_features)
-        prefixes = {name: (*own, *extra) for name, own in devices.prefixes.items()}
-        devices = dataclasses.replace(devices, prefixes=prefixes)
-    return Job(
-        config=config,
-        metadata=metadata,
-        mesh=mesh,
-        process_index=jax.process_index(),
-        process_count=process_count,
-        tables=tables,
-        **_server_fields(addresses, servers),
-        choices=(
-            *choices,
-            f"items: {len(catalogue):,} in the training split" + (" of the reference" * streamed),
-            *devices.lines,
-        ),
-        devices=devices,
-        histories=histories,
-        catalogue=catalogue,
     )
 
 

@@ -31,6 +31,7 @@ from hybridrec.pipeline import ManifestEntry, read_shards
 from hybridrec.training.hybrid import StepResult
 from hybridrec.training.job import Job
 from hybridrec.training.packing import Pieces, stream_pieces
+from hybridrec.training.sequence_eval import evaluate_sequences
 from hybridrec.training.sequences import (
     Catalogue,
     Histories,
@@ -234,9 +235,18 @@ class SequenceStreamSource:
         sequence = self.job.config.model.sequence
         self._negatives = Negatives(self.catalogue, sequence.negatives, sequence.negatives_from)
 
-    def window(self, index: int) -> tuple[ManifestEntry, Histories]:
-        """A shard to evaluate before training it: its manifest line and its histories."""
-        return self.shards[index], self.shard(index)[0]
+    def evaluate_window(
+        self, index: int, state: Any, store: Any, eval_step: Any
+    ) -> tuple[ManifestEntry, dict[str, float] | None]:
+        """A shard evaluated before it is trained (window T -> T + 1): its manifest line
+        and its ranking metrics (None: no target, a file of new users' first events)."""
+        entry, pieces = self.shards[index], self.shard(index)[1]
+        if not len(pieces.history):
+            return entry, None
+        results = evaluate_sequences(
+            self.job, state, store, eval_step, self.catalogue, histories=self.shard(index)[0]
+        )
+        return entry, results
 
     def advance(self, result: StepResult) -> int:
         self.position = result.position

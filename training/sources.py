@@ -57,7 +57,7 @@ class EpochSource:
         self.samples = 0
         # sequence runs: positions trained, of the rows' max_length each
         self.tokens = 0
-        self.row_length = config.model.sequence.max_length if job.sequences else 0
+        self.row_length = job.task.positions_per_row(config)
 
     def restore(self, saved: dict[str, Any] | None) -> float:
         """Takes the position of a checkpoint's record; returns its training seconds."""

@@ -31,8 +31,8 @@ from hybridrec.common.errors import UserError
 from hybridrec.training.checkpoint import LOWER_IS_BETTER, RunCheckpoints
 from hybridrec.training.config import TrainConfig
 from hybridrec.training.defaults import choose_decay
-from hybridrec.training.evaluate import metric_names
 from hybridrec.training.job import Job
+from hybridrec.training.task import Task
 from jax.experimental import multihost_utils
 
 AUTO_PATIENCE = 5  # evaluations without a better figure before an "auto" run stops
@@ -45,11 +45,6 @@ AUTO_EVAL_MAX_STEPS = 5000
 # this share of the run's time
 AUTO_EVAL_SHARE = 0.2
 VALIDATION_SPLIT = "valid"  # a click-log dataset's validation split (besides "eval")
-
-
-def task_metric(config: TrainConfig, sequences: bool) -> str:
-    """The figure a run is judged by: HR@10 for next-item retrieval, else AUC."""
-    return "hr@10" if sequences and config.model.sequence.retrieval else "auc"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +81,7 @@ def validation_split(job: Job) -> str | None:
     """The split a run tunes and stops on, when it has one of its own with files: a
     sequence run's eval split "valid" (leave-one-out; its figures are test's), a click-log
     run's "valid" beside the "eval" its figures are reported on."""
-    split = job.config.data.eval_split if job.sequences else VALIDATION_SPLIT
+    split = job.task.validation_split(job.config)
     if split != VALIDATION_SPLIT or not job.metadata.has_split(split):
         return None
     return split if job.metadata.split_files(split) else None
@@ -115,7 +110,7 @@ def schedule_run(
         )
     config, rule, lines = resolve(
         job.config,
-        sequences=job.sequences,
+        task=job.task,
         validation=split is not None,
         steps_per_epoch=steps_per_epoch,
         follow=follow,
@@ -126,8 +121,9 @@ def schedule_run(
         config = dataclasses.replace(config, optimizer=optimizer)
         choices.append(reason)
     job = dataclasses.replace(job, config=config, choices=(*job.choices, *choices))
-    if rule.metric and rule.metric not in metric_names(job):
-        shown = ", ".join(sorted(metric_names(job)))
+    names = job.task.metric_names(job.config)
+    if rule.metric and rule.metric not in names:
+        shown = ", ".join(sorted(names))
         raise UserError(
             f"checkpoint.keep_best = {rule.metric!r} is not a metric of this run ({shown})"
         )
@@ -148,7 +144,7 @@ def check_not_stopped(checkpoints: RunCheckpoints, rule: StopRule, step: int, jo
 def resolve(
     config: TrainConfig,
     *,
-    sequences: bool,
+    task: Task,
     validation: bool,
     steps_per_epoch: int,
     follow: bool = False,
@@ -158,7 +154,7 @@ def resolve(
 
     Args:
         config: the run's config (its data split and sequence settings resolved).
-        sequences: a run of user histories (its eval split is the validation split).
+        task: the run's task (the metric a best is kept by; why a patience cannot work).
         validation: the run evaluates a validation split of its own (see the module).
         steps_per_epoch: batches in one epoch of the training split.
         follow: a followed stream (no epochs, no stopping).
@@ -174,14 +170,14 @@ def resolve(
     lines = []
     keeps = validation and not follow
     if best == "auto":
-        best = task_metric(config, sequences) if keeps else ""
+        best = task.judged_by(config) if keeps else ""
         if best:
             lines.append(
                 f"best checkpoint: checkpoint.keep_best = auto: by validation {best} on split "
                 f"{config.data.eval_split!r}"
             )
     if patience > 0 and not keeps:
-        raise UserError(_no_validation(config, sequences, follow))
+        raise UserError(_no_validation(config, task, follow))
     if patience > 0 and not best:
         raise UserError(
             f"train.patience = {patience} waits for a better checkpoint.keep_best figure, but "
@@ -215,24 +211,13 @@ def resolve(
     return resolved, StopRule(best, every, patience, adaptive), tuple(lines)
 
 
-def _no_validation(config: TrainConfig, sequences: bool, follow: bool) -> str:
-    patience = config.train.patience
+def _no_validation(config: TrainConfig, task: Task, follow: bool) -> str:
     if follow:
         return (
-            f"train.patience = {patience}: a followed stream has no validation split to stop "
-            "on (set train.patience = 0)"
+            f"train.patience = {config.train.patience}: a followed stream has no validation "
+            "split to stop on (set train.patience = 0)"
         )
-    if sequences:
-        return (
-            f"train.patience = {patience}: {config.data.path} has no validation split to stop "
-            "on (preprocess it with a leave-one-out split, which writes one)"
-        )
-    return (
-        f"train.patience = {patience}: {config.data.path} has no validation split besides "
-        f"{config.data.eval_split!r}, the one its figures are reported on; preprocess it with "
-        f"--valid-fraction F (a split {VALIDATION_SPLIT!r} before the eval rows), or set "
-        "train.patience = 0"
-    )
+    return task.no_validation(config)
 
 
 def widened_interval(every: int, train_seconds: float, eval_seconds: float) -> int:

@@ -38,16 +38,14 @@ from hybridrec.training import stopping
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.evaluate import evaluate
 from hybridrec.training.follow import FollowOptions, InitialModel, stream_source
-from hybridrec.training.job import Job, prepare
+from hybridrec.training.job import Job
 from hybridrec.training.meters import CompileMeter, IntervalMeter, StoreMeter, device_memory
-from hybridrec.training.packing import stream_pieces
 from hybridrec.training.profiling import StepProfiler
 from hybridrec.training.run_dir import clear_run_dir
 from hybridrec.training.run_log import RunLog
-from hybridrec.training.sequence_eval import evaluate_sequences
-from hybridrec.training.sequence_stream import SequenceStreamSource
 from hybridrec.training.sources import EpochSource, Segment, StreamSource
 from hybridrec.training.stopping import Patience
+from hybridrec.training.tasks import prepare
 
 SUMMARY_FILE = "summary.json"
 PUBLISHED_FILE = "published.jsonl"  # one line per published export: step, version, position
@@ -118,7 +116,8 @@ class Trainer:
         self.checkpoints = RunCheckpoints(self.run_dir, keep=config.checkpoint.keep)
         self.checkpoints.check_start(resume=resume)  # before the start-up lines, not after
         if follow is None:
-            self.source: EpochSource | StreamSource | SequenceStreamSource = EpochSource(self.job)
+            # epochs of a dataset, or the task's stream (`StreamSource`'s interface)
+            self.source: EpochSource | StreamSource = EpochSource(self.job)
         else:
             self.source = stream_source(self.job, follow)
         # the dense rate's "auto" decay needs the run's length, which the source knows; the
@@ -341,13 +340,9 @@ class Trainer:
 
     def _evaluate_window(self, index: int) -> None:
         """An event stream's shard, evaluated before it is trained (window T -> T + 1)."""
-        entry, histories = self.source.window(index)
-        if not len(stream_pieces(histories, self.config.model.sequence.max_length).history):
+        entry, results = self.source.evaluate_window(index, self.state, self.store, self.eval_step)
+        if results is None:
             return  # no target: a file of new users' first events only
-        results = evaluate_sequences(
-            self.job, self.state, self.store, self.eval_step, self.source.catalogue,
-            histories=histories,
-        )  # fmt: skip
         self.log.write("window", self.step, window=index, source=entry.source, **results)
         if self.progress:
             shown = ", ".join(f"{k} {results[k]:.4f}" for k in ("hr@10", "ndcg@10", "auc") if k in results)  # fmt: skip

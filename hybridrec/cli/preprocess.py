@@ -237,18 +237,9 @@ def _follow(args: argparse.Namespace, beam_args: list[str]) -> int:
     summary = follow(
         config, stop=stop, max_idle=args.max_idle, beam_args=beam_args, quiet=args.quiet
     )
-    print(
-        f"followed for {summary.seconds:.1f}s: {summary.files} files -> {summary.rows:,} rows "
-        f"({summary.rows / max(summary.seconds, 1e-9):,.0f} rows/s), {summary.rejected_rows:,} "
-        f"rows rejected, {len(summary.dead_letters)} dead letters"
-        + (
-            f"; {summary.events:,} events, {summary.targets:,} new targets for their users"
-            if summary.kind == "events"
-            else ""
-        )
-    )
+    print(summary.line())
     for source, reason in summary.dead_letters:
         print(f"  dead letter {source}: {reason}")
-    folders = "shards/, rejected/, dead_letter/" + (", items/, state/" if summary.kind == "events" else "")  # fmt: skip
+    folders = ", ".join(f"{folder}/" for folder in summary.folders)
     print(f"  output:   {args.output}/ (manifest.jsonl, {folders})")
     return 0

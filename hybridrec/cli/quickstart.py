@@ -67,8 +67,11 @@ def main(argv: list[str]) -> int:
     )
     _flags.add_override_flag(parser, "override a training config key (repeatable)")
     args = parser.parse_args(argv)
-    if args.example == "sequences":
-        return _sequences(args)
+    return EXAMPLES[args.example](args)
+
+
+def _clicks(args: argparse.Namespace) -> int:
+    """The click-log example: Criteo-format rows -> Beam -> DLRM -> AUC -> serve."""
     out = Path(args.out)
     started = time.perf_counter()
     timings: dict[str, float] = {}
@@ -208,3 +211,6 @@ def _sequences(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+EXAMPLES = {"clicks": _clicks, "sequences": _sequences}  # --example -> what it runs

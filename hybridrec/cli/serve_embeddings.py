@@ -40,11 +40,9 @@ from hybridrec.embedding_store.server import (
     ShardServer,
 )
 from hybridrec.embedding_store.wire import TOKEN_ENV
-from hybridrec.pipeline import EventMetadata, read_dataset
-from hybridrec.pipeline.id_map import read_id_map
+from hybridrec.pipeline import read_dataset
 from hybridrec.training.config import PRESET_DIR, TrainConfig
-from hybridrec.training.defaults import resolve_auto, resolve_sequence_auto
-from hybridrec.training.tables import plan_tables, resolve_tables
+from hybridrec.training.tasks import task_of
 
 
 def parse_shard_list(text: str, num_shards: int) -> list[int]:
@@ -321,13 +319,9 @@ def training_tables(
     if not train_config.data.path:
         raise UserError("--config needs --data (or data.path in the preset): it names the tables")
     metadata = read_dataset(train_config.data.path)
-    if isinstance(metadata, EventMetadata):  # user histories: the item table
-        train_config, _ = resolve_sequence_auto(train_config, metadata, divisor=1)
-        return list(plan_tables(train_config.embedding, metadata.categorical).tables)
-    train_config, _ = resolve_auto(train_config, metadata, divisor=1)  # as `train` resolves it
-    embedding = train_config.embedding
-    id_map = read_id_map(embedding.id_map, embedding.id_map_kind) if embedding.id_map else None
-    plan, plan_lines = resolve_tables(train_config, metadata, num_shards, id_map=id_map)
+    task = task_of(metadata)
+    train_config, _ = task.resolve(train_config, metadata, 1)  # as `train` resolves it
+    plan, plan_lines = task.tables(train_config, metadata, num_shards)
     for line in plan_lines:
         print(f"[serve-embeddings] {line}", file=sys.stderr, flush=True)
     return list(plan.tables)

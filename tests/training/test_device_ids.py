@@ -12,7 +12,8 @@ from hybridrec.embedding_store.config import InitializerConfig
 from hybridrec.model.device_tables import DeviceTable, DeviceTableLayout, SparseRule
 from hybridrec.training.device_ids import map_on_devices, maps_on_devices
 from hybridrec.training.device_plan import DevicePlan
-from hybridrec.training.job import load_config, prepare
+from hybridrec.training.job import load_config
+from hybridrec.training.tasks import prepare
 
 RULE = SparseRule("adagrad", 0.05)
 

@@ -14,6 +14,7 @@ from hybridrec.training import stopping
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.config import TrainConfig
 from hybridrec.training.job import load_config
+from hybridrec.training.tasks import TASKS
 
 from tests.training.test_sequence_training import SMALL, events_dataset
 
@@ -35,24 +36,24 @@ def evals(run) -> dict[int, float]:
 def test_auto_values_with_and_without_a_validation_split():
     config = TrainConfig()
     resolved, rule, lines = stopping.resolve(
-        config, sequences=True, validation=True, steps_per_epoch=1234
+        config, task=TASKS["events"], validation=True, steps_per_epoch=1234
     )
     assert (rule.metric, rule.every, rule.patience) == ("hr@10", 1234, stopping.AUTO_PATIENCE)
     assert resolved.checkpoint.keep_best == "hr@10" and resolved.train.patience == 5
     assert len(lines) == 3 and rule.adaptive
-    tiny = stopping.resolve(config, sequences=True, validation=True, steps_per_epoch=3)[1]
+    tiny = stopping.resolve(config, task=TASKS["events"], validation=True, steps_per_epoch=3)[1]
     assert tiny.every == stopping.AUTO_EVAL_MIN_STEPS
-    huge = stopping.resolve(config, sequences=False, validation=True, steps_per_epoch=10**6)[1]
+    huge = stopping.resolve(config, task=TASKS["clicks"], validation=True, steps_per_epoch=10**6)[1]
     assert (huge.metric, huge.every) == ("auc", stopping.AUTO_EVAL_MAX_STEPS)
     resolved, rule, lines = stopping.resolve(
-        config, sequences=False, validation=False, steps_per_epoch=50
+        config, task=TASKS["clicks"], validation=False, steps_per_epoch=50
     )
     assert (rule.metric, rule.every, rule.patience, lines) == ("", 0, 0, ())
     assert resolved.eval.every_steps == 0 and resolved.checkpoint.keep_best == ""
     # a stream never stops early; an explicit interval is kept
-    assert stopping.resolve(config, sequences=True, validation=True, steps_per_epoch=9, follow=True)[1].patience == 0  # fmt: skip
+    assert stopping.resolve(config, task=TASKS['events'], validation=True, steps_per_epoch=9, follow=True)[1].patience == 0  # fmt: skip
     fixed = load_config(None, ["eval.every_steps=7"])
-    assert stopping.resolve(fixed, sequences=True, validation=True, steps_per_epoch=99)[1].every == 7  # fmt: skip
+    assert stopping.resolve(fixed, task=TASKS['events'], validation=True, steps_per_epoch=99)[1].every == 7  # fmt: skip
 
 
 def test_the_interval_widens_when_evaluating_costs_more_than_its_share():
