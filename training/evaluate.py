@@ -14,6 +14,7 @@ from hybridrec.pipeline.hashing import hash_scheme
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.job import Job, load_config
 from hybridrec.training.run_dir import require_run_dir
+from hybridrec.training.task import Evaluation
 from hybridrec.training.tasks import prepare
 
 
@@ -40,15 +41,8 @@ def evaluate(
         max_batches: evaluate at most this many batches (0 = the whole split).
         progress_name: show a progress line under this name (None = quiet).
     """
-    return job.task.evaluate(
-        job,
-        state,
-        store,
-        eval_step,
-        split=split or job.config.data.eval_split,
-        max_batches=max_batches,
-        progress_name=progress_name,
-    )
+    covering = Evaluation(split or job.config.data.eval_split, max_batches, progress_name)
+    return job.task.evaluate(job, state, store, eval_step, covering)
 
 
 def describe(results: dict[str, Any]) -> str:

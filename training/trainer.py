@@ -33,9 +33,11 @@ from typing import Any
 from hybridrec.common.errors import UserError
 from hybridrec.common.files import append_line
 from hybridrec.common.progress import Progress
+from hybridrec.embedding_store import EmbeddingStore
 from hybridrec.embedding_store.remote import ServerSet
 from hybridrec.training import stopping
 from hybridrec.training.checkpoint import RunCheckpoints
+from hybridrec.training.config import TrainConfig
 from hybridrec.training.evaluate import evaluate
 from hybridrec.training.follow import FollowOptions, InitialModel, stream_source
 from hybridrec.training.job import Job
@@ -74,12 +76,13 @@ class Trainer:
         quiet: no progress lines (tests, benchmarks).
         store: an embedding store to train instead of the one the config describes (its
             tables must be `plan_tables` of the config); the caller keeps ownership.
-        servers: the remote shard servers as the command resolved them (see `prepare`).
+        servers: the remote shard servers as the command resolved them (see
+            `training.tasks.prepare`).
     """
 
     def __init__(
         self,
-        config: Any,
+        config: TrainConfig,
         run_dir: str | Path,
         *,
         follow: FollowOptions | None = None,
@@ -88,7 +91,7 @@ class Trainer:
         overwrite: bool = False,
         distributed: dict[str, Any] | None = None,
         quiet: bool = False,
-        store: Any = None,
+        store: EmbeddingStore | None = None,
         servers: ServerSet | None = None,
     ):
         self.run_dir = Path(run_dir)

@@ -80,7 +80,8 @@ def run(tmp_path_factory):
 def test_batches_point_each_position_at_its_side_ids(run):
     config = load_config("hstu", [f"data.path={json.dumps(str(run.data))}", *SMALL])
     job = prepare(config)
-    batch = next(iter(job.sequence_reader("train", train=True).batches(1)))
+    reader, _ = job.reader("train", batch_size=job.config.data.batch_size, train=True)
+    batch = next(iter(reader.batches(1)))
     ids, sides = batch.ids["item"], batch.arrays["sides"]
     histories = job.histories
     assert sides.shape == (*batch.arrays["inputs"].shape, len(SIDES))

@@ -23,7 +23,6 @@ from hybridrec.model import (
     make_mesh,
     make_train_step,
 )
-from hybridrec.model.custom import tower_kind
 from hybridrec.model.tower_parallel import (
     check_layout,
     make_tower_mesh,
@@ -42,26 +41,27 @@ from hybridrec.training.run_store import default_local_shards
 from hybridrec.training.sources import StreamSource
 from hybridrec.training.stopping import VALIDATION_SPLIT
 from hybridrec.training.tables import TablePlan, resolve_tables
+from hybridrec.training.task import Evaluation, Task
 
 
-class ClickLogTask:
+class ClickLogTask(Task):
     """Click-log rows through pooled towers (see the module)."""
 
     name: ClassVar[str] = "clicks"
     tower_kind: ClassVar[str] = "pooled"
-    whole_batch: ClassVar[bool] = False
 
     # ---- config and data ----------------------------------------------------------------
 
-    def resolve(
+    def wrong_tower(self, tower: str, metadata: DatasetMetadata) -> str:
+        return (
+            f"model.tower = {tower!r} reads user histories, but {metadata.root} is a click-log "
+            "dataset; preprocess an event log (a spec with kind = 'events') or pick a "
+            "click-log tower"
+        )
+
+    def resolve_auto(
         self, config: TrainConfig, metadata: DatasetMetadata, divisor: int
     ) -> tuple[TrainConfig, tuple[str, ...]]:
-        if tower_kind(config.model.tower) != self.tower_kind:
-            raise UserError(
-                f"model.tower = {config.model.tower!r} reads user histories, but "
-                f"{metadata.root} is a click-log dataset; preprocess an event log "
-                "(a spec with kind = 'events') or pick a click-log tower"
-            )
         return resolve_auto(config, metadata, divisor)
 
     def prepare(
@@ -172,9 +172,6 @@ class ClickLogTask:
         )
         return reader, rows
 
-    def positions_per_row(self, config: TrainConfig) -> int:
-        return 0
-
     # ---- steps ----------------------------------------------------------------------------
 
     def layout(self, job: Job, batch_size: int, rows: slice) -> FlatLayout | TowerLayout:
@@ -206,29 +203,20 @@ class ClickLogTask:
     # ---- metrics ----------------------------------------------------------------------------
 
     def evaluate(
-        self,
-        job: Job,
-        state: Any,
-        store: Any,
-        eval_step: Any,
-        *,
-        split: str,
-        max_batches: int = 0,
-        progress_name: str | None = None,
+        self, job: Job, state: Any, store: Any, eval_step: Any, covering: Evaluation
     ) -> dict[str, float]:
         """AUC, logloss, NE and calibration: every process evaluates its own share of the
         files; predictions are gathered so every process returns the same numbers.
         Lookups neither admit ids nor count them."""
         config = job.config
         batch_size = config.data.eval_batch_size or config.data.batch_size
-        reader, rows = job.reader(split, batch_size=batch_size, train=False)
+        reader, rows = job.reader(covering.split, batch_size=batch_size, train=False)
         num_batches = reader.batches_per_epoch
-        if max_batches:
-            num_batches = min(num_batches, max_batches)
+        if covering.max_batches:
+            num_batches = min(num_batches, covering.max_batches)
         metrics = StreamingMetrics()
-        progress = (
-            Progress(progress_name, total=num_batches, unit="batches") if progress_name else None
-        )
+        name = covering.progress_name
+        progress = Progress(name, total=num_batches, unit="batches") if name else None
         layout = job.layout(batch_size, rows)
         for batch in reader.batches(num_batches=num_batches):
             pooled = store.lookup_features(
@@ -273,9 +261,5 @@ class ClickLogTask:
 
     # ---- streams ----------------------------------------------------------------------------
 
-    def stream_source(
-        self, job: Job, *, flush_after: float, poll_interval: float, max_idle: float
-    ) -> StreamSource:
-        return StreamSource(
-            job, flush_after=flush_after, poll_interval=poll_interval, max_idle=max_idle
-        )
+    def stream_source(self, job: Job, **timing: float) -> StreamSource:
+        return StreamSource(job, **timing)

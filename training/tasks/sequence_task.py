@@ -22,7 +22,6 @@ import numpy as np
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.embedding_store.remote import ServerSet
 from hybridrec.model import make_mesh
-from hybridrec.model.custom import tower_kind
 from hybridrec.model.sequence_step import make_sequence_eval_step, make_sequence_train_step
 from hybridrec.pipeline import EventMetadata
 from hybridrec.pipeline.metadata import ITEM_FEATURE
@@ -41,9 +40,10 @@ from hybridrec.training.sequence_eval import evaluate_sequences
 from hybridrec.training.sequence_stream import SequenceStreamSource
 from hybridrec.training.sequences import Catalogue, Histories, SequenceReader, packed_reader
 from hybridrec.training.tables import TablePlan, plan_tables
+from hybridrec.training.task import Evaluation, Task
 
 
-class SequenceTask:
+class SequenceTask(Task):
     """User histories through sequence towers (see the module)."""
 
     name: ClassVar[str] = "sequences"
@@ -52,16 +52,16 @@ class SequenceTask:
 
     # ---- config and data ----------------------------------------------------------------
 
-    def resolve(
+    def wrong_tower(self, tower: str, metadata: EventMetadata) -> str:
+        return (
+            f"model.tower = {tower!r} reads click-log features, but {metadata.root} holds "
+            "user histories (kind 'events'): use model.tower = 'sasrec' or 'hstu' "
+            "(--config sasrec)"
+        )
+
+    def resolve_auto(
         self, config: TrainConfig, metadata: EventMetadata, divisor: int
     ) -> tuple[TrainConfig, tuple[str, ...]]:
-        tower = config.model.tower
-        if tower != "auto" and tower_kind(tower) != self.tower_kind:
-            raise UserError(
-                f"model.tower = {tower!r} reads click-log features, but {metadata.root} holds "
-                "user histories (kind 'events'): use model.tower = 'sasrec' or 'hstu' "
-                "(--config sasrec)"
-            )
         return resolve_sequence_auto(config, metadata, divisor)
 
     def prepare(
@@ -166,11 +166,6 @@ class SequenceTask:
             cached=job.device_tables and bool(job.devices.layout.caches),
         )
 
-    def loop_layout(
-        self, job: Job, batch_size: int, rows: slice, device_tables: bool
-    ) -> SequenceLayout:
-        return self.layout(job, batch_size, rows)
-
     def train_step(self, job: Job) -> Any:
         return make_sequence_train_step(
             job.mesh,
@@ -187,15 +182,7 @@ class SequenceTask:
     # ---- metrics ----------------------------------------------------------------------------
 
     def evaluate(
-        self,
-        job: Job,
-        state: Any,
-        store: Any,
-        eval_step: Any,
-        *,
-        split: str,
-        max_batches: int = 0,
-        progress_name: str | None = None,
+        self, job: Job, state: Any, store: Any, eval_step: Any, covering: Evaluation
     ) -> dict[str, float]:
         """Full-ranking HR, NDCG and MRR of each history's held-out event (with and
         without its history's items), and / or the next action's AUC."""
@@ -205,9 +192,9 @@ class SequenceTask:
             store,
             eval_step,
             job.catalogue,
-            split=split,
-            max_batches=max_batches,
-            progress_name=progress_name,
+            split=covering.split,
+            max_batches=covering.max_batches,
+            progress_name=covering.progress_name,
         )
 
     def metric_names(self, config: TrainConfig) -> set[str]:
@@ -240,10 +227,6 @@ class SequenceTask:
 
     # ---- streams ----------------------------------------------------------------------------
 
-    def stream_source(
-        self, job: Job, *, flush_after: float, poll_interval: float, max_idle: float
-    ) -> SequenceStreamSource:
+    def stream_source(self, job: Job, **timing: float) -> SequenceStreamSource:
         """Each shard is evaluated as a window before it is trained."""
-        return SequenceStreamSource(
-            job, flush_after=flush_after, poll_interval=poll_interval, max_idle=max_idle
-        )
+        return SequenceStreamSource(job, **timing)
