@@ -21,8 +21,17 @@ I ('reference' or 'pallas'): attention_ms_I_lL (forward and backward), attention
 adds attention_ms_pallas_bB_lL),
 kernel_max_error (the largest error of outputs and gradients relative to the reference's
 largest value); time_buckets (--time-buckets: every pair's score also biased by its time
-gap's bucket, as HSTU on data with times); step_tokens_per_s_I, step_tflops_I, step_speedup; and an error_* key for a
-measurement that failed (out of memory, say), the others still measured.
+gap's bucket, as HSTU on data with times); step_tokens_per_s_I, step_tflops_I, step_speedup;
+step_mfu_I (the step's model FLOP/s over the device's dense bf16 peak, `peak_tflops`:
+--peak-tflops, else the vendor's figure for a device kind in BF16_PEAK_TFLOPS; absent on
+a device of unknown peak); and an error_* key for a measurement that failed (out of
+memory, say), the others still measured.
+
+NVIDIA's HSTU training benchmark shape (recsys-examples: 8 blocks, width 1024, 4,096
+positions a row, bf16; 31% of an H100's peak with its CUTLASS kernel):
+
+    python scripts/bench_hstu.py --skip attention --step-blocks 8 --step-dim 1024 \
+        --heads 4 --head-dim 256 --step-length 4096 --step-history 0
 """
 
 from __future__ import annotations
@@ -165,6 +174,28 @@ def bench_attention(args, summary: dict) -> None:
             )
 
 
+# dense bf16 tensor-core peak, TFLOP/s, by the start of jax's device_kind (vendors' sheets)
+BF16_PEAK_TFLOPS = {
+    "NVIDIA H200": 989.4,
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H100": 989.4,  # SXM
+    "NVIDIA A100": 312.0,
+    "NVIDIA L4": 121.0,
+}
+
+
+def peak_tflops(device_kind: str, given: float) -> float | None:
+    """The device's dense bf16 peak: `given` (> 0), else the table's first kind that
+    `device_kind` starts with, else None."""
+    if given > 0:
+        return given
+    for kind, peak in BF16_PEAK_TFLOPS.items():
+        if device_kind.startswith(kind):
+            return peak
+    return None
+
+
 def bench_step(args, summary: dict) -> None:
     rng = np.random.default_rng(1)
     dtype = jnp.dtype(args.dtype)
@@ -226,6 +257,11 @@ def bench_step(args, summary: dict) -> None:
         tokens = rows * args.step_length / seconds
         summary[f"step_tokens_per_s_{implementation}"] = round(tokens)
         summary[f"step_tflops_{implementation}"] = round(tokens * flops / 1e12, 2)
+        peak = peak_tflops(summary["device_kind"], args.peak_tflops)
+        if peak:
+            summary["peak_tflops"] = peak
+            mfu = tokens * flops / 1e12 / peak
+            summary[f"step_mfu_{implementation}"] = float(f"{mfu:.4g}")
         print(
             f"HSTU step {implementation:9s} {args.step_blocks} blocks, d {args.step_dim}, "
             f"{rows} x {args.step_length} tokens: {seconds * 1e3:8.2f} ms, {tokens:,.0f} tokens/s, "
@@ -260,6 +296,10 @@ def main(argv=None) -> None:
     parser.add_argument("--skip", nargs="*", default=[], choices=["attention", "step"])
     parser.add_argument("--min-seconds", type=float, default=1.0, help="timed per measurement")
     parser.add_argument("--interpret", action="store_true", help="the kernel interpreted (CPU)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=0.0,
+        help="the device's dense bf16 peak for step_mfu_* (0: BF16_PEAK_TFLOPS by device kind)",
+    )  # fmt: skip
     parser.add_argument(
         "--time-buckets", type=int, default=0, help="HSTU's time-gap bias (0: none)"
     )

@@ -16,6 +16,9 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
              alone with 1, 2, 4 and 8 window-reading threads (data.read_threads);
   roundtrip  `hybridrec quickstart`: generate -> preprocess -> train -> evaluate -> export ->
              serve;
+  hstu_mfu   scripts/bench_hstu.py's training step at NVIDIA's HSTU benchmark shape (8
+             blocks, width 1024, 4,096 positions a row, bf16): model FLOP/s against the
+             GPU's dense bf16 peak (step_mfu_pallas, step_mfu_reference);
   hstu_time  scripts/bench_hstu.py at 4k tokens a row with HSTU's time-gap bias (64
              buckets), in what the budget leaves;
   sequences  scripts/bench_sequences.py: the HSTU preset's hybrid loop over 1M items at a
@@ -26,7 +29,7 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
     python scripts/gpu_check.py --out DIR [--rehearse] [--budget SECONDS] [--steps ...]
 
 DIR receives each step's log (STEP.log; device_rows's, device_ids's and input's in
-bench_gpu.log), the tests' JUnit
+bench_gpu.log, hstu_mfu's in hstu.log), the tests' JUnit
 XML and gpu_check.json, which is also the last line printed.
 """
 
@@ -87,7 +90,12 @@ REHEARSAL_TESTS = ["tests/model/test_hstu_attention.py", "-k", "lowers or bucket
 
 
 # steps whose output goes on in another step's log: at most 8 files come back
-SHARED_LOGS = {"device_rows": "bench_gpu", "device_ids": "bench_gpu", "input": "bench_gpu"}
+SHARED_LOGS = {
+    "device_rows": "bench_gpu",
+    "device_ids": "bench_gpu",
+    "input": "bench_gpu",
+    "hstu_mfu": "hstu",
+}
 
 
 def _steps(
@@ -107,6 +115,9 @@ def _steps(
         reader = ["--rows", "12000", "--eval-fraction", "0.25", "--batch-size", "256"]
         reader += ["--threads", "1", "2"]
         hstu_time = [*hstu, "--time-buckets", "8"]
+        mfu = ["--step-blocks", "1", "--step-dim", "32", "--heads", "2", "--head-dim", "16"]
+        mfu += ["--step-length", "64", "--tokens", "128", "--block", "16", "--min-seconds", "0"]
+        mfu += ["--interpret", "--peak-tflops", "1"]  # a CPU has no bf16 peak of its own
         sequences = ["--users", "200", "--items", "2000", "--mean-events", "10"]
         sequences += ["--longest", "200", "--steps", "6", "--repeats", "1", "--token-budget", "800"]
         # the ids mapped in the step, as "auto" has it on a GPU (the CPU's "auto" is the host)
@@ -119,10 +130,14 @@ def _steps(
         device_rows = ["--batches", "16384", "--batches-timed", "30"]
         reader = ["--rows", "1000000", "--threads", "1", "2", "4", "8"]
         hstu_time = ["--min-seconds", "0.5", "--lengths", "4096", "--time-buckets", "64"]
+        # NVIDIA's HSTU training benchmark shape (recsys-examples), the step alone
+        mfu = ["--step-blocks", "8", "--step-dim", "1024", "--heads", "4", "--head-dim", "256"]
+        mfu += ["--step-length", "4096", "--tokens", "32768", "--min-seconds", "0.5"]
         # the HSTU preset's hybrid loop over 1M items at a GPU's token budget
         sequences = ["--items", "1000000", "--users", "20000", "--steps", "100"]
         sequences += ["--token-budget", "65536", "--repeats", "10"]
     sequences += ["--models", "hstu", "hstu_device", "--cache", str(work / "sequences")]
+    mfu += ["--skip", "attention", "--step-history", "0"]
     bench += ["--shapes", "criteo_dlrm", "mlperf", "--staleness", "4"]
     bench += ["--cache", str(work / "bench_gpu"), "--fresh"]
     reader += ["--cache", str(work / "bench_gpu")]  # bench_gpu's data, preprocessed
@@ -138,8 +153,10 @@ def _steps(
         ("device_ids", [python, "scripts/bench_device_rows.py", "--fused", "--map-in-step", *device_rows], 30),
         ("input", [python, "scripts/bench_input.py", *reader], 30),
         ("roundtrip", [python, "-m", "hybridrec", "quickstart", "--rows", rows, "--out", str(work / "quickstart")], 60),
-        # last, in what the budget leaves: the kernel with HSTU's time-gap bias, and the
-        # sequence loop (the item rows in the host store and on the device)
+        # last, in what the budget leaves: the step at NVIDIA's benchmark shape, the kernel
+        # with HSTU's time-gap bias, and the sequence loop (the item rows in the host store
+        # and on the device)
+        ("hstu_mfu", [python, "scripts/bench_hstu.py", *mfu], 60),
         ("hstu_time", [python, "scripts/bench_hstu.py", *hstu_time], 40),
         ("sequences", [python, "scripts/bench_sequences.py", *sequences], 120),
     ]  # fmt: skip
@@ -279,6 +296,7 @@ def main(argv=None) -> None:
             "device_ids",
             "input",
             "roundtrip",
+            "hstu_mfu",
             "hstu_time",
             "sequences",
         ],

@@ -33,12 +33,14 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     steps = summary["steps"]
     assert list(steps) == [
         "hstu", "tests", "bench_gpu", "device_rows", "device_ids", "input", "roundtrip",
-        "hstu_time", "sequences",
+        "hstu_mfu", "hstu_time", "sequences",
     ]  # fmt: skip
     assert all(step["rc"] == 0 and not step["timed_out"] for step in steps.values()), steps
     hstu = summary["hstu"]  # the kernel, interpreted, against the reference
     assert hstu["kernel_max_error"] < 0.05
     assert hstu["attention_ms_pallas_l64"] > 0 and hstu["step_tokens_per_s_pallas"] > 0
+    mfu = summary["hstu_mfu"]  # the step's model FLOP/s over the given peak
+    assert mfu["peak_tflops"] == 1 and mfu["step_mfu_pallas"] > 0 and mfu["step_mfu_reference"] > 0
     timed = summary["hstu_time"]  # the same with the time-gap bias
     assert timed["time_buckets"] == 8 and timed["kernel_max_error"] < 0.05
     assert summary["tests"]["passed"] >= 2 and summary["tests"]["complete"]
