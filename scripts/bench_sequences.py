@@ -2,9 +2,10 @@
 alone at the same shapes, on a generated event log with a large item table in the host
 store.
 
-For each model (the `hstu` preset, a wider HSTU: 4 blocks, d 256, and the preset with
-its item table on the devices, `hstu_device`, or a hot-row cache of 100k of its rows
-there, `hstu_cache`):
+For each model (the `hstu` preset, a wider HSTU: 4 blocks, d 256, the preset with its
+item table on the devices, `hstu_device`, or a hot-row cache of 100k of its rows there,
+`hstu_cache`, and the preset with the jax.numpy attention in place of the Pallas kernel a
+GPU's "auto" picks, `hstu_reference`):
 1. `hybridrec generate --events` (--users, --items, --mean-events, histories of at most
    --longest events, all kept) and `preprocess`, cached under --cache;
 2. an embedding store holding a row for each of the --items items (admitted by lookups
@@ -15,14 +16,18 @@ there, `hstu_cache`):
    its FLOP/s (XLA's cost analysis of the compiled step) against a plain jitted matmul of
    the same FLOPs on the same machine (`hstu_device`, `hstu_cache`: the same step as
    `hstu`'s, its rows handed in, so their loops are compared with the dense step the host
-   store's loop feeds).
+   store's loop feeds);
+4. with --evaluate N: the trained model's test HR@10 under full ranking over N batches
+   of the test split (the same seed, data and steps for every model: the kernel's run and
+   the reference attention's should land on the same figure).
 
     python scripts/bench_sequences.py                        # 1M items, 20k users
     python scripts/bench_sequences.py --items 20000 --users 2000 --steps 30 --models hstu
 
 The last line is one JSON object: tokens_per_s, dense_tokens_per_s, loop_over_dense,
 padding_fraction, flops_over_matmul, peak_rss_gb (the first model's), store_rows, per
-model its own figures under "models", and hr10_sports, ndcg10_sports, hr10_toys,
+model its own figures under "models" (with --evaluate, hr10_test; and hr10_test_hstu,
+hr10_test_hstu_reference and their difference hr10_test_gap at the top), and hr10_sports, ndcg10_sports, hr10_toys,
 ndcg10_toys from --quality (the last line of scripts/quality_sequences.py; null without).
 """
 
@@ -46,6 +51,8 @@ MODELS = {
     "hstu_device": ["embedding.placement.item=device"],
     # and with a hot-row cache of 100k of its 1M rows on the devices, the rest from the host
     "hstu_cache": ["embedding.placement.item=cache:100000"],
+    # the preset with the jax.numpy attention (a GPU's "auto" is the Pallas kernel)
+    "hstu_reference": ["model.sequence.attention=reference"],
 }
 
 
@@ -165,6 +172,7 @@ def dense_figures(job, store, repeats: int) -> dict:
 
 
 def bench_model(name: str, data: Path, args) -> dict:
+    from hybridrec.training.evaluate import evaluate
     from hybridrec.training.job import load_config
     from hybridrec.training.tasks import prepare
     from hybridrec.training.trainer import Trainer
@@ -193,6 +201,12 @@ def bench_model(name: str, data: Path, args) -> dict:
         figures = loop_figures(Path(tmp) / "run")
         if trainer.device_rows is not None:  # the item rows on the devices (a cache's hits)
             figures["cache_hit_rate"] = trainer.device_rows.summary().get("cache_hit_rate")
+        if args.evaluate and trainer.device_rows is None:  # the trained rows in the store
+            job = trainer.job
+            results = evaluate(
+                job, trainer.state, store, job.eval_step(), split="test", max_batches=args.evaluate
+            )
+            figures["hr10_test"] = results["hr@10"]
         dense_keys = [key for key in keys if not key.startswith("embedding.placement")]
         dense_job = trainer.job if dense_keys == keys else prepare(load_config("hstu", dense_keys))
         figures |= dense_figures(dense_job, store, args.repeats)
@@ -224,6 +238,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--cache", default="/tmp/hybridrec-bench-sequences")
     parser.add_argument("--quality", type=Path, help="the output of scripts/quality_sequences.py")
+    parser.add_argument(
+        "--evaluate", type=int, default=0, help="test batches to evaluate each model on (0: none)"
+    )
     args = parser.parse_args()
     data = dataset(args)
     models = {name: bench_model(name, data, args) for name in args.models}
@@ -238,6 +255,11 @@ def main() -> None:
             "flops_over_matmul", "peak_rss_gb", "store_rows",
         )
     }  # fmt: skip
+    for name in ("hstu", "hstu_reference"):
+        if "hr10_test" in models.get(name, {}):
+            result[f"hr10_test_{name}"] = models[name]["hr10_test"]
+    if "hr10_test_hstu" in result and "hr10_test_hstu_reference" in result:
+        result["hr10_test_gap"] = result["hr10_test_hstu"] - result["hr10_test_hstu_reference"]
     for dataset_name in ("sports", "toys"):
         for metric in ("hr10", "ndcg10"):
             result[f"{metric}_{dataset_name}"] = quality.get(f"{metric}_{dataset_name}_hstu")

@@ -23,7 +23,9 @@ Steps, in order (a step that fails or runs out of time is recorded, the next one
              buckets), in what the budget leaves;
   sequences  scripts/bench_sequences.py: the HSTU preset's hybrid loop over 1M items at a
              token budget of 65,536, the item rows in the host store and on the device,
-             in what the budget leaves (or alone: --steps sequences).
+             and the same run with the reference attention, each run's test HR@10 beside
+             the other's (hr10_test_gap), in what the budget leaves (or alone: --steps
+             sequences).
 --rehearse runs each at a tiny size (the kernel in Pallas interpret mode) on the CPU.
 
     python scripts/gpu_check.py --out DIR [--rehearse] [--budget SECONDS] [--steps ...]
@@ -136,7 +138,9 @@ def _steps(
         # the HSTU preset's hybrid loop over 1M items at a GPU's token budget
         sequences = ["--items", "1000000", "--users", "20000", "--steps", "100"]
         sequences += ["--token-budget", "65536", "--repeats", "10"]
-    sequences += ["--models", "hstu", "hstu_device", "--cache", str(work / "sequences")]
+    # the kernel's run against the reference attention's: speed, and test HR@10 alike
+    sequences += ["--models", "hstu", "hstu_reference", "hstu_device", "--evaluate", "20"]
+    sequences += ["--cache", str(work / "sequences")]
     mfu += ["--skip", "attention", "--step-history", "0"]
     bench += ["--shapes", "criteo_dlrm", "mlperf", "--staleness", "4"]
     bench += ["--cache", str(work / "bench_gpu"), "--fresh"]

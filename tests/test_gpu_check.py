@@ -58,6 +58,10 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     assert summary["roundtrip"]["finished"] and 0.5 < summary["roundtrip"]["auc"] < 1
     loop = summary["sequences"]["models"]  # the HSTU loop, item rows on the host and device
     assert loop["hstu"]["tokens_per_s"] > 0 and loop["hstu_device"]["loop_over_dense"] > 0
+    # the kernel's run and the reference attention's, evaluated on the test split
+    compared = summary["sequences"]
+    assert 0 <= compared["hr10_test_hstu"] <= 1 and 0 <= compared["hr10_test_hstu_reference"] <= 1
+    assert "hr10_test_gap" in compared
     # at most 8 files come back from the GPU machine
     files = sorted(path.name for path in tmp_path.iterdir())
     assert len(files) <= 8 and "gpu_check.json" in files and "tests.xml" in files
