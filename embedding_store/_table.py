@@ -210,7 +210,7 @@ class ShardTable:
         """Sets rows (unique ids [n], values [n, dim], optimizer state [n, width]), creating
         the ids not held; they count as changed (the next incremental snapshot has them).
 
-        Rows held elsewhere (a device table, `training.device_rows`) come back this way.
+        Rows held elsewhere (a device table, `training.device.held_rows`) come back this way.
         """
         with self._lock:
             slots = self._map.find(ids)
@@ -232,7 +232,7 @@ class ShardTable:
 
     def take_rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values [n, dim], state [n, width]) of unique ids [n], creating those not held
-        as a training lookup would: rows a device cache takes over (`training.device_rows`)."""
+        as a training lookup would: rows a device cache takes over (`training.device.held_rows`)."""
         with self._lock:
             slots = self._map.find(ids)
             missing = slots < 0

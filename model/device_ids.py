@@ -1,6 +1,6 @@
 """Ids mapped to rows inside the jitted step: a hash table per device table, on the devices.
 
-Where the host maps a device table's ids (`training.device_rows`), each batch's ids are
+Where the host maps a device table's ids (`training.device.held_rows`), each batch's ids are
 deduplicated, looked up in a host hash map and turned into index arrays before the step.
 On an accelerator whose dense step takes a millisecond, that host work is most of a step.
 A table with `DeviceTable.new_rows` set gets the batch's raw ids instead: `ids`
@@ -363,7 +363,7 @@ def feature_major(ids: np.ndarray) -> np.ndarray:
 
 def filled(table: Mapping[str, jax.Array], high: jax.Array, low: jax.Array) -> dict:
     """The table holding the distinct ids `high`, `low` [n] at rows [0, n) (a restore:
-    `training.device_ids`), none of them trained since."""
+    `training.device.mapped_ids`), none of them trained since."""
     rows = jnp.arange(high.shape[0], dtype=jnp.int32)
     table, _ = find_or_insert(table, high, low, table["row_hi"].shape[0] - 1, given=rows)
     return table

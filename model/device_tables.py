@@ -3,7 +3,7 @@
 A device table is `values` [rows + 1, dim] and `state` [rows + 1, state_width] f32 in
 the train state (`TrainState.tables[name]`), replicated on every device or split by
 rows over all of them. Its last row is scratch: padding entries of a batch point there.
-The host maps ids to rows (`training.device_rows`); what the step receives per table:
+The host maps ids to rows (`training.device.held_rows`); what the step receives per table:
 
     slots    [U] i32     the batch's distinct rows (padded with the scratch row), replicated
     new      [U] i32     for the rows the batch creates, where their values are among the
@@ -97,7 +97,7 @@ class DeviceTable:
             looks up the ids it does not hold.
         new_rows: the step maps the batch's ids to rows itself, in a hash table on the
             devices, and gives new ids these initial values (`model.device_ids`); None:
-            the host maps them (`training.device_rows`).
+            the host maps them (`training.device.held_rows`).
     """
 
     name: str

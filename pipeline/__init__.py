@@ -44,9 +44,9 @@ _LAZY = {
     "FollowConfig": "hybridrec.pipeline.follow",
     "ParquetParser": "hybridrec.pipeline._parquet",
     "PartialStats": "hybridrec.pipeline.stats",
-    "Preprocess": "hybridrec.pipeline.job",
+    "Preprocess": "hybridrec.pipeline.click_job",
     "PreprocessConfig": "hybridrec.pipeline.config",
-    "PreprocessResult": "hybridrec.pipeline.job",
+    "PreprocessResult": "hybridrec.pipeline.click_job",
     "SplitRule": "hybridrec.pipeline._splits",
     "count_lines": "hybridrec.pipeline._chunks",
     "follow": "hybridrec.pipeline.follow",
@@ -54,7 +54,7 @@ _LAZY = {
     "generate_block": "hybridrec.pipeline.synthetic",
     "list_chunks": "hybridrec.pipeline._chunks",
     "process_chunk": "hybridrec.pipeline._chunks",
-    "run_preprocess": "hybridrec.pipeline.job",
+    "run_preprocess": "hybridrec.pipeline.click_job",
 }
 
 __all__ = [

@@ -8,7 +8,7 @@ runs of whole row groups of about `chunk_bytes` (compressed) and read in record
 batches of `block_bytes // 256` rows (65,536 at 16 MB); its rows are numbered like
 lines, so the split and statistics are the same for both formats.
 
-Everything here is independent of Beam: the Beam job (`pipeline.job`) and the
+Everything here is independent of Beam: the Beam job (`pipeline.click_job`) and the
 single-process benchmark baseline call the same functions.
 """
 

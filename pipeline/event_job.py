@@ -45,10 +45,10 @@ from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._event_output import ITEMS
 from hybridrec.pipeline._event_parse import EventParser
 from hybridrec.pipeline._histories import Events, build_bucket, prune_chunk, split_encodings
+from hybridrec.pipeline.click_job import PreprocessResult
 from hybridrec.pipeline.config import PreprocessConfig
 from hybridrec.pipeline.event_spec import EventSpec, load_event_spec, parse_width
 from hybridrec.pipeline.event_stats import EventStats
-from hybridrec.pipeline.job import PreprocessResult
 
 _ALL = 0
 OUTPUTS = ("metadata.json", "train", "valid", "test", "rejected", ITEMS) + tuple(

@@ -64,7 +64,9 @@ def count_ids(metadata: DatasetMetadata, split: str = "train") -> dict[str, Coun
         UserError: the split has no files, or a file lacks a categorical column.
     """
     from apache_beam.options.pipeline_options import PipelineOptions
-    from hybridrec.pipeline.job import beam  # Beam, imported with its import-time noise filtered
+    from hybridrec.pipeline.click_job import (
+        beam,  # Beam, imported with its import-time noise filtered
+    )
     from hybridrec.pipeline.runners import make_pipeline
 
     files = [str(path) for path in metadata.split_files(split)]

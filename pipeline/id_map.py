@@ -2,7 +2,7 @@
 
 A table too small for every id must let ids share rows. The hashing trick picks the
 sharing at random (`bucket = hash(id) % buckets`); a learned map (`hybridrec learn-hash`,
-`training.learn_hash`) chooses it from a previous run. This module holds the map, its
+`training.learned.hash_map`) chooses it from a previous run. This module holds the map, its
 on-disk format (a directory with `id_map.json` and `id_map.npz`) and how a batch's ids
 are mapped: what training, the embedding servers and the served model all apply.
 

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from hybridrec.pipeline.synthetic_events import EventLogConfig, oracle_hit_rate
-from hybridrec.training.sequence_baselines import evaluate_baselines
+from hybridrec.training.sequences.baselines import evaluate_baselines
 
 
 def main() -> None:

@@ -59,10 +59,10 @@ from hybridrec.pipeline.synthetic import (
     scaled_cardinality,
     zipf_ranks,
 )
-from hybridrec.training.device_ids import DeviceIds, map_on_devices
-from hybridrec.training.device_plan import DevicePlan
-from hybridrec.training.device_rows import DeviceRows
-from hybridrec.training.input import Batch, DataPosition
+from hybridrec.training.data.input import Batch, DataPosition
+from hybridrec.training.device.held_rows import DeviceRows
+from hybridrec.training.device.mapped_ids import DeviceIds, map_on_devices
+from hybridrec.training.device.plan import DevicePlan
 
 MAX_ROWS = 4_000_000  # rows per device table at the most
 

@@ -43,7 +43,7 @@ import bench_criteo  # the preprocessing cache shared with it
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.model.dmt import check_towers
 from hybridrec.pipeline import read_metadata
-from hybridrec.training.placement import WARMUP_STEPS
+from hybridrec.training.learned.placement import WARMUP_STEPS
 
 from hybridrec.cli.placement_run import launch
 

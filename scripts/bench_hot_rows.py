@@ -1,6 +1,6 @@
 """A hot-row cache's admission and eviction per batch, at the cache sizes a GPU holds.
 
-One cache (`training.hot_rows.HotRows`) in front of the long-tail Criteo features (the
+One cache (`training.device.hot_rows.HotRows`) in front of the long-tail Criteo features (the
 generator's Zipf ids, its long tail widened as `bench_gpu`'s data), driven the way
 `DeviceRows` drives it on the lookup thread: per batch, the distinct ids are counted
 (`seen`), admitted and evicted (`choose`), and an id -> row map follows. The cache is
@@ -26,7 +26,7 @@ import numpy as np
 from bench_device_rows import feature_ids
 from hybridrec.embedding_store import SlotMap, unique_inverse
 from hybridrec.pipeline.synthetic import CATEGORICAL_PROFILE, LONG_TAIL, scaled_cardinality
-from hybridrec.training.hot_rows import HotRows
+from hybridrec.training.device.hot_rows import HotRows
 
 LONG = [j for j, (card, _, _) in enumerate(CATEGORICAL_PROFILE) if card >= LONG_TAIL]
 

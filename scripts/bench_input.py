@@ -1,4 +1,4 @@
-"""The training input's rate: `training.input.ParquetReader` alone, batches of a
+"""The training input's rate: `training.data.input.ParquetReader` alone, batches of a
 preprocessed click-log dataset as the trainer reads them (shuffled windows, static
 batches), for each number of window-reading threads (`data.read_threads`).
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from bench_criteo import REPO, _dataset, _fail
 from bench_gpu import _raw_data
 from hybridrec.pipeline import read_metadata
-from hybridrec.training.input import ParquetReader, default_read_threads
+from hybridrec.training.data.input import ParquetReader, default_read_threads
 
 
 def _measure(data: Path, batch_size: int, threads: int, epochs: int, buffer: int) -> dict:

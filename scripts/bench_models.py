@@ -88,8 +88,8 @@ def _dense_params(settings: list[str]) -> int:
 
 
 def _proposed_towers(run_dir: Path, data: Path, batch: int) -> list[list[int]]:
-    """The Tower Partitioner on a finished run (`training.partition.propose_towers_from_run`)."""
-    from hybridrec.training.partition import propose_towers_from_run
+    """The Tower Partitioner on a finished run (`training.learned.partition.propose_towers_from_run`)."""
+    from hybridrec.training.learned.partition import propose_towers_from_run
 
     towers, features = propose_towers_from_run(
         run_dir, data, DMT_TOWERS, batch_size=batch, rows=PARTITION_ROWS

@@ -130,7 +130,7 @@ def popularity_windows(reference: Path, stream: Path, k: int = 10) -> list[float
     (ties by item id; the user's history kept, as the window records' `hr@10_history_kept`)."""
     from hybridrec.pipeline import read_shards
     from hybridrec.pipeline.metadata import read_dataset
-    from hybridrec.training.sequences import Catalogue, Histories
+    from hybridrec.training.sequences.batches import Catalogue, Histories
 
     catalogue = Catalogue.of(Histories.read(read_dataset(reference), "train"))
     rates = []

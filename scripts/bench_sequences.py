@@ -172,8 +172,8 @@ def dense_figures(job, store, repeats: int) -> dict:
 
 
 def bench_model(name: str, data: Path, args) -> dict:
+    from hybridrec.training.config import load_config
     from hybridrec.training.evaluate import evaluate
-    from hybridrec.training.job import load_config
     from hybridrec.training.tasks import prepare
     from hybridrec.training.trainer import Trainer
 

@@ -74,7 +74,7 @@ def _train(args, data: Path, run: Path, root: Path, events: int, users: int) -> 
     from hybridrec.pipeline.config import PreprocessConfig
     from hybridrec.pipeline.event_job import run_event_preprocess
     from hybridrec.pipeline.synthetic_events import EventLogConfig, generate_events, spec_text
-    from hybridrec.training.job import load_config
+    from hybridrec.training.config import load_config
     from hybridrec.training.trainer import Trainer
 
     if not (data / "_SUCCESS").exists():
@@ -132,7 +132,7 @@ def validation_histories(data: Path, users: int) -> tuple[list[np.ndarray], np.n
     """(histories, validation items) of up to `users` users of the validation split, each
     history its events before the validation item."""
     from hybridrec.pipeline.metadata import read_dataset
-    from hybridrec.training.sequences import Histories
+    from hybridrec.training.sequences.batches import Histories
 
     histories = Histories.read(read_dataset(data), "valid")
     chosen = np.linspace(0, len(histories) - 1, min(users, len(histories))).astype(int)
@@ -253,7 +253,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from hybridrec.serving.sequence_model import ServedSequenceModel
-    from hybridrec.training.job import load_config
+    from hybridrec.training.config import load_config
 
     if args.epochs is None:
         args.epochs = load_config("sasrec", []).data.epochs

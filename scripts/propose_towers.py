@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from hybridrec.common.errors import UserError
-from hybridrec.training.partition import propose_towers_from_run
+from hybridrec.training.learned.partition import propose_towers_from_run
 
 
 def main() -> int:

@@ -55,7 +55,7 @@ from hybridrec.serving._format import (
     RANKING_FILE,
 )
 from hybridrec.training.defaults import check_request_names
-from hybridrec.training.sequences import Catalogue
+from hybridrec.training.sequences.batches import Catalogue
 
 
 def with_reference_attention(config: Any) -> Any:

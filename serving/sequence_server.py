@@ -40,7 +40,7 @@ import json
 from typing import Any
 
 import numpy as np
-from hybridrec.serving.histories import MISSING, KeptHistories
+from hybridrec.serving.kept_histories import MISSING, KeptHistories
 from hybridrec.serving.protocol import ProtocolError, decode_inputs, parse_body
 from hybridrec.serving.sequence_model import ServedSequenceModel
 from hybridrec.serving.sequence_query import CONTEXT, SequenceQuery

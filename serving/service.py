@@ -16,8 +16,8 @@ from hybridrec.common.errors import UserError
 from hybridrec.common.tls import TLSFiles
 from hybridrec.serving import _format
 from hybridrec.serving.batching import DynamicBatcher
-from hybridrec.serving.histories import KeptHistories
 from hybridrec.serving.inputs import model_inputs
+from hybridrec.serving.kept_histories import KeptHistories
 from hybridrec.serving.load import load_export
 from hybridrec.serving.model import ServedModel
 from hybridrec.serving.protocol import ProtocolError

@@ -106,3 +106,19 @@ def test_an_install_adds_one_top_level_name(tmp_path):
     )
     report = json.loads(found.stdout)
     assert report == {"top_level": ["hybridrec"], "bare": [], "model": "hybridrec.model"}
+
+
+def test_every_package_folder_is_installed():
+    """A non-editable install copies only the packages pyproject.toml lists: every folder
+    with an __init__.py under the library's folders must be one of them."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {folder: name for name, folder in setuptools["package-dir"].items()}
+    folders["hybridrec"] = "hybridrec"
+    found = set()
+    for folder, name in folders.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(REPO / folder).parts
+            found.add(".".join([name, *parts]))
+    assert found - set(setuptools["packages"]) == set()

@@ -17,7 +17,7 @@ import importlib
 # Public name -> module that defines it.
 _LAZY = {
     "TrainConfig": "hybridrec.training.config",
-    "load_config": "hybridrec.training.job",
+    "load_config": "hybridrec.training.config",
     "require_run_dir": "hybridrec.training.run_dir",
     "Trainer": "hybridrec.training.trainer",
     "FollowOptions": "hybridrec.training.trainer",
@@ -25,8 +25,8 @@ _LAZY = {
     "RunCheckpoints": "hybridrec.training.checkpoint",
     "plan_tables": "hybridrec.training.tables",
     "evaluate_checkpoint": "hybridrec.training.evaluate",
-    "learn_id_map": "hybridrec.training.learn_hash",
-    "propose_towers_from_run": "hybridrec.training.partition",
+    "learn_id_map": "hybridrec.training.learned.hash_map",
+    "propose_towers_from_run": "hybridrec.training.learned.partition",
 }
 
 __all__ = list(_LAZY)

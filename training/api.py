@@ -21,22 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridrec.training import evaluate as evaluate_lib
-from hybridrec.training import job as job_lib
 from hybridrec.training.config import TrainConfig
 from hybridrec.training.trainer import Trainer
-
-
-def load_config(
-    preset: str | Path | None = None,
-    overrides: list[str] | tuple[str, ...] = (),
-    *,
-    run_dir: str | Path | None = None,
-) -> TrainConfig:
-    """A run's configuration: a preset name (`training/configs/`) or TOML file, plus
-    `section.key=value` overrides; without a preset, the config saved in `run_dir`
-    (to resume it), else the defaults."""
-    preset = str(preset) if preset is not None else None
-    return job_lib.load_config(preset, list(overrides), Path(run_dir) if run_dir else None)
 
 
 def make_trainer(

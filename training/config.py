@@ -7,9 +7,13 @@ can be overridden on the command line, and an unknown key is an error.
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+from hybridrec.common import config as config_lib
+from hybridrec.common.errors import UserError
 from hybridrec.common.tls import TLSConfig
 from hybridrec.embedding_store import (
     AdmissionConfig,
@@ -20,6 +24,7 @@ from hybridrec.embedding_store import (
     TieringConfig,
 )
 from hybridrec.model.config import DenseOptimizerConfig, MeshConfig, ModelConfig
+from hybridrec.training.checkpoint import CONFIG_FILE
 
 PRESET_DIR = Path(__file__).parent / "configs"  # built-in presets, by file stem
 
@@ -126,7 +131,7 @@ class EmbeddingConfig:
     # embeddings) or "hashing_trick" (the same budgets, ids hashed into them)
     id_map_kind: Literal["learned", "hashing_trick"] = "learned"
     # bytes per device for embedding rows kept on the devices, looked up and trained inside
-    # the jitted step (synchronously): the planner (training.device_plan) puts the smallest
+    # the jitted step (synchronously): the planner (training.device.plan) puts the smallest
     # tables there first; -1 = auto, a quarter of a device's free memory; 0 = all on the host
     device_budget: int = -1
     # per spec table, overriding the planner: "host"; "device" with optional ":ROWS"
@@ -136,7 +141,7 @@ class EmbeddingConfig:
     # (default: planned from the budget), e.g. "cache:50000"
     placement: dict[str, str] = dataclasses.field(default_factory=dict)
     # who maps a batch's ids to the rows of the tables held whole on the devices: "host"
-    # (training.device_rows: deduplicated and looked up beside the step), "devices" (the
+    # (training.device.held_rows: deduplicated and looked up beside the step), "devices" (the
     # step, in a hash table on the devices: model.device_ids; single-valued features, no
     # hot-row caches, click logs), "auto" = the devices on an accelerator, the host on CPU
     map_ids: Literal["auto", "host", "devices"] = "auto"
@@ -329,3 +334,24 @@ def parse_placement(table: str, where: str) -> tuple[str, int, str]:
             'optional ":ROWS" (ROWS > 0) and ":sharded" or ":replicated"'
         )
     return place, rows, layout
+
+
+def load_config(
+    preset: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    run_dir: str | Path | None = None,
+) -> TrainConfig:
+    """A run's configuration: a preset name (`training/configs/`) or TOML file, plus
+    `section.key=value` overrides; without a preset, the config saved in `run_dir` (to
+    resume, evaluate or export it) plus the overrides, else the defaults."""
+    if preset is None and run_dir is not None and (Path(run_dir) / CONFIG_FILE).exists():
+        saved_file = Path(run_dir) / CONFIG_FILE
+        saved = json.loads(saved_file.read_text())
+        try:
+            return config_lib.from_dict(
+                TrainConfig, config_lib.apply_overrides(saved, list(overrides))
+            )
+        except UserError as error:
+            raise UserError(f"{saved_file}: {error}") from None
+    preset = str(preset) if preset is not None else None
+    return config_lib.load(TrainConfig, preset, list(overrides), preset_dir=PRESET_DIR)

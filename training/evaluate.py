@@ -12,7 +12,8 @@ from hybridrec.common.errors import UserError
 from hybridrec.pipeline import read_metadata
 from hybridrec.pipeline.hashing import hash_scheme
 from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.job import Job, load_config
+from hybridrec.training.config import load_config
+from hybridrec.training.job import Job
 from hybridrec.training.run_dir import require_run_dir
 from hybridrec.training.task import Evaluation
 from hybridrec.training.tasks import prepare

@@ -44,8 +44,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from hybridrec.training.batch_shapes import AheadCompiler
-from hybridrec.training.input import Batch, DataPosition
+from hybridrec.training.data.input import Batch, DataPosition
+from hybridrec.training.device.batch_shapes import AheadCompiler
 from hybridrec.training.layouts import FlatLayout, TowerLayout, feature_ids
 from hybridrec.training.staleness import StalenessGate
 
@@ -74,7 +74,7 @@ class _Ready:
     lookup: Any  # the store's PooledLookup
     device_batch: dict[str, jax.Array]
     staleness: int
-    device_rows: Any = None  # the batch's device-table rows (training.device_rows.Prepared)
+    device_rows: Any = None  # the batch's device-table rows (training.device.held_rows.Prepared)
 
 
 class HybridLoop:
@@ -104,7 +104,7 @@ class HybridLoop:
         nice: lower the background threads' priority by this much (0 = unchanged), so that
             on CPU hosts host work yields the cores to the dense step.
         device_rows: the host side of the tables trained on the devices
-            (`training.device_rows.DeviceRows`); the store then looks up the layout's
+            (`training.device.held_rows.DeviceRows`); the store then looks up the layout's
             features only, and `drain` writes the device rows a step changed back to it.
         looks_up: False: another process looks up and updates the rows this one trains
             on (`SequenceLayout.from_chief`); this one only feeds the steps.

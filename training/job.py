@@ -17,29 +17,25 @@ task (`training.task`); `training.tasks.prepare` makes the job.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-from hybridrec.common import config as config_lib
-from hybridrec.common.errors import UserError
 from hybridrec.embedding_store import EmbeddingStore
 from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, ServerSet
 from hybridrec.model import create_train_state, device_tables
 from hybridrec.model.towers import check_user_tower
 from hybridrec.pipeline import DatasetMetadata, EventMetadata
-from hybridrec.training.checkpoint import CONFIG_FILE, RunCheckpoints
-from hybridrec.training.config import PRESET_DIR, TrainConfig
-from hybridrec.training.device_ids import DeviceIds
-from hybridrec.training.device_plan import DevicePlan
-from hybridrec.training.device_rows import DeviceRows
+from hybridrec.training.checkpoint import RunCheckpoints
+from hybridrec.training.config import TrainConfig
+from hybridrec.training.data.input import Batch
+from hybridrec.training.device.held_rows import DeviceRows
+from hybridrec.training.device.mapped_ids import DeviceIds
+from hybridrec.training.device.plan import DevicePlan
 from hybridrec.training.hybrid import HybridLoop
-from hybridrec.training.input import Batch
 from hybridrec.training.run_store import open_store
-from hybridrec.training.sequences import Catalogue, Histories
+from hybridrec.training.sequences.batches import Catalogue, Histories
 from hybridrec.training.tables import TablePlan
 from hybridrec.training.task import Task
 from jax.experimental import multihost_utils
@@ -62,8 +58,8 @@ class Job:
     retry_timeout: float = DEFAULT_RETRY_TIMEOUT  # seconds to retry an unreachable server
     choices: tuple[str, ...] = ()  # what each "auto" config value became and why, a line each
     id_map: Any = None  # training.learned_hash.IdMap of embedding.id_map, or None
-    devices: DevicePlan | None = None  # tables on the devices (training.device_plan)
-    # sequence runs: the training split's histories and their items (training.sequences)
+    devices: DevicePlan | None = None  # tables on the devices (training.device.plan)
+    # sequence runs: the training split's histories and their items (training.sequences.batches)
     histories: Histories | None = None
     catalogue: Catalogue | None = None
 
@@ -256,16 +252,3 @@ def check_tower_inputs(config: TrainConfig, metadata: DatasetMetadata | EventMet
         num_features=len(metadata.categorical),
         embedding_dim=config.embedding.dim,
     )
-
-
-def load_config(
-    preset: str | None, overrides: list[str], run_dir: Path | None = None
-) -> TrainConfig:
-    """The preset (or, without one, the config saved in run_dir) plus overrides."""
-    if preset is None and run_dir is not None and (run_dir / CONFIG_FILE).exists():
-        saved = json.loads((run_dir / CONFIG_FILE).read_text())
-        try:
-            return config_lib.from_dict(TrainConfig, config_lib.apply_overrides(saved, overrides))
-        except UserError as error:
-            raise UserError(f"{run_dir / CONFIG_FILE}: {error}") from None
-    return config_lib.load(TrainConfig, preset, overrides, preset_dir=PRESET_DIR)

@@ -7,7 +7,7 @@ gradients back to the rows the store updates.
     TowerLayout   tower-parallel DMT (`model.layout = "towers"`, `model/tower_parallel.py`):
                   tower t's devices hold tower t's features for the whole global batch and
                   run its Tower Module; a process looks up only its towers' features
-    SequenceLayout  packed user histories (`training.sequences`): the batch's distinct
+    SequenceLayout  packed user histories (`training.sequences.batches`): the batch's distinct
                   items' rows replicated, the packed rows split over the data axis
 
 The training loop (`training.hybrid.HybridLoop`), evaluation and the placement runs all go
@@ -26,8 +26,8 @@ from hybridrec.model import local_rows, make_global_batch, tower_parallel
 from hybridrec.model.sequence_step import CONTEXT_KEYS
 from hybridrec.model.sharding import data_parallel_size
 from hybridrec.pipeline.metadata import ITEM_FEATURE
-from hybridrec.training.input import Batch
-from hybridrec.training.sequences import SequenceBatch
+from hybridrec.training.data.input import Batch
+from hybridrec.training.sequences.batches import SequenceBatch
 
 
 def feature_ids(

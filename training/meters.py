@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 from hybridrec.model import check_finite_losses
-from hybridrec.training.batch_shapes import AHEAD_THREAD
-from hybridrec.training.device_plan import memory_stats
+from hybridrec.training.device.batch_shapes import AHEAD_THREAD
+from hybridrec.training.device.plan import memory_stats
 from hybridrec.training.hybrid import StepResult
 
 
@@ -40,7 +40,7 @@ class CompileMeter:
     """XLA compiles in this process while it is open, and their seconds (JAX's monitoring
     events; a persistent-cache hit counts, taking little time): a step compiled again for
     a new shape shows in a log interval's `compiles` and `compile_s`. Those made ahead on
-    the hybrid loop's compile worker (`training.batch_shapes.AheadCompiler`), which no step
+    the hybrid loop's compile worker (`training.device.batch_shapes.AheadCompiler`), which no step
     waits for, are counted apart: `compiles_ahead`, `compile_ahead_s`."""
 
     def __init__(self):

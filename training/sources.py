@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from hybridrec.common.errors import UserError
+from hybridrec.training.data.input import Batch, Columns, DataPosition
+from hybridrec.training.data.stream_reader import StreamPosition, StreamReader, batch_sizes
 from hybridrec.training.hybrid import StepResult
-from hybridrec.training.input import Batch, Columns, DataPosition
 from hybridrec.training.job import Job
-from hybridrec.training.stream import StreamPosition, StreamReader, batch_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +128,7 @@ class StreamSource:
 
     kind = "stream"
     evaluates = False  # a stream has no eval split: exports are evaluated by serving
-    windows = False  # nor windows (an event stream's are: training.sequence_stream)
+    windows = False  # nor windows (an event stream's are: training.sequences.event_stream)
     last_step = None
 
     def __init__(

@@ -25,7 +25,7 @@ from hybridrec.embedding_store.columns import describe_plan, plan_column_shards
 from hybridrec.pipeline import CategoricalFeature, DatasetMetadata
 from hybridrec.pipeline.id_map import IdMap
 from hybridrec.training.config import EmbeddingConfig, TrainConfig
-from hybridrec.training.input import ParquetReader
+from hybridrec.training.data.input import ParquetReader
 
 FUSED_TABLE = "embeddings"  # the physical table's name when tables are fused
 

@@ -39,7 +39,7 @@ from hybridrec.training import stopping
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.config import TrainConfig
 from hybridrec.training.evaluate import evaluate
-from hybridrec.training.follow import FollowOptions, InitialModel, stream_source
+from hybridrec.training.follow_run import FollowOptions, InitialModel, stream_source
 from hybridrec.training.job import Job
 from hybridrec.training.meters import CompileMeter, IntervalMeter, StoreMeter, device_memory
 from hybridrec.training.profiling import StepProfiler

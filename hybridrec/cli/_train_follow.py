@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hybridrec.cli._flags import checkpoint_step
 from hybridrec.common.errors import UserError
-from hybridrec.training.job import load_config
+from hybridrec.training.config import load_config
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +50,7 @@ def train_follow(args: argparse.Namespace, run_dir: Path, overrides: list[str]) 
     from hybridrec.cli._embedding_servers import embedding_servers
     from hybridrec.serving.delta import delta_base, prune_versions
     from hybridrec.serving.export import export_run
-    from hybridrec.training.follow import FollowOptions
+    from hybridrec.training.follow_run import FollowOptions
     from hybridrec.training.trainer import Trainer
 
     if args.data:

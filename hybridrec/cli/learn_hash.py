@@ -6,7 +6,7 @@ import argparse
 import logging
 import time
 
-from hybridrec.training.learn_hash import learn_id_map
+from hybridrec.training.learned.hash_map import learn_id_map
 
 
 def main(argv: list[str]) -> int:

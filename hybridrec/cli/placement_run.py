@@ -2,7 +2,7 @@
 
 `launch` starts, per host, its embedding server(s) and then the trainer processes (one
 per host, `python -m hybridrec.cli.placement_run`, a multi-process JAX job), and returns
-every process's record (`training.placement.train` and `evaluate`): flat data-parallel
+every process's record (`training.learned.placement.train` and `evaluate`): flat data-parallel
 DLRM or DMT with tables spread over every server, or tower-parallel DMT with each
 tower's tables on its own host's server. Hosts are simulated on one machine by process
 groups: bytes to a server of another host are what a real cluster moves between hosts.
@@ -40,11 +40,11 @@ from hybridrec.model import (
 )
 from hybridrec.model.config import MeshConfig
 from hybridrec.pipeline import read_metadata
+from hybridrec.training.config import load_config
+from hybridrec.training.data.input import ParquetReader
 from hybridrec.training.defaults import resolve_auto
-from hybridrec.training.input import ParquetReader
-from hybridrec.training.job import load_config
 from hybridrec.training.layouts import FlatLayout, TowerLayout
-from hybridrec.training.placement import (
+from hybridrec.training.learned.placement import (
     evaluate,
     tower_of_process,
     tower_table_plans,

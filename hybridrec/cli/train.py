@@ -17,8 +17,8 @@ from hybridrec.cli._chatter import VERBOSE_ENV, native_output_filtered, quiet_na
 from hybridrec.cli._compilation_cache import use_compilation_cache
 from hybridrec.cli._embedding_servers import embedding_servers
 from hybridrec.training.api import make_trainer
+from hybridrec.training.config import load_config
 from hybridrec.training.evaluate import describe
-from hybridrec.training.job import load_config
 from hybridrec.training.profiling import format_summary
 from hybridrec.training.run_dir import require_run_dir
 from hybridrec.training.run_log import run_name

@@ -129,8 +129,8 @@ def test_direct_jobs_run_on_the_direct_engine_and_leave_no_temporary_directory(
     allows (another engine then runs the job), a `beam-temp*` directory left in the
     temporary directory where it does not, one a job."""
     from hybridrec.pipeline import PreprocessConfig, read_metadata, synthetic
+    from hybridrec.pipeline.click_job import run_preprocess
     from hybridrec.pipeline.id_counts import count_ids
-    from hybridrec.pipeline.job import run_preprocess
 
     temporary = tmp_path / "tmp"
     temporary.mkdir()

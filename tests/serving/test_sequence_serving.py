@@ -22,9 +22,9 @@ from hybridrec.serving.export import export_run
 from hybridrec.serving.sequence_model import ServedSequenceModel
 from hybridrec.serving.server import ServeOptions, create_app
 from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.job import load_config
-from hybridrec.training.sequence_eval import query_outputs
-from hybridrec.training.sequences import Histories
+from hybridrec.training.config import load_config
+from hybridrec.training.sequences.batches import Histories
+from hybridrec.training.sequences.ranking import query_outputs
 from hybridrec.training.tasks import prepare
 from hybridrec.training.trainer import Trainer
 from starlette.testclient import TestClient

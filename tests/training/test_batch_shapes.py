@@ -1,8 +1,8 @@
-"""The sizes the device tables' batch arrays are padded to (training.batch_shapes)."""
+"""The sizes the device tables' batch arrays are padded to (training.device.batch_shapes)."""
 
 import jax
 import jax.numpy as jnp
-from hybridrec.training.batch_shapes import WINDOW, AheadCompiler, PaddedSizes, bucket
+from hybridrec.training.device.batch_shapes import WINDOW, AheadCompiler, PaddedSizes, bucket
 from hybridrec.training.meters import CompileMeter
 
 

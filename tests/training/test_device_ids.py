@@ -10,9 +10,9 @@ from hybridrec.common.errors import ConfigError
 from hybridrec.embedding_store import TableConfig
 from hybridrec.embedding_store.config import InitializerConfig
 from hybridrec.model.device_tables import DeviceTable, DeviceTableLayout, SparseRule
-from hybridrec.training.device_ids import map_on_devices, maps_on_devices
-from hybridrec.training.device_plan import DevicePlan
-from hybridrec.training.job import load_config
+from hybridrec.training.config import load_config
+from hybridrec.training.device.mapped_ids import map_on_devices, maps_on_devices
+from hybridrec.training.device.plan import DevicePlan
 from hybridrec.training.tasks import prepare
 
 RULE = SparseRule("adagrad", 0.05)

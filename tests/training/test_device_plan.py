@@ -1,4 +1,4 @@
-"""The planner's split of a device budget by lookups per byte (`training.device_budget`):
+"""The planner's split of a device budget by lookups per byte (`training.device.budget`):
 the hottest ids of every table first, whole tables where all their rows earn a place."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import types
 
 import pytest
 from hybridrec.common.errors import ConfigError
-from hybridrec.training import device_budget
-from hybridrec.training.device_budget import MIN_CACHE_ROWS
+from hybridrec.training.device import budget as device_budget
+from hybridrec.training.device.budget import MIN_CACHE_ROWS
 
 ROW_BYTES = 128
 

@@ -27,10 +27,10 @@ from hybridrec.model.device_tables import (
     init_tables,
     update_tables,
 )
-from hybridrec.training.device_plan import DevicePlan
-from hybridrec.training.device_rows import DeviceRows
-from hybridrec.training.id_bags import distinct_ids
-from hybridrec.training.input import Batch, DataPosition
+from hybridrec.training.data.input import Batch, DataPosition
+from hybridrec.training.device.held_rows import DeviceRows
+from hybridrec.training.device.id_bags import distinct_ids
+from hybridrec.training.device.plan import DevicePlan
 
 DIM, ROWS = 4, 16
 

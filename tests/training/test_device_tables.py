@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hybridrec.embedding_store.checkpoint import read_table_rows
-from hybridrec.training.device_plan import available_host_memory
+from hybridrec.training.device.plan import available_host_memory
 
 from hybridrec.cli.server_processes import start_servers, stop_servers
 

@@ -1,10 +1,10 @@
-"""A hot-row cache's admission rule (`training.hot_rows`): frequent ids come in, rows the
+"""A hot-row cache's admission rule (`training.device.hot_rows`): frequent ids come in, rows the
 batch uses never leave, evicted ids wait out the staleness bound, counts age."""
 
 from __future__ import annotations
 
 import numpy as np
-from hybridrec.training.hot_rows import HotRows
+from hybridrec.training.device.hot_rows import HotRows
 
 
 def _batch(hot: HotRows, ids, held: dict[int, int], times=1):

@@ -10,8 +10,8 @@ import pytest
 from hybridrec.common import config as config_lib
 from hybridrec.embedding_store import EmbeddingStore
 from hybridrec.pipeline import read_metadata
-from hybridrec.training import batch_shapes
 from hybridrec.training.config import PRESET_DIR, TrainConfig
+from hybridrec.training.device import batch_shapes
 from hybridrec.training.tables import plan_tables
 from hybridrec.training.trainer import Trainer
 

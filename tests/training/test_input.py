@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hybridrec.common.errors import UserError
-from hybridrec.training.input import ParquetReader
+from hybridrec.training.data.input import ParquetReader
 
 
 @pytest.fixture(scope="module")

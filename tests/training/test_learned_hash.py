@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline.id_map import ARRAYS_FILE, IdMap, read_id_map, write_id_map
-from hybridrec.training.learn_hash import build_feature_map
+from hybridrec.training.learned.hash_map import build_feature_map
 
 PREFIX_BITS = 8
 

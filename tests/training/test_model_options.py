@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from hybridrec.training.partition import propose_towers_from_run
+from hybridrec.training.learned.partition import propose_towers_from_run
 
 
 def test_dmt_towers_with_shampoo_train_end_to_end(cli, dataset, tmp_path, training, small_model):

@@ -12,7 +12,7 @@ import pytest
 from hybridrec.pipeline import PreprocessConfig, read_shards, run_preprocess
 from hybridrec.pipeline.follow import FollowConfig, follow
 from hybridrec.pipeline.synthetic import generate_block
-from hybridrec.training.stream import batch_sizes
+from hybridrec.training.data.stream_reader import batch_sizes
 
 
 @pytest.mark.parametrize(

@@ -121,7 +121,7 @@ def test_a_sequence_tower_passed_as_a_class_trains(tmp_path):
     ],
 )
 def test_a_tower_that_breaks_the_contract_is_one_line(dataset, tower, extra, words):
-    from hybridrec.training.job import load_config
+    from hybridrec.training.config import load_config
     from hybridrec.training.tasks import prepare
 
     config = load_config(

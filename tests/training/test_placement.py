@@ -13,7 +13,7 @@ import pytest
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.pipeline import CategoricalFeature
 from hybridrec.training.config import EmbeddingConfig
-from hybridrec.training.placement import tower_of_process, tower_table_plans
+from hybridrec.training.learned.placement import tower_of_process, tower_table_plans
 
 from hybridrec.cli.placement_run import check_servers, launch
 

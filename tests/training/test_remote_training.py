@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 from hybridrec.embedding_store import EmbeddingStore
 from hybridrec.embedding_store.remote import connect
 from hybridrec.pipeline import read_metadata
-from hybridrec.training.job import load_config
+from hybridrec.training.config import load_config
 from hybridrec.training.tables import plan_tables
 
 from hybridrec.cli.server_processes import start_servers, stop_servers

@@ -9,7 +9,7 @@ from hybridrec.pipeline.synthetic_events import (
     EventLogConfig,
     oracle_hit_rate,
 )
-from hybridrec.training.sequence_baselines import evaluate_baselines, ranking_metrics, read_split
+from hybridrec.training.sequences.baselines import evaluate_baselines, ranking_metrics, read_split
 
 from tests.training.test_sequence_training import events_dataset
 

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from hybridrec.pipeline import read_shards
 from hybridrec.pipeline.follow import FollowConfig, follow
-from hybridrec.training.packing import stream_pieces
-from hybridrec.training.sequences import Histories
+from hybridrec.training.sequences.batches import Histories
+from hybridrec.training.sequences.packing import stream_pieces
 
 from tests.pipeline.test_event_follow import arrive, event_stream_inputs
 from tests.training.test_cli_errors import _fails

@@ -14,10 +14,10 @@ from hybridrec.common.errors import UserError
 from hybridrec.pipeline.config import PreprocessConfig
 from hybridrec.pipeline.event_job import run_event_preprocess
 from hybridrec.pipeline.synthetic_events import EventLogConfig, generate_events, spec_text
-from hybridrec.training.job import load_config
-from hybridrec.training.sequence_baselines import evaluate_baselines, ranking_metrics
-from hybridrec.training.sequence_eval import query_outputs
-from hybridrec.training.sequences import Histories
+from hybridrec.training.config import load_config
+from hybridrec.training.sequences.baselines import evaluate_baselines, ranking_metrics
+from hybridrec.training.sequences.batches import Histories
+from hybridrec.training.sequences.ranking import query_outputs
 from hybridrec.training.tasks import prepare
 from hybridrec.training.trainer import Trainer
 

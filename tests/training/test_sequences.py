@@ -17,13 +17,13 @@ from hybridrec.common.errors import UserError
 from hybridrec.model.config import SequenceConfig
 from hybridrec.model.sequence import build_sequence_tower
 from hybridrec.model.sequence_step import count_above, retrieval_loss
-from hybridrec.training.packing import cut_pieces, pack
-from hybridrec.training.sequences import (
+from hybridrec.training.sequences.batches import (
     Catalogue,
     Histories,
     Negatives,
     SequenceReader,
 )
+from hybridrec.training.sequences.packing import cut_pieces, pack
 
 
 def histories_of(rows: list[list[int]], first_target=None) -> Histories:

@@ -12,8 +12,7 @@ import pytest
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.training import stopping
 from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.config import TrainConfig
-from hybridrec.training.job import load_config
+from hybridrec.training.config import TrainConfig, load_config
 from hybridrec.training.tasks import TASKS
 
 from tests.training.test_sequence_training import SMALL, events_dataset

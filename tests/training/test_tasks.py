@@ -9,8 +9,7 @@ import inspect
 import pytest
 from hybridrec.common.errors import UserError
 from hybridrec.model.custom import tower_kind
-from hybridrec.training.config import TrainConfig
-from hybridrec.training.job import load_config
+from hybridrec.training.config import TrainConfig, load_config
 from hybridrec.training.task import Task
 from hybridrec.training.tasks import TASKS, task_of
 

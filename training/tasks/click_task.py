@@ -32,9 +32,9 @@ from hybridrec.model.tower_parallel import (
 from hybridrec.pipeline import DatasetMetadata
 from hybridrec.pipeline.id_map import read_id_map
 from hybridrec.training.config import TrainConfig
+from hybridrec.training.data.input import ParquetReader, default_read_threads
 from hybridrec.training.defaults import check_batch_size, resolve_auto
-from hybridrec.training.device_ids import plan_click_log_tables
-from hybridrec.training.input import ParquetReader, default_read_threads
+from hybridrec.training.device.mapped_ids import plan_click_log_tables
 from hybridrec.training.job import Job, check_tower_inputs, new_job
 from hybridrec.training.layouts import FlatLayout, TowerLayout, feature_ids
 from hybridrec.training.run_store import default_local_shards

@@ -3,12 +3,12 @@ retrieval under full ranking and / or the next action's AUC.
 
 The `Task` (`training.task`) of an event-log dataset (`hybridrec preprocess` of a spec with
 kind = "events"): histories are packed into rows of `model.sequence.max_length`
-positions (`training.sequences`), the tower (SASRec, HSTU or a user's "sequence" tower)
+positions (`training.sequences.batches`), the tower (SASRec, HSTU or a user's "sequence" tower)
 gives an output at every position, scored against the next item and sampled negatives;
 evaluation ranks every item of the catalogue for each user's held-out event
-(`training.sequence_eval`). Every process reads the whole global batch (see
+(`training.sequences.ranking`). Every process reads the whole global batch (see
 `training.job`); a stream of histories is evaluated window by window before it is trained
-(`training.sequence_stream`).
+(`training.sequences.event_stream`).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from hybridrec.training.defaults import (
     resolve_sequence_auto,
     side_prefixes,
 )
-from hybridrec.training.device_plan import plan_devices
+from hybridrec.training.device.plan import plan_devices
 from hybridrec.training.job import Job, check_tower_inputs, new_job
 from hybridrec.training.layouts import SequenceLayout
-from hybridrec.training.sequence_baselines import ranking_metrics
-from hybridrec.training.sequence_eval import evaluate_sequences
-from hybridrec.training.sequence_stream import SequenceStreamSource
-from hybridrec.training.sequences import Catalogue, Histories, SequenceReader, packed_reader
+from hybridrec.training.sequences.baselines import ranking_metrics
+from hybridrec.training.sequences.batches import Catalogue, Histories, SequenceReader, packed_reader
+from hybridrec.training.sequences.event_stream import SequenceStreamSource
+from hybridrec.training.sequences.ranking import evaluate_sequences
 from hybridrec.training.tables import TablePlan, plan_tables
 from hybridrec.training.task import Evaluation, Task
 

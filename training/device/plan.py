@@ -11,7 +11,7 @@ statistics (the distinct ids of its features, with 10% headroom), or from the co
     larger tables                       rows split over all devices
     the rest                            the host store (async, staleness k), each with a
                                         hot-row cache on the devices in what is left of
-                                        the budget (`training.hot_rows`), if that holds
+                                        the budget (`training.device.hot_rows`), if that holds
                                         at least MIN_CACHE_ROWS rows
 
 When not every table fits, the budget goes where it serves the most lookups per byte:
@@ -50,7 +50,7 @@ from hybridrec.embedding_store import TableConfig
 from hybridrec.model.device_tables import DeviceTable, DeviceTableLayout, SparseRule
 from hybridrec.pipeline import DatasetMetadata
 from hybridrec.training.config import TrainConfig, parse_placement
-from hybridrec.training.device_budget import (
+from hybridrec.training.device.budget import (
     lookup_bands,
     merge_bands,
     plan_by_lookups,
@@ -64,7 +64,7 @@ from jax.experimental import multihost_utils
 
 @dataclasses.dataclass(frozen=True)
 class DevicePlan:
-    """Which spec tables live on the devices, and how (`training.device_plan.plan_devices`)."""
+    """Which spec tables live on the devices, and how (`training.device.plan.plan_devices`)."""
 
     layout: DeviceTableLayout  # what the step sees
     features: dict[str, tuple[str, ...]]  # device table -> its features, in position order

@@ -27,9 +27,9 @@ from hybridrec.common.progress import Progress
 from hybridrec.model import StreamingMetrics
 from hybridrec.model.sequence_step import count_above
 from hybridrec.training.layouts import SequenceLayout
-from hybridrec.training.packing import stream_pieces
-from hybridrec.training.sequence_baselines import ranking_metrics
-from hybridrec.training.sequences import Histories, SequenceReader
+from hybridrec.training.sequences.baselines import ranking_metrics
+from hybridrec.training.sequences.batches import Histories, SequenceReader
+from hybridrec.training.sequences.packing import stream_pieces
 
 CHUNK = 65536  # catalogue rows per lookup and comparison
 QUERY_BLOCK = 4096  # queries per comparison

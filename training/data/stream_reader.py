@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline import ManifestEntry, read_shards
-from hybridrec.training.input import Batch, Columns, rows_from_arrow
-from hybridrec.training.rows import concat_rows, ids_of, slice_rows
+from hybridrec.training.data.input import Batch, Columns, rows_from_arrow
+from hybridrec.training.data.row_tables import concat_rows, ids_of, slice_rows
 
 
 @dataclasses.dataclass(frozen=True)

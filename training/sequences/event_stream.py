@@ -28,19 +28,19 @@ from typing import Any
 import numpy as np
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline import ManifestEntry, read_shards
+from hybridrec.training.data.stream_reader import StreamPosition
 from hybridrec.training.hybrid import StepResult
 from hybridrec.training.job import Job
-from hybridrec.training.packing import Pieces, stream_pieces
-from hybridrec.training.sequence_eval import evaluate_sequences
-from hybridrec.training.sequences import (
+from hybridrec.training.sequences.batches import (
     Catalogue,
     Histories,
     Negatives,
     SequenceBatch,
     packed_batch,
 )
+from hybridrec.training.sequences.packing import Pieces, stream_pieces
+from hybridrec.training.sequences.ranking import evaluate_sequences
 from hybridrec.training.sources import Segment
-from hybridrec.training.stream import StreamPosition
 
 MAX_SEGMENT = 64  # batches planned at once
 

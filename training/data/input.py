@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from hybridrec.common.errors import UserError
 from hybridrec.embedding_store import FeatureIds
 from hybridrec.pipeline import DatasetMetadata
-from hybridrec.training.rows import (
+from hybridrec.training.data.row_tables import (
     Columns,
     Rows,
     concat_rows,

@@ -37,7 +37,7 @@ from hybridrec.pipeline import read_metadata
 from hybridrec.pipeline.id_counts import count_ids
 from hybridrec.pipeline.id_map import FeatureMap, find_sorted, write_id_map
 from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.job import load_config
+from hybridrec.training.config import load_config
 from hybridrec.training.run_dir import require_run_dir
 from hybridrec.training.tables import plan_tables
 

@@ -36,7 +36,7 @@ from hybridrec.model.collectives import collective_bytes
 from hybridrec.model.dmt import check_towers
 from hybridrec.pipeline import CategoricalFeature
 from hybridrec.training.config import EmbeddingConfig
-from hybridrec.training.input import Batch
+from hybridrec.training.data.input import Batch
 from hybridrec.training.layouts import feature_ids
 from hybridrec.training.tables import TablePlan, plan_tables
 from jax.experimental import multihost_utils

@@ -1,5 +1,5 @@
 """Histories cut into pieces and packed into rows: the static shapes of a sequence batch
-(`training.sequences`).
+(`training.sequences.batches`).
 
 A piece is a stretch of one history, one segment of a row; first-fit packing places the
 pieces of a batch into its rows, in order, and none waits longer than `rows` pieces.
@@ -28,7 +28,7 @@ class Pieces:
 
 
 def cut_pieces(histories: Any, length: int, *, split: bool) -> Pieces:
-    """Every history's positions (of `training.sequences.Histories`) in pieces of at most
+    """Every history's positions (of `training.sequences.batches.Histories`) in pieces of at most
     `length`: consecutive pieces (`split`), or only its most recent `length`; pieces
     without a target are left out."""
     positions = histories.lengths - 1

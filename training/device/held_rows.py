@@ -16,7 +16,7 @@ restored store's rows of the device tables back onto the devices.
 
 A hot-row cache (a device table with `cache`) holds some rows of a host table; the host
 store keeps them all. Per batch, `prepare` counts the table's ids, admits the frequent
-ones it does not hold (`training.hot_rows`), reads the admitted rows with their
+ones it does not hold (`training.device.hot_rows`), reads the admitted rows with their
 optimizer state from the store (`EmbeddingStore.take_rows`), and hands the host lookup
 the ids the cache does not hold. The rows it evicts leave the step as outputs and are
 written back to the store with that step's update (`write_evicted`), before any lookup
@@ -45,12 +45,12 @@ from hybridrec.model.device_tables import NEW_ROWS, PER_EXAMPLE, array_key
 from hybridrec.model.distributed import replicated_array
 from hybridrec.model.sharding import replicated
 from hybridrec.pipeline.metadata import ITEM_FEATURE
-from hybridrec.training.batch_shapes import PaddedSizes
-from hybridrec.training.device_plan import DevicePlan
-from hybridrec.training.hot_rows import HotRows
-from hybridrec.training.id_bags import as_bags, bag_arrays, distinct_ids, host_part
-from hybridrec.training.input import Batch
-from hybridrec.training.sequences import SequenceBatch
+from hybridrec.training.data.input import Batch
+from hybridrec.training.device.batch_shapes import PaddedSizes
+from hybridrec.training.device.hot_rows import HotRows
+from hybridrec.training.device.id_bags import as_bags, bag_arrays, distinct_ids, host_part
+from hybridrec.training.device.plan import DevicePlan
+from hybridrec.training.sequences.batches import SequenceBatch
 
 MIN_ROWS = 256  # a batch's distinct rows per table are padded to a power of two, at least this
 

@@ -10,7 +10,8 @@ from typing import Any
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline.metadata import read_dataset
 from hybridrec.training.checkpoint import RunCheckpoints
-from hybridrec.training.job import Job, load_config
+from hybridrec.training.config import load_config
+from hybridrec.training.job import Job
 from hybridrec.training.run_dir import require_run_dir
 
 

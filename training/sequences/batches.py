@@ -30,8 +30,8 @@ import pyarrow.parquet as pq
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline import read_shards
 from hybridrec.pipeline.metadata import ITEM_FEATURE, EventMetadata, read_dataset
-from hybridrec.training.input import DataPosition
-from hybridrec.training.packing import Pieces, cut_pieces, pack, ranges
+from hybridrec.training.data.input import DataPosition
+from hybridrec.training.sequences.packing import Pieces, cut_pieces, pack, ranges
 
 
 @dataclasses.dataclass(frozen=True)

@@ -186,7 +186,7 @@ def rows_from_arrow(
     table: pa.Table, columns: Columns, where: str, order: np.ndarray | None = None
 ) -> Rows:
     """The rows of `table` (in `order`, a permutation of them, when given), its
-    single-valued ids in one block (`training.rows.blocked`). Each column is gathered once
+    single-valued ids in one block (`training.data.row_tables.blocked`). Each column is gathered once
     into its place: the dense features a feature at a time, then turned into [n, d] rows
     in one transposing copy (a third of the time of gathering rows of a stacked [n, d])."""
     rows = table.num_rows

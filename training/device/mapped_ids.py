@@ -1,6 +1,6 @@
 """The host's side of device tables whose ids the step maps itself (`embedding.map_ids`).
 
-With `training.device_rows` the host deduplicates each batch's ids, maps them to rows and
+With `training.device.held_rows` the host deduplicates each batch's ids, maps them to rows and
 builds the index arrays; on an accelerator that host work bounds the loop. Here the host
 hands the batch's raw ids to the step (`model.device_ids` maps them in a hash table on
 the devices) and keeps only what the store needs at quiesce points:
@@ -33,9 +33,9 @@ from hybridrec.model.device_tables import array_key, replicated_table
 from hybridrec.model.sharding import replicated
 from hybridrec.pipeline import DatasetMetadata
 from hybridrec.training.config import TrainConfig
-from hybridrec.training.device_plan import DevicePlan, plan_devices
-from hybridrec.training.device_rows import Prepared, filled_table, restored_rows, take_rows
-from hybridrec.training.input import Batch
+from hybridrec.training.data.input import Batch
+from hybridrec.training.device.held_rows import Prepared, filled_table, restored_rows, take_rows
+from hybridrec.training.device.plan import DevicePlan, plan_devices
 from hybridrec.training.tables import TablePlan
 
 
@@ -63,7 +63,7 @@ def plan_click_log_tables(
     shared_servers: bool,
     follow: bool,
 ) -> DevicePlan:
-    """A click-log run's device tables (`training.device_plan.plan_devices`) and who maps
+    """A click-log run's device tables (`training.device.plan.plan_devices`) and who maps
     their ids (`map_on_devices`).
 
     Args:
