@@ -1,5 +1,5 @@
 """Running a preprocessing job on its runner, with progress: what the click-log job
-(`pipeline.click_job`) and the event-log job (`pipeline.event_job`) share.
+(`pipeline.click_job`) and the event-log job (`pipeline.events.event_job`) share.
 
 `run_job` readies the output directory, starts a Dask cluster when the runner is Dask,
 builds the pipeline options from the input's size, sends the workers' start-up chatter to

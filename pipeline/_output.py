@@ -25,7 +25,7 @@ TEMP_DIR = "_temporary"
 STATS_FILE = "stats.pickle"
 LOG_FILE = "beam-workers.log"
 # The files of a click-log dataset, besides _SUCCESS; a new dataset replaces them when it
-# is published (an event-log dataset has others: `pipeline.event_job`).
+# is published (an event-log dataset has others: `pipeline.events.event_job`).
 OUTPUTS = ("metadata.json", "train", "eval", "rejected")
 
 

@@ -45,7 +45,7 @@ from hybridrec.common.files import atomic_write_text, fsync_directory
 from hybridrec.pipeline import _chunks, _splits, manifest, metadata
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._parse import BlockParser
-from hybridrec.pipeline.event_follow import EventFiles
+from hybridrec.pipeline.events.event_follow import EventFiles
 from hybridrec.pipeline.rows import spec_from_json
 from hybridrec.pipeline.runners import make_pipeline
 from hybridrec.pipeline.spec import FeatureSpec

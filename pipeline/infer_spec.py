@@ -24,10 +24,10 @@ from pathlib import Path
 
 from hybridrec.common import config
 from hybridrec.common.errors import ConfigError, UserError
-from hybridrec.pipeline import infer_events
 from hybridrec.pipeline._header import strip_bom
 from hybridrec.pipeline._sample import ColumnGuess
 from hybridrec.pipeline._sample import number as as_number
+from hybridrec.pipeline.events import infer_events
 from hybridrec.pipeline.spec import FeatureSpec
 
 SAMPLE_ROWS = 2000  # rows read from the start of the file

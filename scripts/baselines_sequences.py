@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hybridrec.pipeline.synthetic_events import EventLogConfig, oracle_hit_rate
+from hybridrec.pipeline.events.synthetic_events import EventLogConfig, oracle_hit_rate
 from hybridrec.training.sequences.baselines import evaluate_baselines
 
 

@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
     parser.add_argument("--set", action="append", default=[], help="training override (repeatable)")  # fmt: skip
     args = parser.parse_args()
-    from hybridrec.pipeline.synthetic_events import split_by_time
+    from hybridrec.pipeline.events.synthetic_events import split_by_time
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_online_sequences_"))
     work.mkdir(parents=True, exist_ok=True)

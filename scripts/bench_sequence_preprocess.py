@@ -71,7 +71,7 @@ def _child(command: list[str]) -> tuple[float, float]:
 
 
 def _generate(cache: Path, users: int, mean_events: float, items: int, seed: int) -> Path:
-    from hybridrec.pipeline.synthetic_events import VERSION
+    from hybridrec.pipeline.events.synthetic_events import VERSION
 
     folder = cache / f"events-v{VERSION}-u{users}-m{mean_events:g}-i{items}-s{seed}"
     if (folder / "events.toml").exists():

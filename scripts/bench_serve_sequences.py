@@ -72,8 +72,12 @@ def trained_exports(args) -> tuple[Path, Path, dict[str, Path]]:
 def _train(args, data: Path, run: Path, root: Path, events: int, users: int) -> None:
     """The generated log preprocessed into `data` (once), and SASRec trained into `run`."""
     from hybridrec.pipeline.config import PreprocessConfig
-    from hybridrec.pipeline.event_job import run_event_preprocess
-    from hybridrec.pipeline.synthetic_events import EventLogConfig, generate_events, spec_text
+    from hybridrec.pipeline.events.event_job import run_event_preprocess
+    from hybridrec.pipeline.events.synthetic_events import (
+        EventLogConfig,
+        generate_events,
+        spec_text,
+    )
     from hybridrec.training.config import load_config
     from hybridrec.training.trainer import Trainer
 

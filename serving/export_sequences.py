@@ -44,7 +44,7 @@ from flax import nnx
 from hybridrec.model.config import SequenceConfig
 from hybridrec.model.sequence import extend_history
 from hybridrec.model.sequence_step import scored
-from hybridrec.pipeline.event_spec import REQUEST_INPUTS, recorded_prefixes
+from hybridrec.pipeline.events.event_spec import REQUEST_INPUTS, recorded_prefixes
 from hybridrec.pipeline.metadata import EventMetadata
 from hybridrec.serving._format import (
     CATALOGUE_FILE,

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from hybridrec.pipeline import hashing
-from hybridrec.pipeline.event_spec import REQUEST_INPUTS
+from hybridrec.pipeline.events.event_spec import REQUEST_INPUTS
 from hybridrec.serving import _format
 from hybridrec.serving._format import ITEM_SIDES_FILE
 from hybridrec.serving.sequence_query import CONTEXT

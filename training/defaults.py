@@ -26,7 +26,7 @@ from typing import Any
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.model.config import DenseOptimizerConfig, choose_tower
 from hybridrec.pipeline import DatasetMetadata, EventMetadata
-from hybridrec.pipeline.event_spec import REQUEST_INPUTS, recorded_prefixes
+from hybridrec.pipeline.events.event_spec import REQUEST_INPUTS, recorded_prefixes
 from hybridrec.training.config import TrainConfig
 
 AUTO_STEPS_PER_EPOCH = 200  # data.batch_size = 0 aims at about this many steps per epoch

@@ -1,5 +1,5 @@
 """`hybridrec generate`: synthetic click logs in the raw Criteo TSV layout (pipeline.generate),
-or with `--events` an event log of users' actions (pipeline.synthetic_events)."""
+or with `--events` an event log of users' actions (pipeline.events.synthetic_events)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
 
 
 def _events(args: argparse.Namespace) -> int:
-    from hybridrec.pipeline.synthetic_events import (
+    from hybridrec.pipeline.events.synthetic_events import (
         EventLogConfig,
         generate_events,
         spec_text,

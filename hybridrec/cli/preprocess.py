@@ -15,7 +15,7 @@ import threading
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline import PreprocessConfig, PreprocessResult, run_preprocess, runners
 from hybridrec.pipeline.config import COMPRESSIONS, INPUT_FORMATS, SPLIT_MODES
-from hybridrec.pipeline.event_spec import spec_kind
+from hybridrec.pipeline.events.event_spec import spec_kind
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> int:
         dask_timeout=args.dask_timeout,
     )
     if events:
-        from hybridrec.pipeline.event_job import run_event_preprocess
+        from hybridrec.pipeline.events.event_job import run_event_preprocess
 
         result = run_event_preprocess(config, beam_args=beam_args, quiet=args.quiet)
         _print_event_summary(result)

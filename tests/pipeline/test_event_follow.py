@@ -14,15 +14,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from hybridrec.pipeline import PreprocessConfig, hashing, read_manifest
-from hybridrec.pipeline.event_job import run_event_preprocess
-from hybridrec.pipeline.follow import FollowConfig, follow
-from hybridrec.pipeline.metadata import read_dataset
-from hybridrec.pipeline.synthetic_events import (
+from hybridrec.pipeline.events.event_job import run_event_preprocess
+from hybridrec.pipeline.events.synthetic_events import (
     EventLogConfig,
     generate_events,
     spec_text,
     split_by_time,
 )
+from hybridrec.pipeline.follow import FollowConfig, follow
+from hybridrec.pipeline.metadata import read_dataset
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FILES = 6

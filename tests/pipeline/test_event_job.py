@@ -18,12 +18,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hybridrec.common.errors import UserError
-from hybridrec.pipeline import _event_inputs, hashing
-from hybridrec.pipeline._histories import IdIndex
+from hybridrec.pipeline import hashing
 from hybridrec.pipeline.config import PreprocessConfig
-from hybridrec.pipeline.event_job import run_event_preprocess
-from hybridrec.pipeline.event_spec import load_event_spec
-from hybridrec.pipeline.synthetic_events import EventLogConfig, generate_events
+from hybridrec.pipeline.events import _event_inputs
+from hybridrec.pipeline.events._histories import IdIndex
+from hybridrec.pipeline.events.event_job import run_event_preprocess
+from hybridrec.pipeline.events.event_spec import load_event_spec
+from hybridrec.pipeline.events.synthetic_events import EventLogConfig, generate_events
 
 SPEC = """kind = "events"
 name = "test_events"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from hybridrec.pipeline.event_spec import load_event_spec, spec_kind
+from hybridrec.pipeline.events.event_spec import load_event_spec, spec_kind
 from hybridrec.pipeline.infer_spec import propose_spec
 
 from hybridrec import cli

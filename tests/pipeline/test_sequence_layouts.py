@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline import hashing
-from hybridrec.pipeline.event_spec import EventSpec, load_event_spec
+from hybridrec.pipeline.events.event_spec import EventSpec, load_event_spec
 from hybridrec.pipeline.infer_spec import propose_spec
 
 from hybridrec import cli

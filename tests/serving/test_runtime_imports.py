@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from hybridrec.pipeline.synthetic_events import EventLogConfig
+from hybridrec.pipeline.events.synthetic_events import EventLogConfig
 
 from tests.training.test_sequence_training import SMALL, events_dataset
 

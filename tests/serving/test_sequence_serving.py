@@ -17,7 +17,7 @@ import types
 
 import numpy as np
 import pytest
-from hybridrec.pipeline.synthetic_events import EventLogConfig
+from hybridrec.pipeline.events.synthetic_events import EventLogConfig
 from hybridrec.serving.export import export_run
 from hybridrec.serving.sequence_model import ServedSequenceModel
 from hybridrec.serving.server import ServeOptions, create_app

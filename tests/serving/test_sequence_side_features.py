@@ -19,8 +19,13 @@ import numpy as np
 import pytest
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline.config import PreprocessConfig
-from hybridrec.pipeline.event_job import run_event_preprocess
-from hybridrec.pipeline.synthetic_events import DEVICES, EventLogConfig, generate_events, spec_text
+from hybridrec.pipeline.events.event_job import run_event_preprocess
+from hybridrec.pipeline.events.synthetic_events import (
+    DEVICES,
+    EventLogConfig,
+    generate_events,
+    spec_text,
+)
 from hybridrec.serving.export import export_run
 from hybridrec.serving.sequence_model import ServedSequenceModel
 from hybridrec.serving.server import ServeOptions, create_app

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hybridrec.pipeline.synthetic_events import (
+from hybridrec.pipeline.events.synthetic_events import (
     EventLogConfig,
     oracle_hit_rate,
 )

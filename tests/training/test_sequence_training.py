@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline.config import PreprocessConfig
-from hybridrec.pipeline.event_job import run_event_preprocess
-from hybridrec.pipeline.synthetic_events import EventLogConfig, generate_events, spec_text
+from hybridrec.pipeline.events.event_job import run_event_preprocess
+from hybridrec.pipeline.events.synthetic_events import EventLogConfig, generate_events, spec_text
 from hybridrec.training.config import load_config
 from hybridrec.training.sequences.baselines import evaluate_baselines, ranking_metrics
 from hybridrec.training.sequences.batches import Histories

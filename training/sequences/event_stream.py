@@ -2,7 +2,7 @@
 
 `hybridrec preprocess --follow` on event files commits shards of rows, one per user of a
 file: the user's kept history, then the file's events, each a next-item target from
-`first_target` on (`pipeline.event_follow`). This source trains them in manifest order:
+`first_target` on (`pipeline.events.event_follow`). This source trains them in manifest order:
 
 - every target once: a row's targets are cut into pieces from its end (the newest
   `length` positions, then the `length` before, ...), so the new events are trained with

@@ -10,9 +10,9 @@ import os
 from apache_beam.io.filesystems import FileSystems
 from hybridrec.common.errors import UserError
 from hybridrec.pipeline import _output, hashing, metadata
-from hybridrec.pipeline._histories import chunk_limit
-from hybridrec.pipeline.event_spec import EventSpec
-from hybridrec.pipeline.event_stats import EventStats
+from hybridrec.pipeline.events._histories import chunk_limit
+from hybridrec.pipeline.events.event_spec import EventSpec
+from hybridrec.pipeline.events.event_stats import EventStats
 
 ITEMS = "items"  # the item names: the raw id of each hashed item id
 

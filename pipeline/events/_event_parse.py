@@ -24,7 +24,7 @@ from hybridrec.pipeline import hashing
 from hybridrec.pipeline._errors import InputError
 from hybridrec.pipeline._parse import binary_cells, line_text, parse_floats, parse_ints
 from hybridrec.pipeline._text_fields import text_fields, text_lines
-from hybridrec.pipeline.event_spec import EventSpec
+from hybridrec.pipeline.events.event_spec import EventSpec
 
 REASONS = (
     "wrong_field_count",

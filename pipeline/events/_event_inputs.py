@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 from hybridrec.pipeline import _chunks, _parquet, hashing
 from hybridrec.pipeline._errors import InputError
-from hybridrec.pipeline._event_parse import Cells, ids_of
-from hybridrec.pipeline._histories import IdIndex, ItemFeatures
-from hybridrec.pipeline.event_spec import EventSpec
+from hybridrec.pipeline.events._event_parse import Cells, ids_of
+from hybridrec.pipeline.events._histories import IdIndex, ItemFeatures
+from hybridrec.pipeline.events.event_spec import EventSpec
 
 
 class Where:

@@ -16,7 +16,7 @@ trains every new event once and can evaluate a file before training on it (the
 window T -> T+1 protocol). A new user's first event is history only.
 
 Exactly once: the state after manifest line N is a function of the reference dataset
-and shards 0..N (`pipeline._user_state`); it is snapshotted every `snapshot_every`
+and shards 0..N (`pipeline.events._user_state`); it is snapshotted every `snapshot_every`
 lines and at the end, and a restarted follower loads the newest snapshot and replays
 the shards after it, so a kill at any moment neither loses nor repeats an event.
 """
@@ -36,10 +36,11 @@ import pyarrow.parquet as pq
 from hybridrec.common.config import from_dict
 from hybridrec.common.errors import UserError
 from hybridrec.common.files import atomic_write_text, fsync_directory
-from hybridrec.pipeline import _chunks, _event_inputs, _event_read, manifest, metadata
+from hybridrec.pipeline import _chunks, manifest, metadata
 from hybridrec.pipeline._errors import InputError
-from hybridrec.pipeline._event_parse import EventParser
-from hybridrec.pipeline._histories import (
+from hybridrec.pipeline.events import _event_inputs, _event_read
+from hybridrec.pipeline.events._event_parse import EventParser
+from hybridrec.pipeline.events._histories import (
     Events,
     Examples,
     example_table,
@@ -48,8 +49,8 @@ from hybridrec.pipeline._histories import (
     split_encodings,
     user_runs,
 )
-from hybridrec.pipeline._user_state import STATE_DIR, UserState, read_rows, snapshots
-from hybridrec.pipeline.event_spec import EventSpec
+from hybridrec.pipeline.events._user_state import STATE_DIR, UserState, read_rows, snapshots
+from hybridrec.pipeline.events.event_spec import EventSpec
 
 _WHOLE_FILE = 2**62
 _SPEC_EXTRAS = ("action_types", "side_features", "chunk_limit")

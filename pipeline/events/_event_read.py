@@ -1,5 +1,5 @@
 """One chunk of an event log read into columnar events: what the event-log job's parse
-step (`pipeline.event_job`) and the event follower (`pipeline.event_follow`) share."""
+step (`pipeline.events.event_job`) and the event follower (`pipeline.events.event_follow`) share."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import os
 
 import numpy as np
 import pyarrow as pa
-from hybridrec.pipeline import _chunks, _event_inputs, _header
-from hybridrec.pipeline._event_parse import EventBlock, EventParser
-from hybridrec.pipeline._histories import Events
-from hybridrec.pipeline.event_spec import EventSpec
-from hybridrec.pipeline.event_stats import EventStats
+from hybridrec.pipeline import _chunks, _header
+from hybridrec.pipeline.events import _event_inputs
+from hybridrec.pipeline.events._event_parse import EventBlock, EventParser
+from hybridrec.pipeline.events._histories import Events
+from hybridrec.pipeline.events.event_spec import EventSpec
+from hybridrec.pipeline.events.event_stats import EventStats
 
 
 @dataclasses.dataclass

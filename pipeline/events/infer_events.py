@@ -1,5 +1,5 @@
 """Recognizing an event log in a sample (`hybridrec spec --sample FILE`) and proposing its
-event spec (`kind = "events"`, pipeline.event_spec), with a reason for every column.
+event spec (`kind = "events"`, pipeline.events.event_spec), with a reason for every column.
 
 A sample is an event log when it has a **user-like** and an **item-like** column (ids that
 repeat: a user acts many times, an item is acted on by many users; named so, or the two
@@ -24,7 +24,7 @@ import tomllib
 from hybridrec.common import config
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.pipeline._sample import ColumnGuess, number
-from hybridrec.pipeline.event_spec import EventSpec
+from hybridrec.pipeline.events.event_spec import EventSpec
 
 USER_NAMES = re.compile(r"(^|_)(user|uid|customer|visitor|member|account|reviewer)(_?id)?$", re.I)
 ITEM_NAMES = re.compile(

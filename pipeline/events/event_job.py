@@ -31,24 +31,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 from hybridrec.common.errors import UserError
-from hybridrec.pipeline import (
-    _chunks,
-    _event_inputs,
-    _event_output,
-    _event_read,
-    _launch,
-    _output,
-    _parquet,
-    hashing,
-)
+from hybridrec.pipeline import _chunks, _launch, _output, _parquet, hashing
 from hybridrec.pipeline._errors import InputError
-from hybridrec.pipeline._event_output import ITEMS
-from hybridrec.pipeline._event_parse import EventParser
-from hybridrec.pipeline._histories import Events, build_bucket, prune_chunk, split_encodings
 from hybridrec.pipeline.click_job import PreprocessResult
 from hybridrec.pipeline.config import PreprocessConfig
-from hybridrec.pipeline.event_spec import EventSpec, load_event_spec, parse_width
-from hybridrec.pipeline.event_stats import EventStats
+from hybridrec.pipeline.events import _event_inputs, _event_output, _event_read
+from hybridrec.pipeline.events._event_output import ITEMS
+from hybridrec.pipeline.events._event_parse import EventParser
+from hybridrec.pipeline.events._histories import Events, build_bucket, prune_chunk, split_encodings
+from hybridrec.pipeline.events.event_spec import EventSpec, load_event_spec, parse_width
+from hybridrec.pipeline.events.event_stats import EventStats
 
 _ALL = 0
 OUTPUTS = ("metadata.json", "train", "valid", "test", "rejected", ITEMS) + tuple(

@@ -3,7 +3,7 @@
 An event log holds one action a row (user, item, time, an action type, per-event side
 features) or, in the `user_per_line` format of the public sequential benchmarks, one user a
 line (`user item item ...`, items oldest first). The preprocessing job
-(`pipeline.event_job`) groups a log's events by user, orders them by time and writes each
+(`pipeline.events.event_job`) groups a log's events by user, orders them by time and writes each
 user's history as Parquet list columns, split leave-one-out or by time windows
 (docs/pipeline.md, "Event logs"). Unknown keys are errors, like everywhere in hybridrec.
 """

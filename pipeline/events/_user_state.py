@@ -1,4 +1,4 @@
-"""Each user's most recent events: the state an event stream extends (`pipeline.event_follow`).
+"""Each user's most recent events: the state an event stream extends (`pipeline.events.event_follow`).
 
 Users are kept sorted with the (start, length) of their events in flat columns (items,
 times, actions and each side feature). A user whose events change gets a new stretch at
@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from hybridrec.common.files import fsync_directory
-from hybridrec.pipeline._histories import ranges
+from hybridrec.pipeline.events._histories import ranges
 
 STATE_DIR = "state"
 _DTYPES = {"items": np.uint64, "times": np.int64, "actions": np.int8}

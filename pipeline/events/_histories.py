@@ -1,4 +1,4 @@
-"""Events -> user histories: the numpy core of the event-log job (`pipeline.event_job`).
+"""Events -> user histories: the numpy core of the event-log job (`pipeline.events.event_job`).
 
 Two steps, both on whole arrays:
 - per input chunk (`prune_chunk`): exact duplicates dropped, and each user's events cut to
@@ -21,8 +21,8 @@ import dataclasses
 
 import numpy as np
 import pyarrow as pa
-from hybridrec.pipeline.event_spec import EventSpec
-from hybridrec.pipeline.event_stats import NAMED_CAPPED_USERS, EventStats
+from hybridrec.pipeline.events.event_spec import EventSpec
+from hybridrec.pipeline.events.event_stats import NAMED_CAPPED_USERS, EventStats
 
 
 @dataclasses.dataclass
