@@ -8,7 +8,7 @@ Public surface:
     RaggedIds, PooledLookup: multi-valued feature input and pooled lookup results.
     Shard, LocalShard: the shard backend protocol and the in-process shard.
     RemoteShard (+ RemoteShardError, ServerUnavailableError): a shard hosted by a
-        `hybridrec serve-embeddings` server; `embedding_store.remote.connect` builds them.
+        `hybridrec serve-embeddings` server; `embedding_store.remote.client.connect` builds them.
     route_hash, shard_of: how ids map to shards.
     SlotMap, initial_rows, initial_optimizer_state: an id -> row map, and the values and
         optimizer state a new row starts from (for rows held outside the store, on devices).
@@ -48,7 +48,11 @@ from hybridrec.embedding_store.errors import (
     InvalidInputError,
     UnknownTableError,
 )
-from hybridrec.embedding_store.remote import RemoteShard, RemoteShardError, ServerUnavailableError
+from hybridrec.embedding_store.remote.client import (
+    RemoteShard,
+    RemoteShardError,
+    ServerUnavailableError,
+)
 from hybridrec.embedding_store.routing import route_hash, shard_of
 from hybridrec.embedding_store.shard import LocalShard, Shard
 from hybridrec.embedding_store.store import EmbeddingStore

@@ -60,7 +60,7 @@ from hybridrec.embedding_store import (
     TableConfig,
 )
 from hybridrec.embedding_store.columns import describe_plan, plan_column_shards
-from hybridrec.embedding_store.remote import ServerConnection, connect
+from hybridrec.embedding_store.remote.client import ServerConnection, connect
 
 from hybridrec.cli.server_processes import start_server_process, start_servers, stop_servers
 

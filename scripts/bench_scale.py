@@ -48,7 +48,7 @@ from hybridrec.embedding_store import (
     SparseOptimizerConfig,
     TableConfig,
 )
-from hybridrec.embedding_store.remote import connect
+from hybridrec.embedding_store.remote.client import connect
 
 from hybridrec.cli.server_processes import start_server_process, stop_servers
 

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 from hybridrec.embedding_store import EmbeddingStore
-from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, ServerSet
+from hybridrec.embedding_store.remote.client import DEFAULT_RETRY_TIMEOUT, ServerSet
 from hybridrec.model import create_train_state, device_tables
 from hybridrec.model.towers import check_user_tower
 from hybridrec.pipeline import DatasetMetadata, EventMetadata

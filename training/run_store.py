@@ -9,7 +9,7 @@ from typing import Any
 from hybridrec.common.errors import UserError
 from hybridrec.common.tls import TLSFiles
 from hybridrec.embedding_store import EmbeddingStore
-from hybridrec.embedding_store.remote import connect
+from hybridrec.embedding_store.remote.client import connect
 from hybridrec.training.checkpoint import RunCheckpoints
 
 

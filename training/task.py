@@ -31,7 +31,7 @@ from hybridrec.common.errors import UserError
 from hybridrec.model.custom import tower_kind
 
 if TYPE_CHECKING:  # for annotations only: the job holds its task
-    from hybridrec.embedding_store.remote import ServerSet
+    from hybridrec.embedding_store.remote.client import ServerSet
     from hybridrec.pipeline import DatasetMetadata, EventMetadata
     from hybridrec.training.config import TrainConfig
     from hybridrec.training.job import Job

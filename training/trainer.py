@@ -34,7 +34,7 @@ from hybridrec.common.errors import UserError
 from hybridrec.common.files import append_line
 from hybridrec.common.progress import Progress
 from hybridrec.embedding_store import EmbeddingStore
-from hybridrec.embedding_store.remote import ServerSet
+from hybridrec.embedding_store.remote.client import ServerSet
 from hybridrec.training import stopping
 from hybridrec.training.checkpoint import RunCheckpoints
 from hybridrec.training.config import TrainConfig

@@ -2,7 +2,7 @@
 
 The one place the commands read `$HYBRIDREC_EMBEDDING_SERVERS`,
 `$HYBRIDREC_EMBEDDING_TOKEN` and `$HYBRIDREC_EMBEDDING_RETRY_TIMEOUT`; the library
-(`embedding_store.remote.connect`) takes what is found here as arguments.
+(`embedding_store.remote.client.connect`) takes what is found here as arguments.
 """
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ from collections.abc import Sequence
 
 from hybridrec.cli._flags import read_token_file
 from hybridrec.common.errors import UserError
-from hybridrec.embedding_store.remote import DEFAULT_RETRY_TIMEOUT, ServerSet, parse_addresses
-from hybridrec.embedding_store.wire import TOKEN_ENV
+from hybridrec.embedding_store.remote.client import (
+    DEFAULT_RETRY_TIMEOUT,
+    ServerSet,
+    parse_addresses,
+)
+from hybridrec.embedding_store.remote.wire import TOKEN_ENV
 
 SERVERS_ENV = "HYBRIDREC_EMBEDDING_SERVERS"
 RETRY_TIMEOUT_ENV = "HYBRIDREC_EMBEDDING_RETRY_TIMEOUT"

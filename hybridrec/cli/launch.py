@@ -243,7 +243,7 @@ def launch_with_servers(
 
     With `tls` the servers serve over TLS (`serve-embeddings --tls-*`)."""
     from hybridrec.cli.server_processes import start_servers, stop_servers
-    from hybridrec.embedding_store.wire import TOKEN_ENV
+    from hybridrec.embedding_store.remote.wire import TOKEN_ENV
 
     if command[:1] != ["train"]:
         raise UserError("--embedding-servers works with the train command")

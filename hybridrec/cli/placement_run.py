@@ -29,7 +29,7 @@ import jax
 from hybridrec.cli.server_processes import start_server_process, stop_servers
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.embedding_store import EmbeddingStore
-from hybridrec.embedding_store.remote import connect
+from hybridrec.embedding_store.remote.client import connect
 from hybridrec.model import (
     create_train_state,
     make_eval_step,

@@ -2,7 +2,7 @@
 
 Parses the flags, builds the table configs (from a tables file, or the tables
 `hybridrec train` would build from a training preset and a dataset), runs an
-`embedding_store.server.ShardServer` until SIGTERM/SIGINT, printing a stats line every
+`embedding_store.remote.shard_server.ShardServer` until SIGTERM/SIGINT, printing a stats line every
 `--stats-interval` seconds, then drains in-flight updates and stops.
 
 Example:
@@ -33,13 +33,13 @@ from hybridrec.common.progress import Progress
 from hybridrec.common.tls import TLSFiles
 from hybridrec.embedding_store import TableConfig
 from hybridrec.embedding_store.config import load_tables
-from hybridrec.embedding_store.remote import ServerConnection, parse_addresses
-from hybridrec.embedding_store.server import (
+from hybridrec.embedding_store.remote.client import ServerConnection, parse_addresses
+from hybridrec.embedding_store.remote.shard_server import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_REQUEST_ROWS,
     ShardServer,
 )
-from hybridrec.embedding_store.wire import TOKEN_ENV
+from hybridrec.embedding_store.remote.wire import TOKEN_ENV
 from hybridrec.pipeline import read_dataset
 from hybridrec.training.config import PRESET_DIR, TrainConfig
 from hybridrec.training.tasks import task_of

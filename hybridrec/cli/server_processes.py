@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hybridrec.common.errors import UserError
-from hybridrec.embedding_store.wire import TOKEN_ENV
+from hybridrec.embedding_store.remote.wire import TOKEN_ENV
 
 
 def contiguous_shards(server_index: int, num_servers: int, num_shards: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Fixtures of the store tests."""
 
 import pytest
-from hybridrec.embedding_store.server import ShardServer
+from hybridrec.embedding_store.remote.shard_server import ShardServer
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from hybridrec.embedding_store.columns import (
     plan_column_shards,
     shard_loads,
 )
-from hybridrec.embedding_store.remote import connect
-from hybridrec.embedding_store.server import ShardServer
+from hybridrec.embedding_store.remote.client import connect
+from hybridrec.embedding_store.remote.shard_server import ShardServer
 
 
 def _tables(column_shards):

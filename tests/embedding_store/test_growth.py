@@ -15,8 +15,8 @@ from hybridrec.embedding_store import (
     TableConfig,
     TieringConfig,
 )
-from hybridrec.embedding_store.remote import connect
-from hybridrec.embedding_store.server import ShardServer
+from hybridrec.embedding_store.remote.client import connect
+from hybridrec.embedding_store.remote.shard_server import ShardServer
 
 CHUNKS, CHUNK = 10, 1500  # 15k rows: slot arrays grow 1024 -> 2048 -> ... -> 16384
 

@@ -14,8 +14,8 @@ from hybridrec.embedding_store import (
     checkpoint,
 )
 from hybridrec.embedding_store._quantize import dequantize, quantize
-from hybridrec.embedding_store.remote import connect
-from hybridrec.embedding_store.server import ShardServer
+from hybridrec.embedding_store.remote.client import connect
+from hybridrec.embedding_store.remote.shard_server import ShardServer
 
 IDS = np.arange(3000, dtype=np.uint64)
 

@@ -19,10 +19,9 @@ from hybridrec.embedding_store import (
     TableConfig,
     TieringConfig,
     shard_of,
-    wire,
-    wire_rows,
 )
-from hybridrec.embedding_store.remote import (
+from hybridrec.embedding_store.remote import wire, wire_rows
+from hybridrec.embedding_store.remote.client import (
     RemoteShardError,
     ServerUnavailableError,
     connect,

@@ -10,8 +10,8 @@ import pytest
 from hybridrec.common.errors import UserError
 from hybridrec.embedding_store import EmbeddingStore, RaggedIds, TableConfig, shard_of
 from hybridrec.embedding_store.config import load_tables
-from hybridrec.embedding_store.remote import connect
-from hybridrec.embedding_store.server import ShardServer
+from hybridrec.embedding_store.remote.client import connect
+from hybridrec.embedding_store.remote.shard_server import ShardServer
 
 from hybridrec.cli._embedding_servers import embedding_servers
 from hybridrec.cli.serve_embeddings import main, parse_shard_list, training_tables
@@ -95,7 +95,7 @@ def test_killed_server_restarts_from_its_checkpoint_and_training_resumes(
     processes[0].kill()  # SIGKILL: no drain, no goodbye
     after_restart = {}
     reader = threading.Thread(target=lambda: after_restart.update(rows=_rows(store)))
-    with caplog.at_level(logging.WARNING, logger="embedding_store.remote"):
+    with caplog.at_level(logging.WARNING, logger="embedding_store.remote.client"):
         reader.start()  # retries with backoff while the server is down
         port = int(addresses[0].rsplit(":", 1)[1])
         processes[0] = start_server_process(

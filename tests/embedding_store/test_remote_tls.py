@@ -20,8 +20,8 @@ from hybridrec.embedding_store import (
     SparseOptimizerConfig,
     TableConfig,
 )
-from hybridrec.embedding_store.remote import RemoteShardError, connect
-from hybridrec.embedding_store.server import ShardServer
+from hybridrec.embedding_store.remote.client import RemoteShardError, connect
+from hybridrec.embedding_store.remote.shard_server import ShardServer
 
 from hybridrec.cli.serve_embeddings import main as serve_embeddings
 

@@ -4,9 +4,10 @@ the server, float16 gradient scaling, updates that reuse their lookup's ids, fal
 import ml_dtypes
 import numpy as np
 import pytest
-from hybridrec.embedding_store import EmbeddingStore, SparseOptimizerConfig, TableConfig, wire
-from hybridrec.embedding_store.remote import RemoteShardError, connect
-from hybridrec.embedding_store.server import ShardServer
+from hybridrec.embedding_store import EmbeddingStore, SparseOptimizerConfig, TableConfig
+from hybridrec.embedding_store.remote import wire
+from hybridrec.embedding_store.remote.client import RemoteShardError, connect
+from hybridrec.embedding_store.remote.shard_server import ShardServer
 
 TABLES = [
     TableConfig(name="ads", dim=16, capacity=5000, optimizer=SparseOptimizerConfig(name="adagrad")),

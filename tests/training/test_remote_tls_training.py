@@ -15,7 +15,7 @@ import sys
 
 from hybridrec.common.tls import TLSFiles
 from hybridrec.embedding_store import TableConfig
-from hybridrec.embedding_store.server import ShardServer
+from hybridrec.embedding_store.remote.shard_server import ShardServer
 
 TOKEN = "tls-training-token"
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 from hybridrec.embedding_store import EmbeddingStore
-from hybridrec.embedding_store.remote import connect
+from hybridrec.embedding_store.remote.client import connect
 from hybridrec.pipeline import read_metadata
 from hybridrec.training.config import load_config
 from hybridrec.training.tables import plan_tables

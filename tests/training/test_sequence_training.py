@@ -205,7 +205,7 @@ def test_histories_train_against_an_embedding_server(events, tmp_path, cli):
     """The item rows on a shard server (`serve-embeddings --config sasrec --data`): the run
     trains them there, its checkpoint holds what the server holds."""
     from hybridrec.embedding_store import EmbeddingStore
-    from hybridrec.embedding_store.remote import connect
+    from hybridrec.embedding_store.remote.client import connect
 
     from hybridrec.cli.server_processes import start_servers, stop_servers
 
@@ -244,7 +244,7 @@ def test_two_processes_sharing_an_embedding_server_train_as_one_does(events, tmp
     devices, the chief writes its rows back) train what one process in front of its own
     server trains, at k = 0: the same loss, ranks and item rows."""
     from hybridrec.embedding_store import EmbeddingStore
-    from hybridrec.embedding_store.remote import connect
+    from hybridrec.embedding_store.remote.client import connect
 
     from hybridrec.cli.server_processes import start_servers, stop_servers
 

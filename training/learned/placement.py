@@ -27,7 +27,7 @@ import numpy as np
 from hybridrec.common.errors import ConfigError
 from hybridrec.common.progress import Progress
 from hybridrec.embedding_store import EmbeddingStore
-from hybridrec.embedding_store.remote import parse_addresses
+from hybridrec.embedding_store.remote.client import parse_addresses
 from hybridrec.model import (
     StreamingMetrics,
     fetch_metrics,

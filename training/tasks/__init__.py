@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridrec.common.errors import UserError
-from hybridrec.embedding_store.remote import ServerSet
+from hybridrec.embedding_store.remote.client import ServerSet
 from hybridrec.model import maybe_initialize_distributed
 from hybridrec.pipeline import DatasetMetadata, EventMetadata, read_dataset
 from hybridrec.training.config import TrainConfig

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import jax
 from hybridrec.common.errors import ConfigError, UserError
 from hybridrec.common.progress import Progress
-from hybridrec.embedding_store.remote import ServerSet
+from hybridrec.embedding_store.remote.client import ServerSet
 from hybridrec.model import (
     StreamingMetrics,
     device_tables,

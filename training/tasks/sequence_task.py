@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 from hybridrec.common.errors import ConfigError, UserError
-from hybridrec.embedding_store.remote import ServerSet
+from hybridrec.embedding_store.remote.client import ServerSet
 from hybridrec.model import make_mesh
 from hybridrec.model.sequence_step import make_sequence_eval_step, make_sequence_train_step
 from hybridrec.pipeline import EventMetadata

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 import pyarrow as pa
-from hybridrec.embedding_store import wire
+from hybridrec.embedding_store.remote import wire
 
 ROWS_PER_BATCH = 1 << 16
 _FLOATS = pa.list_(pa.field("item", pa.float32(), nullable=False))

@@ -18,13 +18,13 @@ from typing import Any
 import pyarrow.flight as flight
 from hybridrec.common.errors import UserError
 from hybridrec.common.tls import TLSFiles
-from hybridrec.embedding_store import _tls
-from hybridrec.embedding_store.wire import AUTH_HEADER, TOKEN_ENV
+from hybridrec.embedding_store.remote import _tls
+from hybridrec.embedding_store.remote.wire import AUTH_HEADER, TOKEN_ENV
 
 DEFAULT_RETRY_TIMEOUT = 60.0
 
 # Restarts are reported under the remote shards' logger name.
-log = logging.getLogger("embedding_store.remote")
+log = logging.getLogger("embedding_store.remote.client")
 
 # Errors that mean "the server is not there right now"; anything else is an answer.
 _RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError, ConnectionError)

@@ -31,14 +31,6 @@ import numpy as np
 import pyarrow.flight as flight
 from hybridrec.common.errors import UserError
 from hybridrec.common.tls import TLSFiles
-from hybridrec.embedding_store import _tls, wire, wire_rows
-from hybridrec.embedding_store._fingerprint import table_fingerprint
-from hybridrec.embedding_store._server_parts import (
-    Latency,
-    TokenMiddlewareFactory,
-    field,
-    json_default,
-)
 from hybridrec.embedding_store.checkpoint import (
     PRECISIONS,
     check_compatible,
@@ -48,6 +40,14 @@ from hybridrec.embedding_store.checkpoint import (
 from hybridrec.embedding_store.columns import stored_tables
 from hybridrec.embedding_store.config import TableConfig
 from hybridrec.embedding_store.errors import EmbeddingStoreError
+from hybridrec.embedding_store.remote import _tls, wire, wire_rows
+from hybridrec.embedding_store.remote._fingerprint import table_fingerprint
+from hybridrec.embedding_store.remote._server_parts import (
+    Latency,
+    TokenMiddlewareFactory,
+    field,
+    json_default,
+)
 from hybridrec.embedding_store.shard import LocalShard
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MAX_REQUEST_ROWS", "ShardServer"]

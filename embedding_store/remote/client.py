@@ -33,17 +33,17 @@ from typing import Any
 import numpy as np
 import pyarrow.flight as flight
 from hybridrec.common.tls import TLSFiles
-from hybridrec.embedding_store import wire, wire_rows
-from hybridrec.embedding_store._connection import (
+from hybridrec.embedding_store.columns import stored_tables
+from hybridrec.embedding_store.config import TableConfig
+from hybridrec.embedding_store.remote import wire, wire_rows
+from hybridrec.embedding_store.remote._connection import (
     DEFAULT_RETRY_TIMEOUT,
     RemoteShardError,
     ServerConnection,
     ServerUnavailableError,
     parse_addresses,
 )
-from hybridrec.embedding_store._fingerprint import table_fingerprint
-from hybridrec.embedding_store.columns import stored_tables
-from hybridrec.embedding_store.config import TableConfig
+from hybridrec.embedding_store.remote._fingerprint import table_fingerprint
 
 __all__ = [
     "DEFAULT_RETRY_TIMEOUT",

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow.flight as flight
-from hybridrec.embedding_store import wire
+from hybridrec.embedding_store.remote import wire
 
 LATENCY_WINDOW = 8192
 
