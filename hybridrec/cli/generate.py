@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hybridrec.common.errors import UserError
 from hybridrec.pipeline import generate
 
 
@@ -37,10 +38,18 @@ def main(argv: list[str]) -> int:
     events.add_argument("--topics", type=int, default=50, help="item topics")
     events.add_argument("--mean-events", type=float, default=30.0, help="mean events a user")
     events.add_argument("--max-events", type=int, default=2_000, help="events a user at most")
-    events.add_argument("--days", type=int, default=60, help="days the users start over")
+    events.add_argument("--days", type=int, default=None,
+                        help="days the users start over (yambda: the days the events span; default 60, yambda 30)")  # fmt: skip
+    events.add_argument(
+        "--profile", choices=("default", "yambda"), default="default",
+        help="yambda: a music-streaming log shaped like Yambda, MLPerf DLRMv4's data (--items "
+        "are its tracks; events.csv, tracks.csv and events.toml)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.profile == "yambda" and not args.events:
+        parser.error("--profile yambda is an event log: give --events too")
     if args.events:
-        return _events(args)
+        return PROFILES[args.profile](args)
     summary = generate(
         args.output,
         args.rows,
@@ -71,7 +80,7 @@ def _events(args: argparse.Namespace) -> int:
         topics=args.topics,
         mean_events=args.mean_events,
         max_events=args.max_events,
-        days=args.days,
+        days=args.days or 60,
         seed=args.seed,
     )
     out = Path(args.output)
@@ -90,3 +99,47 @@ def _events(args: argparse.Namespace) -> int:
         f"--spec {out / 'events.toml'} --output DATA_DIR"
     )
     return 0
+
+
+def _yambda(args: argparse.Namespace) -> int:
+    from hybridrec.pipeline.events.synthetic_yambda import (
+        YambdaConfig,
+        generate_yambda,
+        yambda_spec_text,
+    )
+
+    try:
+        config = YambdaConfig(
+            users=args.users,
+            tracks=args.items,
+            mean_events=args.mean_events,
+            max_events=args.max_events,
+            days=args.days or 30,
+            seed=args.seed,
+        )
+    except ValueError as error:
+        raise UserError(f"generate --profile yambda: {error}") from None
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    events = out / ("events.csv.gz" if args.gzip else "events.csv")
+    summary = generate_yambda(events, out / "tracks.csv", config)
+    (out / "events.toml").write_text(yambda_spec_text("tracks.csv"))
+    rate = summary["events"] / max(summary["seconds"], 1e-9)
+    print(
+        f"wrote {summary['events']:,} events of {summary['users']:,} users on "
+        f"{summary['tracks']:,} tracks ({summary['artists']:,} artists, {summary['albums']:,} "
+        f"albums; {summary['bytes'] / 1e6:.1f} MB) in {summary['seconds']:.1f}s ({rate:,.0f} "
+        f"events/s)\n"
+        f"  listens   {summary['listens']:,}, listen_plus {summary['listen_plus_rate']:.1%}, "
+        f"organic {summary['organic_rate']:.1%} of the events\n"
+        f"  oracle    AUC {summary['oracle_auc']:.4f} of listen_plus for a model that knows "
+        "how the log was made\n"
+        f"  events    {events}\n  tracks    {out / 'tracks.csv'}\n"
+        f"  spec      {out / 'events.toml'}\n"
+        f"  next      hybridrec preprocess --input {events} --spec {out / 'events.toml'} "
+        "--output DATA_DIR"
+    )
+    return 0
+
+
+PROFILES = {"default": _events, "yambda": _yambda}  # --events --profile -> its generator
