@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
 from hybridrec.common.progress import Progress
 from scipy.special import ndtr
 
@@ -199,18 +201,21 @@ def user_block(config: YambdaConfig, tracks: Tracks, block: int) -> dict:
     }
 
 
-def _lines(columns: dict) -> bytes:
+def _table(columns: dict) -> pa.Table:
+    """The block's rows as the events file's columns (a listen's played share, else null)."""
     listen = columns["event_type"] == 0
-    played = np.where(listen, columns["played_ratio_pct"].astype(str), "")
-    fields = (
-        columns["uid"].astype(str),
-        columns["item_id"].astype(str),
-        columns["timestamp"].astype(str),
-        columns["is_organic"].astype(str),
-        np.asarray(EVENT_TYPES)[columns["event_type"]],
-        played,
+    return pa.table(
+        {
+            "uid": columns["uid"],
+            "item_id": columns["item_id"],
+            "timestamp": columns["timestamp"],
+            "is_organic": columns["is_organic"],
+            "event_type": pa.DictionaryArray.from_arrays(
+                columns["event_type"], pa.array(EVENT_TYPES)
+            ).cast(pa.string()),
+            "played_ratio_pct": pa.array(columns["played_ratio_pct"], mask=~listen),
+        }
     )
-    return ("\n".join(map(",".join, zip(*fields, strict=True))) + "\n").encode()
 
 
 def _auc(positive: np.ndarray, negative: np.ndarray) -> float:
@@ -250,9 +255,10 @@ def generate_yambda(
     positive, negative = np.zeros(BINS), np.zeros(BINS)
     with _open(events_path) as handle:
         handle.write(b"uid,item_id,timestamp,is_organic,event_type,played_ratio_pct\n")
+        options = pacsv.WriteOptions(include_header=False, quoting_style="none")
         for block in range(blocks):
             columns = user_block(config, tracks, block)
-            handle.write(_lines(columns))
+            pacsv.write_csv(_table(columns), handle, options)
             listen = columns["event_type"] == 0
             label = columns["played_ratio_pct"][listen] >= 50
             bins = np.minimum((columns["p_listen_plus"][listen] * BINS).astype(np.int64), BINS - 1)
