@@ -1,31 +1,32 @@
 """The steps of scripts/gpu_check.sh, in the environment it prepared: each a child process
 with its own time cap, the whole within --budget seconds, one JSON summary at the end.
 
-Steps, in order (a step that fails or runs out of time is recorded, the next one still runs):
+Steps, in order (a step that fails or runs out of time is recorded, the next one still runs;
+first what the open GPU issue asks, then the tests, then the rest in what the budget leaves):
   hstu       scripts/bench_hstu.py: the HSTU attention kernel against the reference at 1k,
              4k and 8k tokens a row, and an HSTU block stack's training step with each;
-  tests      the JAX-facing tests (pytest, several workers), on the platform JAX_PLATFORMS
-             names;
+  hstu_mfu   scripts/bench_hstu.py's training step at NVIDIA's HSTU benchmark shape (8
+             blocks, width 1024, 4,096 positions a row, bf16): model FLOP/s against the
+             GPU's dense bf16 peak (step_mfu_pallas, step_mfu_reference);
   bench_gpu  scripts/bench_gpu.py at batch 16384: criteo_dlrm and the MLPerf DLRM shape,
              the hybrid loop against the dense step alone, with a profile of the last steps;
-  device_rows  scripts/bench_device_rows.py --fused at batch 16384: the host's side of the
-             device tables per batch, each of its three stages, on this host's cores;
-  device_ids  the same with the ids mapped in the step (--map-in-step): the host's stages
-             left, and the mapping's time on the device (map_ms_b16384);
+  device_ids  scripts/bench_device_rows.py --fused --map-in-step at batch 16384: the
+             host's side of the device tables when the step maps the ids, and the
+             mapping's time on the device (map_ms_b16384);
+  sequences  scripts/bench_sequences.py: the HSTU preset's hybrid loop over 1M items at a
+             token budget of 65,536, the item rows in the host store and on the device,
+             and the same run with the reference attention, each run's test HR@10 beside
+             the other's (hr10_test_gap);
+  tests      the JAX-facing tests (pytest, several workers), on the platform JAX_PLATFORMS
+             names;
+  device_rows  the same as device_ids with the host mapping the ids: each of its three
+             stages, on this host's cores;
   input      scripts/bench_input.py at batch 16384 on bench_gpu's data: the Parquet reader
              alone with 1, 2, 4 and 8 window-reading threads (data.read_threads);
   roundtrip  `hybridrec quickstart`: generate -> preprocess -> train -> evaluate -> export ->
              serve;
-  hstu_mfu   scripts/bench_hstu.py's training step at NVIDIA's HSTU benchmark shape (8
-             blocks, width 1024, 4,096 positions a row, bf16): model FLOP/s against the
-             GPU's dense bf16 peak (step_mfu_pallas, step_mfu_reference);
   hstu_time  scripts/bench_hstu.py at 4k tokens a row with HSTU's time-gap bias (64
-             buckets), in what the budget leaves;
-  sequences  scripts/bench_sequences.py: the HSTU preset's hybrid loop over 1M items at a
-             token budget of 65,536, the item rows in the host store and on the device,
-             and the same run with the reference attention, each run's test HR@10 beside
-             the other's (hr10_test_gap), in what the budget leaves (or alone: --steps
-             sequences).
+             buckets).
 --rehearse runs each at a tiny size (the kernel in Pallas interpret mode) on the CPU.
 
     python scripts/gpu_check.py --out DIR [--rehearse] [--budget SECONDS] [--steps ...]
@@ -149,20 +150,18 @@ def _steps(
     pytest = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout", "180"]
     pytest += ["-p", "gpu_check_failures"]  # each failure's report as it happens
     pytest += ["-n", workers, "--dist", "loadfile", "--junitxml", str(out / "tests.xml")]
+    # the module's order: what the open GPU issue asks first, then the tests, then the rest
     return [
         ("hstu", [python, "scripts/bench_hstu.py", *hstu], 80),
-        ("tests", [*pytest, *tests], 180),
+        ("hstu_mfu", [python, "scripts/bench_hstu.py", *mfu], 60),
         ("bench_gpu", [python, "scripts/bench_gpu.py", *bench], 150),
-        ("device_rows", [python, "scripts/bench_device_rows.py", "--fused", *device_rows], 30),
         ("device_ids", [python, "scripts/bench_device_rows.py", "--fused", "--map-in-step", *device_rows], 30),
+        ("sequences", [python, "scripts/bench_sequences.py", *sequences], 120),
+        ("tests", [*pytest, *tests], 180),
+        ("device_rows", [python, "scripts/bench_device_rows.py", "--fused", *device_rows], 30),
         ("input", [python, "scripts/bench_input.py", *reader], 30),
         ("roundtrip", [python, "-m", "hybridrec", "quickstart", "--rows", rows, "--out", str(work / "quickstart")], 60),
-        # last, in what the budget leaves: the step at NVIDIA's benchmark shape, the kernel
-        # with HSTU's time-gap bias, and the sequence loop (the item rows in the host store
-        # and on the device)
-        ("hstu_mfu", [python, "scripts/bench_hstu.py", *mfu], 60),
         ("hstu_time", [python, "scripts/bench_hstu.py", *hstu_time], 40),
-        ("sequences", [python, "scripts/bench_sequences.py", *sequences], 120),
     ]  # fmt: skip
 
 
@@ -294,15 +293,15 @@ def main(argv=None) -> None:
         nargs="+",
         choices=[
             "hstu",
-            "tests",
+            "hstu_mfu",
             "bench_gpu",
-            "device_rows",
             "device_ids",
+            "sequences",
+            "tests",
+            "device_rows",
             "input",
             "roundtrip",
-            "hstu_mfu",
             "hstu_time",
-            "sequences",
         ],
     )
     parser.add_argument(

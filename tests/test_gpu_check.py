@@ -32,8 +32,8 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     assert summary["rehearse"] and summary["device"]["platform"] == "cpu"
     steps = summary["steps"]
     assert list(steps) == [
-        "hstu", "tests", "bench_gpu", "device_rows", "device_ids", "input", "roundtrip",
-        "hstu_mfu", "hstu_time", "sequences",
+        "hstu", "hstu_mfu", "bench_gpu", "device_ids", "sequences", "tests", "device_rows",
+        "input", "roundtrip", "hstu_time",
     ]  # fmt: skip
     assert all(step["rc"] == 0 and not step["timed_out"] for step in steps.values()), steps
     hstu = summary["hstu"]  # the kernel, interpreted, against the reference
