@@ -20,10 +20,14 @@ __all__ = ["UserError", "evaluate", "export", "load_config", "load_model", "trai
 
 
 def __getattr__(name: str):
-    if name in ("train", "evaluate", "load_config"):
+    if name in ("train", "evaluate"):
         from hybridrec.training import api
 
         return getattr(api, name)
+    if name == "load_config":
+        from hybridrec.training.config import load_config
+
+        return load_config
     if name == "export":
         from hybridrec.serving.export import export_run
 
