@@ -19,11 +19,6 @@ from hybridrec.training.task import Evaluation
 from hybridrec.training.tasks import prepare
 
 
-def metric_names(job: Job) -> set[str]:
-    """The metrics `evaluate` gives for the job's run (what `checkpoint.keep_best` names)."""
-    return job.task.metric_names(job.config)
-
-
 def evaluate(
     job: Job,
     state: Any,

@@ -57,7 +57,7 @@ class Job:
     server_token: str | None = None  # the servers' shared secret
     retry_timeout: float = DEFAULT_RETRY_TIMEOUT  # seconds to retry an unreachable server
     choices: tuple[str, ...] = ()  # what each "auto" config value became and why, a line each
-    id_map: Any = None  # training.learned_hash.IdMap of embedding.id_map, or None
+    id_map: Any = None  # pipeline.id_map.IdMap of embedding.id_map, or None
     devices: DevicePlan | None = None  # tables on the devices (training.device.plan)
     # sequence runs: the training split's histories and their items (training.sequences.batches)
     histories: Histories | None = None

@@ -93,10 +93,7 @@ def _events(args: argparse.Namespace) -> int:
         f"wrote {summary['events']:,} events of {summary['users']:,} users on "
         f"{summary['items']:,} items ({summary['bytes'] / 1e6:.1f} MB) in "
         f"{summary['seconds']:.1f}s ({rate:,.0f} events/s)\n"
-        f"  events    {summary['events_path']}\n  items     {summary['items_path']}\n"
-        f"  spec      {out / 'events.toml'}\n"
-        f"  next      hybridrec preprocess --input {summary['events_path']} "
-        f"--spec {out / 'events.toml'} --output DATA_DIR"
+        + _written(summary["events_path"], ("items", summary["items_path"]), out / "events.toml")
     )
     return 0
 
@@ -134,12 +131,17 @@ def _yambda(args: argparse.Namespace) -> int:
         f"organic {summary['organic_rate']:.1%} of the events\n"
         f"  oracle    AUC {summary['oracle_auc']:.4f} of listen_plus for a model that knows "
         "how the log was made\n"
-        f"  events    {events}\n  tracks    {out / 'tracks.csv'}\n"
-        f"  spec      {out / 'events.toml'}\n"
-        f"  next      hybridrec preprocess --input {events} --spec {out / 'events.toml'} "
-        "--output DATA_DIR"
+        + _written(events, ("tracks", out / "tracks.csv"), out / "events.toml")
     )
     return 0
+
+
+def _written(events, items: tuple, spec: Path) -> str:
+    """The lines naming a generated event log's files, and the command that preprocesses it."""
+    return (
+        f"  events    {events}\n  {items[0]:<9} {items[1]}\n  spec      {spec}\n"
+        f"  next      hybridrec preprocess --input {events} --spec {spec} --output DATA_DIR"
+    )
 
 
 PROFILES = {"default": _events, "yambda": _yambda}  # --events --profile -> its generator

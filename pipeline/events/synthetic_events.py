@@ -285,11 +285,33 @@ def _open(path: str | Path):
 
 def spec_text(items_path: str = "items.csv") -> str:
     """The event spec of what `generate_events` writes (items file relative to the spec)."""
+    return generated_spec_text(
+        name="synthetic_events",
+        columns=("user_id", "item_id", "timestamp", "action", "device"),
+        user="user_id",
+        action=("action", ACTIONS),
+        event_feature="device",
+        items=(items_path, ("category", "brand")),
+    )
+
+
+def generated_spec_text(
+    *,
+    name: str,
+    columns: tuple[str, ...],
+    user: str,
+    action: tuple[str, tuple[str, ...]],
+    event_feature: str,
+    items: tuple[str, tuple[str, ...]],
+) -> str:
+    """The event spec of a generated log: a header, unix times in `timestamp`, items in
+    `item_id`, the `action` column with its values, one event feature, and the items file
+    (its path relative to the spec, its features)."""
     return f"""kind = "events"
-name = "synthetic_events"
+name = "{name}"
 header = true
-columns = ["user_id", "item_id", "timestamp", "action", "device"]
-user = "user_id"
+columns = {_toml_list(columns)}
+user = "{user}"
 item = "item_id"
 time = "timestamp"
 time_format = "unix"
@@ -297,17 +319,21 @@ max_length = 200
 min_events = 3
 
 [action]
-column = "action"
-values = {list(ACTIONS)!r}
+column = "{action[0]}"
+values = {_toml_list(action[1])}
 
 [[event_features]]
-name = "device"
+name = "{event_feature}"
 
 [items]
-path = "{items_path}"
+path = "{items[0]}"
 id = "item_id"
-features = ["category", "brand"]
-""".replace("'", '"')
+features = {_toml_list(items[1])}
+"""
+
+
+def _toml_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f'"{value}"' for value in values) + "]"
 
 
 def split_by_time(

@@ -46,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 from hybridrec.common.progress import Progress
+from hybridrec.pipeline.events.synthetic_events import generated_spec_text
 from scipy.special import ndtr
 
 EVENT_TYPES = ("listen", "like", "dislike", "unlike", "undislike")
@@ -289,26 +290,11 @@ def generate_yambda(
 
 def yambda_spec_text(tracks_path: str = "tracks.csv") -> str:
     """The event spec of what `generate_yambda` writes (tracks file relative to the spec)."""
-    return f"""kind = "events"
-name = "synthetic_yambda"
-header = true
-columns = ["uid", "item_id", "timestamp", "is_organic", "event_type", "played_ratio_pct"]
-user = "uid"
-item = "item_id"
-time = "timestamp"
-time_format = "unix"
-max_length = 200
-min_events = 3
-
-[action]
-column = "event_type"
-values = {list(EVENT_TYPES)!r}
-
-[[event_features]]
-name = "is_organic"
-
-[items]
-path = "{tracks_path}"
-id = "item_id"
-features = ["artist_id", "album_id"]
-""".replace("'", '"')
+    return generated_spec_text(
+        name="synthetic_yambda",
+        columns=("uid", "item_id", "timestamp", "is_organic", "event_type", "played_ratio_pct"),
+        user="uid",
+        action=("event_type", EVENT_TYPES),
+        event_feature="is_organic",
+        items=(tracks_path, ("artist_id", "album_id")),
+    )

@@ -240,13 +240,13 @@ class SequenceStreamSource:
     ) -> tuple[ManifestEntry, dict[str, float] | None]:
         """A shard evaluated before it is trained (window T -> T + 1): its manifest line
         and its ranking metrics (None: no target, a file of new users' first events)."""
-        entry, pieces = self.shards[index], self.shard(index)[1]
+        histories, pieces = self.shard(index)
         if not len(pieces.history):
-            return entry, None
+            return self.shards[index], None
         results = evaluate_sequences(
-            self.job, state, store, eval_step, self.catalogue, histories=self.shard(index)[0]
+            self.job, state, store, eval_step, self.catalogue, histories=histories
         )
-        return entry, results
+        return self.shards[index], results
 
     def advance(self, result: StepResult) -> int:
         self.position = result.position

@@ -102,7 +102,7 @@ class SequenceTask(Task):
                 sides=sequence.side_features,
             )  # fmt: skip
         catalogue = Catalogue.of(histories) if histories is not None else Catalogue.of_run(metadata, config.data.train_split, 0)  # fmt: skip
-        tables = plan_tables(config.embedding, metadata.categorical)
+        tables, _ = self.tables(config, metadata, config.embedding.num_shards)
         # the item table goes to the devices (whole, or a cache of it) where placed there (it
         # grows with the catalogue: the host store stays the default)
         placed = config.embedding.placement.get(ITEM_FEATURE.table, "auto") not in ("auto", "host")
